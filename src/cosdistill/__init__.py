@@ -1,0 +1,6 @@
+"""cosdistill: the fused linear cosine-distillation loss (hard cross-entropy + soft cosine on logits)."""
+
+from .api import FusedLinearCosineDistillLoss, fused_linear_cosine_distill
+
+__all__ = ["FusedLinearCosineDistillLoss", "fused_linear_cosine_distill"]
+__version__ = "0.1.0"

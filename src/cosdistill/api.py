@@ -1,0 +1,258 @@
+"""Public API: argument checking, dispatch to a row-step implementation, and the autograd wrapper."""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .chunked import RowStep, auto_chunk_size, chunked_loss_and_grads
+from .row_step import RowStepScales, row_step_torch
+
+IMPLS = ("auto", "torch", "triton")
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def fused_linear_cosine_distill(
+    student_input,
+    student_weight,
+    teacher_input,
+    teacher_weight,
+    true_labels,
+    student_bias=None,
+    teacher_bias=None,
+    weight_hard_loss=0.5,
+    weight_soft_loss=0.5,
+    beta=0.5,
+    ignore_index=-100,
+    temperature=1.0,
+    compiled=True,
+    chunk_size=None,
+    return_soft_hard_loss=False,
+    *,
+    num_valid_tokens=None,
+    accum_dtype=None,
+    impl="auto",
+):
+    """Hard cross-entropy plus soft cosine distillation loss through two LM heads, never holding all logits.
+
+    The positional order is that of Liger-Kernel's ``LigerFusedLinearCosineSimilarityFunction.apply``.
+
+    With s_i = student_input_i @ student_weight.T (+ student_bias), zero-padded to Vt if Vt > Vs,
+    t_i = teacher_input_i @ teacher_weight.T (+ teacher_bias), valid_i = (label_i != ignore_index)
+    and N = num_valid_tokens if given, else max(1, number of valid tokens):
+
+        hard = sum over valid i of CE(s_i, label_i) / N
+        soft = sum over valid i of beta * (1 - cos(s_i / temperature, t_i / temperature)) / N
+        loss = weight_hard_loss * hard + weight_soft_loss * soft
+
+    cos is torch.nn.functional.cosine_similarity's (eps = 1e-8). Ignored tokens add to neither term and
+    get zero gradient. Returns the fp32 scalar loss, or (loss, soft, hard) with return_soft_hard_loss;
+    soft and hard are for logging and carry no gradient. Gradients reach student_input, student_weight
+    and student_bias in their own dtypes; the teacher is frozen.
+
+    Extra keywords: ``num_valid_tokens`` (a positive number or 0-d tensor, e.g. a count all-reduced
+    across ranks), ``accum_dtype`` (dtype of the grad_weight accumulator: the weight's dtype, the
+    default, or torch.float32), ``impl`` ("auto": Triton on CUDA, torch elsewhere; "torch"; "triton").
+    ``compiled`` is accepted for compatibility with Liger and changes nothing.
+    ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget.
+    """
+    _check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias)
+    hidden_student = student_input.shape[-1]
+    vocab_student, vocab_teacher = student_weight.shape[0], teacher_weight.shape[0]
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if accum_dtype not in (None, torch.float32, student_weight.dtype):
+        raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {student_weight.dtype}, got {accum_dtype}")
+
+    labels = true_labels.reshape(-1)
+    num_tokens = labels.numel()
+    valid = labels != ignore_index
+    out_of_range = valid & ((labels < 0) | (labels >= vocab_student))
+    num_valid, num_out_of_range = torch.stack([valid.sum(), out_of_range.sum()]).tolist()
+    if num_out_of_range:
+        bad = labels[out_of_range][:5].tolist()
+        raise ValueError(
+            f"true_labels has {num_out_of_range} labels outside [0, {vocab_student}) that are not "
+            f"ignore_index={ignore_index}, e.g. {bad}"
+        )
+    if num_valid_tokens is None:
+        normaliser = float(max(1, num_valid))
+    else:
+        normaliser = float(num_valid_tokens.item() if torch.is_tensor(num_valid_tokens) else num_valid_tokens)
+        if not normaliser > 0:
+            raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
+
+    scales = RowStepScales(
+        grad_hard=float(weight_hard_loss) / normaliser,
+        grad_soft=float(weight_soft_loss) / normaliser,
+        beta=float(beta),
+        temperature=float(temperature),
+        ignore_index=int(ignore_index),
+    )
+    grad_on = torch.is_grad_enabled()
+    needs_grad = tuple(grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
+    options = _Options(
+        row_step=_pick_row_step(impl, student_input.device),
+        chunk_size=chunk_size or auto_chunk_size(num_tokens, vocab_student, vocab_teacher, student_weight.element_size()),
+        needs_grad=needs_grad,
+        accum_dtype=accum_dtype or student_weight.dtype,
+        weights=(float(weight_hard_loss), float(weight_soft_loss)),
+        normaliser=normaliser,
+    )
+    loss, soft, hard = _FusedLinearCosineDistill.apply(
+        student_input.reshape(num_tokens, hidden_student),
+        student_weight,
+        student_bias,
+        teacher_input.reshape(num_tokens, teacher_input.shape[-1]).detach(),
+        teacher_weight.detach(),
+        None if teacher_bias is None else teacher_bias.detach(),
+        labels,
+        scales,
+        options,
+    )
+    return (loss, soft, hard) if return_soft_hard_loss else loss
+
+
+class FusedLinearCosineDistillLoss(torch.nn.Module):
+    """nn.Module form of ``fused_linear_cosine_distill``; a drop-in for LigerFusedLinearCosineSimilarityLoss."""
+
+    def __init__(
+        self,
+        weight_hard_loss=0.5,
+        weight_soft_loss=0.5,
+        beta=0.5,
+        ignore_index=-100,
+        temperature=1.0,
+        compiled=True,
+        chunk_size=None,
+        return_soft_hard_loss=False,
+        *,
+        accum_dtype=None,
+        impl="auto",
+    ):
+        super().__init__()
+        self.options = dict(
+            weight_hard_loss=weight_hard_loss,
+            weight_soft_loss=weight_soft_loss,
+            beta=beta,
+            ignore_index=ignore_index,
+            temperature=temperature,
+            compiled=compiled,
+            chunk_size=chunk_size,
+            return_soft_hard_loss=return_soft_hard_loss,
+            accum_dtype=accum_dtype,
+            impl=impl,
+        )
+
+    def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None, teacher_bias=None, *, num_valid_tokens=None):
+        return fused_linear_cosine_distill(
+            student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
+            num_valid_tokens=num_valid_tokens, **self.options,
+        )
+
+
+@dataclass(frozen=True)
+class _Options:
+    row_step: RowStep
+    chunk_size: int
+    needs_grad: tuple[bool, bool, bool]
+    accum_dtype: torch.dtype
+    weights: tuple[float, float]  # weight_hard_loss, weight_soft_loss
+    normaliser: float
+
+
+class _FusedLinearCosineDistill(torch.autograd.Function):
+    """Gradients are computed in forward (one pass over the logits); backward applies grad_output."""
+
+    @staticmethod
+    def forward(ctx, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels, scales, options):
+        result = chunked_loss_and_grads(
+            student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
+            scales, options.row_step, options.chunk_size, options.needs_grad, options.accum_dtype,
+        )
+        hard = result.hard_loss_sum / options.normaliser
+        soft = result.soft_loss_sum / options.normaliser
+        loss = options.weights[0] * hard + options.weights[1] * soft
+        ctx.grads = (result.grad_input, result.grad_weight, result.grad_bias)
+        ctx.grad_dtypes = tuple(None if t is None else t.dtype for t in (student_input, student_weight, student_bias))
+        ctx.mark_non_differentiable(soft, hard)
+        return loss, soft, hard
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_soft, _grad_hard):
+        if ctx.grads is None:
+            raise RuntimeError("cosdistill computes gradients in forward and can run backward only once per call")
+        grads, ctx.grads = ctx.grads, None
+        scale = None if bool(grad_loss == 1) else grad_loss
+        out = []
+        for grad, dtype in zip(grads, ctx.grad_dtypes):
+            if grad is not None:
+                if scale is not None:
+                    grad.mul_(scale)  # our own buffers: scale in place, no second copy of grad_weight
+                grad = grad.to(dtype)
+            out.append(grad)
+        return (*out, None, None, None, None, None, None)
+
+
+def _pick_row_step(impl: str, device: torch.device) -> RowStep:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "torch" or (impl == "auto" and device.type != "cuda"):
+        return row_step_torch
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU); tensors are on {device}")
+    from .row_step_triton import row_step_triton
+
+    return row_step_triton
+
+
+def _check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias):
+    named = dict(
+        student_input=student_input, student_weight=student_weight, teacher_input=teacher_input,
+        teacher_weight=teacher_weight, true_labels=true_labels, student_bias=student_bias, teacher_bias=teacher_bias,
+    )
+    for name, tensor in named.items():
+        if tensor is not None and not torch.is_tensor(tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor is None and name not in ("student_bias", "teacher_bias"):
+            raise TypeError(f"{name} is required, got None")
+    devices = {name: t.device for name, t in named.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    for name in ("student_input", "student_weight", "teacher_input", "teacher_weight", "student_bias", "teacher_bias"):
+        tensor = named[name]
+        if tensor is not None and tensor.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {tensor.dtype}")
+    for prefix in ("student", "teacher"):
+        hidden, weight = named[f"{prefix}_input"], named[f"{prefix}_weight"]
+        if weight.dim() != 2:
+            raise ValueError(f"{prefix}_weight must be 2-D [vocab, hidden], got shape {tuple(weight.shape)}")
+        if hidden.dim() not in (2, 3):
+            raise ValueError(f"{prefix}_input must be [T, H] or [B, L, H], got shape {tuple(hidden.shape)}")
+        if hidden.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"{prefix}_input hidden size {hidden.shape[-1]} does not match {prefix}_weight "
+                f"shape {tuple(weight.shape)} (expected [vocab, {hidden.shape[-1]}])"
+            )
+        if hidden.dtype != weight.dtype:
+            raise TypeError(f"{prefix}_input dtype {hidden.dtype} differs from {prefix}_weight dtype {weight.dtype}")
+        bias = named[f"{prefix}_bias"]
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"{prefix}_bias must have shape ({weight.shape[0]},) to match {prefix}_weight {tuple(weight.shape)}, got {tuple(bias.shape)}")
+    if teacher_input.shape[:-1] != student_input.shape[:-1]:
+        raise ValueError(
+            f"token counts differ: student_input {tuple(student_input.shape)} vs teacher_input {tuple(teacher_input.shape)}"
+        )
+    if true_labels.shape != student_input.shape[:-1]:
+        raise ValueError(
+            f"true_labels shape {tuple(true_labels.shape)} does not match student_input tokens {tuple(student_input.shape[:-1])}"
+        )
+    if true_labels.dtype.is_floating_point or true_labels.dtype.is_complex or true_labels.dtype == torch.bool:
+        raise TypeError(f"true_labels must be an integer tensor, got {true_labels.dtype}")
+    if teacher_weight.shape[0] < student_weight.shape[0]:
+        raise ValueError(
+            f"teacher vocab must be >= student vocab: teacher_weight {tuple(teacher_weight.shape)}, "
+            f"student_weight {tuple(student_weight.shape)}"
+        )

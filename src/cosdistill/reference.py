@@ -1,0 +1,40 @@
+"""The naive version: full logits and autograd. The test oracle (on float64 copies) and the benchmarks' baseline.
+
+It states the loss the way a user would write it with torch.nn.functional, independently of the row
+step's hand-written gradient, so agreement between the two checks that gradient.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def naive_cosine_distill(
+    student_input,
+    student_weight,
+    teacher_input,
+    teacher_weight,
+    true_labels,
+    student_bias=None,
+    teacher_bias=None,
+    weight_hard_loss=0.5,
+    weight_soft_loss=0.5,
+    beta=0.5,
+    ignore_index=-100,
+    temperature=1.0,
+    num_valid_tokens=None,
+):
+    """Returns (loss, soft, hard). Computes in fp32, or in float64 if the inputs are float64."""
+    compute_dtype = torch.promote_types(student_input.dtype, torch.float32)
+    labels = true_labels.reshape(-1)
+    student = F.linear(student_input, student_weight, student_bias).reshape(labels.numel(), -1).to(compute_dtype)
+    with torch.no_grad():
+        teacher = F.linear(teacher_input, teacher_weight, teacher_bias).reshape(labels.numel(), -1).to(compute_dtype)
+
+    valid = labels != ignore_index
+    normaliser = max(1, int(valid.sum())) if num_valid_tokens is None else num_valid_tokens
+    hard = F.cross_entropy(student, labels.long(), ignore_index=ignore_index, reduction="sum") / normaliser
+    padded = F.pad(student, (0, teacher.shape[1] - student.shape[1]))
+    cos = F.cosine_similarity(padded / temperature, teacher / temperature, dim=-1, eps=1e-8)
+    soft = torch.where(valid, beta * (1 - cos), 0.0).sum() / normaliser
+    loss = weight_hard_loss * hard + weight_soft_loss * soft
+    return loss, soft, hard

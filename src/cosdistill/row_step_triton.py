@@ -1,0 +1,139 @@
+"""The fused row step as one Triton kernel: the twin of ``row_step.row_step_torch`` (read that first).
+
+One program per token row. Pass 1 streams the row's student and teacher logits once and keeps
+per-lane running statistics (max and sum of exp for the softmax, s.t, |s|^2, |t|^2); pass 2, only
+when gradients are wanted, streams them again and overwrites the student logits with d loss / d s.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .row_step import COSINE_EPS, RowStepScales
+
+DEFAULT_BLOCK = 2048
+DEFAULT_WARPS = 8
+
+
+@triton.jit
+def _row_step_kernel(
+    student_ptr,
+    student_row_stride,
+    teacher_ptr,
+    teacher_row_stride,
+    labels_ptr,
+    losses_ptr,
+    vocab_student,
+    vocab_teacher,
+    ignore_index,
+    grad_hard,
+    grad_soft,
+    beta,
+    inv_temp_sq,
+    eps,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    student_row = student_ptr + row * student_row_stride
+    teacher_row = teacher_ptr + row * teacher_row_stride
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    valid = label != ignore_index
+    offsets = tl.arange(0, BLOCK)
+
+    # Pass 1: lane-wise running statistics over the shared vocabulary [0, Vs).
+    run_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    run_sum_exp = tl.zeros([BLOCK], tl.float32)
+    dot = tl.zeros([BLOCK], tl.float32)
+    sum_sq_student = tl.zeros([BLOCK], tl.float32)
+    sum_sq_teacher = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab_student, BLOCK):
+        cols = start + offsets
+        in_row = cols < vocab_student
+        s = tl.load(student_row + cols, mask=in_row, other=0.0).to(tl.float32)
+        t = tl.load(teacher_row + cols, mask=in_row, other=0.0).to(tl.float32)
+        s_for_max = tl.where(in_row, s, float("-inf"))
+        new_max = tl.maximum(run_max, s_for_max)
+        # A lane that has seen only padding keeps max = -inf; keep its sum at 0 instead of NaN.
+        shift = tl.where(new_max != float("-inf"), new_max, 0.0)
+        run_sum_exp = run_sum_exp * tl.exp(run_max - shift) + tl.exp(s_for_max - shift)
+        run_max = new_max
+        dot += s * t
+        sum_sq_student += s * s
+        sum_sq_teacher += t * t
+    # The teacher's extra vocabulary [Vs, Vt) meets the student's zero padding: only |t|^2 grows.
+    for start in range(vocab_student, vocab_teacher, BLOCK):
+        cols = start + offsets
+        t = tl.load(teacher_row + cols, mask=cols < vocab_teacher, other=0.0).to(tl.float32)
+        sum_sq_teacher += t * t
+
+    row_max = tl.max(run_max, axis=0)
+    logsumexp = row_max + tl.log(tl.sum(run_sum_exp * tl.exp(run_max - row_max), axis=0))
+    target_logit = tl.load(student_row + tl.where(valid, label, 0)).to(tl.float32)
+
+    norm_student = tl.sqrt(tl.sum(sum_sq_student, axis=0) * inv_temp_sq)
+    norm_teacher = tl.sqrt(tl.sum(sum_sq_teacher, axis=0) * inv_temp_sq)
+    clamped_student = tl.maximum(norm_student, eps)
+    clamped_teacher = tl.maximum(norm_teacher, eps)
+    cos = tl.sum(dot, axis=0) * inv_temp_sq / (clamped_student * clamped_teacher)
+
+    hard_loss = tl.where(valid, logsumexp - target_logit, 0.0)
+    soft_loss = tl.where(valid, beta * (1.0 - cos), 0.0)
+    tl.store(losses_ptr + row * 2, hard_loss)
+    tl.store(losses_ptr + row * 2 + 1, soft_loss)
+
+    if WRITE_GRAD:
+        # d loss / d s = grad_hard * (softmax - onehot) - grad_soft * beta * d cos / d s, and
+        # d cos / d s = coef_teacher * t - coef_student * s (see row_step.cosine_terms).
+        coef_teacher = inv_temp_sq / (clamped_student * clamped_teacher)
+        coef_student = tl.where(
+            norm_student >= eps, cos * inv_temp_sq / (clamped_student * clamped_student), 0.0
+        )
+        soft_scale = grad_soft * beta
+        for start in range(0, vocab_student, BLOCK):
+            cols = start + offsets
+            in_row = cols < vocab_student
+            s = tl.load(student_row + cols, mask=in_row, other=0.0).to(tl.float32)
+            t = tl.load(teacher_row + cols, mask=in_row, other=0.0).to(tl.float32)
+            prob = tl.exp(s - logsumexp)
+            grad = grad_hard * (prob - tl.where(cols == label, 1.0, 0.0))
+            grad -= soft_scale * (coef_teacher * t - coef_student * s)
+            grad = tl.where(valid, grad, 0.0)
+            tl.store(student_row + cols, grad.to(student_ptr.dtype.element_ty), mask=in_row)
+
+
+def row_step_triton(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    scales: RowStepScales,
+    token_losses: torch.Tensor,
+    write_grad: bool,
+    block_size: int | None = None,
+    num_warps: int = DEFAULT_WARPS,
+) -> None:
+    rows, vocab_student = student_logits.shape
+    if rows == 0:
+        return
+    if student_logits.stride(1) != 1 or teacher_logits.stride(1) != 1 or not token_losses.is_contiguous():
+        raise ValueError("row_step_triton needs unit stride along the vocabulary and contiguous token_losses")
+    block = block_size or min(DEFAULT_BLOCK, triton.next_power_of_2(vocab_student))
+    _row_step_kernel[(rows,)](
+        student_logits,
+        student_logits.stride(0),
+        teacher_logits,
+        teacher_logits.stride(0),
+        labels,
+        token_losses,
+        vocab_student,
+        teacher_logits.shape[1],
+        scales.ignore_index,
+        scales.grad_hard,
+        scales.grad_soft,
+        scales.beta,
+        1.0 / (scales.temperature * scales.temperature),
+        COSINE_EPS,
+        WRITE_GRAD=write_grad,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
