@@ -66,7 +66,7 @@ def fused_linear_cosine_distill(
     if accum_dtype not in (None, torch.float32, student_weight.dtype):
         raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {student_weight.dtype}, got {accum_dtype}")
 
-    labels = true_labels.reshape(-1)
+    labels = true_labels.reshape(-1).contiguous()
     num_tokens = labels.numel()
     valid = labels != ignore_index
     out_of_range = valid & ((labels < 0) | (labels >= vocab_student))

@@ -115,8 +115,10 @@ def row_step_triton(
     rows, vocab_student = student_logits.shape
     if rows == 0:
         return
-    if student_logits.stride(1) != 1 or teacher_logits.stride(1) != 1 or not token_losses.is_contiguous():
-        raise ValueError("row_step_triton needs unit stride along the vocabulary and contiguous token_losses")
+    if student_logits.stride(1) != 1 or teacher_logits.stride(1) != 1:
+        raise ValueError("row_step_triton needs logits with unit stride along the vocabulary")
+    if not (labels.is_contiguous() and token_losses.is_contiguous()):
+        raise ValueError("row_step_triton needs contiguous labels and token_losses")
     block = block_size or min(DEFAULT_BLOCK, triton.next_power_of_2(vocab_student))
     _row_step_kernel[(rows,)](
         student_logits,

@@ -1,0 +1,418 @@
+"""Side-by-side benchmark of the fused loss against the naive version, Liger-Kernel and a GEMM floor.
+
+One process, one workload, every provider on the same tensors:
+
+* ``ours``  - ``fused_linear_cosine_distill`` (once per chunk size / accum dtype setting asked for);
+* ``naive`` - ``naive_cosine_distill``: full logits and autograd;
+* ``liger`` - Liger-Kernel's ``LigerFusedLinearCosineSimilarityLoss``, if it can be imported;
+* ``floor`` - the four GEMMs any exact implementation must do (two in forward mode), on the whole T.
+
+Mode "full" times forward + ``loss.backward()``; mode "forward" times the forward under ``no_grad``.
+Before timing, ours' loss is checked against the naive loss at every bench size, and ours' loss and
+student gradients against the naive version in float64 on a small problem.
+"""
+
+import itertools
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+
+import torch
+
+from .api import fused_linear_cosine_distill
+from .reference import naive_cosine_distill
+
+PROVIDERS = ("ours", "naive", "liger", "floor")
+MODES = ("full", "forward")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+# Relative error above which the correctness check fails.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-2, torch.float32: 1e-4}
+
+# The small problem on which ours' gradients are checked against float64.
+SMALL_TOKENS, SMALL_VOCAB, SMALL_HIDDEN = 64, 1000, 64
+SMALL_ERROR_KEYS = ("small_loss_rel_err", "small_grad_input_rel_err", "small_grad_weight_rel_err")
+
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Workload:
+    tokens: tuple[int, ...]
+    vocab: int
+    hidden: int  # teacher
+    student_hidden: int
+    dtype: torch.dtype
+    warmup: int
+    reps: int
+
+    def __post_init__(self):
+        sizes = dict(vocab=self.vocab, hidden=self.hidden, student_hidden=self.student_hidden, reps=self.reps)
+        for name, value in sizes.items():
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if not self.tokens or min(self.tokens) <= 0:
+            raise ValueError(f"tokens must be a non-empty list of positive counts, got {list(self.tokens)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+
+    def describe(self) -> str:
+        return (
+            f"V={self.vocab} (student and teacher), teacher H={self.hidden}, student H={self.student_hidden}, "
+            f"dtype={DTYPE_NAMES[self.dtype]}, T={','.join(map(str, self.tokens))}, labels uniform in [0, V) "
+            f"(none ignored), warm-up {self.warmup}, median of {self.reps}, seed {SEED}"
+        )
+
+
+CPU_WORKLOAD = Workload(tokens=(256, 512), vocab=8192, hidden=512, student_hidden=256, dtype=torch.float32, warmup=1, reps=5)
+CUDA_WORKLOAD = Workload(
+    tokens=(1024, 2048, 4096, 8192), vocab=128256, hidden=4096, student_hidden=2048, dtype=torch.bfloat16, warmup=3, reps=10
+)
+
+
+@dataclass(frozen=True)
+class OursSetting:
+    chunk_size: int | None  # None: the API's automatic size
+    accum_dtype: torch.dtype | None  # None: the API's default (the weight's dtype)
+    label: str
+
+
+def ours_settings(chunk_sizes=None, accum_dtypes=None) -> list[OursSetting]:
+    """One setting per (chunk size, accum dtype) pair; labelled "ours" when neither is swept."""
+    settings = []
+    for chunk_size, accum_dtype in itertools.product(chunk_sizes or [None], accum_dtypes or [None]):
+        tags = []
+        if chunk_sizes:
+            tags.append(f"c={chunk_size or 'auto'}")
+        if accum_dtypes:
+            tags.append(f"acc={DTYPE_NAMES[accum_dtype]}")
+        label = f"ours[{','.join(tags)}]" if tags else "ours"
+        settings.append(OursSetting(chunk_size, accum_dtype, label))
+    return settings
+
+
+@dataclass
+class BenchResult:
+    header: str
+    rows: list[dict]
+    check_passed: bool
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Tensors:
+    student_input: torch.Tensor  # [T, Hs], requires grad
+    student_weight: torch.Tensor  # [V, Hs], requires grad
+    teacher_input: torch.Tensor  # [T, Ht]
+    teacher_weight: torch.Tensor  # [V, Ht]
+    labels: torch.Tensor  # [T]
+
+    def args(self):
+        return self.student_input, self.student_weight, self.teacher_input, self.teacher_weight, self.labels
+
+    def clear_grads(self):
+        self.student_input.grad = None
+        self.student_weight.grad = None
+
+
+def make_tensors(tokens, vocab, hidden, student_hidden, dtype, device, seed=SEED) -> Tensors:
+    """Random normal hidden states, weights scaled by 1/sqrt(hidden) so logits are of order one."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator, device=device) * scale).to(dtype)
+
+    return Tensors(
+        student_input=randn(tokens, student_hidden).requires_grad_(),
+        student_weight=randn(vocab, student_hidden, scale=student_hidden**-0.5).requires_grad_(),
+        teacher_input=randn(tokens, hidden),
+        teacher_weight=randn(vocab, hidden, scale=hidden**-0.5),
+        labels=torch.randint(0, vocab, (tokens,), generator=generator, device=device),
+    )
+
+
+def rel_err(actual, expected) -> float:
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+# Each provider is a function (tensors, mode) -> a no-argument callable that runs one step.
+
+
+def ours_provider(setting: OursSetting):
+    def build(tensors: Tensors, mode: str):
+        def step():
+            loss = fused_linear_cosine_distill(
+                *tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype
+            )
+            if mode == "full":
+                loss.backward()
+
+        return step
+
+    return build
+
+
+def naive_provider(tensors: Tensors, mode: str):
+    def step():
+        loss = naive_cosine_distill(*tensors.args())[0]
+        if mode == "full":
+            loss.backward()
+
+    return step
+
+
+def liger_provider(liger_loss: torch.nn.Module):
+    def build(tensors: Tensors, mode: str):
+        def step():
+            out = liger_loss(*tensors.args(), None, None)
+            loss = out[0] if isinstance(out, tuple) else out
+            if mode == "full":
+                loss.backward()
+
+        return step
+
+    return build
+
+
+def floor_provider(tensors: Tensors, mode: str):
+    """The GEMMs alone, into outputs allocated here (so they count as inputs in the memory column)."""
+    x_s, w_s = tensors.student_input.detach(), tensors.student_weight.detach()
+    x_t, w_t = tensors.teacher_input, tensors.teacher_weight
+    tokens, vocab = x_s.shape[0], w_s.shape[0]
+    student_logits = x_s.new_empty(tokens, vocab)
+    teacher_logits = x_t.new_empty(tokens, w_t.shape[0])
+    if mode == "full":
+        grad_logits = torch.randn(tokens, vocab, device=x_s.device).to(x_s.dtype)
+        grad_input = torch.empty_like(x_s)
+        grad_weight = torch.empty_like(w_s)
+
+    def step():
+        torch.mm(x_s, w_s.t(), out=student_logits)
+        torch.mm(x_t, w_t.t(), out=teacher_logits)
+        if mode == "full":
+            torch.mm(grad_logits, w_s, out=grad_input)
+            torch.mm(grad_logits.t(), x_s, out=grad_weight)
+
+    return step
+
+
+def load_liger(device: torch.device):
+    """Liger's loss module, or None with the reason if it cannot be imported."""
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearCosineSimilarityLoss
+    except ImportError as error:
+        return None, f"liger skipped: cannot import liger_kernel.chunked_loss ({error})"
+    return LigerFusedLinearCosineSimilarityLoss(compiled=device.type == "cuda"), None
+
+
+def median_ms(step, tensors: Tensors, device: torch.device, warmup: int, reps: int) -> float:
+    """Median wall time of ``step`` in ms after ``warmup`` untimed calls; grads cleared before each call."""
+    for _ in range(warmup):
+        tensors.clear_grads()
+        step()
+    times = []
+    for _ in range(reps):
+        tensors.clear_grads()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            start = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def peak_gb_above_inputs(step, tensors: Tensors, device: torch.device) -> float | None:
+    """Peak CUDA memory of one call above what was allocated before it, in GB; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    tensors.clear_grads()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 1e9
+
+
+def small_problem_errors(setting: OursSetting, workload: Workload, device: torch.device) -> dict:
+    """Ours' loss and student grads against the naive version on float64 copies, at T=64, V=1000, H=64."""
+    tensors = make_tensors(SMALL_TOKENS, SMALL_VOCAB, SMALL_HIDDEN, SMALL_HIDDEN // 2, workload.dtype, device)
+    loss = fused_linear_cosine_distill(*tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype)
+    loss.backward()
+
+    def float64_copy(tensor):
+        return tensor.detach().double().requires_grad_(tensor.requires_grad)
+
+    student_input, student_weight, teacher_input, teacher_weight = map(float64_copy, tensors.args()[:4])
+    expected = naive_cosine_distill(student_input, student_weight, teacher_input, teacher_weight, tensors.labels)[0]
+    expected.backward()
+    errors = (
+        rel_err(loss, expected),
+        rel_err(tensors.student_input.grad, student_input.grad),
+        rel_err(tensors.student_weight.grad, student_weight.grad),
+    )
+    return dict(zip(SMALL_ERROR_KEYS, errors))
+
+
+def environment_header(device: torch.device, workload: Workload, mode: str) -> str:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = f"CPU ({torch.get_num_threads()} threads)"
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        f"device: {device_name} | torch {torch.__version__} | triton {triton_version} | {date} | "
+        f"mode {mode} | workload: {workload.describe()}"
+    )
+
+
+def run_bench(workload: Workload, device: torch.device, providers=PROVIDERS, mode="full", settings=None) -> BenchResult:
+    """Check ours, then time every provider at every T; rows in (T, provider) order."""
+    unknown = set(providers) - set(PROVIDERS)
+    if unknown:
+        raise ValueError(f"unknown providers {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    settings = settings or ours_settings()
+    notes = []
+
+    liger_loss = None
+    if "liger" in providers:
+        liger_loss, why_not = load_liger(device)
+        if liger_loss is None:
+            notes.append(why_not)
+    builders = {}  # row label -> function (tensors, mode) -> step
+    for name in providers:
+        if name == "ours":
+            builders.update({setting.label: ours_provider(setting) for setting in settings})
+        elif name == "naive":
+            builders["naive"] = naive_provider
+        elif name == "liger" and liger_loss is not None:
+            builders["liger"] = liger_provider(liger_loss)
+        elif name == "floor":
+            builders["floor"] = floor_provider
+
+    small_errors = {setting.label: small_problem_errors(setting, workload, device) for setting in settings}
+    ours_errors = [error for errors in small_errors.values() for error in errors.values()]
+
+    rows = []
+    for tokens in workload.tokens:
+        tensors = make_tensors(tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype, device)
+        loss_errors = bench_size_loss_errors(tensors, settings, liger_loss)
+        ours_errors += [loss_errors[setting.label] for setting in settings]
+        for label, build in builders.items():
+            milliseconds, peak_gb = time_provider(build, tensors, device, mode, workload, notes, label)
+            rows.append({
+                "provider": label,
+                "T": tokens,
+                "mode": mode,
+                "median_ms": milliseconds,
+                "ratio_to_floor": None,
+                "peak_gb_above_inputs": peak_gb,
+                "loss_rel_err": loss_errors.get(label),
+                **small_errors.get(label, dict.fromkeys(SMALL_ERROR_KEYS)),
+            })
+        del tensors
+
+    floor_ms = {row["T"]: row["median_ms"] for row in rows if row["provider"] == "floor"}
+    for row in rows:
+        if floor_ms.get(row["T"]) and row["median_ms"] is not None:
+            row["ratio_to_floor"] = row["median_ms"] / floor_ms[row["T"]]
+
+    tolerance = TOLERANCE[workload.dtype]
+    check_passed = all(error <= tolerance for error in ours_errors)  # False for a NaN too
+    if not check_passed:
+        notes.append(f"CHECK FAILED: an error of ours exceeds {tolerance:g} ({DTYPE_NAMES[workload.dtype]})")
+    return BenchResult(environment_header(device, workload, mode), rows, check_passed, notes)
+
+
+def bench_size_loss_errors(tensors: Tensors, settings, liger_loss) -> dict:
+    """Relative error of each ours setting's loss (and Liger's, for information) against the naive loss."""
+    with torch.no_grad():
+        naive_loss = naive_cosine_distill(*tensors.args())[0]
+        errors = {
+            setting.label: rel_err(
+                fused_linear_cosine_distill(*tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype),
+                naive_loss,
+            )
+            for setting in settings
+        }
+        if liger_loss is not None:
+            liger_out = liger_loss(*tensors.args(), None, None)
+            errors["liger"] = rel_err(liger_out[0] if isinstance(liger_out, tuple) else liger_out, naive_loss)
+    return errors
+
+
+def time_provider(build, tensors: Tensors, device, mode, workload: Workload, notes, label):
+    """(median ms, peak GB above inputs) of one provider; (None, None) and a note if it runs out of memory."""
+    try:
+        step = build(tensors, mode)
+        if mode == "forward":
+            step = torch.no_grad()(step)
+        return (
+            median_ms(step, tensors, device, workload.warmup, workload.reps),
+            peak_gb_above_inputs(step, tensors, device),
+        )
+    except torch.OutOfMemoryError:
+        notes.append(f"{label} ran out of memory at T={tensors.labels.numel()}")
+        return None, None
+    finally:
+        tensors.clear_grads()
+
+
+TABLE_COLUMNS = (  # (row key, heading, format)
+    ("provider", "provider", "{}"),
+    ("T", "T", "{}"),
+    ("mode", "mode", "{}"),
+    ("median_ms", "median ms", "{:.2f}"),
+    ("ratio_to_floor", "x floor", "{:.2f}"),
+    ("peak_gb_above_inputs", "peak GB above inputs", "{:.2f}"),
+    ("loss_rel_err", "loss err vs naive", "{:.1e}"),
+    ("small_loss_rel_err", "small: loss err", "{:.1e}"),
+    ("small_grad_input_rel_err", "small: grad_input err", "{:.1e}"),
+    ("small_grad_weight_rel_err", "small: grad_weight err", "{:.1e}"),
+)
+
+
+def markdown_table(result: BenchResult) -> str:
+    """The header line, the rows as a Markdown table ("-" where a value does not apply), the check and notes."""
+    lines = [
+        result.header,
+        "",
+        "| " + " | ".join(heading for _, heading, _ in TABLE_COLUMNS) + " |",
+        "|" + "|".join("---" if key in ("provider", "mode") else "---:" for key, _, _ in TABLE_COLUMNS) + "|",
+    ]
+    for row in result.rows:
+        cells = ("-" if row[key] is None else fmt.format(row[key]) for key, _, fmt in TABLE_COLUMNS)
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"check: {'passed' if result.check_passed else 'FAILED'} (loss err vs naive at each T; "
+        f"small = T={SMALL_TOKENS}, V={SMALL_VOCAB}, H={SMALL_HIDDEN}, student H={SMALL_HIDDEN // 2} against float64; "
+        "liger's loss err is for information only)",
+        *result.notes,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(result: BenchResult, path: str):
+    with open(path, "w") as file:
+        json.dump(asdict(result), file, indent=2)

@@ -1,0 +1,79 @@
+import os
+
+# The Triton kernel runs on the CPU through Triton's interpreter; it must be set before triton is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from cosdistill.reference import naive_cosine_distill  # noqa: E402
+
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (5e-3, 2e-2), torch.float16: (2e-3, 5e-3)}  # (loss, grads)
+
+
+@dataclass
+class Problem:
+    student_input: torch.Tensor
+    student_weight: torch.Tensor
+    teacher_input: torch.Tensor
+    teacher_weight: torch.Tensor
+    labels: torch.Tensor
+    student_bias: torch.Tensor | None
+    teacher_bias: torch.Tensor | None
+
+    def args(self):
+        return (self.student_input, self.student_weight, self.teacher_input, self.teacher_weight, self.labels,
+                self.student_bias, self.teacher_bias)
+
+    def student_leaves(self):
+        return [t for t in (self.student_input, self.student_weight, self.student_bias) if t is not None]
+
+
+def make_problem(tokens=37, hidden_student=16, hidden_teacher=24, vocab_student=101, vocab_teacher=None,
+                 dtype=torch.float32, bias=True, ignore_every=0, batch=None) -> Problem:
+    """Fresh random inputs (never zeros); logits of order a few units, like a trained LM head's."""
+    vocab_teacher = vocab_teacher or vocab_student
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape) * scale).to(dtype)
+
+    lead = (tokens,) if batch is None else (batch, tokens // batch)
+    labels = torch.randint(0, vocab_student, lead)
+    if ignore_every:
+        labels.view(-1)[::ignore_every] = -100
+    return Problem(
+        student_input=randn(*lead, hidden_student).requires_grad_(),
+        student_weight=randn(vocab_student, hidden_student, scale=2 / hidden_student**0.5).requires_grad_(),
+        teacher_input=randn(*lead, hidden_teacher),
+        teacher_weight=randn(vocab_teacher, hidden_teacher, scale=2 / hidden_teacher**0.5),
+        labels=labels,
+        student_bias=randn(vocab_student).requires_grad_() if bias else None,
+        teacher_bias=randn(vocab_teacher) if bias else None,
+    )
+
+
+def reference(problem: Problem, grad_output=1.0, **kwargs):
+    """(loss, soft, hard) and the student gradients, in float64, through the naive full-logits version."""
+    upcast = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in problem.args()[:4]]
+    biases = [None if t is None else t.detach().double().requires_grad_(t.requires_grad)
+              for t in (problem.student_bias, problem.teacher_bias)]
+    losses = naive_cosine_distill(*upcast, problem.labels, *biases, **kwargs)
+    if losses[0].requires_grad:
+        (losses[0] * grad_output).backward()
+    leaves = [upcast[0], upcast[1]] + ([biases[0]] if biases[0] is not None else [])
+    return [loss.detach() for loss in losses], [leaf.grad for leaf in leaves]
+
+
+def rel_err(actual, expected):
+    actual, expected = actual.detach().double(), expected.detach().double()
+    denom = expected.norm()
+    if denom == 0:
+        return (actual - expected).norm().item()
+    return ((actual - expected).norm() / denom).item()
+
+
+@pytest.fixture(params=["torch", "triton"])
+def impl(request):
+    return request.param

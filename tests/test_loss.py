@@ -1,0 +1,179 @@
+"""The fused loss against the float64 naive reference: losses and every student gradient."""
+
+import pytest
+import torch
+
+from cosdistill import FusedLinearCosineDistillLoss, fused_linear_cosine_distill
+from conftest import TOLERANCE, make_problem, reference, rel_err
+
+
+def run_fused(problem, grad_output=1.0, **kwargs):
+    kwargs.setdefault("return_soft_hard_loss", True)
+    losses = fused_linear_cosine_distill(*problem.args(), **kwargs)
+    (losses[0] * grad_output).backward()
+    return list(losses), [leaf.grad for leaf in problem.student_leaves()]
+
+
+def assert_matches_reference(problem, dtype, grad_output=1.0, ref_kwargs=None, **kwargs):
+    losses, grads = run_fused(problem, grad_output, **kwargs)
+    ref_losses, ref_grads = reference(problem, grad_output, **(ref_kwargs or {}))
+    loss_tol, grad_tol = TOLERANCE[dtype]
+    for name, got, want in zip(("loss", "soft", "hard"), losses, ref_losses):
+        assert got.dtype == torch.float32 and torch.isfinite(got)
+        assert rel_err(got, want) < loss_tol, (name, got.item(), want.item())
+    for leaf, got, want in zip(problem.student_leaves(), grads, ref_grads):
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape
+        assert rel_err(got, want) < grad_tol, (tuple(leaf.shape), rel_err(got, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("vocab_teacher", [101, 131])
+def test_matches_reference(impl, dtype, bias, vocab_teacher):
+    problem = make_problem(dtype=dtype, bias=bias, vocab_teacher=vocab_teacher, ignore_every=4)
+    assert_matches_reference(problem, dtype, impl=impl, chunk_size=16)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 7, 16, 37, 1000])
+def test_chunk_sizes(impl, chunk_size):
+    problem = make_problem(tokens=37, ignore_every=3)
+    assert_matches_reference(problem, torch.float32, impl=impl, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_options_and_3d_inputs(impl, dtype):
+    problem = make_problem(tokens=36, batch=3, dtype=dtype, vocab_teacher=130, ignore_every=5)
+    options = dict(weight_hard_loss=0.3, weight_soft_loss=1.7, beta=0.8, temperature=2.5)
+    assert_matches_reference(problem, dtype, grad_output=-2.5, ref_kwargs=options, impl=impl, chunk_size=10, **options)
+
+
+def test_grad_output_scales_gradients(impl):
+    problem = make_problem()
+    assert_matches_reference(problem, torch.float32, grad_output=3.25, impl=impl, chunk_size=8)
+
+
+@pytest.mark.parametrize("accum_dtype", [torch.float32, torch.bfloat16])
+def test_fp32_and_bf16_grad_weight_accumulation(impl, accum_dtype):
+    problem = make_problem(tokens=64, dtype=torch.bfloat16)
+    assert_matches_reference(problem, torch.bfloat16, impl=impl, chunk_size=8, accum_dtype=accum_dtype)
+
+
+def test_num_valid_tokens_overrides_normaliser(impl):
+    problem = make_problem(ignore_every=2)
+    assert_matches_reference(problem, torch.float32, ref_kwargs=dict(num_valid_tokens=50), impl=impl,
+                             num_valid_tokens=torch.tensor(50))
+
+
+def test_non_contiguous_inputs(impl):
+    base = make_problem(tokens=40, hidden_student=32, hidden_teacher=48)
+    problem = make_problem(tokens=20, hidden_student=16, hidden_teacher=24)
+    with torch.no_grad():
+        problem.student_input = base.student_input[::2, ::2].clone().requires_grad_()  # a strided leaf below
+        problem.teacher_input = base.teacher_input[::2, ::2]
+        problem.teacher_weight = torch.randn(24, problem.teacher_weight.shape[0]).t()
+        problem.labels = torch.randint(0, 101, (40,))[::2]
+    leaf = torch.randn(16, 101, requires_grad=True)  # student weight as a transposed view of a leaf
+    problem.student_weight = leaf.t()
+    assert not problem.student_weight.is_contiguous() and not problem.teacher_input.is_contiguous()
+    loss = fused_linear_cosine_distill(*problem.args(), impl=impl, chunk_size=6)
+    loss.backward()
+    ref_losses, ref_grads = reference(problem)
+    assert rel_err(loss, ref_losses[0]) < 1e-5
+    assert rel_err(problem.student_input.grad, ref_grads[0]) < 1e-5
+    assert rel_err(leaf.grad.t(), ref_grads[1]) < 1e-5
+
+
+def test_liger_positional_order_and_module(impl):
+    problem = make_problem(ignore_every=6)
+    positional = fused_linear_cosine_distill(*problem.args(), 0.2, 0.8, 0.4, -100, 1.5, True, 5, True, impl=impl)
+    module = FusedLinearCosineDistillLoss(0.2, 0.8, 0.4, -100, 1.5, True, 5, True, impl=impl)
+    from_module = module(*problem.args())
+    ref_losses, _ = reference(problem, weight_hard_loss=0.2, weight_soft_loss=0.8, beta=0.4, temperature=1.5)
+    for got, again, want in zip(positional, from_module, ref_losses):
+        assert torch.equal(got, again)
+        assert rel_err(got, want) < 1e-5
+
+
+def test_no_grad_does_no_gradient_work(impl, monkeypatch):
+    problem = make_problem()
+    calls = []
+    original = torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda *a, **k: calls.append(1) or original(*a, **k))
+    with torch.no_grad():
+        loss = fused_linear_cosine_distill(*problem.args(), impl=impl)
+    assert not loss.requires_grad and calls == []
+    ref_losses, _ = reference(problem)
+    assert rel_err(loss, ref_losses[0]) < 1e-5
+
+
+def test_nothing_requires_grad_gives_plain_loss(impl):
+    problem = make_problem()
+    for leaf in problem.student_leaves():
+        leaf.requires_grad_(False)
+    loss = fused_linear_cosine_distill(*problem.args(), impl=impl)
+    assert not loss.requires_grad
+    assert rel_err(loss, reference(problem)[0][0]) < 1e-5
+
+
+def test_only_weight_requires_grad(impl):
+    problem = make_problem(bias=False)
+    problem.student_input.requires_grad_(False)
+    loss = fused_linear_cosine_distill(*problem.args(), impl=impl, chunk_size=9)
+    loss.backward()
+    assert problem.student_input.grad is None
+    assert rel_err(problem.student_weight.grad, reference(problem)[1][1]) < 1e-5
+
+
+def test_soft_and_hard_are_logged_without_gradient(impl):
+    problem = make_problem()
+    loss, soft, hard = fused_linear_cosine_distill(*problem.args(), return_soft_hard_loss=True, impl=impl)
+    assert loss.requires_grad and not soft.requires_grad and not hard.requires_grad
+    torch.testing.assert_close(loss, 0.5 * soft + 0.5 * hard)
+
+
+def test_same_inputs_give_bitwise_equal_outputs(impl):
+    problem = make_problem(dtype=torch.bfloat16, ignore_every=3)
+    first_losses, first_grads = run_fused(problem, impl=impl, chunk_size=8)
+    first_grads = [g.clone() for g in first_grads]
+    for leaf in problem.student_leaves():
+        leaf.grad = None
+    second_losses, second_grads = run_fused(problem, impl=impl, chunk_size=8)
+    for a, b in zip(first_losses + first_grads, second_losses + second_grads):
+        assert torch.equal(a, b)
+
+
+def test_all_tokens_ignored_gives_zero_loss_and_gradients(impl):
+    problem = make_problem()
+    problem.labels.fill_(-100)
+    losses, grads = run_fused(problem, impl=impl, chunk_size=8)
+    assert all(loss.item() == 0.0 for loss in losses)
+    assert all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def test_zero_tokens_gives_zero_loss(impl):
+    problem = make_problem(tokens=0)
+    losses, grads = run_fused(problem, impl=impl)
+    assert all(loss.item() == 0.0 for loss in losses)
+    assert grads[0].shape == (0, 16) and torch.count_nonzero(grads[1]) == 0
+
+
+@pytest.mark.parametrize("where", ["student_input", "teacher_weight"])
+def test_nan_input_gives_nan_loss(impl, where):
+    problem = make_problem(bias=False)
+    with torch.no_grad():
+        getattr(problem, where).view(-1)[5] = float("nan")
+    assert torch.isnan(fused_linear_cosine_distill(*problem.args(), impl=impl))
+
+
+def test_ignored_tokens_get_zero_gradient_and_do_not_change_the_loss(impl):
+    problem = make_problem(tokens=30, ignore_every=3)
+    loss = fused_linear_cosine_distill(*problem.args(), impl=impl, chunk_size=7)
+    loss.backward()
+    ignored = problem.labels == -100
+    assert torch.count_nonzero(problem.student_input.grad[ignored]) == 0
+    assert torch.count_nonzero(problem.student_input.grad[~ignored]) > 0
+    kept = make_problem(tokens=20)
+    kept.student_input, kept.teacher_input = problem.student_input[~ignored], problem.teacher_input[~ignored]
+    kept.student_weight, kept.teacher_weight = problem.student_weight, problem.teacher_weight
+    kept.student_bias, kept.teacher_bias, kept.labels = problem.student_bias, problem.teacher_bias, problem.labels[~ignored]
+    assert rel_err(loss, fused_linear_cosine_distill(*kept.args(), impl=impl)) < 1e-6

@@ -1,0 +1,60 @@
+"""The Triton row step, run by Triton's interpreter, against the torch row step (the spec)."""
+
+import pytest
+import torch
+
+from cosdistill.row_step import RowStepScales, row_step_torch
+from cosdistill.row_step_triton import row_step_triton
+
+POISON = 12345.0
+
+
+def random_chunk(rows, vocab_student, vocab_teacher, dtype):
+    student = (torch.randn(rows, vocab_student) * 3).to(dtype)
+    teacher = (torch.randn(rows, vocab_teacher) * 3).to(dtype)
+    labels = torch.randint(0, vocab_student, (rows,))
+    labels[::3] = -7  # ignored
+    return student, teacher, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "vocab_student, vocab_teacher, block",
+    [(1, 1, 16), (5, 5, 16), (97, 97, 32), (97, 131, 32), (300, 301, 64), (257, 1000, 128), (64, 64, 64)],
+)
+@pytest.mark.parametrize("write_grad", [True, False])
+def test_triton_row_step_matches_torch(dtype, vocab_student, vocab_teacher, block, write_grad):
+    rows = 11
+    student, teacher, labels = random_chunk(rows, vocab_student, vocab_teacher, dtype)
+    scales = RowStepScales(grad_hard=0.37, grad_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-7)
+    expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
+    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, write_grad)
+    got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
+    row_step_triton(got_grad, teacher, labels, scales, got_losses, write_grad, block_size=block)
+
+    assert not (got_losses == POISON).any()
+    torch.testing.assert_close(got_losses, expected_losses, rtol=2e-5, atol=2e-5)
+    if write_grad:
+        assert not (got_grad == POISON).any()
+        # atol covers entries that cancel to ~0 (p = 1 when V = 1, cos = 1); entries are O(grad scale).
+        rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else (1e-2, 1e-4)
+        torch.testing.assert_close(got_grad.float(), expected_grad.float(), rtol=rtol, atol=atol)
+        ignored = labels == -7
+        assert torch.count_nonzero(got_grad[ignored]) == 0
+    else:
+        assert torch.equal(got_grad, student)  # the logits are left alone when no gradient is wanted
+
+
+def test_triton_row_step_on_strided_rows():
+    """Rows of a larger buffer (row stride > vocab), as the chunk loop's last, short chunk produces."""
+    student, teacher, labels = random_chunk(6, 80, 90, torch.float32)
+    wide_student = torch.full((6, 100), POISON)
+    wide_student[:, :80] = student
+    scales = RowStepScales(0.5, 0.5, 0.5, 1.0, -7)
+    expected_grad, expected_losses = student.clone(), torch.empty(6, 2)
+    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
+    got_losses = torch.empty(6, 2)
+    row_step_triton(wide_student[:, :80], teacher, labels, scales, got_losses, True, block_size=32)
+    torch.testing.assert_close(got_losses, expected_losses)
+    torch.testing.assert_close(wide_student[:, :80], expected_grad)
+    assert (wide_student[:, 80:] == POISON).all()  # nothing written past the row's vocabulary
