@@ -64,6 +64,7 @@ def check_row_step():
     for rows, vocab_student, vocab_teacher, dtype in [
         (37, 128256, 128256, torch.bfloat16), (37, 128256, 128320, torch.bfloat16),
         (5, 32001, 32001, torch.float32), (9, 151936, 152064, torch.float16), (3, 1, 1, torch.float32),
+        (3, 1, 2, torch.float32), (3, 2, 2, torch.float32), (4, 2, 3, torch.float32), (4, 17, 17, torch.bfloat16), (4, 1000, 1000, torch.float32),
     ]:
         student = (torch.randn(rows, vocab_student, device="cuda") * 3).to(dtype)
         teacher = (torch.randn(rows, vocab_teacher, device="cuda") * 3).to(dtype)

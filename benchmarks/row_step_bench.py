@@ -25,7 +25,7 @@ def main():
     teacher = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
     labels = torch.randint(0, vocab, (rows,), device="cuda")
     losses = torch.empty(rows, 2, device="cuda")
-    scales = RowStepScales(0.5 / rows, 0.5 / rows, 0.5, 1.0, -100)
+    scales = RowStepScales(0.5, 0.5, 0.5, 1.0, -100)
     scratch = student.clone()
     bytes_moved = 5 * rows * vocab * student.element_size()
 

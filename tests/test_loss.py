@@ -177,3 +177,9 @@ def test_ignored_tokens_get_zero_gradient_and_do_not_change_the_loss(impl):
     kept.student_weight, kept.teacher_weight = problem.student_weight, problem.teacher_weight
     kept.student_bias, kept.teacher_bias, kept.labels = problem.student_bias, problem.teacher_bias, problem.labels[~ignored]
     assert rel_err(loss, fused_linear_cosine_distill(*kept.args(), impl=impl)) < 1e-6
+
+
+def test_fp16_gradients_do_not_underflow_at_many_tokens(impl):
+    """dlogits are kept unnormalised (1/N goes into the GEMMs); p / N would sit in fp16's subnormals here."""
+    problem = make_problem(tokens=1500, hidden_student=8, hidden_teacher=8, vocab_student=64, dtype=torch.float16)
+    assert_matches_reference(problem, torch.float16, impl=impl, chunk_size=512)

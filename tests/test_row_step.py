@@ -26,7 +26,7 @@ def random_chunk(rows, vocab_student, vocab_teacher, dtype):
 def test_triton_row_step_matches_torch(dtype, vocab_student, vocab_teacher, block, write_grad):
     rows = 11
     student, teacher, labels = random_chunk(rows, vocab_student, vocab_teacher, dtype)
-    scales = RowStepScales(grad_hard=0.37, grad_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-7)
+    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-7)
     expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
     row_step_torch(expected_grad, teacher, labels, scales, expected_losses, write_grad)
     got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
@@ -58,3 +58,17 @@ def test_triton_row_step_on_strided_rows():
     torch.testing.assert_close(got_losses, expected_losses)
     torch.testing.assert_close(wide_student[:, :80], expected_grad)
     assert (wide_student[:, 80:] == POISON).all()  # nothing written past the row's vocabulary
+
+
+def test_out_of_range_labels_count_as_ignored_in_the_kernel():
+    """The API raises on them, but only after the first chunk's row step is queued: it must not read out of bounds."""
+    student, teacher, labels = random_chunk(5, 40, 40, torch.float32)
+    labels[1], labels[3] = 40, -3
+    scales = RowStepScales(0.5, 0.5, 0.5, 1.0, -7)
+    expected_grad, expected_losses = student.clone(), torch.empty(5, 2)
+    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
+    got_grad, got_losses = student.clone(), torch.empty(5, 2)
+    row_step_triton(got_grad, teacher, labels, scales, got_losses, True, block_size=16)
+    assert (expected_losses[[1, 3]] == 0).all() and torch.count_nonzero(expected_grad[[1, 3]]) == 0
+    torch.testing.assert_close(got_losses, expected_losses)
+    torch.testing.assert_close(got_grad, expected_grad)

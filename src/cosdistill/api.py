@@ -2,6 +2,7 @@
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -68,38 +69,19 @@ def fused_linear_cosine_distill(
 
     labels = true_labels.reshape(-1).contiguous()
     num_tokens = labels.numel()
-    valid = labels != ignore_index
-    out_of_range = valid & ((labels < 0) | (labels >= vocab_student))
-    num_valid, num_out_of_range = torch.stack([valid.sum(), out_of_range.sum()]).tolist()
-    if num_out_of_range:
-        bad = labels[out_of_range][:5].tolist()
-        raise ValueError(
-            f"true_labels has {num_out_of_range} labels outside [0, {vocab_student}) that are not "
-            f"ignore_index={ignore_index}, e.g. {bad}"
-        )
-    if num_valid_tokens is None:
-        normaliser = float(max(1, num_valid))
-    else:
-        normaliser = float(num_valid_tokens.item() if torch.is_tensor(num_valid_tokens) else num_valid_tokens)
-        if not normaliser > 0:
-            raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
+    if num_valid_tokens is not None and not torch.is_tensor(num_valid_tokens) and not num_valid_tokens > 0:
+        raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
+    label_counts = _LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens)
 
-    scales = RowStepScales(
-        grad_hard=float(weight_hard_loss) / normaliser,
-        grad_soft=float(weight_soft_loss) / normaliser,
-        beta=float(beta),
-        temperature=float(temperature),
-        ignore_index=int(ignore_index),
-    )
     grad_on = torch.is_grad_enabled()
     needs_grad = tuple(grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
     options = _Options(
+        scales=RowStepScales(float(weight_hard_loss), float(weight_soft_loss), float(beta), float(temperature), int(ignore_index)),
+        get_normaliser=label_counts.normaliser,
         row_step=_pick_row_step(impl, student_input.device),
         chunk_size=chunk_size or auto_chunk_size(num_tokens, vocab_student, vocab_teacher, student_weight.element_size()),
         needs_grad=needs_grad,
         accum_dtype=accum_dtype or student_weight.dtype,
-        weights=(float(weight_hard_loss), float(weight_soft_loss)),
-        normaliser=normaliser,
     )
     loss, soft, hard = _FusedLinearCosineDistill.apply(
         student_input.reshape(num_tokens, hidden_student),
@@ -109,7 +91,6 @@ def fused_linear_cosine_distill(
         teacher_weight.detach(),
         None if teacher_bias is None else teacher_bias.detach(),
         labels,
-        scales,
         options,
     )
     return (loss, soft, hard) if return_soft_hard_loss else loss
@@ -153,32 +134,66 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
         )
 
 
+class _LabelCounts:
+    """Counts valid and out-of-range labels on the device; the host reads the counts only when the
+    chunk loop asks for N, after the first GEMMs are queued, so the read does not stall the GPU."""
+
+    def __init__(self, labels, ignore_index, vocab_student, num_valid_tokens):
+        valid = labels != ignore_index
+        self.out_of_range = valid & ((labels < 0) | (labels >= vocab_student))
+        counts = torch.stack([valid.sum(), self.out_of_range.sum()])
+        self.counts = counts.to("cpu", non_blocking=True)
+        self.copied = torch.cuda.Event() if counts.is_cuda else None
+        if self.copied is not None:
+            self.copied.record()
+        self.labels, self.ignore_index, self.vocab_student = labels, ignore_index, vocab_student
+        self.num_valid_tokens = num_valid_tokens
+
+    def normaliser(self) -> float:
+        """N, after raising on labels outside [0, Vs) that are not ignore_index."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        num_valid, num_out_of_range = self.counts.tolist()
+        if num_out_of_range:
+            examples = self.labels[self.out_of_range][:5].tolist()
+            raise ValueError(
+                f"true_labels has {num_out_of_range} labels outside [0, {self.vocab_student}) that are not "
+                f"ignore_index={self.ignore_index}, e.g. {examples}"
+            )
+        if self.num_valid_tokens is None:
+            return float(max(1, num_valid))
+        given = self.num_valid_tokens
+        normaliser = float(given.item() if torch.is_tensor(given) else given)
+        if not normaliser > 0:
+            raise ValueError(f"num_valid_tokens must be > 0, got {normaliser}")
+        return normaliser
+
+
 @dataclass(frozen=True)
 class _Options:
+    scales: RowStepScales
+    get_normaliser: Callable[[], float]
     row_step: RowStep
     chunk_size: int
     needs_grad: tuple[bool, bool, bool]
     accum_dtype: torch.dtype
-    weights: tuple[float, float]  # weight_hard_loss, weight_soft_loss
-    normaliser: float
 
 
 class _FusedLinearCosineDistill(torch.autograd.Function):
     """Gradients are computed in forward (one pass over the logits); backward applies grad_output."""
 
     @staticmethod
-    def forward(ctx, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels, scales, options):
+    def forward(ctx, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels, options):
         result = chunked_loss_and_grads(
             student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
-            scales, options.row_step, options.chunk_size, options.needs_grad, options.accum_dtype,
+            options.scales, options.get_normaliser, options.row_step, options.chunk_size, options.needs_grad,
+            options.accum_dtype,
         )
-        hard = result.hard_loss_sum / options.normaliser
-        soft = result.soft_loss_sum / options.normaliser
-        loss = options.weights[0] * hard + options.weights[1] * soft
+        loss = options.scales.weight_hard * result.hard_loss + options.scales.weight_soft * result.soft_loss
         ctx.grads = (result.grad_input, result.grad_weight, result.grad_bias)
         ctx.grad_dtypes = tuple(None if t is None else t.dtype for t in (student_input, student_weight, student_bias))
-        ctx.mark_non_differentiable(soft, hard)
-        return loss, soft, hard
+        ctx.mark_non_differentiable(result.soft_loss, result.hard_loss)
+        return loss, result.soft_loss, result.hard_loss
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_soft, _grad_hard):
@@ -193,7 +208,7 @@ class _FusedLinearCosineDistill(torch.autograd.Function):
                     grad.mul_(scale)  # our own buffers: scale in place, no second copy of grad_weight
                 grad = grad.to(dtype)
             out.append(grad)
-        return (*out, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None)
 
 
 def _pick_row_step(impl: str, device: torch.device) -> RowStep:

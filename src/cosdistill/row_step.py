@@ -8,8 +8,12 @@ For one chunk of tokens it takes the student logits s [n, Vs] and the teacher lo
       soft_i = beta * (1 - cos(s_i / T, t_i / T))
   with cos(a, b) = a.b / (max(|a|, eps) * max(|b|, eps)), eps = 1e-8, as in
   torch.nn.functional.cosine_similarity; ignored tokens get 0;
-* if ``write_grad``, overwrites s in place with d loss / d s for grad_output = 1, where
-      loss = (weight_hard * sum_i hard_i + weight_soft * sum_i soft_i) / N.
+* if ``write_grad``, overwrites s in place with d L / d s, where L is the chunk's unnormalised loss
+      L = weight_hard * sum_i hard_i + weight_soft * sum_i soft_i.
+  The chunk loop applies 1 / N in the gradient GEMMs, so N need not be known here and fp16
+  gradients stay far from underflow.
+
+Labels outside [0, Vs) that are not ignore_index are treated as ignored here (the API raises on them).
 
 ``row_step_triton.py`` is the same step as one Triton kernel; tests hold the two equal.
 """
@@ -23,10 +27,10 @@ COSINE_EPS = 1e-8
 
 @dataclass(frozen=True)
 class RowStepScales:
-    """Per-call constants of the row step; the grad_* scales already hold the 1/N normaliser."""
+    """Per-call constants of the row step."""
 
-    grad_hard: float  # weight_hard_loss / N
-    grad_soft: float  # weight_soft_loss / N
+    weight_hard: float
+    weight_soft: float
     beta: float
     temperature: float
     ignore_index: int
@@ -65,7 +69,7 @@ def row_step_torch(
     t = teacher_logits.float()
     t_shared = t[:, :vocab_student]  # the student's zero padding adds nothing to s.t or |s|^2
 
-    valid = labels != scales.ignore_index
+    valid = (labels != scales.ignore_index) & (labels >= 0) & (labels < vocab_student)
     safe_labels = torch.where(valid, labels, 0).long()
 
     logsumexp = torch.logsumexp(s, dim=1)
@@ -82,8 +86,8 @@ def row_step_torch(
 
     grad = torch.exp(s - logsumexp[:, None])
     grad.scatter_add_(1, safe_labels[:, None], torch.full_like(grad[:, :1], -1.0))
-    grad *= scales.grad_hard
-    soft_scale = scales.grad_soft * scales.beta
+    grad *= scales.weight_hard
+    soft_scale = scales.weight_soft * scales.beta
     grad -= soft_scale * (coef_teacher[:, None] * t_shared - coef_student[:, None] * s)
     grad = torch.where(valid[:, None], grad, 0.0)
     student_logits.copy_(grad)

@@ -11,11 +11,12 @@ import triton.language as tl
 
 from .row_step import COSINE_EPS, RowStepScales
 
-DEFAULT_BLOCK = 2048
-DEFAULT_WARPS = 8
+DEFAULT_BLOCK = 1024  # H200 sweep, benchmarks/NOTES.md
+DEFAULT_WARPS = 4
 
 
-@triton.jit
+# Vs = 1 gave wrong gradients when Triton specialised the vocab sizes on the value 1 (H200, Triton 3.6).
+@triton.jit(do_not_specialize=["vocab_student", "vocab_teacher"])
 def _row_step_kernel(
     student_ptr,
     student_row_stride,
@@ -26,8 +27,8 @@ def _row_step_kernel(
     vocab_student,
     vocab_teacher,
     ignore_index,
-    grad_hard,
-    grad_soft,
+    weight_hard,
+    weight_soft,
     beta,
     inv_temp_sq,
     eps,
@@ -38,7 +39,7 @@ def _row_step_kernel(
     student_row = student_ptr + row * student_row_stride
     teacher_row = teacher_ptr + row * teacher_row_stride
     label = tl.load(labels_ptr + row).to(tl.int64)
-    valid = label != ignore_index
+    valid = (label != ignore_index) & (label >= 0) & (label < vocab_student)
     offsets = tl.arange(0, BLOCK)
 
     # Pass 1: lane-wise running statistics over the shared vocabulary [0, Vs).
@@ -83,20 +84,20 @@ def _row_step_kernel(
     tl.store(losses_ptr + row * 2 + 1, soft_loss)
 
     if WRITE_GRAD:
-        # d loss / d s = grad_hard * (softmax - onehot) - grad_soft * beta * d cos / d s, and
+        # d L / d s = weight_hard * (softmax - onehot) - weight_soft * beta * d cos / d s, and
         # d cos / d s = coef_teacher * t - coef_student * s (see row_step.cosine_terms).
         coef_teacher = inv_temp_sq / (clamped_student * clamped_teacher)
         coef_student = tl.where(
             norm_student >= eps, cos * inv_temp_sq / (clamped_student * clamped_student), 0.0
         )
-        soft_scale = grad_soft * beta
+        soft_scale = weight_soft * beta
         for start in range(0, vocab_student, BLOCK):
             cols = start + offsets
             in_row = cols < vocab_student
             s = tl.load(student_row + cols, mask=in_row, other=0.0).to(tl.float32)
             t = tl.load(teacher_row + cols, mask=in_row, other=0.0).to(tl.float32)
             prob = tl.exp(s - logsumexp)
-            grad = grad_hard * (prob - tl.where(cols == label, 1.0, 0.0))
+            grad = weight_hard * (prob - tl.where(cols == label, 1.0, 0.0))
             grad -= soft_scale * (coef_teacher * t - coef_student * s)
             grad = tl.where(valid, grad, 0.0)
             tl.store(student_row + cols, grad.to(student_ptr.dtype.element_ty), mask=in_row)
@@ -119,7 +120,7 @@ def row_step_triton(
         raise ValueError("row_step_triton needs logits with unit stride along the vocabulary")
     if not (labels.is_contiguous() and token_losses.is_contiguous()):
         raise ValueError("row_step_triton needs contiguous labels and token_losses")
-    block = block_size or min(DEFAULT_BLOCK, triton.next_power_of_2(vocab_student))
+    block = block_size or max(32 * num_warps, min(DEFAULT_BLOCK, triton.next_power_of_2(vocab_student)))
     _row_step_kernel[(rows,)](
         student_logits,
         student_logits.stride(0),
@@ -130,8 +131,8 @@ def row_step_triton(
         vocab_student,
         teacher_logits.shape[1],
         scales.ignore_index,
-        scales.grad_hard,
-        scales.grad_soft,
+        scales.weight_hard,
+        scales.weight_soft,
         scales.beta,
         1.0 / (scales.temperature * scales.temperature),
         COSINE_EPS,
