@@ -76,9 +76,15 @@ def check_row_step():
         got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON, device="cuda")
         row_step_triton(got_grad, teacher, labels, scales, got_losses, True)
         loss_err = rel_err(got_losses, want_losses)
-        grad_err = rel_err(got_grad.float(), want_grad.float())
+        if vocab_student == 1:
+            # The exact gradient is 0 (p = 1 and |cos| = 1): both sides hold only rounding noise, so
+            # check that the noise is small in absolute terms instead of relative to noise.
+            grad_err = got_grad.float().abs().max().item()
+            loss_err = (got_losses - want_losses).abs().max().item()
+        else:
+            grad_err = rel_err(got_grad.float(), want_grad.float())
         ok = loss_err < 1e-5 and grad_err < (1e-5 if dtype == torch.float32 else 1e-2) and not (got_losses == POISON).any()
-        print(f"row step rows={rows} Vs={vocab_student} Vt={vocab_teacher} {dtype}: loss err {loss_err:.2e} grad err {grad_err:.2e} {'ok' if ok else 'FAIL'}")
+        print(f"row step rows={rows} Vs={vocab_student} Vt={vocab_teacher} {dtype}: err loss {loss_err:.2e} grad {grad_err:.2e} {'ok' if ok else 'FAIL'}")
         if not ok:
             failures.append(("row_step", rows, vocab_student, vocab_teacher, str(dtype)))
     return failures

@@ -2,11 +2,10 @@
 
 import os
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from .chunked import RowStep, auto_chunk_size, chunked_loss_and_grads
+from .chunked import Normaliser, RowStep, auto_chunk_size, chunked_loss_and_grads
 from .row_step import RowStepScales, row_step_torch
 
 IMPLS = ("auto", "torch", "triton")
@@ -71,13 +70,12 @@ def fused_linear_cosine_distill(
     num_tokens = labels.numel()
     if num_valid_tokens is not None and not torch.is_tensor(num_valid_tokens) and not num_valid_tokens > 0:
         raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
-    label_counts = _LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens)
 
     grad_on = torch.is_grad_enabled()
     needs_grad = tuple(grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
     options = _Options(
         scales=RowStepScales(float(weight_hard_loss), float(weight_soft_loss), float(beta), float(temperature), int(ignore_index)),
-        get_normaliser=label_counts.normaliser,
+        normaliser=_LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens),
         row_step=_pick_row_step(impl, student_input.device),
         chunk_size=chunk_size or auto_chunk_size(num_tokens, vocab_student, vocab_teacher, student_weight.element_size()),
         needs_grad=needs_grad,
@@ -135,22 +133,23 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
 
 
 class _LabelCounts:
-    """Counts valid and out-of-range labels on the device; the host reads the counts only when the
-    chunk loop asks for N, after the first GEMMs are queued, so the read does not stall the GPU."""
+    """N and the check for labels outside [0, Vs). The chunk loop launches the count behind the first
+    GEMMs and waits for it only after the first row step is queued, so the host read stalls nothing."""
 
     def __init__(self, labels, ignore_index, vocab_student, num_valid_tokens):
-        valid = labels != ignore_index
-        self.out_of_range = valid & ((labels < 0) | (labels >= vocab_student))
+        self.labels, self.ignore_index, self.vocab_student = labels, ignore_index, vocab_student
+        self.num_valid_tokens = num_valid_tokens
+
+    def launch(self):
+        valid = self.labels != self.ignore_index
+        self.out_of_range = valid & ((self.labels < 0) | (self.labels >= self.vocab_student))
         counts = torch.stack([valid.sum(), self.out_of_range.sum()])
         self.counts = counts.to("cpu", non_blocking=True)
         self.copied = torch.cuda.Event() if counts.is_cuda else None
         if self.copied is not None:
             self.copied.record()
-        self.labels, self.ignore_index, self.vocab_student = labels, ignore_index, vocab_student
-        self.num_valid_tokens = num_valid_tokens
 
-    def normaliser(self) -> float:
-        """N, after raising on labels outside [0, Vs) that are not ignore_index."""
+    def wait(self) -> float:
         if self.copied is not None:
             self.copied.synchronize()
         num_valid, num_out_of_range = self.counts.tolist()
@@ -172,7 +171,7 @@ class _LabelCounts:
 @dataclass(frozen=True)
 class _Options:
     scales: RowStepScales
-    get_normaliser: Callable[[], float]
+    normaliser: Normaliser
     row_step: RowStep
     chunk_size: int
     needs_grad: tuple[bool, bool, bool]
@@ -186,29 +185,23 @@ class _FusedLinearCosineDistill(torch.autograd.Function):
     def forward(ctx, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels, options):
         result = chunked_loss_and_grads(
             student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
-            options.scales, options.get_normaliser, options.row_step, options.chunk_size, options.needs_grad,
+            options.scales, options.normaliser, options.row_step, options.chunk_size, options.needs_grad,
             options.accum_dtype,
         )
         loss = options.scales.weight_hard * result.hard_loss + options.scales.weight_soft * result.soft_loss
-        ctx.grads = (result.grad_input, result.grad_weight, result.grad_bias)
+        ctx.gradients = result.gradients
         ctx.grad_dtypes = tuple(None if t is None else t.dtype for t in (student_input, student_weight, student_bias))
         ctx.mark_non_differentiable(result.soft_loss, result.hard_loss)
         return loss, result.soft_loss, result.hard_loss
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_soft, _grad_hard):
-        if ctx.grads is None:
+        if ctx.gradients is None:
             raise RuntimeError("cosdistill computes gradients in forward and can run backward only once per call")
-        grads, ctx.grads = ctx.grads, None
-        scale = None if bool(grad_loss == 1) else grad_loss
-        out = []
-        for grad, dtype in zip(grads, ctx.grad_dtypes):
-            if grad is not None:
-                if scale is not None:
-                    grad.mul_(scale)  # our own buffers: scale in place, no second copy of grad_weight
-                grad = grad.to(dtype)
-            out.append(grad)
-        return (*out, None, None, None, None, None)
+        gradients, ctx.gradients = ctx.gradients, None
+        grads = gradients.finish(float(grad_loss))  # the one host read of grad_output: it sets GEMM alpha/beta
+        cast = [None if grad is None else grad.to(dtype) for grad, dtype in zip(grads, ctx.grad_dtypes)]
+        return (*cast, None, None, None, None, None)
 
 
 def _pick_row_step(impl: str, device: torch.device) -> RowStep:

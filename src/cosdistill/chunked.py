@@ -3,18 +3,26 @@
 Everything the loss costs happens in ``chunked_loss_and_grads``, called from the forward pass: per
 chunk of tokens, two cuBLAS GEMMs write the student and teacher logits into reused buffers, the row
 step turns the student buffer into d loss / d logits in place, and two more GEMMs turn that into
-grad_input (written straight into its slice) and grad_weight (accumulated). Backward only applies
-grad_output.
+grad_input (written straight into its slice) and grad_weight (accumulated). Backward applies
+grad_output, folding it into the last chunk's grad_weight GEMM (``Gradients.finish``).
 """
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
 from .row_step import RowStepScales
 
 RowStep = Callable[..., None]
+
+
+class Normaliser(Protocol):
+    """N, counted on the device: ``launch`` queues the count, ``wait`` returns it (and may raise)."""
+
+    def launch(self) -> None: ...
+
+    def wait(self) -> float: ...
 
 # The two logits buffers (student + teacher, one chunk each) are sized to stay under this.
 LOGITS_BUFFER_BUDGET_BYTES = 512 * 2**20
@@ -29,12 +37,40 @@ def auto_chunk_size(num_tokens: int, vocab_student: int, vocab_teacher: int, ite
 
 
 @dataclass
+class Gradients:
+    """The student's gradients for grad_output = 1, less the last chunk's grad_weight GEMM, which waits
+    for grad_output so that scaling by it rides on that GEMM's alpha and beta instead of a pass over
+    grad_weight (measured: 1.1 ms at T = 1024 on the H200, see benchmarks/NOTES.md)."""
+
+    grad_input: torch.Tensor | None
+    grad_weight: torch.Tensor | None  # in the accum dtype
+    grad_bias: torch.Tensor | None  # fp32
+    last_grad_logits: torch.Tensor | None  # the last chunk's d L / d logits (unnormalised)
+    last_hidden: torch.Tensor | None
+    accumulate_last: bool  # whether grad_weight already holds earlier chunks
+    inv_normaliser: float
+
+    def finish(self, grad_output: float):
+        """(grad_input, grad_weight, grad_bias) for this grad_output."""
+        if grad_output != 1.0:
+            for grad in (self.grad_input, self.grad_bias):
+                if grad is not None:
+                    grad.mul_(grad_output)
+        if self.grad_weight is not None and self.last_grad_logits is not None:
+            _grad_weight_gemm(
+                self.grad_weight, self.last_grad_logits, self.last_hidden,
+                alpha=grad_output * self.inv_normaliser, beta=grad_output if self.accumulate_last else 0.0,
+            )
+        elif self.grad_weight is not None:  # no tokens: zeros
+            self.grad_weight.mul_(grad_output)
+        return self.grad_input, self.grad_weight, self.grad_bias
+
+
+@dataclass
 class ChunkResult:
     hard_loss: torch.Tensor  # fp32 scalars, divided by N
     soft_loss: torch.Tensor
-    grad_input: torch.Tensor | None
-    grad_weight: torch.Tensor | None  # in accum dtype
-    grad_bias: torch.Tensor | None  # fp32
+    gradients: Gradients | None  # None when no gradient was asked for
 
 
 def _logits_into(out, hidden, weight, bias):
@@ -44,13 +80,12 @@ def _logits_into(out, hidden, weight, bias):
         torch.addmm(bias, hidden, weight.t(), out=out)
 
 
-def _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha, accumulate):
-    """grad_weight = (accumulate ? grad_weight : 0) + alpha * grad_logits^T @ hidden, in grad_weight's dtype.
+def _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha, beta):
+    """grad_weight = beta * grad_weight + alpha * grad_logits^T @ hidden, in grad_weight's dtype.
 
     beta = 0 on the first chunk: cuBLAS then never reads the uninitialised buffer, so no memset.
     """
     grad_logits_t = grad_logits.t()
-    beta = 1.0 if accumulate else 0.0
     if grad_weight.dtype == grad_logits.dtype:
         grad_weight.addmm_(grad_logits_t, hidden, beta=beta, alpha=alpha)
     elif grad_weight.is_cuda:
@@ -69,14 +104,14 @@ def chunked_loss_and_grads(
     teacher_bias: torch.Tensor | None,
     labels: torch.Tensor,  # [T]
     scales: RowStepScales,
-    get_normaliser: Callable[[], float],
+    normaliser: Normaliser,
     row_step: RowStep,
     chunk_size: int,
     needs_grad: tuple[bool, bool, bool],  # input, weight, bias
     accum_dtype: torch.dtype,
 ) -> ChunkResult:
-    """``get_normaliser`` returns N; it may wait on the device, so it is called once the first chunk's
-    GEMMs and row step are queued (the row step does not need N: 1/N is the gradient GEMMs' alpha)."""
+    """The row step does not need N (1/N is the gradient GEMMs' alpha), so N is counted behind the first
+    chunk's logits GEMMs and waited for once the first row step is queued: the GPU never idles on it."""
     num_tokens, hidden_student = student_input.shape
     vocab_student, vocab_teacher = student_weight.shape[0], teacher_weight.shape[0]
     device = student_input.device
@@ -101,18 +136,31 @@ def chunked_loss_and_grads(
         chunk_teacher = teacher_logits[: stop - start]
         _logits_into(chunk_student, hidden, student_weight, student_bias)
         _logits_into(chunk_teacher, teacher_input[start:stop], teacher_weight, teacher_bias)
+        if inv_normaliser is None:
+            normaliser.launch()
         row_step(chunk_student, chunk_teacher, labels[start:stop], scales, token_losses[start:stop], write_grad)
         if inv_normaliser is None:
-            inv_normaliser = 1.0 / get_normaliser()
+            inv_normaliser = 1.0 / normaliser.wait()
         grad_logits = chunk_student  # overwritten in place by the row step
         if grad_input is not None:
             grad_input[start:stop].addmm_(grad_logits, student_weight, beta=0.0, alpha=inv_normaliser)
-        if grad_weight is not None:
-            _grad_weight_gemm(grad_weight, grad_logits, hidden, inv_normaliser, accumulate=start > 0)
+        if grad_weight is not None and stop < num_tokens:  # the last chunk's waits for backward
+            _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha=inv_normaliser, beta=1.0 if start else 0.0)
         if grad_bias is not None:
             grad_bias.add_(grad_logits.sum(0, dtype=torch.float32), alpha=inv_normaliser)
 
-    if inv_normaliser is None:
-        inv_normaliser = 1.0 / get_normaliser()
+    if inv_normaliser is None:  # no tokens
+        normaliser.launch()
+        inv_normaliser = 1.0 / normaliser.wait()
     loss_sums = token_losses.sum(0) * inv_normaliser
-    return ChunkResult(loss_sums[0], loss_sums[1], grad_input, grad_weight, grad_bias)
+    gradients = None
+    if write_grad:
+        last_start = (num_tokens - 1) // chunk * chunk if num_tokens else 0
+        gradients = Gradients(
+            grad_input, grad_weight, grad_bias,
+            last_grad_logits=student_logits[: num_tokens - last_start] if num_tokens else None,
+            last_hidden=student_input[last_start:] if num_tokens else None,
+            accumulate_last=last_start > 0,
+            inv_normaliser=inv_normaliser,
+        )
+    return ChunkResult(loss_sums[0], loss_sums[1], gradients)

@@ -15,8 +15,7 @@ DEFAULT_BLOCK = 1024  # H200 sweep, benchmarks/NOTES.md
 DEFAULT_WARPS = 4
 
 
-# Vs = 1 gave wrong gradients when Triton specialised the vocab sizes on the value 1 (H200, Triton 3.6).
-@triton.jit(do_not_specialize=["vocab_student", "vocab_teacher"])
+@triton.jit
 def _row_step_kernel(
     student_ptr,
     student_row_stride,
