@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .chunked import Normaliser, RowStep, auto_chunk_size, chunked_loss_and_grads
+from . import fp8
+from .chunked import Normaliser, RowStep, TeacherHead, auto_chunk_size, chunked_loss_and_grads
 from .row_step import RowStepScales, row_step_torch
 
 IMPLS = ("auto", "torch", "triton")
@@ -32,6 +33,7 @@ def fused_linear_cosine_distill(
     num_valid_tokens=None,
     accum_dtype=None,
     impl="auto",
+    teacher_precision=None,
 ):
     """Hard cross-entropy plus soft cosine distillation loss through two LM heads, never holding all logits.
 
@@ -52,7 +54,9 @@ def fused_linear_cosine_distill(
 
     Extra keywords: ``num_valid_tokens`` (a positive number or 0-d tensor, e.g. a count all-reduced
     across ranks), ``accum_dtype`` (dtype of the grad_weight accumulator: the weight's dtype, the
-    default, or torch.float32), ``impl`` ("auto": Triton on CUDA, torch elsewhere; "torch"; "triton").
+    default, or torch.float32), ``impl`` ("auto": Triton on CUDA, torch elsewhere; "torch"; "triton"),
+    ``teacher_precision`` (None: the teacher GEMM in the teacher's dtype; "fp8": in FP8 e4m3 with
+    row-wise scales, on GPUs with FP8 tensor cores; the quantized weight is cached while unchanged).
     ``compiled`` is accepted for compatibility with Liger and changes nothing.
     ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget.
     """
@@ -68,6 +72,15 @@ def fused_linear_cosine_distill(
 
     labels = true_labels.reshape(-1).contiguous()
     num_tokens = labels.numel()
+    chunk_size = chunk_size or auto_chunk_size(num_tokens, vocab_student, vocab_teacher, student_weight.element_size())
+    teacher_bias = None if teacher_bias is None else teacher_bias.detach()
+    if teacher_precision is None:
+        teacher = TeacherHead(teacher_weight.detach(), teacher_bias)
+    elif teacher_precision == "fp8":
+        fp8.check_supported(teacher_weight.device)
+        teacher = fp8.Fp8TeacherHead(teacher_weight, teacher_bias, max_rows=min(chunk_size, num_tokens))
+    else:
+        raise ValueError(f"teacher_precision must be None or 'fp8', got {teacher_precision!r}")
     if num_valid_tokens is not None and not torch.is_tensor(num_valid_tokens) and not num_valid_tokens > 0:
         raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
 
@@ -77,7 +90,8 @@ def fused_linear_cosine_distill(
         scales=RowStepScales(float(weight_hard_loss), float(weight_soft_loss), float(beta), float(temperature), int(ignore_index)),
         normaliser=_LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens),
         row_step=_pick_row_step(impl, student_input.device),
-        chunk_size=chunk_size or auto_chunk_size(num_tokens, vocab_student, vocab_teacher, student_weight.element_size()),
+        teacher=teacher,
+        chunk_size=chunk_size,
         needs_grad=needs_grad,
         accum_dtype=accum_dtype or student_weight.dtype,
     )
@@ -86,8 +100,6 @@ def fused_linear_cosine_distill(
         student_weight,
         student_bias,
         teacher_input.reshape(num_tokens, teacher_input.shape[-1]).detach(),
-        teacher_weight.detach(),
-        None if teacher_bias is None else teacher_bias.detach(),
         labels,
         options,
     )
@@ -110,6 +122,7 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
         *,
         accum_dtype=None,
         impl="auto",
+        teacher_precision=None,
     ):
         super().__init__()
         self.options = dict(
@@ -123,6 +136,7 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
             return_soft_hard_loss=return_soft_hard_loss,
             accum_dtype=accum_dtype,
             impl=impl,
+            teacher_precision=teacher_precision,
         )
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None, teacher_bias=None, *, num_valid_tokens=None):
@@ -173,6 +187,7 @@ class _Options:
     scales: RowStepScales
     normaliser: Normaliser
     row_step: RowStep
+    teacher: TeacherHead
     chunk_size: int
     needs_grad: tuple[bool, bool, bool]
     accum_dtype: torch.dtype
@@ -182,9 +197,9 @@ class _FusedLinearCosineDistill(torch.autograd.Function):
     """Gradients are computed in forward (one pass over the logits); backward applies grad_output."""
 
     @staticmethod
-    def forward(ctx, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels, options):
+    def forward(ctx, student_input, student_weight, student_bias, teacher_input, labels, options):
         result = chunked_loss_and_grads(
-            student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
+            student_input, student_weight, student_bias, teacher_input, options.teacher, labels,
             options.scales, options.normaliser, options.row_step, options.chunk_size, options.needs_grad,
             options.accum_dtype,
         )
@@ -201,7 +216,7 @@ class _FusedLinearCosineDistill(torch.autograd.Function):
         gradients, ctx.gradients = ctx.gradients, None
         grads = gradients.finish(float(grad_loss))  # the one host read of grad_output: it sets GEMM alpha/beta
         cast = [None if grad is None else grad.to(dtype) for grad, dtype in zip(grads, ctx.grad_dtypes)]
-        return (*cast, None, None, None, None, None)
+        return (*cast, None, None, None)
 
 
 def _pick_row_step(impl: str, device: torch.device) -> RowStep:

@@ -80,6 +80,20 @@ def _logits_into(out, hidden, weight, bias):
         torch.addmm(bias, hidden, weight.t(), out=out)
 
 
+class TeacherHead:
+    """The teacher's logits GEMM in the weight's own dtype (fp8.Fp8TeacherHead is the FP8 one)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+        self.vocab, self.logits_dtype = weight.shape[0], weight.dtype
+
+    def buffer_rows(self, rows: int) -> int:
+        return rows
+
+    def logits_into(self, out: torch.Tensor, hidden: torch.Tensor) -> None:
+        _logits_into(out[: hidden.shape[0]], hidden, self.weight, self.bias)
+
+
 def _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha, beta):
     """grad_weight = beta * grad_weight + alpha * grad_logits^T @ hidden, in grad_weight's dtype.
 
@@ -100,8 +114,7 @@ def chunked_loss_and_grads(
     student_weight: torch.Tensor,  # [Vs, Hs]
     student_bias: torch.Tensor | None,
     teacher_input: torch.Tensor,  # [T, Ht]
-    teacher_weight: torch.Tensor,  # [Vt, Ht]
-    teacher_bias: torch.Tensor | None,
+    teacher: TeacherHead,
     labels: torch.Tensor,  # [T]
     scales: RowStepScales,
     normaliser: Normaliser,
@@ -113,13 +126,13 @@ def chunked_loss_and_grads(
     """The row step does not need N (1/N is the gradient GEMMs' alpha), so N is counted behind the first
     chunk's logits GEMMs and waited for once the first row step is queued: the GPU never idles on it."""
     num_tokens, hidden_student = student_input.shape
-    vocab_student, vocab_teacher = student_weight.shape[0], teacher_weight.shape[0]
+    vocab_student = student_weight.shape[0]
     device = student_input.device
     write_grad = any(needs_grad)
     chunk = max(1, min(chunk_size, num_tokens))
 
     student_logits = torch.empty(chunk, vocab_student, dtype=student_weight.dtype, device=device)
-    teacher_logits = torch.empty(chunk, vocab_teacher, dtype=teacher_weight.dtype, device=device)
+    teacher_logits = torch.empty(teacher.buffer_rows(chunk), teacher.vocab, dtype=teacher.logits_dtype, device=device)
     token_losses = torch.empty(num_tokens, 2, dtype=torch.float32, device=device)
     grad_input = torch.empty(num_tokens, hidden_student, dtype=student_input.dtype, device=device) if needs_grad[0] else None
     grad_weight = None
@@ -135,7 +148,7 @@ def chunked_loss_and_grads(
         chunk_student = student_logits[: stop - start]
         chunk_teacher = teacher_logits[: stop - start]
         _logits_into(chunk_student, hidden, student_weight, student_bias)
-        _logits_into(chunk_teacher, teacher_input[start:stop], teacher_weight, teacher_bias)
+        teacher.logits_into(teacher_logits, teacher_input[start:stop])
         if inv_normaliser is None:
             normaliser.launch()
         row_step(chunk_student, chunk_teacher, labels[start:stop], scales, token_losses[start:stop], write_grad)

@@ -1,0 +1,91 @@
+"""The teacher's logits GEMM in FP8 (e4m3) with row-wise scales: opt in with teacher_precision="fp8".
+
+The teacher weight is quantized once, one scale per vocabulary row, and the result is cached for as
+long as the weight object lives and is not modified in place (its version counter). Each chunk's
+teacher activations are quantized per token. ``torch._scaled_mm`` then computes
+    logits[i, v] = (x_q[i] . w_q[v]) * scale_x[i] * scale_w[v]
+on the FP8 tensor cores of Hopper-class GPUs. Shapes that the FP8 GEMM cannot take (a vocabulary or
+hidden size not divisible by 16) are zero-padded: a zero weight row adds a zero teacher logit, which
+changes neither |t|^2 nor s.t.
+"""
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+GEMM_MULTIPLE = 16  # _scaled_mm needs M, K and N divisible by 16
+WEIGHT_ROWS_PER_STEP = 8192  # quantize the weight in slices: bounded fp32 scratch memory
+
+_weight_cache = WeakIdKeyDictionary()  # teacher weight -> (version, FP8 weight, row scales)
+
+
+def check_supported(device: torch.device) -> None:
+    """Raise ValueError saying why FP8 cannot run here."""
+    if device.type != "cuda":
+        raise ValueError(f"teacher_precision='fp8' needs a CUDA GPU with FP8 tensor cores; the tensors are on {device}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(
+            f"teacher_precision='fp8' needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or newer); "
+            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}"
+        )
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def quantize_rows(rows: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
+    """out[i] = rows[i] / scales[i] in FP8, scales[i] = max |rows[i]| / FP8_MAX (fp32, never 0)."""
+    amax = rows.abs().amax(dim=1, keepdim=True).float()
+    torch.div(amax, FP8_MAX, out=scales)
+    scales.clamp_(min=torch.finfo(torch.float32).tiny)
+    out.copy_(rows.float() / scales)  # |rows / scale| <= FP8_MAX, so the cast never saturates
+
+
+def quantized_weight(weight: torch.Tensor):
+    """(FP8 weight [round16(V), round16(H)], fp32 row scales [1, round16(V)]), cached per weight version."""
+    cached = _weight_cache.get(weight)
+    if cached is not None and cached[0] == weight._version:
+        return cached[1], cached[2]
+    vocab, hidden = weight.shape
+    weight_fp8 = torch.zeros(_round_up(vocab, GEMM_MULTIPLE), _round_up(hidden, GEMM_MULTIPLE), dtype=FP8, device=weight.device)
+    scales = torch.ones(weight_fp8.shape[0], 1, dtype=torch.float32, device=weight.device)
+    with torch.no_grad():
+        for start in range(0, vocab, WEIGHT_ROWS_PER_STEP):
+            stop = min(start + WEIGHT_ROWS_PER_STEP, vocab)
+            quantize_rows(weight[start:stop], weight_fp8[start:stop, :hidden], scales[start:stop])
+    scales = scales.view(1, -1)  # _scaled_mm's row-wise scale_b is [1, N]
+    _weight_cache[weight] = (weight._version, weight_fp8, scales)
+    return weight_fp8, scales
+
+
+class Fp8TeacherHead:
+    """Teacher logits through the FP8 GEMM; the same interface as chunked.TeacherHead."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int):
+        self.weight_fp8, self.weight_scales = quantized_weight(weight)
+        self.bias, self.logits_dtype = bias, weight.dtype
+        self.hidden = weight.shape[1]
+        self.vocab = self.weight_fp8.shape[0]  # padded rows give zero logits
+        padded_rows = _round_up(max(1, max_rows), GEMM_MULTIPLE)
+        self.hidden_fp8 = torch.zeros(padded_rows, self.weight_fp8.shape[1], dtype=FP8, device=weight.device)
+        self.hidden_scales = torch.ones(padded_rows, 1, dtype=torch.float32, device=weight.device)
+
+    def buffer_rows(self, rows: int) -> int:
+        return _round_up(rows, GEMM_MULTIPLE)
+
+    def logits_into(self, out: torch.Tensor, hidden: torch.Tensor) -> None:
+        """out[:n] = hidden @ weight.T (+ bias), n = len(hidden); out has buffer_rows(n) rows."""
+        rows = hidden.shape[0]
+        padded = self.buffer_rows(rows)
+        # Rows rows..padded hold whatever an earlier, longer chunk left: their logits land in buffer
+        # rows the row step never reads.
+        quantize_rows(hidden, self.hidden_fp8[:rows, : self.hidden], self.hidden_scales[:rows])
+        torch._scaled_mm(
+            self.hidden_fp8[:padded], self.weight_fp8.t(), scale_a=self.hidden_scales[:padded],
+            scale_b=self.weight_scales, out_dtype=self.logits_dtype, out=out[:padded],
+        )
+        if self.bias is not None:
+            out[:rows, : self.bias.shape[0]] += self.bias

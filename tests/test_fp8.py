@@ -1,0 +1,58 @@
+"""The FP8 teacher path. FP8 GEMMs run on the CPU through torch's reference _scaled_mm, so the math is
+tested here with the hardware check switched off; the public API refuses FP8 off FP8-capable GPUs."""
+
+import pytest
+import torch
+
+from cosdistill import fp8, fused_linear_cosine_distill
+from conftest import make_problem, reference, rel_err
+
+
+def dequantized(tensor):
+    """What the FP8 GEMM actually multiplies: each row rounded to e4m3 under its own scale."""
+    rows = tensor.detach().reshape(-1, tensor.shape[-1]).float()
+    out, scales = torch.empty(rows.shape, dtype=fp8.FP8), torch.empty(rows.shape[0], 1)
+    fp8.quantize_rows(rows, out, scales)
+    return (out.float() * scales).reshape(tensor.shape)
+
+
+def test_fp8_is_refused_on_the_cpu():
+    problem = make_problem()
+    with pytest.raises(ValueError, match="teacher_precision='fp8' needs a CUDA GPU with FP8 tensor cores; the tensors are on cpu"):
+        fused_linear_cosine_distill(*problem.args(), teacher_precision="fp8")
+    with pytest.raises(ValueError, match="teacher_precision must be None or 'fp8'"):
+        fused_linear_cosine_distill(*problem.args(), teacher_precision="int4")
+
+
+@pytest.mark.parametrize("vocab_teacher, hidden_teacher", [(101, 24), (128, 32), (131, 40)])
+def test_fp8_teacher_equals_the_reference_on_the_quantized_teacher(impl, monkeypatch, vocab_teacher, hidden_teacher):
+    """Exact up to fp32 rounding once the reference sees the teacher's e4m3-rounded rows (odd shapes get padded)."""
+    monkeypatch.setattr(fp8, "check_supported", lambda device: None)
+    problem = make_problem(tokens=37, vocab_student=101, vocab_teacher=vocab_teacher, hidden_teacher=hidden_teacher,
+                           ignore_every=5)
+    losses = fused_linear_cosine_distill(*problem.args(), return_soft_hard_loss=True, teacher_precision="fp8",
+                                         impl=impl, chunk_size=10)
+    losses[0].backward()
+    quantized = make_problem(tokens=37, vocab_student=101, vocab_teacher=vocab_teacher, hidden_teacher=hidden_teacher)
+    quantized.__dict__.update(problem.__dict__)
+    quantized.teacher_input = dequantized(problem.teacher_input)
+    quantized.teacher_weight = dequantized(problem.teacher_weight)
+    ref_losses, ref_grads = reference(quantized)
+    for got, want in zip(losses, ref_losses):
+        assert rel_err(got, want) < 1e-5
+    for leaf, want in zip(problem.student_leaves(), ref_grads):
+        assert rel_err(leaf.grad, want) < 1e-5
+    # and the FP8 teacher is close to, not equal to, the unquantized one
+    assert 1e-5 < rel_err(losses[1], reference(problem)[0][1]) < 0.2
+
+
+def test_quantized_weight_is_cached_until_the_weight_changes():
+    weight = torch.randn(50, 32)
+    first = fp8.quantized_weight(weight)
+    assert fp8.quantized_weight(weight)[0] is first[0]
+    with torch.no_grad():
+        weight.mul_(2.0)
+    second = fp8.quantized_weight(weight)
+    assert second[0] is not first[0]
+    torch.testing.assert_close(second[1][:, :50], 2 * first[1][:, :50])
+    assert second[0].shape == (64, 32) and torch.count_nonzero(second[0][50:].float()) == 0
