@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from cosdistill import fused_linear_cosine_distill
+from cosdistill import fp8, fused_linear_cosine_distill
 from cosdistill.reference import naive_cosine_distill
 from cosdistill.row_step import RowStepScales, row_step_torch
 from cosdistill.row_step_triton import row_step_triton
@@ -113,6 +113,25 @@ def check_loss():
     return failures
 
 
+def check_fp8():
+    """The FP8 teacher path against float64 fed the dequantized teacher: only rounding may differ."""
+    failures = []
+    for tokens, vocab_student, vocab_teacher, hidden, chunk in [(300, 32011, 32011, 256, 128), (1000, 128256, 128320, 512, None)]:
+        args = random_problem(tokens, vocab_student, vocab_teacher, hidden, torch.bfloat16, bias=True, ignore_every=7)
+        quantized = list(args)
+        quantized[2], quantized[3] = fp8.dequantized(args[2]), fp8.dequantized(args[3])
+        ref_losses, ref_grads = float64_reference(quantized)
+        losses, grads = fused_run(args, chunk_size=chunk, teacher_precision="fp8")
+        loss_errs = [rel_err(a, b) for a, b in zip(losses, ref_losses)]
+        grad_errs = [rel_err(a, b) for a, b in zip(grads, ref_grads)]
+        ok = max(loss_errs) < 5e-3 and max(grad_errs) < 2e-2
+        print(f"fp8 T={tokens} Vs={vocab_student} Vt={vocab_teacher} H={hidden}: loss errs {[f'{e:.1e}' for e in loss_errs]} "
+              f"grad errs {[f'{e:.1e}' for e in grad_errs]} {'ok' if ok else 'FAIL'}")
+        if not ok:
+            failures.append(("fp8", tokens, vocab_student, vocab_teacher))
+    return failures
+
+
 def seed_accum_study(tokens):
     """Error vs float64 and peak memory above the inputs for each accum_dtype at the seed workload."""
     args = random_problem(tokens, 128256, 128256, 4096, torch.bfloat16, bias=False, ignore_every=0)
@@ -144,7 +163,7 @@ def main():
     parser.add_argument("--json")
     args = parser.parse_args()
     print(torch.__version__, torch.cuda.get_device_name())
-    failures = check_row_step() + check_loss()
+    failures = check_row_step() + check_loss() + check_fp8()
     study = seed_accum_study(args.seed_tokens)
     if args.json:
         with open(args.json, "w") as f:

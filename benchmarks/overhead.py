@@ -2,18 +2,20 @@
 
 * one step timed alone (synchronised before, CUDA events), grad_output 1 and 0.5;
 * ten steps back to back between one pair of events (per step), grad_output 1;
-* the kernels' own time from torch.profiler (sum of device time), for comparison.
+* the kernels' own time from torch.profiler (sum of device time), for comparison;
+* host time from the call to the first GEMM's launch (the GPU idles that long when it had no queue).
 
     PYTHONPATH=src python benchmarks/overhead.py [--tokens 1024,8192]
 """
 
 import argparse
 import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cosdistill import fused_linear_cosine_distill
+from cosdistill import chunked, fused_linear_cosine_distill
 from cosdistill.bench import make_tensors
 
 
@@ -36,6 +38,31 @@ def timed(fn, repeats):
     return statistics.median(times)
 
 
+def host_time_to_first_gemm(tensors):
+    """Seconds of Python between calling the loss and launching its first logits GEMM (median of 10)."""
+    original = chunked.TeacherHead.logits_into
+    launched = []
+
+    def timed_logits_into(self, out, hidden):
+        launched.append(time.perf_counter())
+        original(self, out, hidden)
+
+    chunked.TeacherHead.logits_into = timed_logits_into
+    try:
+        delays = []
+        for _ in range(10):
+            torch.cuda.synchronize()
+            launched.clear()
+            start = time.perf_counter()
+            with torch.no_grad():
+                fused_linear_cosine_distill(*tensors.args())
+            # the student GEMM is launched just before the teacher's: this bounds it from above
+            delays.append(launched[0] - start)
+        return statistics.median(delays)
+    finally:
+        chunked.TeacherHead.logits_into = original
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="1024,8192")
@@ -50,8 +77,10 @@ def main():
             step(tensors, 1.0)
             torch.cuda.synchronize()
         kernel_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+        first_gemm_ms = host_time_to_first_gemm(tensors) * 1e3
         print(f"T={tokens}: alone g=1 {alone[1.0]:.3f} ms, g=0.5 {alone[0.5]:.3f} ms; "
-              f"back to back {back_to_back:.3f} ms/step; kernels {kernel_ms:.3f} ms")
+              f"back to back {back_to_back:.3f} ms/step; kernels {kernel_ms:.3f} ms; "
+              f"host time to first GEMM {first_gemm_ms:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 import json
+import sys
 
 import pytest
+import torch
 
 from cosdistill.cli import main
 
@@ -47,3 +49,42 @@ def test_failed_check_prints_the_table_and_exits_1(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert code == 1
     assert "| ours | 32 | full |" in out and "check: FAILED" in out
+
+
+def test_bench_plots_a_png(capsys, tmp_path):
+    png_path = tmp_path / "bench.png"
+    code = main(TINY + ["--providers", "ours,naive,floor", "--plot", str(png_path)])
+    assert code == 0, capsys.readouterr().out
+    assert png_path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_plot_without_matplotlib_exits_2_before_the_run(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit) as exit_info:
+        main(TINY + ["--plot", str(tmp_path / "bench.png")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "cosdistill: error: --plot needs matplotlib: pip install 'cosdistill[bench]'\n"
+
+
+def test_fp8_is_skipped_with_a_note_on_the_cpu(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # and no progress bar without tqdm
+    code = main(TINY + ["--providers", "ours,ours-fp8,floor"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out
+    assert "| ours-fp8 |" not in captured.out and "check: passed" in captured.out
+    assert "ours-fp8 skipped: teacher_precision='fp8' needs a CUDA GPU with FP8 tensor cores" in captured.out
+    assert captured.err == ""
+
+
+def test_fp8_loss_error_is_reported_not_checked(capsys, monkeypatch):
+    """With the hardware check off, FP8 runs through torch's reference _scaled_mm on the CPU."""
+    from cosdistill import bench
+
+    monkeypatch.setattr(bench.fp8, "check_supported", lambda device: None)
+    monkeypatch.setitem(bench.TOLERANCE, torch.float32, 2e-6)  # ours' errors are below 1e-6, FP8's above 1e-5
+    code = main(TINY + ["--providers", "ours-fp8,floor", "--mode", "forward"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    fp8_row = next(line for line in out.splitlines() if line.startswith("| ours-fp8 | 32 | forward |"))
+    assert 2e-6 < float(fp8_row.split("|")[7]) < 1e-2  # the loss err column
+    assert "check: passed" in out

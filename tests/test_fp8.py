@@ -8,14 +8,6 @@ from cosdistill import fp8, fused_linear_cosine_distill
 from conftest import make_problem, reference, rel_err
 
 
-def dequantized(tensor):
-    """What the FP8 GEMM actually multiplies: each row rounded to e4m3 under its own scale."""
-    rows = tensor.detach().reshape(-1, tensor.shape[-1]).float()
-    out, scales = torch.empty(rows.shape, dtype=fp8.FP8), torch.empty(rows.shape[0], 1)
-    fp8.quantize_rows(rows, out, scales)
-    return (out.float() * scales).reshape(tensor.shape)
-
-
 def test_fp8_is_refused_on_the_cpu():
     problem = make_problem()
     with pytest.raises(ValueError, match="teacher_precision='fp8' needs a CUDA GPU with FP8 tensor cores; the tensors are on cpu"):
@@ -35,8 +27,8 @@ def test_fp8_teacher_equals_the_reference_on_the_quantized_teacher(impl, monkeyp
     losses[0].backward()
     quantized = make_problem(tokens=37, vocab_student=101, vocab_teacher=vocab_teacher, hidden_teacher=hidden_teacher)
     quantized.__dict__.update(problem.__dict__)
-    quantized.teacher_input = dequantized(problem.teacher_input)
-    quantized.teacher_weight = dequantized(problem.teacher_weight)
+    quantized.teacher_input = fp8.dequantized(problem.teacher_input)
+    quantized.teacher_weight = fp8.dequantized(problem.teacher_weight)
     ref_losses, ref_grads = reference(quantized)
     for got, want in zip(losses, ref_losses):
         assert rel_err(got, want) < 1e-5

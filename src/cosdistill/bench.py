@@ -3,28 +3,35 @@
 One process, one workload, every provider on the same tensors:
 
 * ``ours``  - ``fused_linear_cosine_distill`` (once per chunk size / accum dtype setting asked for);
+* ``ours-fp8`` - the same with ``teacher_precision="fp8"`` (automatic chunk size, default accumulator),
+  where the device has FP8 tensor cores;
 * ``naive`` - ``naive_cosine_distill``: full logits and autograd;
 * ``liger`` - Liger-Kernel's ``LigerFusedLinearCosineSimilarityLoss``, if it can be imported;
 * ``floor`` - the four GEMMs any exact implementation must do (two in forward mode), on the whole T.
 
 Mode "full" times forward + ``loss.backward()``; mode "forward" times the forward under ``no_grad``.
 Before timing, ours' loss is checked against the naive loss at every bench size, and ours' loss and
-student gradients against the naive version in float64 on a small problem.
+student gradients against the naive version in float64 on a small problem. The loss errors of liger and
+ours-fp8 (FP8 quantization: about 1e-3 to 1e-2) are reported for information and are not checked.
 """
 
+import contextlib
 import itertools
 import json
 import statistics
+import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
 import torch
 
+from . import fp8
 from .api import fused_linear_cosine_distill
 from .reference import naive_cosine_distill
 
-PROVIDERS = ("ours", "naive", "liger", "floor")
+PROVIDERS = ("ours", "ours-fp8", "naive", "liger", "floor")
 MODES = ("full", "forward")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -78,6 +85,10 @@ class OursSetting:
     chunk_size: int | None  # None: the API's automatic size
     accum_dtype: torch.dtype | None  # None: the API's default (the weight's dtype)
     label: str
+    teacher_precision: str | None = None  # None: the teacher GEMM in the teacher's dtype
+
+
+FP8_SETTING = OursSetting(None, None, "ours-fp8", teacher_precision="fp8")
 
 
 def ours_settings(chunk_sizes=None, accum_dtypes=None) -> list[OursSetting]:
@@ -139,15 +150,20 @@ def rel_err(actual, expected) -> float:
     return ((actual - expected).norm() / expected.norm()).item()
 
 
+def ours_loss(setting: OursSetting, tensors: Tensors) -> torch.Tensor:
+    return fused_linear_cosine_distill(
+        *tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
+        teacher_precision=setting.teacher_precision,
+    )
+
+
 # Each provider is a function (tensors, mode) -> a no-argument callable that runs one step.
 
 
 def ours_provider(setting: OursSetting):
     def build(tensors: Tensors, mode: str):
         def step():
-            loss = fused_linear_cosine_distill(
-                *tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype
-            )
+            loss = ours_loss(setting, tensors)
             if mode == "full":
                 loss.backward()
 
@@ -249,7 +265,7 @@ def peak_gb_above_inputs(step, tensors: Tensors, device: torch.device) -> float 
 def small_problem_errors(setting: OursSetting, workload: Workload, device: torch.device) -> dict:
     """Ours' loss and student grads against the naive version on float64 copies, at T=64, V=1000, H=64."""
     tensors = make_tensors(SMALL_TOKENS, SMALL_VOCAB, SMALL_HIDDEN, SMALL_HIDDEN // 2, workload.dtype, device)
-    loss = fused_linear_cosine_distill(*tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype)
+    loss = ours_loss(setting, tensors)
     loss.backward()
 
     def float64_copy(tensor):
@@ -299,10 +315,19 @@ def run_bench(workload: Workload, device: torch.device, providers=PROVIDERS, mod
         liger_loss, why_not = load_liger(device)
         if liger_loss is None:
             notes.append(why_not)
+    fp8_settings = []  # timed; loss error reported, not checked
+    if "ours-fp8" in providers:
+        try:
+            fp8.check_supported(device)
+            fp8_settings.append(FP8_SETTING)
+        except ValueError as error:
+            notes.append(f"ours-fp8 skipped: {error}")
     builders = {}  # row label -> function (tensors, mode) -> step
     for name in providers:
         if name == "ours":
             builders.update({setting.label: ours_provider(setting) for setting in settings})
+        elif name == "ours-fp8" and fp8_settings:
+            builders["ours-fp8"] = ours_provider(FP8_SETTING)
         elif name == "naive":
             builders["naive"] = naive_provider
         elif name == "liger" and liger_loss is not None:
@@ -314,23 +339,26 @@ def run_bench(workload: Workload, device: torch.device, providers=PROVIDERS, mod
     ours_errors = [error for errors in small_errors.values() for error in errors.values()]
 
     rows = []
-    for tokens in workload.tokens:
-        tensors = make_tensors(tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype, device)
-        loss_errors = bench_size_loss_errors(tensors, settings, liger_loss)
-        ours_errors += [loss_errors[setting.label] for setting in settings]
-        for label, build in builders.items():
-            milliseconds, peak_gb = time_provider(build, tensors, device, mode, workload, notes, label)
-            rows.append({
-                "provider": label,
-                "T": tokens,
-                "mode": mode,
-                "median_ms": milliseconds,
-                "ratio_to_floor": None,
-                "peak_gb_above_inputs": peak_gb,
-                "loss_rel_err": loss_errors.get(label),
-                **small_errors.get(label, dict.fromkeys(SMALL_ERROR_KEYS)),
-            })
-        del tensors
+    with progress_bar(len(workload.tokens) * len(builders)) as bar:
+        for tokens in workload.tokens:
+            tensors = make_tensors(tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype, device)
+            loss_errors = bench_size_loss_errors(tensors, settings + fp8_settings, liger_loss)
+            ours_errors += [loss_errors[setting.label] for setting in settings]
+            for label, build in builders.items():
+                milliseconds, peak_gb = time_provider(build, tensors, device, mode, workload, notes, label)
+                rows.append({
+                    "provider": label,
+                    "T": tokens,
+                    "mode": mode,
+                    "median_ms": milliseconds,
+                    "ratio_to_floor": None,
+                    "peak_gb_above_inputs": peak_gb,
+                    "loss_rel_err": loss_errors.get(label),
+                    **small_errors.get(label, dict.fromkeys(SMALL_ERROR_KEYS)),
+                })
+                if bar is not None:
+                    bar.update()
+            del tensors
 
     floor_ms = {row["T"]: row["median_ms"] for row in rows if row["provider"] == "floor"}
     for row in rows:
@@ -344,17 +372,20 @@ def run_bench(workload: Workload, device: torch.device, providers=PROVIDERS, mod
     return BenchResult(environment_header(device, workload, mode), rows, check_passed, notes)
 
 
+def progress_bar(total: int):
+    """A tqdm bar on stderr (the table goes to stdout), or a context yielding None if tqdm is not installed."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return contextlib.nullcontext()
+    return tqdm(total=total, desc="bench", unit="timing", file=sys.stderr)
+
+
 def bench_size_loss_errors(tensors: Tensors, settings, liger_loss) -> dict:
-    """Relative error of each ours setting's loss (and Liger's, for information) against the naive loss."""
+    """Relative error of each ours setting's loss (and Liger's) against the naive loss."""
     with torch.no_grad():
         naive_loss = naive_cosine_distill(*tensors.args())[0]
-        errors = {
-            setting.label: rel_err(
-                fused_linear_cosine_distill(*tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype),
-                naive_loss,
-            )
-            for setting in settings
-        }
+        errors = {setting.label: rel_err(ours_loss(setting, tensors), naive_loss) for setting in settings}
         if liger_loss is not None:
             liger_out = liger_loss(*tensors.args(), None, None)
             errors["liger"] = rel_err(liger_out[0] if isinstance(liger_out, tuple) else liger_out, naive_loss)
@@ -407,7 +438,7 @@ def markdown_table(result: BenchResult) -> str:
         "",
         f"check: {'passed' if result.check_passed else 'FAILED'} (loss err vs naive at each T; "
         f"small = T={SMALL_TOKENS}, V={SMALL_VOCAB}, H={SMALL_HIDDEN}, student H={SMALL_HIDDEN // 2} against float64; "
-        "liger's loss err is for information only)",
+        "the loss errs of liger and ours-fp8 are for information only)",
         *result.notes,
     ]
     return "\n".join(lines) + "\n"
@@ -416,3 +447,34 @@ def markdown_table(result: BenchResult) -> str:
 def write_json(result: BenchResult, path: str):
     with open(path, "w") as file:
         json.dump(asdict(result), file, indent=2)
+
+
+def write_plot(result: BenchResult, path: str):
+    """A PNG: median ms vs T per provider (log-log), and each provider's time as % of the floor's vs T."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(13, 5.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    times, percent_of_floor = figure.subplots(1, 2)
+    tokens = sorted({row["T"] for row in result.rows})
+    for index, provider in enumerate(dict.fromkeys(row["provider"] for row in result.rows)):
+        style = dict(marker="o", color=f"C{index}", label=provider)  # one colour per provider in both panels
+        timed = [row for row in result.rows if row["provider"] == provider and row["median_ms"] is not None]
+        times.plot([row["T"] for row in timed], [row["median_ms"] for row in timed], **style)
+        against_floor = [row for row in timed if row["ratio_to_floor"] is not None]
+        if provider != "floor" and against_floor:
+            percents = [100 * row["ratio_to_floor"] for row in against_floor]
+            percent_of_floor.plot([row["T"] for row in against_floor], percents, **style)
+    percent_of_floor.axhline(100, color="gray", linestyle="--", label="floor")
+    times.set(yscale="log", ylabel="median time (ms)", title="time")
+    percent_of_floor.set(ylabel="time (% of floor)", title="time relative to the GEMM floor")
+    for axes in (times, percent_of_floor):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(tokens, [str(t) for t in tokens])
+        axes.set_xticks([], minor=True)
+        axes.set_xlabel("tokens T")
+        axes.grid(True, alpha=0.3)
+        axes.legend()
+    figure.suptitle(textwrap.fill(result.header, 160), fontsize=9)
+    figure.savefig(path, dpi=120)

@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 
@@ -50,11 +51,12 @@ def build_parser():
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
         "bench",
-        help="time the fused loss against naive, Liger-Kernel and a GEMM floor",
+        help="time the fused loss (also with an FP8 teacher) against naive, Liger-Kernel and a GEMM floor",
         description=(
-            "Time the fused loss against the naive version, Liger-Kernel and the bare GEMMs, after checking its "
-            "loss and gradients. Defaults: on CUDA V=128256, H=4096, bf16, T=1024,2048,4096,8192, warm-up 3, "
-            "10 reps; on CPU a small fp32 workload (V=8192, H=512, T=256,512, warm-up 1, 3 reps). "
+            "Time the fused loss (also with an FP8 teacher GEMM, where the GPU has FP8 tensor cores) against the "
+            "naive version, Liger-Kernel and the bare GEMMs, after checking its loss and gradients. "
+            "Defaults: on CUDA V=128256, H=4096, bf16, T=1024,2048,4096,8192, warm-up 3, "
+            "10 reps; on CPU a small fp32 workload (V=8192, H=512, T=256,512, warm-up 1, 5 reps). "
             "Exit status 1 if the check fails, 2 on a usage error."
         ),
     )
@@ -73,6 +75,7 @@ def build_parser():
     run.add_argument("--reps", type=int, help="timed calls; the median is reported")
     run.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     run.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
+    run.add_argument("--plot", metavar="PATH", help="also plot time and %% of the floor vs T as a PNG (needs matplotlib)")
     return parser
 
 
@@ -85,9 +88,11 @@ def resolve_device(name):
 
 
 def run_bench_command(args):
-    for path in (args.json, args.markdown):  # fail before a long run, not after it
+    for path in (args.json, args.markdown, args.plot):  # fail before a long run, not after it
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ValueError(f"cannot write {path}: its folder does not exist")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install 'cosdistill[bench]'")
     device = resolve_device(args.device)
     default = bench.CUDA_WORKLOAD if device.type == "cuda" else bench.CPU_WORKLOAD
     hidden = args.hidden if args.hidden is not None else default.hidden
@@ -110,6 +115,8 @@ def run_bench_command(args):
             file.write(table)
     if args.json:
         bench.write_json(result, args.json)
+    if args.plot:
+        bench.write_plot(result, args.plot)
     return 0 if result.check_passed else EXIT_CHECK_FAILED
 
 

@@ -44,6 +44,14 @@ def quantize_rows(rows: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -
     out.copy_(rows.float() / scales)  # |rows / scale| <= FP8_MAX, so the cast never saturates
 
 
+def dequantized(rows: torch.Tensor) -> torch.Tensor:
+    """fp32 rows as the FP8 GEMM sees them: each rounded to e4m3 under its own scale (for checks)."""
+    out = torch.empty(rows.shape, dtype=FP8, device=rows.device)
+    scales = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+    quantize_rows(rows.detach(), out, scales)
+    return out.float() * scales
+
+
 def quantized_weight(weight: torch.Tensor):
     """(FP8 weight [round16(V), round16(H)], fp32 row scales [1, round16(V)]), cached per weight version."""
     cached = _weight_cache.get(weight)
