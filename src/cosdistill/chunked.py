@@ -24,15 +24,18 @@ class Normaliser(Protocol):
 
     def wait(self) -> float: ...
 
-# The two logits buffers (student + teacher, one chunk each) are sized to stay under this.
-LOGITS_BUFFER_BUDGET_BYTES = 512 * 2**20
+# 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole grad_weight, and
+# below ~1024 rows that traffic starts to show (V = 262144 at 512 rows ran 1.34x the floor);
+# above it the logits buffers outgrow Liger's memory for little gain (benchmarks/NOTES.md).
+PREFERRED_CHUNK_ROWS = 1024
+# Fewer rows where the two logits buffers (student + teacher, one chunk each) would pass this.
+LOGITS_BUFFER_BUDGET_BYTES = 2**30
 CHUNK_MULTIPLE = 64
 
 
 def auto_chunk_size(num_tokens: int, vocab_student: int, vocab_teacher: int, itemsize: int) -> int:
-    """Largest multiple of CHUNK_MULTIPLE whose two logits buffers fit the budget (at least one multiple)."""
-    rows = LOGITS_BUFFER_BUDGET_BYTES // max(1, (vocab_student + vocab_teacher) * itemsize)
-    rows = max(CHUNK_MULTIPLE, rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+    rows_in_budget = LOGITS_BUFFER_BUDGET_BYTES // max(1, (vocab_student + vocab_teacher) * itemsize)
+    rows = min(PREFERRED_CHUNK_ROWS, max(CHUNK_MULTIPLE, rows_in_budget // CHUNK_MULTIPLE * CHUNK_MULTIPLE))
     return max(1, min(rows, num_tokens))
 
 
