@@ -34,6 +34,8 @@ def fused_linear_cosine_distill(
     accum_dtype=None,
     impl="auto",
     teacher_precision=None,
+    student_softcap=None,
+    teacher_softcap=None,
 ):
     """Hard cross-entropy plus soft cosine distillation loss through two LM heads, never holding all logits.
 
@@ -56,7 +58,9 @@ def fused_linear_cosine_distill(
     across ranks), ``accum_dtype`` (dtype of the grad_weight accumulator: the weight's dtype, the
     default, or torch.float32), ``impl`` ("auto": Triton on CUDA, torch elsewhere; "torch"; "triton"),
     ``teacher_precision`` (None: the teacher GEMM in the teacher's dtype; "fp8": in FP8 e4m3 with
-    row-wise scales, on GPUs with FP8 tensor cores; the quantized weight is cached while unchanged).
+    row-wise scales, on GPUs with FP8 tensor cores; the quantized weight is cached while unchanged),
+    ``student_softcap`` / ``teacher_softcap`` (Gemma-2 style final logit softcapping c: each head's
+    logits, bias included, become c * tanh(logits / c) before everything above; None: none).
     ``compiled`` is accepted for compatibility with Liger and changes nothing.
     ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget.
     """
@@ -65,6 +69,9 @@ def fused_linear_cosine_distill(
     vocab_student, vocab_teacher = student_weight.shape[0], teacher_weight.shape[0]
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
+        if cap is not None and not cap > 0:
+            raise ValueError(f"{name} must be > 0 or None, got {cap}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if accum_dtype not in (None, torch.float32, student_weight.dtype):
@@ -87,7 +94,11 @@ def fused_linear_cosine_distill(
     grad_on = torch.is_grad_enabled()
     needs_grad = tuple(grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
     options = _Options(
-        scales=RowStepScales(float(weight_hard_loss), float(weight_soft_loss), float(beta), float(temperature), int(ignore_index)),
+        scales=RowStepScales(
+            float(weight_hard_loss), float(weight_soft_loss), float(beta), float(temperature), int(ignore_index),
+            student_softcap=None if student_softcap is None else float(student_softcap),
+            teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
+        ),
         normaliser=_LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens),
         row_step=_pick_row_step(impl, student_input.device),
         teacher=teacher,
@@ -123,6 +134,8 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
         accum_dtype=None,
         impl="auto",
         teacher_precision=None,
+        student_softcap=None,
+        teacher_softcap=None,
     ):
         super().__init__()
         self.options = dict(
@@ -137,6 +150,8 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
             accum_dtype=accum_dtype,
             impl=impl,
             teacher_precision=teacher_precision,
+            student_softcap=student_softcap,
+            teacher_softcap=teacher_softcap,
         )
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None, teacher_bias=None, *, num_valid_tokens=None):

@@ -34,6 +34,8 @@ class RowStepScales:
     beta: float
     temperature: float
     ignore_index: int
+    student_softcap: float | None = None  # logits -> c * tanh(logits / c)
+    teacher_softcap: float | None = None
 
 
 def cosine_terms(dot, sum_sq_student, sum_sq_teacher, scales: RowStepScales):
