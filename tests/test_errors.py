@@ -100,6 +100,8 @@ def test_bad_scalars_and_options():
     problem = make_problem()
     with pytest.raises(ValueError, match="temperature must be > 0"):
         call(problem, temperature=0.0)
+    with pytest.raises(ValueError, match="student_softcap must be > 0 or None"):
+        call(problem, student_softcap=0.0)
     with pytest.raises(ValueError, match="num_valid_tokens must be > 0"):
         call(problem, num_valid_tokens=0)
     with pytest.raises(ValueError, match="impl must be one of"):

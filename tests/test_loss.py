@@ -183,3 +183,12 @@ def test_fp16_gradients_do_not_underflow_at_many_tokens(impl):
     """dlogits are kept unnormalised (1/N goes into the GEMMs); p / N would sit in fp16's subnormals here."""
     problem = make_problem(tokens=1500, hidden_student=8, hidden_teacher=8, vocab_student=64, dtype=torch.float16)
     assert_matches_reference(problem, torch.float16, impl=impl, chunk_size=512)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("caps", [(5.0, None), (None, 3.0), (2.5, 4.0)])
+def test_logit_softcapping(impl, dtype, caps):
+    """Gemma-2 style c * tanh(logits / c) on each head, small caps so that tanh really bends."""
+    options = dict(student_softcap=caps[0], teacher_softcap=caps[1], temperature=1.5)
+    problem = make_problem(dtype=dtype, vocab_teacher=120, ignore_every=4)
+    assert_matches_reference(problem, dtype, ref_kwargs=options, impl=impl, chunk_size=10, **options)

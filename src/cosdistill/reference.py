@@ -22,6 +22,8 @@ def naive_cosine_distill(
     ignore_index=-100,
     temperature=1.0,
     num_valid_tokens=None,
+    student_softcap=None,
+    teacher_softcap=None,
 ):
     """Returns (loss, soft, hard). Computes in fp32, or in float64 if the inputs are float64."""
     compute_dtype = torch.promote_types(student_input.dtype, torch.float32)
@@ -29,6 +31,11 @@ def naive_cosine_distill(
     student = F.linear(student_input, student_weight, student_bias).reshape(labels.numel(), -1).to(compute_dtype)
     with torch.no_grad():
         teacher = F.linear(teacher_input, teacher_weight, teacher_bias).reshape(labels.numel(), -1).to(compute_dtype)
+
+    if student_softcap is not None:
+        student = student_softcap * torch.tanh(student / student_softcap)
+    if teacher_softcap is not None:
+        teacher = teacher_softcap * torch.tanh(teacher / teacher_softcap)
 
     valid = labels != ignore_index
     normaliser = max(1, int(valid.sum())) if num_valid_tokens is None else num_valid_tokens

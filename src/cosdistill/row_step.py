@@ -3,6 +3,8 @@
 For one chunk of tokens it takes the student logits s [n, Vs] and the teacher logits t [n, Vt]
 (Vt >= Vs; s is treated as zero-padded to Vt), and
 
+* with softcapping (Gemma-2 style), replaces s by c_s * tanh(s / c_s) and t by c_t * tanh(t / c_t)
+  before anything below (the gradient then carries the factor 1 - tanh^2);
 * writes each token's unnormalised hard and soft loss into ``token_losses`` [n, 2]:
       hard_i = logsumexp(s_i) - s_i[label_i]
       soft_i = beta * (1 - cos(s_i / T, t_i / T))
@@ -38,6 +40,10 @@ class RowStepScales:
     teacher_softcap: float | None = None
 
 
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
 def cosine_terms(dot, sum_sq_student, sum_sq_teacher, scales: RowStepScales):
     """cos(s/T, t/T) and the two coefficients of its gradient, from the raw row sums.
 
@@ -67,8 +73,8 @@ def row_step_torch(
     write_grad: bool,
 ) -> None:
     vocab_student = student_logits.shape[1]
-    s = student_logits.float()
-    t = teacher_logits.float()
+    s = softcap(student_logits.float(), scales.student_softcap)
+    t = softcap(teacher_logits.float(), scales.teacher_softcap)
     t_shared = t[:, :vocab_student]  # the student's zero padding adds nothing to s.t or |s|^2
 
     valid = (labels != scales.ignore_index) & (labels >= 0) & (labels < vocab_student)
@@ -91,5 +97,7 @@ def row_step_torch(
     grad *= scales.weight_hard
     soft_scale = scales.weight_soft * scales.beta
     grad -= soft_scale * (coef_teacher[:, None] * t_shared - coef_student[:, None] * s)
+    if scales.student_softcap is not None:
+        grad *= 1.0 - (s / scales.student_softcap) ** 2  # d(c tanh(z / c)) / dz
     grad = torch.where(valid[:, None], grad, 0.0)
     student_logits.copy_(grad)

@@ -16,6 +16,14 @@ DEFAULT_WARPS = 4
 
 
 @triton.jit
+def _softcap(x, cap):
+    """cap * tanh(x / cap), with tanh written through exp of a non-positive number (no overflow)."""
+    decay = tl.exp(-2.0 * tl.abs(x) / cap)
+    tanh_abs = (1.0 - decay) / (1.0 + decay)
+    return cap * tl.where(x >= 0, tanh_abs, -tanh_abs)
+
+
+@triton.jit
 def _row_step_kernel(
     student_ptr,
     student_row_stride,
@@ -31,6 +39,10 @@ def _row_step_kernel(
     beta,
     inv_temp_sq,
     eps,
+    student_cap,
+    teacher_cap,
+    STUDENT_CAP: tl.constexpr,
+    TEACHER_CAP: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -52,6 +64,10 @@ def _row_step_kernel(
         in_row = cols < vocab_student
         s = tl.load(student_row + cols, mask=in_row, other=0.0).to(tl.float32)
         t = tl.load(teacher_row + cols, mask=in_row, other=0.0).to(tl.float32)
+        if STUDENT_CAP:
+            s = _softcap(s, student_cap)
+        if TEACHER_CAP:
+            t = _softcap(t, teacher_cap)
         s_for_max = tl.where(in_row, s, float("-inf"))
         new_max = tl.maximum(run_max, s_for_max)
         # A lane that has seen only padding keeps max = -inf; keep its sum at 0 instead of NaN.
@@ -65,11 +81,15 @@ def _row_step_kernel(
     for start in range(vocab_student, vocab_teacher, BLOCK):
         cols = start + offsets
         t = tl.load(teacher_row + cols, mask=cols < vocab_teacher, other=0.0).to(tl.float32)
+        if TEACHER_CAP:
+            t = _softcap(t, teacher_cap)
         sum_sq_teacher += t * t
 
     row_max = tl.max(run_max, axis=0)
     logsumexp = row_max + tl.log(tl.sum(run_sum_exp * tl.exp(run_max - row_max), axis=0))
     target_logit = tl.load(student_row + tl.where(valid, label, 0)).to(tl.float32)
+    if STUDENT_CAP:
+        target_logit = _softcap(target_logit, student_cap)
 
     norm_student = tl.sqrt(tl.sum(sum_sq_student, axis=0) * inv_temp_sq)
     norm_teacher = tl.sqrt(tl.sum(sum_sq_teacher, axis=0) * inv_temp_sq)
@@ -95,9 +115,15 @@ def _row_step_kernel(
             in_row = cols < vocab_student
             s = tl.load(student_row + cols, mask=in_row, other=0.0).to(tl.float32)
             t = tl.load(teacher_row + cols, mask=in_row, other=0.0).to(tl.float32)
+            if STUDENT_CAP:
+                s = _softcap(s, student_cap)
+            if TEACHER_CAP:
+                t = _softcap(t, teacher_cap)
             prob = tl.exp(s - logsumexp)
             grad = weight_hard * (prob - tl.where(cols == label, 1.0, 0.0))
             grad -= soft_scale * (coef_teacher * t - coef_student * s)
+            if STUDENT_CAP:
+                grad *= 1.0 - (s / student_cap) * (s / student_cap)  # d(c tanh(z / c)) / dz
             grad = tl.where(valid, grad, 0.0)
             tl.store(student_row + cols, grad.to(student_ptr.dtype.element_ty), mask=in_row)
 
@@ -135,6 +161,10 @@ def row_step_triton(
         scales.beta,
         1.0 / (scales.temperature * scales.temperature),
         COSINE_EPS,
+        scales.student_softcap or 1.0,
+        scales.teacher_softcap or 1.0,
+        STUDENT_CAP=scales.student_softcap is not None,
+        TEACHER_CAP=scales.teacher_softcap is not None,
         WRITE_GRAD=write_grad,
         BLOCK=block,
         num_warps=num_warps,
