@@ -64,6 +64,15 @@ def fused_linear_cosine_distill(
     ``compiled`` is accepted for compatibility with Liger and changes nothing.
     ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget.
     """
+    if torch.compiler.is_compiling():  # torch.compile: the registered custom op, see ops.py
+        from . import ops
+
+        return ops.compiled_distill(
+            student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
+            weight_hard_loss, weight_soft_loss, beta, ignore_index, temperature, compiled, chunk_size,
+            return_soft_hard_loss, num_valid_tokens=num_valid_tokens, accum_dtype=accum_dtype, impl=impl,
+            teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+        )
     _check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias)
     hidden_student = student_input.shape[-1]
     vocab_student, vocab_teacher = student_weight.shape[0], teacher_weight.shape[0]

@@ -51,7 +51,7 @@ class Gradients:
     grad_input: torch.Tensor | None
     grad_weight: torch.Tensor | None  # in the accum dtype
     grad_bias: torch.Tensor | None  # fp32
-    last_grad_logits: torch.Tensor | None  # the last chunk's d L / d logits (unnormalised)
+    last_grad_logits: torch.Tensor | None  # the last chunk's d L / d logits (unnormalised); None: no GEMM waits
     last_hidden: torch.Tensor | None
     accumulate_last: bool  # whether grad_weight already holds earlier chunks
     inv_normaliser: float
@@ -62,13 +62,11 @@ class Gradients:
             for grad in (self.grad_input, self.grad_bias):
                 if grad is not None:
                     grad.mul_(grad_output)
-        if self.grad_weight is not None and self.last_grad_logits is not None:
+        if self.last_grad_logits is not None:
             _grad_weight_gemm(
                 self.grad_weight, self.last_grad_logits, self.last_hidden,
                 alpha=grad_output * self.inv_normaliser, beta=grad_output if self.accumulate_last else 0.0,
             )
-        elif self.grad_weight is not None:  # no tokens: zeros
-            self.grad_weight.mul_(grad_output)
         return self.grad_input, self.grad_weight, self.grad_bias
 
 
@@ -175,10 +173,11 @@ def chunked_loss_and_grads(
     gradients = None
     if write_grad:
         last_start = (num_tokens - 1) // chunk * chunk if num_tokens else 0
+        defer = grad_weight is not None and num_tokens > 0  # otherwise nothing waits for backward
         gradients = Gradients(
             grad_input, grad_weight, grad_bias,
-            last_grad_logits=student_logits[: num_tokens - last_start] if num_tokens else None,
-            last_hidden=student_input[last_start:] if num_tokens else None,
+            last_grad_logits=student_logits[: num_tokens - last_start] if defer else None,
+            last_hidden=student_input[last_start:] if defer else None,
             accumulate_last=last_start > 0,
             inv_normaliser=inv_normaliser,
         )
