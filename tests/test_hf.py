@@ -1,0 +1,280 @@
+"""cosdistill.hf against the naive computation from the models' own logits, and the Trainer."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from cosdistill import hf  # noqa: E402
+from cosdistill.hf import CosineDistillationTrainer, cosine_distill_loss, final_hidden_states  # noqa: E402
+from conftest import rel_err  # noqa: E402
+
+SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+CONFIGS = {
+    "llama": lambda **kw: transformers.LlamaConfig(**SIZES, **kw),
+    "qwen2": lambda **kw: transformers.Qwen2Config(**SIZES, **kw),
+    "phi": lambda **kw: transformers.PhiConfig(**SIZES, **kw),  # its LM head has a bias
+    "gemma2": lambda **kw: transformers.Gemma2Config(**SIZES, head_dim=8, final_logit_softcapping=3.0, **kw),
+    "cohere": lambda **kw: transformers.CohereConfig(**SIZES, logit_scale=0.5, **kw),
+    "gpt2": lambda **kw: transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **kw),
+}
+OPTIONS = dict(weight_hard_loss=0.3, weight_soft_loss=1.7, beta=0.7, temperature=2.0)
+
+
+def tiny_model(kind, vocab=128, tie=False, head_bias=False, seed=0):
+    torch.manual_seed(seed)
+    config = CONFIGS[kind](vocab_size=vocab, tie_word_embeddings=tie)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if head_bias:
+        model.get_output_embeddings().bias = torch.nn.Parameter(torch.randn(vocab))
+    return model
+
+
+def make_batch(lengths=(9, 6, 3), vocab=128, left_pad=False, seed=0):
+    """Padding whose labels are NOT -100 (the attention mask alone must exclude it), plus a -100 label."""
+    generator = torch.Generator().manual_seed(seed)
+    length = max(lengths)
+    input_ids = torch.randint(3, vocab, (len(lengths), length), generator=generator)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, n in enumerate(lengths):
+        attention_mask[row, slice(length - n, None) if left_pad else slice(n)] = 1
+    input_ids = input_ids.masked_fill(attention_mask == 0, 0)
+    labels = input_ids.clone()
+    labels[0, 4] = -100
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def naive_loss(student, teacher, input_ids, attention_mask, labels, weight_hard_loss=0.5, weight_soft_loss=0.5,
+               beta=0.5, temperature=1.0):
+    """From model(...).logits in float64, sliced the usual way: position i predicts token i + 1 when both are real."""
+    student_logits = student(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].double()
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].double()
+    targets = labels[:, 1:]
+    valid = (targets != -100) & attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    s, t, targets = student_logits[valid], teacher_logits[valid], targets[valid]
+    count = max(1, targets.numel())
+    hard = F.cross_entropy(s, targets, reduction="sum") / count
+    s = F.pad(s, (0, t.shape[-1] - s.shape[-1]))
+    soft = (beta * (1 - F.cosine_similarity(s / temperature, t / temperature, dim=-1, eps=1e-8))).sum() / count
+    return weight_hard_loss * hard + weight_soft_loss * soft, soft, hard
+
+
+def reference(student, teacher, batch, **options):
+    """(loss, soft, hard) and {name: grad} of (a copy of) the student, through naive_loss.
+
+    The models run in float32: Hugging Face's eager attention gives NaN with left padding in float64.
+    """
+    student = copy.deepcopy(student)
+    losses = naive_loss(student, teacher, **batch, **options)
+    losses[0].backward()
+    return [loss.detach() for loss in losses], {name: p.grad for name, p in student.named_parameters()}
+
+
+def assert_grads_match(student, reference_grads, tol):
+    for name, param in student.named_parameters():
+        assert param.grad is not None, name
+        assert rel_err(param.grad, reference_grads[name]) < tol, (name, rel_err(param.grad, reference_grads[name]))
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_final_hidden_states_is_the_backbones_last_hidden_state(kind):
+    model = tiny_model(kind).eval()
+    batch = make_batch()
+    head_outputs = []
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: head_outputs.append(out.shape))
+    hidden = final_hidden_states(model, batch["input_ids"], batch["attention_mask"])
+    assert head_outputs == [(3, 0, 128)]  # the head saw no positions: no logits were computed
+    expected = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    assert torch.equal(hidden, expected)
+    assert not model.get_output_embeddings()._forward_pre_hooks
+
+
+@pytest.mark.parametrize(
+    "student_kind, teacher_kind, student_kwargs, teacher_vocab, left_pad",
+    [
+        ("llama", "llama", dict(tie=False), 160, False),  # untied, teacher with a larger padded vocab
+        ("llama", "qwen2", dict(tie=True), 128, True),  # tied embeddings, left padding
+        ("gemma2", "gemma2", dict(tie=True), 160, False),  # softcapping on both sides
+        ("gemma2", "llama", dict(tie=False), 128, False),  # student softcapping only
+        ("llama", "gemma2", dict(tie=False), 144, True),  # teacher softcapping only
+        ("cohere", "llama", dict(tie=True, head_bias=True), 128, False),  # logit scale with a head bias
+        ("phi", "gpt2", dict(tie=False), 160, False),  # a head with a bias; GPT-2 teacher
+    ],
+)
+def test_matches_naive_logits_computation(student_kind, teacher_kind, student_kwargs, teacher_vocab, left_pad):
+    student = tiny_model(student_kind, **student_kwargs)
+    teacher = tiny_model(teacher_kind, vocab=teacher_vocab, seed=1).eval()
+    batch = make_batch(left_pad=left_pad)
+    (ref_loss, ref_soft, ref_hard), ref_grads = reference(student, teacher, batch, **OPTIONS)
+
+    loss, soft, hard = cosine_distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
+    loss.backward()
+    for got, want in ((loss, ref_loss), (soft, ref_soft), (hard, ref_hard)):
+        assert rel_err(got, want) < 1e-5, (got.item(), want.item())
+    assert_grads_match(student, ref_grads, 1e-4)
+    assert all(p.grad is None for p in teacher.parameters())
+
+
+def test_softcapping_through_each_row_step(impl):
+    student, teacher = tiny_model("gemma2", tie=True), tiny_model("gemma2", vocab=160, seed=1).eval()
+    batch = make_batch()
+    (ref_loss, _, _), ref_grads = reference(student, teacher, batch, **OPTIONS)
+    loss = cosine_distill_loss(student, teacher, **batch, impl=impl, **OPTIONS)
+    loss.backward()
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert_grads_match(student, ref_grads, 1e-4)
+
+
+def test_precomputed_hidden_states_and_num_valid_tokens():
+    student, teacher = tiny_model("gemma2"), tiny_model("cohere", vocab=144, head_bias=True, seed=1)
+    batch = make_batch()
+    with torch.no_grad():
+        teacher_hidden = final_hidden_states(teacher, batch["input_ids"], batch["attention_mask"])
+    student_hidden = final_hidden_states(student, batch["input_ids"], batch["attention_mask"])
+    loss = cosine_distill_loss(student, teacher, labels=batch["labels"], attention_mask=batch["attention_mask"],
+                               student_hidden=student_hidden, teacher_hidden=teacher_hidden, num_valid_tokens=40)
+    loss.backward()
+    (ref_loss, _, _), ref_grads = reference(student, teacher, batch)
+    num_valid = 8 + 5 + 2 - 1  # every real position but each row's last, less the -100 label's predecessor
+    assert rel_err(loss, ref_loss * num_valid / 40) < 1e-5
+    assert_grads_match(student, {name: grad * num_valid / 40 for name, grad in ref_grads.items()}, 1e-4)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    teacher, batch = tiny_model("llama", seed=1).eval(), make_batch()
+    grads = []
+    for checkpointing in (False, True):
+        student = tiny_model("llama").train()
+        if checkpointing:
+            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        cosine_distill_loss(student, teacher, **batch).backward()
+        grads.append([p.grad for p in student.parameters()])
+    for plain, checkpointed in zip(*grads):
+        assert torch.allclose(plain, checkpointed, rtol=1e-5, atol=1e-7)
+
+
+def test_autocast_runs_the_heads_in_bf16(monkeypatch):
+    seen = []
+
+    def spy(student_input, student_weight, teacher_input, teacher_weight, *args, **kwargs):
+        seen.append((student_input.dtype, student_weight.dtype, teacher_input.dtype, teacher_weight.dtype))
+        return fused(student_input, student_weight, teacher_input, teacher_weight, *args, **kwargs)
+
+    fused = hf.fused_linear_cosine_distill
+    monkeypatch.setattr(hf, "fused_linear_cosine_distill", spy)
+    student, teacher, batch = tiny_model("gemma2"), tiny_model("llama", vocab=144, seed=1).eval(), make_batch()
+    (ref_loss, _, _), ref_grads = reference(student, teacher, batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = cosine_distill_loss(student, teacher, **batch)
+    loss.backward()
+    assert seen == [(torch.bfloat16,) * 4]
+    assert loss.dtype == torch.float32 and rel_err(loss, ref_loss) < 2e-2
+    assert_grads_match(student, ref_grads, 0.1)  # fp32 gradients of a bf16 forward
+
+
+def test_errors():
+    student, teacher, batch = tiny_model("llama"), tiny_model("llama"), make_batch(vocab=100)
+    with pytest.raises(TypeError, match="labels is required"):
+        cosine_distill_loss(student, teacher, batch["input_ids"], batch["attention_mask"])
+    with pytest.raises(TypeError, match="input_ids is required"):
+        cosine_distill_loss(student, teacher, labels=batch["labels"])
+    with pytest.raises(ValueError, match="labels must be"):
+        cosine_distill_loss(student, teacher, batch["input_ids"], labels=batch["labels"][0])
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        cosine_distill_loss(student, teacher, batch["input_ids"], batch["attention_mask"][:, 1:], batch["labels"])
+    with pytest.raises(ValueError, match="teacher vocab must be >= student vocab"):
+        cosine_distill_loss(student, tiny_model("llama", vocab=100), **batch)
+    teacher.config.logits_scaling = 4.0
+    with pytest.raises(ValueError, match="teacher.config.logits_scaling"):
+        cosine_distill_loss(student, teacher, **batch)
+    student.set_output_embeddings(torch.nn.Identity())
+    with pytest.raises(TypeError, match=r"student.get_output_embeddings\(\) must be a torch.nn.Linear"):
+        cosine_distill_loss(student, teacher, **batch)
+
+
+# The Trainer
+
+
+def collate(rows):
+    """Right padding with attention mask 0 and label -100, as Hugging Face's collators pad."""
+    length = max(len(row) for row in rows)
+    input_ids = torch.zeros(len(rows), length, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)], attention_mask[i, :len(row)] = torch.tensor(row), 1
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids.masked_fill(attention_mask == 0, -100))
+
+
+def dataset(lengths, vocab=128, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def make_trainer(tmp_path, student, teacher, train_dataset, **args):
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+        logging_steps=1, seed=0, dataloader_num_workers=0, **args,
+    )
+    return CosineDistillationTrainer(
+        model=student, args=args, train_dataset=train_dataset, data_collator=collate, teacher_model=teacher, **OPTIONS,
+    )
+
+
+def test_trainer_loss_falls_and_logs_soft_and_hard(tmp_path):
+    student, teacher = tiny_model("llama"), tiny_model("gemma2", vocab=144, tie=False, seed=1).train()
+    teacher_before = copy.deepcopy(teacher.state_dict())
+    trainer = make_trainer(tmp_path, student, teacher, dataset([12, 7, 10, 5] * 2), per_device_train_batch_size=4,
+                           max_steps=8, learning_rate=2e-2, lr_scheduler_type="constant", warmup_steps=0)
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 8
+    for log in logs:
+        weighted = OPTIONS["weight_hard_loss"] * log["hard_loss"] + OPTIONS["weight_soft_loss"] * log["soft_loss"]
+        assert log["loss"] == pytest.approx(weighted, rel=1e-3)
+    assert logs[-1]["loss"] < 0.8 * logs[0]["loss"]
+    assert logs[-1]["soft_loss"] < logs[0]["soft_loss"] and logs[-1]["hard_loss"] < logs[0]["hard_loss"]
+    assert not trainer.teacher_model.training and not any(p.requires_grad for p in teacher.parameters())
+    assert all(torch.equal(teacher.state_dict()[name], value) for name, value in teacher_before.items())
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    """Micro-batches with different numbers of tokens: averaging per micro-batch would differ."""
+    teacher, rows = tiny_model("llama", vocab=160, seed=1), dataset([14, 3, 9, 2])
+    steps = {}
+    for accumulation, batch_size in ((1, 4), (2, 2)):
+        student = tiny_model("llama")
+        before = [p.detach().clone() for p in student.parameters()]
+        trainer = make_trainer(tmp_path, student, teacher, rows, per_device_train_batch_size=batch_size,
+                               gradient_accumulation_steps=accumulation, max_steps=1, optim="sgd", learning_rate=1.0,
+                               lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0)
+        trainer.train()
+        steps[accumulation] = [old - new.detach() for old, new in zip(before, student.parameters())]  # = gradient
+        steps[accumulation, "log"] = trainer.state.log_history[0]
+    for one_batch, accumulated in zip(steps[1], steps[2]):
+        assert rel_err(accumulated, one_batch) < 1e-5
+    for key in ("loss", "soft_loss", "hard_loss"):
+        assert steps[2, "log"][key] == pytest.approx(steps[1, "log"][key], rel=1e-4)
+
+
+def test_trainer_bf16_gradient_checkpointing_and_evaluate(tmp_path, monkeypatch):
+    seen = []
+    fused = hf.fused_linear_cosine_distill
+    monkeypatch.setattr(hf, "fused_linear_cosine_distill", lambda s, sw, *a, **k: seen.append(s.dtype) or fused(s, sw, *a, **k))
+    student, teacher = tiny_model("gemma2", tie=True), tiny_model("llama", vocab=144, seed=1).to(torch.bfloat16)
+    rows = dataset([12, 7, 10, 5])
+    trainer = make_trainer(tmp_path, student, teacher, rows, per_device_train_batch_size=2, max_steps=3, bf16=True,
+                           gradient_checkpointing=True, learning_rate=1e-3)
+    trainer.train()
+    assert seen == [torch.bfloat16] * 3
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 3 and all(log["soft_loss"] > 0 and log["hard_loss"] > 0 for log in logs)
+    assert student.dtype == torch.float32  # mixed precision: fp32 weights, bf16 compute
+    metrics = trainer.evaluate(eval_dataset=rows)
+    assert metrics["eval_loss"] > 0
