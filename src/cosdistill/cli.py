@@ -1,4 +1,4 @@
-"""The ``cosdistill`` command line. ``cosdistill bench --help`` lists the benchmark's options."""
+"""The ``cosdistill`` command line: ``bench``, ``demo`` and ``check``; ``cosdistill COMMAND --help`` lists each one's options."""
 
 import argparse
 import dataclasses
@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from . import bench
+from . import bench, demo, selfcheck
 
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
@@ -49,7 +49,7 @@ def dtype(name):
 def build_parser():
     parser = OneLineErrorParser(prog="cosdistill", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser(
+    bench_parser = commands.add_parser(
         "bench",
         help="time the fused loss (also with an FP8 teacher) against naive, Liger-Kernel and a GEMM floor",
         description=(
@@ -60,22 +60,63 @@ def build_parser():
             "Exit status 1 if the check fails, 2 on a usage error."
         ),
     )
-    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
-    run.add_argument("--tokens", type=comma_list(int), help="token counts T, comma separated")
-    run.add_argument("--vocab", type=int, help="vocabulary size V of both heads")
-    run.add_argument("--hidden", type=int, help="teacher hidden size H")
-    run.add_argument("--student-hidden", type=int, help="student hidden size (default H//2)")
-    run.add_argument("--dtype", type=dtype, help=f"one of {', '.join(bench.DTYPES)}")
-    run.add_argument("--providers", type=comma_list(str), default=list(bench.PROVIDERS),
-                     help=f"comma list of {', '.join(bench.PROVIDERS)} (default all)")
-    run.add_argument("--mode", choices=bench.MODES, default="full", help="full: forward + backward; forward: no_grad forward")
-    run.add_argument("--chunk-sizes", type=comma_list(chunk_size), help="run ours once per chunk size (ints or auto)")
-    run.add_argument("--accum-dtypes", type=comma_list(dtype), help="run ours once per grad_weight accumulator dtype")
-    run.add_argument("--warmup", type=int, help="untimed calls before timing")
-    run.add_argument("--reps", type=int, help="timed calls; the median is reported")
-    run.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    run.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
-    run.add_argument("--plot", metavar="PATH", help="also plot time and %% of the floor vs T as a PNG (needs matplotlib)")
+    bench_parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
+    bench_parser.add_argument("--tokens", type=comma_list(int), help="token counts T, comma separated")
+    bench_parser.add_argument("--vocab", type=int, help="vocabulary size V of both heads")
+    bench_parser.add_argument("--hidden", type=int, help="teacher hidden size H")
+    bench_parser.add_argument("--student-hidden", type=int, help="student hidden size (default H//2)")
+    bench_parser.add_argument("--dtype", type=dtype, help=f"one of {', '.join(bench.DTYPES)}")
+    bench_parser.add_argument("--providers", type=comma_list(str), default=list(bench.PROVIDERS),
+                              help=f"comma list of {', '.join(bench.PROVIDERS)} (default all)")
+    bench_parser.add_argument("--mode", choices=bench.MODES, default="full", help="full: forward + backward; forward: no_grad forward")
+    bench_parser.add_argument("--chunk-sizes", type=comma_list(chunk_size), help="run ours once per chunk size (ints or auto)")
+    bench_parser.add_argument("--accum-dtypes", type=comma_list(dtype), help="run ours once per grad_weight accumulator dtype")
+    bench_parser.add_argument("--warmup", type=int, help="untimed calls before timing")
+    bench_parser.add_argument("--reps", type=int, help="timed calls; the median is reported")
+    bench_parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    bench_parser.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
+    bench_parser.add_argument("--plot", metavar="PATH", help="also plot time and %% of the floor vs T as a PNG (needs matplotlib)")
+    bench_parser.set_defaults(run=run_bench_command)
+
+    defaults = demo.DemoConfig()
+    demo_parser = commands.add_parser(
+        "demo",
+        help="distill a small teacher language model into a half-width student and plot the losses",
+        description=(
+            "Train a tiny GRU language model (the teacher, randomly initialised) with cross-entropy on sequences "
+            "from a random sparse Markov chain, then distill it into a student of half its width with the fused "
+            "loss; print the student's top-1 agreement with the teacher before and after, and write a PNG of the "
+            "hard, soft and total loss curves. Needs matplotlib and tqdm. Exit status 2 on a usage error."
+        ),
+    )
+    demo_parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
+    demo_parser.add_argument("--steps", type=int, default=defaults.steps, help="distillation steps (default %(default)s)")
+    demo_parser.add_argument("--teacher-steps", type=int, default=defaults.teacher_steps,
+                             help="cross-entropy steps that train the teacher first (default %(default)s)")
+    demo_parser.add_argument("--vocab", type=int, default=defaults.vocab, help="vocabulary size (default %(default)s)")
+    demo_parser.add_argument("--hidden", type=int, default=defaults.hidden,
+                             help="teacher hidden size; the student's is half (default %(default)s)")
+    demo_parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step (default %(default)s)")
+    demo_parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence (default %(default)s)")
+    demo_parser.add_argument("--weight-hard", type=float, default=defaults.weight_hard, help="weight_hard_loss (default %(default)s)")
+    demo_parser.add_argument("--weight-soft", type=float, default=defaults.weight_soft, help="weight_soft_loss (default %(default)s)")
+    demo_parser.add_argument("--beta", type=float, default=defaults.beta, help="beta of the soft term (default %(default)s)")
+    demo_parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the data and the models (default %(default)s)")
+    demo_parser.add_argument("--out", metavar="PATH.png", default="cosdistill-demo.png", help="the plot (default %(default)s)")
+    demo_parser.set_defaults(run=run_demo_command)
+
+    check_parser = commands.add_parser(
+        "check",
+        help="the correctness self-test on this machine's device",
+        description=(
+            "Check the whole loss against the naive version in float64 at small odd shapes (fp32 and bf16, biases, "
+            "Vt > Vs, ignored tokens, chunks not dividing T) for each row-step path, and the Triton row step "
+            "against the torch one. On the CPU the Triton path runs only under Triton's interpreter: set "
+            "TRITON_INTERPRET=1 in the environment. Exit status 1 if a check fails, 2 on a usage error."
+        ),
+    )
+    check_parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
+    check_parser.set_defaults(run=run_check_command)
     return parser
 
 
@@ -87,10 +128,16 @@ def resolve_device(name):
     return torch.device(name)
 
 
+def check_folder_exists(path):
+    """Fail before a long run, not after it."""
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"cannot write {path}: its folder does not exist")
+
+
 def run_bench_command(args):
-    for path in (args.json, args.markdown, args.plot):  # fail before a long run, not after it
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise ValueError(f"cannot write {path}: its folder does not exist")
+    for path in (args.json, args.markdown, args.plot):
+        if path:
+            check_folder_exists(path)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install 'cosdistill[bench]'")
     device = resolve_device(args.device)
@@ -120,10 +167,35 @@ def run_bench_command(args):
     return 0 if result.check_passed else EXIT_CHECK_FAILED
 
 
+def run_demo_command(args):
+    if not args.out.endswith(".png"):
+        raise ValueError(f"--out must be a .png path, got {args.out}")
+    check_folder_exists(args.out)
+    missing = [name for name in ("matplotlib", "tqdm") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"demo needs {' and '.join(missing)}: pip install 'cosdistill[bench]'")
+    config = demo.DemoConfig(
+        steps=args.steps, teacher_steps=args.teacher_steps, vocab=args.vocab, hidden=args.hidden,
+        batch_size=args.batch_size, seq_len=args.seq_len, weight_hard=args.weight_hard,
+        weight_soft=args.weight_soft, beta=args.beta, seed=args.seed,
+    )
+    result = demo.run_demo(config, resolve_device(args.device))
+    demo.write_plot(result, config, args.out)
+    print(demo.summary(result, config, args.out), end="")
+    return 0
+
+
+def run_check_command(args):
+    header, results = selfcheck.run_selfcheck(resolve_device(args.device))
+    print(header)
+    print(selfcheck.results_table(results), end="")
+    return 0 if all(result.passed for result in results) else EXIT_CHECK_FAILED
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
-        return run_bench_command(args)
+        return args.run(args)
     except (ValueError, TypeError, RuntimeError, OSError) as error:
         raise_usage_error(str(error).splitlines()[0] if str(error) else type(error).__name__)
 

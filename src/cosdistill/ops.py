@@ -1,0 +1,180 @@
+"""The loss as a registered custom op (torch.library), the form ``torch.compile`` sees.
+
+The eager path (api._FusedLinearCosineDistill) cannot be traced by Dynamo: its forward reads label
+counts on the host, raises on bad labels and launches Triton kernels, and its backward reads
+grad_output on the host to fold it into the last grad_weight GEMM. Each of those would break the graph.
+
+So while compiling, ``api.fused_linear_cosine_distill`` hands over to ``compiled_distill`` here. It runs
+the checks that need no host read at trace time (the same rules and messages as eager), flattens 3-D
+inputs and calls ``cosdistill::fused_linear_cosine_distill``, an opaque op: the compiler sees only its
+fake (meta) implementation, and at run time the real one runs eagerly as one call into the same chunk
+loop as eager. The op returns the loss, soft, hard and the student gradients for grad_output = 1,
+computed in the same single pass; its registered backward only multiplies them by grad_output.
+
+What differs from eager:
+* Bad labels (outside [0, Vs), not ignore_index) still raise the eager ValueError, but at run time
+  from inside the op, when the compiled step executes it; a bad num_valid_tokens tensor likewise.
+  Checks of shapes, dtypes and options raise at trace time, i.e. on the first call of the step.
+* grad_output scales the gradients with a plain multiply in backward (an extra pass over each
+  gradient; inductor fuses it with the cast) instead of riding on the last GEMM's alpha/beta. The
+  roundings are eager's: grad_weight leaves the op in the accum dtype and grad_bias in fp32, and
+  both are cast to their leaves' dtypes only after the multiply. Only a bf16/fp16 accumulator
+  (accum_dtype = the weight's dtype, the default for such weights) rounds grad_weight once more.
+* backward may run more than once (eager raises): the saved gradients are not consumed.
+* The op is tagged cudagraph_unsafe: inductor's CUDA graphs (mode="reduce-overhead") leave it out.
+* Scalar options must be Python numbers (a tensor ``beta`` would need a host read); num_valid_tokens
+  may be a number or a tensor, as in eager.
+Gradients not asked for come back from the op as empty tensors (custom ops cannot return None).
+"""
+
+import torch
+from torch import Tensor
+
+from . import api, fp8
+from .chunked import TeacherHead, auto_chunk_size, chunked_loss_and_grads
+from .row_step import RowStepScales
+
+
+# The body reads label counts on the host, which a CUDA graph cannot capture ("reduce-overhead" mode).
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("cosdistill::fused_linear_cosine_distill", mutates_args=(), tags=_TAGS)
+def fused_linear_cosine_distill_op(
+    student_input: Tensor,  # [T, Hs]
+    student_weight: Tensor,
+    student_bias: Tensor | None,
+    teacher_input: Tensor,  # [T, Ht]
+    teacher_weight: Tensor,
+    teacher_bias: Tensor | None,
+    labels: Tensor,  # [T]
+    num_valid_tokens: Tensor | None,
+    *,
+    num_valid_count: float | None,  # num_valid_tokens given as a number
+    weight_hard_loss: float,
+    weight_soft_loss: float,
+    beta: float,
+    ignore_index: int,
+    temperature: float,
+    chunk_size: int | None,
+    accum_dtype: torch.dtype | None,
+    impl: str,
+    teacher_precision: str | None,
+    student_softcap: float | None,
+    teacher_softcap: float | None,
+    needs_grad: list[bool],  # input, weight, bias
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, soft, hard, grad_input, grad_weight, grad_bias) for grad_output = 1; runs eagerly.
+
+    grad_weight comes in the accum dtype and grad_bias in fp32, cast to their leaves' dtypes in backward."""
+    num_tokens, vocab_student = labels.numel(), student_weight.shape[0]
+    chunk_size = chunk_size or auto_chunk_size(num_tokens, vocab_student, teacher_weight.shape[0], student_weight.element_size())
+    if teacher_precision == "fp8":
+        fp8.check_supported(teacher_weight.device)
+        teacher = fp8.Fp8TeacherHead(teacher_weight, teacher_bias, max_rows=min(chunk_size, num_tokens))
+    else:
+        teacher = TeacherHead(teacher_weight, teacher_bias)
+    scales = RowStepScales(
+        weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index,
+        student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+    )
+    given = num_valid_tokens if num_valid_tokens is not None else num_valid_count
+    normaliser = api._LabelCounts(labels, ignore_index, vocab_student, given)  # raises on bad labels
+    result = chunked_loss_and_grads(
+        student_input, student_weight, student_bias, teacher_input, teacher, labels, scales, normaliser,
+        api._pick_row_step(impl, student_input.device), chunk_size, tuple(needs_grad), accum_dtype or student_weight.dtype,
+    )
+    loss = weight_hard_loss * result.hard_loss + weight_soft_loss * result.soft_loss
+    grads = result.gradients.finish(1.0) if result.gradients is not None else (None, None, None)
+    grads = [student_weight.new_empty(0) if grad is None else grad for grad in grads]
+    return loss, result.soft_loss.clone(), result.hard_loss.clone(), *grads  # outputs may not alias
+
+
+@fused_linear_cosine_distill_op.register_fake
+def _(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
+      num_valid_tokens, *, accum_dtype, needs_grad, **options):
+    scalars = [student_input.new_empty((), dtype=torch.float32) for _ in range(3)]
+    grad_dtypes = (student_input.dtype, accum_dtype or student_weight.dtype, torch.float32)
+    grads = [
+        leaf.new_empty(leaf.shape, dtype=dtype) if need else student_weight.new_empty(0)
+        for need, leaf, dtype in zip(needs_grad, (student_input, student_weight, student_bias), grad_dtypes)
+    ]
+    return (*scalars, *grads)
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.needs_grad = keyword_only_inputs["needs_grad"]
+    ctx.dtypes = [None if leaf is None else leaf.dtype for leaf in inputs[:3]]
+    ctx.save_for_backward(*output[3:])
+
+
+def _backward(ctx, grad_loss, _grad_soft, _grad_hard, *_grad_grads):
+    grads = [
+        # grad first: CPU's mul then scales a bf16/fp16 grad in fp32 instead of rounding grad_loss first
+        (grad * grad_loss).to(dtype) if need else None  # scaled, then rounded to the leaf's dtype, as in eager
+        for need, grad, dtype in zip(ctx.needs_grad, ctx.saved_tensors, ctx.dtypes)
+    ]
+    return (*grads, None, None, None, None, None)  # teacher_input, teacher_weight, teacher_bias, labels, num_valid_tokens
+
+
+fused_linear_cosine_distill_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compiled_distill(
+    student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
+    teacher_bias=None, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100,
+    temperature=1.0, compiled=True, chunk_size=None, return_soft_hard_loss=False, *, num_valid_tokens=None,
+    accum_dtype=None, impl="auto", teacher_precision=None, student_softcap=None, teacher_softcap=None,
+):
+    """``api.fused_linear_cosine_distill`` through the custom op: traceable, no host reads."""
+    api._check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias)
+    _check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
+                   teacher_precision, num_valid_tokens, impl)
+    grad_on = torch.is_grad_enabled()
+    needs_grad = [grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias)]
+    given_tensor = torch.is_tensor(num_valid_tokens)
+    loss, soft, hard, *_ = fused_linear_cosine_distill_op(
+        student_input.reshape(-1, student_input.shape[-1]),
+        student_weight,
+        student_bias,
+        teacher_input.reshape(-1, teacher_input.shape[-1]),
+        teacher_weight,  # not detached: the FP8 weight cache is keyed on this object; backward gives it None
+        teacher_bias,
+        true_labels.reshape(-1).contiguous(),
+        num_valid_tokens if given_tensor else None,
+        num_valid_count=None if given_tensor or num_valid_tokens is None else float(num_valid_tokens),
+        weight_hard_loss=float(weight_hard_loss),
+        weight_soft_loss=float(weight_soft_loss),
+        beta=float(beta),
+        ignore_index=int(ignore_index),
+        temperature=float(temperature),
+        chunk_size=chunk_size,
+        accum_dtype=accum_dtype,
+        impl=impl,
+        teacher_precision=teacher_precision,
+        student_softcap=None if student_softcap is None else float(student_softcap),
+        teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
+        needs_grad=needs_grad,
+    )
+    soft, hard = soft.detach(), hard.detach()  # for logging, as in eager
+    return (loss, soft, hard) if return_soft_hard_loss else loss
+
+
+def _check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
+                   teacher_precision, num_valid_tokens, impl):
+    """api.fused_linear_cosine_distill's option rules, those that need no host read."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
+        if cap is not None and not cap > 0:
+            raise ValueError(f"{name} must be > 0 or None, got {cap}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if accum_dtype not in (None, torch.float32, student_weight.dtype):
+        raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {student_weight.dtype}, got {accum_dtype}")
+    if teacher_precision not in (None, "fp8"):
+        raise ValueError(f"teacher_precision must be None or 'fp8', got {teacher_precision!r}")
+    if num_valid_tokens is not None and not torch.is_tensor(num_valid_tokens) and not num_valid_tokens > 0:
+        raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
+    if impl not in api.IMPLS:
+        raise ValueError(f"impl must be one of {api.IMPLS}, got {impl!r}")

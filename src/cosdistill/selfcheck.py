@@ -1,0 +1,211 @@
+"""``cosdistill check``: the correctness self-test on the present device.
+
+* The whole loss (each row-step path) against the naive version run on float64 copies, at small odd
+  shapes: fp32 and bf16, biases, Vt > Vs, ignored tokens, chunk sizes that do not divide T.
+* The Triton row step against the torch row step (the spec), into poisoned outputs.
+
+The Triton paths run on CUDA, and on the CPU only under Triton's interpreter, which must be switched on
+(``TRITON_INTERPRET=1``) before triton is imported, i.e. in the environment of the process.
+``benchmarks/gpu_check.py`` reuses these functions with larger cases.
+"""
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .api import fused_linear_cosine_distill
+from .reference import naive_cosine_distill
+from .row_step import RowStepScales, row_step_torch
+
+POISON = 12345.0
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+LOSS_TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (5e-3, 2e-2), torch.float16: (5e-3, 2e-2)}  # (losses, grads)
+ROW_STEP_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-5, 1e-2), torch.float16: (1e-5, 1e-2)}
+
+
+@dataclass(frozen=True)
+class LossCase:
+    tokens: int
+    vocab_student: int
+    vocab_teacher: int
+    hidden_teacher: int  # the student's is half
+    dtype: torch.dtype
+    bias: bool
+    ignore_every: int  # every n-th label is ignore_index; 0: none
+    chunk_size: int | None  # None: the API's automatic size
+
+    def describe(self) -> str:
+        return (
+            f"T={self.tokens} Vs={self.vocab_student} Vt={self.vocab_teacher} Ht={self.hidden_teacher} "
+            f"{DTYPE_NAMES[self.dtype]}{' bias' if self.bias else ''} ignore 1/{self.ignore_every or '-'} "
+            f"chunk={self.chunk_size or 'auto'}"
+        )
+
+
+@dataclass(frozen=True)
+class RowStepCase:
+    rows: int
+    vocab_student: int
+    vocab_teacher: int
+    dtype: torch.dtype
+
+    def describe(self) -> str:
+        return f"rows={self.rows} Vs={self.vocab_student} Vt={self.vocab_teacher} {DTYPE_NAMES[self.dtype]}"
+
+
+LOSS_CASES = (
+    LossCase(37, 101, 101, 24, torch.float32, True, 5, 16),
+    LossCase(37, 101, 131, 24, torch.bfloat16, False, 4, 10),
+    LossCase(50, 1500, 1531, 64, torch.float32, True, 7, None),
+    LossCase(29, 257, 300, 32, torch.bfloat16, True, 3, 8),
+)
+ROW_STEP_CASES = (
+    RowStepCase(5, 1, 1, torch.float32),
+    RowStepCase(11, 97, 131, torch.bfloat16),
+    RowStepCase(7, 300, 301, torch.float32),
+    RowStepCase(5, 2500, 2600, torch.bfloat16),
+)
+
+
+@dataclass
+class CheckResult:
+    name: str
+    case: str
+    tolerance: str
+    errors: dict[str, float] = field(default_factory=dict)
+    passed: bool = False
+    failure: str = ""  # the exception a check raised, if any
+
+
+def rel_err(actual, expected) -> float:
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-300)).item()
+
+
+def random_problem(case: LossCase, device):
+    """[student_input, student_weight, teacher_input, teacher_weight, labels, student_bias, teacher_bias]."""
+    hidden_student = case.hidden_teacher // 2
+    labels = torch.randint(0, case.vocab_student, (case.tokens,), device=device)
+    if case.ignore_every:
+        labels[:: case.ignore_every] = -100
+
+    def randn(*shape, scale=1.0, requires_grad=False):  # logits of a few units, like a trained head's
+        return (torch.randn(*shape, device=device) * scale).to(case.dtype).requires_grad_(requires_grad)
+
+    return [
+        randn(case.tokens, hidden_student, requires_grad=True),
+        randn(case.vocab_student, hidden_student, scale=2 / hidden_student**0.5, requires_grad=True),
+        randn(case.tokens, case.hidden_teacher),
+        randn(case.vocab_teacher, case.hidden_teacher, scale=2 / case.hidden_teacher**0.5),
+        labels,
+        randn(case.vocab_student, requires_grad=True) if case.bias else None,
+        randn(case.vocab_teacher) if case.bias else None,
+    ]
+
+
+def float64_reference(args):
+    """(loss, soft, hard) and the student gradients of the naive version on float64 copies of args."""
+    upcast = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in args]
+    losses = naive_cosine_distill(*upcast)
+    losses[0].backward()
+    grads = [upcast[i].grad for i in (0, 1, 5) if upcast[i] is not None]
+    return [loss.detach() for loss in losses], grads
+
+
+def fused_run(args, **kwargs):
+    """(loss, soft, hard) and the student gradients of the fused loss."""
+    for i in (0, 1, 5):
+        if args[i] is not None:
+            args[i].grad = None
+    losses = fused_linear_cosine_distill(*args, return_soft_hard_loss=True, **kwargs)
+    losses[0].backward()
+    return list(losses), [args[i].grad for i in (0, 1, 5) if args[i] is not None]
+
+
+def compare(name, case, dtype, got, want) -> CheckResult:
+    """Each loss and gradient of got = (losses, grads) against want, within LOSS_TOLERANCE[dtype]."""
+    tol_loss, tol_grad = LOSS_TOLERANCE[dtype]
+    loss_errors = {key: rel_err(a, b) for key, a, b in zip(("loss", "soft", "hard"), got[0], want[0])}
+    grad_errors = {key: rel_err(a, b) for key, a, b in zip(("grad_input", "grad_weight", "grad_bias"), got[1], want[1])}
+    passed = max(loss_errors.values()) < tol_loss and max(grad_errors.values()) < tol_grad  # False for NaN
+    return CheckResult(name, case, f"{tol_loss:g} / {tol_grad:g}", loss_errors | grad_errors, passed)
+
+
+def check_loss(impls, device, cases=LOSS_CASES) -> list[CheckResult]:
+    results = []
+    for case in cases:
+        args = random_problem(case, device)
+        want = float64_reference(args)
+        for impl in impls:
+            name = f"loss {impl} vs float64"
+            try:
+                results.append(compare(name, case.describe(), case.dtype, fused_run(args, impl=impl, chunk_size=case.chunk_size), want))
+            except Exception as error:  # a crash is a failed check, reported in the table
+                results.append(failed(name, case.describe(), error))
+    return results
+
+
+def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
+    from .row_step_triton import row_step_triton  # imports triton: only on CUDA or under the interpreter
+
+    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100)
+    name = "row step triton vs torch"
+    results = []
+    for case in cases:
+        tol_loss, tol_grad = ROW_STEP_TOLERANCE[case.dtype]
+        student = (torch.randn(case.rows, case.vocab_student, device=device) * 3).to(case.dtype)
+        teacher = (torch.randn(case.rows, case.vocab_teacher, device=device) * 3).to(case.dtype)
+        labels = torch.randint(0, case.vocab_student, (case.rows,), device=device)
+        labels[::4] = -100
+        want_grad, want_losses = student.clone(), torch.full((case.rows, 2), POISON, device=device)
+        row_step_torch(want_grad, teacher, labels, scales, want_losses, True)
+        got_grad, got_losses = student.clone(), torch.full((case.rows, 2), POISON, device=device)
+        try:
+            row_step_triton(got_grad, teacher, labels, scales, got_losses, True)
+        except Exception as error:
+            results.append(failed(name, case.describe(), error))
+            continue
+        if case.vocab_student == 1:
+            # The exact gradient is 0 (p = 1 and |cos| = 1): both sides hold only rounding noise, so
+            # check that the noise is small in absolute terms instead of relative to noise.
+            errors = dict(losses=(got_losses - want_losses).abs().max().item(), grad=got_grad.float().abs().max().item())
+        else:
+            errors = dict(losses=rel_err(got_losses, want_losses), grad=rel_err(got_grad.float(), want_grad.float()))
+        unwritten = int((got_losses == POISON).sum())
+        passed = errors["losses"] < tol_loss and errors["grad"] < tol_grad and not unwritten
+        failure = f"{unwritten} token losses left unwritten (still the poison)" if unwritten else ""
+        results.append(CheckResult(name, case.describe(), f"{tol_loss:g} / {tol_grad:g}", errors, passed, failure))
+    return results
+
+
+def failed(name, case, error) -> CheckResult:
+    message = str(error).splitlines()[0] if str(error) else ""
+    return CheckResult(name, case, "-", failure=f"{type(error).__name__}: {message}")
+
+
+def run_selfcheck(device) -> tuple[str, list[CheckResult]]:
+    """(a header naming the device and the paths checked, the results) with a fixed seed."""
+    torch.manual_seed(0)
+    triton_too = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    impls = ("torch", "triton") if triton_too else ("torch",)
+    results = check_loss(impls, device) + (check_row_step(device) if triton_too else [])
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if device.type == "cuda":
+        paths = "torch and triton"
+    elif triton_too:
+        paths = "torch and triton (in Triton's interpreter, TRITON_INTERPRET=1)"
+    else:
+        paths = "torch only (set TRITON_INTERPRET=1 to run the Triton kernel in Triton's interpreter too)"
+    return f"cosdistill check on {name}, torch {torch.__version__}; paths checked: {paths}", results
+
+
+def results_table(results) -> str:
+    """A Markdown table, one row per check, and a last line saying whether all passed."""
+    lines = ["| check | case | errors | tolerance (losses / grads) | result |", "|---|---|---|---|---|"]
+    for result in results:
+        errors = "; ".join(filter(None, [", ".join(f"{key} {value:.1e}" for key, value in result.errors.items()), result.failure]))
+        lines.append(f"| {result.name} | {result.case} | {errors} | {result.tolerance} | {'ok' if result.passed else 'FAIL'} |")
+    num_failed = sum(not result.passed for result in results)
+    lines += ["", f"{num_failed} of {len(results)} checks FAILED" if num_failed else f"all {len(results)} checks passed"]
+    return "\n".join(lines) + "\n"

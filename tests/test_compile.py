@@ -1,0 +1,284 @@
+"""torch.compile: the loss runs as the custom op cosdistill::fused_linear_cosine_distill (ops.py),
+with no graph break under fullgraph=True and the numbers of eager."""
+
+import shutil
+
+import pytest
+import torch
+import torch._dynamo
+import torch._inductor.config
+
+from cosdistill import fused_linear_cosine_distill
+from cosdistill.ops import fused_linear_cosine_distill_op
+from conftest import make_problem, rel_err
+
+TOL = 1e-5  # fp32, compiled against eager
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()  # every test starts with no cached graphs (and far from the recompile limit)
+    yield
+    torch._dynamo.reset()
+
+
+def op_kwargs(needs_grad, **overrides):
+    kwargs = dict(
+        num_valid_count=None, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100,
+        temperature=1.0, chunk_size=8, accum_dtype=None, impl="torch", teacher_precision=None,
+        student_softcap=None, teacher_softcap=None, needs_grad=list(needs_grad),
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+@pytest.mark.parametrize(
+    "dtype, bias, needs_grad, overrides",
+    [
+        (torch.float32, True, (True, True, True), {}),
+        (torch.float32, False, (True, True, False), dict(chunk_size=None, accum_dtype=torch.float32)),
+        (torch.float32, True, (False, True, False), dict(weight_hard_loss=0.2, weight_soft_loss=1.3, beta=0.7, temperature=2.0)),
+        (torch.float32, True, (False, False, False), dict(num_valid_count=50.0)),
+        (torch.bfloat16, True, (True, True, True), dict(accum_dtype=torch.float32, student_softcap=3.0)),
+    ],
+)
+def test_opcheck(dtype, bias, needs_grad, overrides):
+    """Schema, fake implementation, autograd registration and AOT dispatch (static and dynamic shapes)."""
+    problem = make_problem(tokens=29, bias=bias, ignore_every=3, dtype=dtype)
+    student = [None if t is None else t.detach().requires_grad_(need)
+               for t, need in zip((problem.student_input, problem.student_weight, problem.student_bias), needs_grad)]
+    args = (student[0], student[1], student[2], problem.teacher_input, problem.teacher_weight, problem.teacher_bias,
+            problem.labels, None)
+    torch.library.opcheck(fused_linear_cosine_distill_op, args, op_kwargs(needs_grad, **overrides))
+
+
+def test_opcheck_num_valid_tokens_tensor_and_no_tokens():
+    problem = make_problem(tokens=12, bias=False)
+    args = (problem.student_input.detach().requires_grad_(), problem.student_weight.detach().requires_grad_(), None,
+            problem.teacher_input, problem.teacher_weight, None, problem.labels, torch.tensor(30))
+    torch.library.opcheck(fused_linear_cosine_distill_op, args, op_kwargs((True, True, False)))
+    empty = make_problem(tokens=0, bias=False)
+    args = (empty.student_input.detach().requires_grad_(), empty.student_weight.detach().requires_grad_(), None,
+            empty.teacher_input, empty.teacher_weight, None, empty.labels, None)
+    torch.library.opcheck(fused_linear_cosine_distill_op, args, op_kwargs((True, True, False)))
+
+
+class TinyStudent(torch.nn.Module):
+    """A body (Linear + tanh) feeding the fused loss through its LM head."""
+
+    def __init__(self, hidden, vocab, bias):
+        super().__init__()
+        self.body = torch.nn.Linear(hidden, hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=bias)
+        with torch.no_grad():
+            self.head.weight.mul_(4.0)  # logits of a few units
+
+    def forward(self, inputs, teacher_input, teacher_weight, labels, teacher_bias, **loss_options):
+        hidden = torch.tanh(self.body(inputs))
+        return fused_linear_cosine_distill(
+            hidden, self.head.weight, teacher_input, teacher_weight, labels, self.head.bias, teacher_bias,
+            return_soft_hard_loss=True, **loss_options,
+        )
+
+
+def make_step_problem(bias=True, batch=None, tokens=36, ignore_every=4, **kwargs):
+    torch.manual_seed(0)
+    problem = make_problem(tokens=tokens, bias=bias, batch=batch, ignore_every=ignore_every, **kwargs)
+    student = TinyStudent(problem.student_weight.shape[1], problem.student_weight.shape[0], bias)
+    student.to(problem.student_weight.dtype)
+    inputs = problem.student_input.detach().clone().requires_grad_()
+    data = (inputs, problem.teacher_input, problem.teacher_weight, problem.labels, problem.teacher_bias)
+    return student, data
+
+
+def run_step(forward, student, data, grad_output, **loss_options):
+    """One training step: forward (possibly compiled), backward of grad_output * loss, the gradients."""
+    student.zero_grad(set_to_none=True)
+    data[0].grad = None
+    losses = forward(student, *data, **loss_options)
+    (losses[0] * grad_output).backward()
+    grads = {name: param.grad.clone() for name, param in student.named_parameters()}
+    grads["inputs"] = data[0].grad.clone()
+    return [loss.detach() for loss in losses], grads
+
+
+def assert_same(eager, compiled, tol=TOL):
+    (eager_losses, eager_grads), (compiled_losses, compiled_grads) = eager, compiled
+    for name, want, got in zip(("loss", "soft", "hard"), eager_losses, compiled_losses):
+        assert got.dtype == torch.float32 and got.shape == ()
+        assert rel_err(got, want) < tol, (name, got.item(), want.item())
+    assert eager_grads.keys() == compiled_grads.keys()
+    for name, want in eager_grads.items():
+        got = compiled_grads[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert rel_err(got, want) < tol, (name, rel_err(got, want))
+
+
+def compiled_forward(backend="aot_eager", **compile_options):
+    return torch.compile(TinyStudent.__call__, fullgraph=True, backend=backend, **compile_options)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("batch", [None, 3])
+def test_compiled_step_matches_eager(bias, batch):
+    student, data = make_step_problem(bias=bias, batch=batch, vocab_teacher=131)
+    options = dict(chunk_size=8, impl="torch")
+    eager = run_step(TinyStudent.__call__, student, data, 0.3, **options)
+    compiled = run_step(compiled_forward(), student, data, 0.3, **options)
+    assert_same(eager, compiled)
+
+
+def test_compiled_step_options():
+    """Loss weights, beta, temperature, num_valid_tokens (a number and a tensor), softcaps, the Triton row step."""
+    student, data = make_step_problem(batch=2, ignore_every=3)
+    forward = compiled_forward()
+    for options in (
+        dict(weight_hard_loss=0.3, weight_soft_loss=1.7, beta=0.8, temperature=2.5, chunk_size=5),
+        dict(num_valid_tokens=50, accum_dtype=torch.float32),
+        dict(num_valid_tokens=torch.tensor(40.0), chunk_size=None),
+        dict(student_softcap=3.0, teacher_softcap=5.0, chunk_size=7),
+        dict(impl="triton", chunk_size=16),
+    ):
+        eager = run_step(TinyStudent.__call__, student, data, -1.5, **options)
+        assert_same(eager, run_step(forward, student, data, -1.5, **options))
+
+
+def test_bf16():
+    """Scaling by grad_output rounds as eager does (a bf16 ulp off on every element, ~4e-3, would fail),
+    except a bf16 grad_weight accumulator: eager folds grad_output into its last GEMM, compiled
+    rounds that GEMM's result to bf16 and then the product once more."""
+    student, data = make_step_problem(batch=3, dtype=torch.bfloat16)
+    forward = compiled_forward()
+    for accum_dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 1e-2)):
+        options = dict(chunk_size=8, accum_dtype=accum_dtype)
+        eager = run_step(TinyStudent.__call__, student, data, 0.3, **options)
+        assert_same(eager, run_step(forward, student, data, 0.3, **options), tol=tol)
+
+
+def test_teacher_weight_that_requires_grad_gets_none():
+    """The teacher is frozen in both paths, even when its weight is a Parameter that requires grad."""
+    student, data = make_step_problem()
+    data[2].requires_grad_()
+    for forward in (TinyStudent.__call__, compiled_forward()):
+        run_step(forward, student, data, 1.0, chunk_size=8)
+        assert data[2].grad is None
+
+
+def test_soft_and_hard_carry_no_grad():
+    student, data = make_step_problem()
+    loss, soft, hard = compiled_forward()(student, *data)
+    assert loss.requires_grad and not soft.requires_grad and not hard.requires_grad
+
+
+def test_compiled_under_no_grad():
+    student, data = make_step_problem(bias=False)
+    with torch.no_grad():
+        want = TinyStudent.__call__(student, *data, chunk_size=8)
+        got = compiled_forward()(student, *data, chunk_size=8)
+    for expected, actual in zip(want, got):
+        assert not actual.requires_grad and rel_err(actual, expected) < TOL
+
+
+def test_dynamic_shapes():
+    forward = compiled_forward(dynamic=True)
+    for tokens in (36, 21):
+        student, data = make_step_problem(tokens=tokens)
+        eager = run_step(TinyStudent.__call__, student, data, 0.7, chunk_size=8)
+        assert_same(eager, run_step(forward, student, data, 0.7, chunk_size=8))
+
+
+def test_no_graph_break():
+    student, data = make_step_problem(batch=2)
+    explanation = torch._dynamo.explain(TinyStudent.__call__)(student, *data, chunk_size=8)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+    ops = [node.target for graph in explanation.graphs for node in graph.graph.nodes if node.op == "call_function"]
+    assert torch.ops.cosdistill.fused_linear_cosine_distill.default in ops
+
+
+def _backward_traceable():
+    """Whether Dynamo can trace Tensor.backward() inside a fullgraph region on this torch."""
+    if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
+        return False
+    weight = torch.ones(3, requires_grad=True)
+
+    def probe():
+        (weight * 2).sum().backward()
+
+    try:
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            torch.compile(probe, fullgraph=True, backend="eager")()
+        return True
+    except torch._dynamo.exc.Unsupported:
+        return False
+    finally:
+        torch._dynamo.reset()
+
+
+def test_whole_step_with_backward_in_one_graph():
+    """forward, loss * grad_output and backward all in one fullgraph region (Dynamo's trace_autograd_ops)."""
+    if not _backward_traceable():
+        pytest.skip("this torch's Dynamo cannot trace Tensor.backward() (config.trace_autograd_ops)")
+    student, data = make_step_problem(batch=3)
+
+    def step(student, *data):
+        loss, soft, hard = student(*data, chunk_size=8)
+        (loss * 0.3).backward()
+        return loss.detach(), soft, hard
+
+    def run(step_fn):
+        student.zero_grad(set_to_none=True)
+        data[0].grad = None
+        losses = step_fn(student, *data)
+        grads = {name: param.grad.clone() for name, param in student.named_parameters()}
+        grads["inputs"] = data[0].grad.clone()
+        return list(losses), grads
+
+    eager = run(step)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled = run(torch.compile(step, fullgraph=True, backend="aot_eager"))
+    assert_same(eager, compiled)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor on the CPU needs a C++ compiler")
+def test_inductor():
+    """One case with the default backend (slow on the CPU: about 40 s to compile on 2 cores). Its caches
+    are off: their keys miss edits to the op's Python backward, so a stale graph could pass."""
+    student, data = make_step_problem(batch=3, ignore_every=5)
+    eager = run_step(TinyStudent.__call__, student, data, 0.3, chunk_size=8)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        compiled = run_step(compiled_forward("inductor"), student, data, 0.3, chunk_size=8)
+    assert_same(eager, compiled)
+
+
+def test_bad_labels_raise_inside_compiled_step():
+    """The op's body runs eagerly at run time, so the label check raises the eager ValueError."""
+    student, data = make_step_problem()
+    forward = compiled_forward()
+    forward(student, *data, chunk_size=8)  # compiles with good labels
+    data[3][5] = 101
+    with pytest.raises(ValueError, match=r"true_labels has 1 labels outside \[0, 101\).*\[101\]"):
+        forward(student, *data, chunk_size=8)
+    data[3][5] = -3
+    with pytest.raises(ValueError, match=r"outside \[0, 101\).*\[-3\]"):
+        forward(student, *data, chunk_size=8)
+    data[3][5] = 0
+    with pytest.raises(ValueError, match="num_valid_tokens must be > 0"):
+        forward(student, *data, chunk_size=8, num_valid_tokens=torch.tensor(0))
+
+
+def test_bad_options_raise_at_trace_time():
+    """Shape/dtype/option checks run while tracing: fullgraph=True reports them through Dynamo's
+    Unsupported('Observed exception') carrying the eager message; without fullgraph Dynamo falls
+    back to eager, which raises the ValueError itself."""
+    student, data = make_step_problem()
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        torch.compile(TinyStudent.__call__, backend="aot_eager")(student, *data, temperature=0.0)
+    torch._dynamo.reset()
+    with pytest.raises((torch._dynamo.exc.Unsupported, ValueError)) as raised:
+        compiled_forward()(student, *data, temperature=0.0)
+    messages, error = [], raised.value
+    while error is not None:
+        messages.append(str(error))
+        error = error.__cause__ or error.__context__
+    assert any("temperature must be > 0" in message for message in messages), messages
