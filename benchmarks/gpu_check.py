@@ -29,12 +29,14 @@ ROW_STEP_CASES = [
     RowStepCase(37, 128256, 128256, BF16), RowStepCase(37, 128256, 128320, BF16), RowStepCase(5, 32001, 32001, FP32),
     RowStepCase(9, 151936, 152064, FP16), RowStepCase(3, 1, 1, FP32), RowStepCase(3, 1, 2, FP32),
     RowStepCase(3, 2, 2, FP32), RowStepCase(4, 2, 3, FP32), RowStepCase(4, 17, 17, BF16), RowStepCase(4, 1000, 1000, FP32),
+    RowStepCase(37, 128256, 128320, BF16, softcap=30.0), RowStepCase(5, 32001, 32001, FP32, softcap=5.0),
 ]
 LOSS_CASES = [
     LossCase(300, 32011, 32011, 256, FP32, True, 7, 128),
     LossCase(300, 32011, 32100, 256, BF16, False, 7, 100),
     LossCase(1000, 128256, 128256, 512, BF16, False, 7, None),
     LossCase(257, 5003, 5003, 128, FP16, True, 7, 64),
+    LossCase(300, 32011, 32100, 256, BF16, True, 7, 128, softcap=10.0),
 ]
 FP8_CASES = [LossCase(300, 32011, 32011, 256, BF16, True, 7, 128), LossCase(1000, 128256, 128320, 512, BF16, True, 7, None)]
 

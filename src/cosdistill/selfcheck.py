@@ -34,12 +34,18 @@ class LossCase:
     bias: bool
     ignore_every: int  # every n-th label is ignore_index; 0: none
     chunk_size: int | None  # None: the API's automatic size
+    softcap: float | None = None  # the student's logit softcap; the teacher's is 1.5 times it
+
+    def options(self) -> dict:
+        if self.softcap is None:
+            return {}
+        return dict(student_softcap=self.softcap, teacher_softcap=1.5 * self.softcap)
 
     def describe(self) -> str:
         return (
             f"T={self.tokens} Vs={self.vocab_student} Vt={self.vocab_teacher} Ht={self.hidden_teacher} "
             f"{DTYPE_NAMES[self.dtype]}{' bias' if self.bias else ''} ignore 1/{self.ignore_every or '-'} "
-            f"chunk={self.chunk_size or 'auto'}"
+            f"chunk={self.chunk_size or 'auto'}{f' softcap={self.softcap:g}' if self.softcap else ''}"
         )
 
 
@@ -49,9 +55,11 @@ class RowStepCase:
     vocab_student: int
     vocab_teacher: int
     dtype: torch.dtype
+    softcap: float | None = None  # the student's logit softcap; the teacher's is 1.5 times it
 
     def describe(self) -> str:
-        return f"rows={self.rows} Vs={self.vocab_student} Vt={self.vocab_teacher} {DTYPE_NAMES[self.dtype]}"
+        capped = f" softcap={self.softcap:g}" if self.softcap else ""
+        return f"rows={self.rows} Vs={self.vocab_student} Vt={self.vocab_teacher} {DTYPE_NAMES[self.dtype]}{capped}"
 
 
 LOSS_CASES = (
@@ -59,12 +67,14 @@ LOSS_CASES = (
     LossCase(37, 101, 131, 24, torch.bfloat16, False, 4, 10),
     LossCase(50, 1500, 1531, 64, torch.float32, True, 7, None),
     LossCase(29, 257, 300, 32, torch.bfloat16, True, 3, 8),
+    LossCase(33, 211, 240, 32, torch.float32, True, 4, 7, softcap=3.0),
 )
 ROW_STEP_CASES = (
     RowStepCase(5, 1, 1, torch.float32),
     RowStepCase(11, 97, 131, torch.bfloat16),
     RowStepCase(7, 300, 301, torch.float32),
     RowStepCase(5, 2500, 2600, torch.bfloat16),
+    RowStepCase(6, 1000, 1100, torch.float32, softcap=4.0),
 )
 
 
@@ -104,10 +114,10 @@ def random_problem(case: LossCase, device):
     ]
 
 
-def float64_reference(args):
+def float64_reference(args, **options):
     """(loss, soft, hard) and the student gradients of the naive version on float64 copies of args."""
     upcast = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in args]
-    losses = naive_cosine_distill(*upcast)
+    losses = naive_cosine_distill(*upcast, **options)
     losses[0].backward()
     grads = [upcast[i].grad for i in (0, 1, 5) if upcast[i] is not None]
     return [loss.detach() for loss in losses], grads
@@ -136,11 +146,12 @@ def check_loss(impls, device, cases=LOSS_CASES) -> list[CheckResult]:
     results = []
     for case in cases:
         args = random_problem(case, device)
-        want = float64_reference(args)
+        want = float64_reference(args, **case.options())
         for impl in impls:
             name = f"loss {impl} vs float64"
             try:
-                results.append(compare(name, case.describe(), case.dtype, fused_run(args, impl=impl, chunk_size=case.chunk_size), want))
+                got = fused_run(args, impl=impl, chunk_size=case.chunk_size, **case.options())
+                results.append(compare(name, case.describe(), case.dtype, got, want))
             except Exception as error:  # a crash is a failed check, reported in the table
                 results.append(failed(name, case.describe(), error))
     return results
@@ -149,10 +160,13 @@ def check_loss(impls, device, cases=LOSS_CASES) -> list[CheckResult]:
 def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
     from .row_step_triton import row_step_triton  # imports triton: only on CUDA or under the interpreter
 
-    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100)
     name = "row step triton vs torch"
     results = []
     for case in cases:
+        scales = RowStepScales(
+            weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100,
+            student_softcap=case.softcap, teacher_softcap=case.softcap and 1.5 * case.softcap,
+        )
         tol_loss, tol_grad = ROW_STEP_TOLERANCE[case.dtype]
         student = (torch.randn(case.rows, case.vocab_student, device=device) * 3).to(case.dtype)
         teacher = (torch.randn(case.rows, case.vocab_teacher, device=device) * 3).to(case.dtype)
