@@ -1,7 +1,6 @@
 """Where no token is ignored, our numbers equal Liger-Kernel 0.8.5's (installed by the test extra)."""
 
 import pytest
-import torch
 
 from cosdistill import fused_linear_cosine_distill
 from conftest import make_problem, rel_err

@@ -187,8 +187,11 @@ def test_fp16_gradients_do_not_underflow_at_many_tokens(impl):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("caps", [(5.0, None), (None, 3.0), (2.5, 4.0)])
-def test_logit_softcapping(impl, dtype, caps):
-    """Gemma-2 style c * tanh(logits / c) on each head, small caps so that tanh really bends."""
-    options = dict(student_softcap=caps[0], teacher_softcap=caps[1], temperature=1.5)
+@pytest.mark.parametrize("logit_scales", [(1.0, 1.0), (0.5, 2.0)])
+def test_logit_softcapping_and_scale(impl, dtype, caps, logit_scales):
+    """Gemma-2 style c * tanh(logits / c) on each head, small caps so that tanh really bends, after a
+    Cohere style logit scale."""
+    options = dict(student_softcap=caps[0], teacher_softcap=caps[1], temperature=1.5,
+                   student_logit_scale=logit_scales[0], teacher_logit_scale=logit_scales[1])
     problem = make_problem(dtype=dtype, vocab_teacher=120, ignore_every=4)
     assert_matches_reference(problem, dtype, ref_kwargs=options, impl=impl, chunk_size=10, **options)

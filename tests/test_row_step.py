@@ -23,12 +23,13 @@ def random_chunk(rows, vocab_student, vocab_teacher, dtype):
     [(1, 1, 16), (5, 5, 16), (97, 97, 32), (97, 131, 32), (300, 301, 64), (257, 1000, 128), (64, 64, 64)],
 )
 @pytest.mark.parametrize("write_grad", [True, False])
-@pytest.mark.parametrize("softcaps", [(None, None), (4.0, 6.0)])
-def test_triton_row_step_matches_torch(dtype, vocab_student, vocab_teacher, block, write_grad, softcaps):
+@pytest.mark.parametrize("softcaps, logit_scales", [((None, None), (1.0, 1.0)), ((4.0, 6.0), (0.5, 1.5))])
+def test_triton_row_step_matches_torch(dtype, vocab_student, vocab_teacher, block, write_grad, softcaps, logit_scales):
     rows = 11
     student, teacher, labels = random_chunk(rows, vocab_student, vocab_teacher, dtype)
     scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-7,
-                           student_softcap=softcaps[0], teacher_softcap=softcaps[1])
+                           student_softcap=softcaps[0], teacher_softcap=softcaps[1],
+                           student_logit_scale=logit_scales[0], teacher_logit_scale=logit_scales[1])
     expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
     row_step_torch(expected_grad, teacher, labels, scales, expected_losses, write_grad)
     got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)

@@ -36,6 +36,8 @@ def fused_linear_cosine_distill(
     teacher_precision=None,
     student_softcap=None,
     teacher_softcap=None,
+    student_logit_scale=1.0,
+    teacher_logit_scale=1.0,
 ):
     """Hard cross-entropy plus soft cosine distillation loss through two LM heads, never holding all logits.
 
@@ -60,7 +62,9 @@ def fused_linear_cosine_distill(
     ``teacher_precision`` (None: the teacher GEMM in the teacher's dtype; "fp8": in FP8 e4m3 with
     row-wise scales, on GPUs with FP8 tensor cores; the quantized weight is cached while unchanged),
     ``student_softcap`` / ``teacher_softcap`` (Gemma-2 style final logit softcapping c: each head's
-    logits, bias included, become c * tanh(logits / c) before everything above; None: none).
+    logits, bias included, become c * tanh(logits / c) before everything above; None: none),
+    ``student_logit_scale`` / ``teacher_logit_scale`` (Cohere style: each head's logits, bias
+    included, are multiplied by it, before the softcap; applied inside the fused step).
     ``compiled`` is accepted for compatibility with Liger and changes nothing.
     ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget.
     """
@@ -72,51 +76,27 @@ def fused_linear_cosine_distill(
             weight_hard_loss, weight_soft_loss, beta, ignore_index, temperature, compiled, chunk_size,
             return_soft_hard_loss, num_valid_tokens=num_valid_tokens, accum_dtype=accum_dtype, impl=impl,
             teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+            student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale,
         )
     _check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias)
-    hidden_student = student_input.shape[-1]
-    vocab_student, vocab_teacher = student_weight.shape[0], teacher_weight.shape[0]
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
-        if cap is not None and not cap > 0:
-            raise ValueError(f"{name} must be > 0 or None, got {cap}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if accum_dtype not in (None, torch.float32, student_weight.dtype):
-        raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {student_weight.dtype}, got {accum_dtype}")
-
+    check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
+                  teacher_precision, num_valid_tokens)
     labels = true_labels.reshape(-1).contiguous()
-    num_tokens = labels.numel()
-    chunk_size = chunk_size or auto_chunk_size(num_tokens, vocab_student, vocab_teacher, student_weight.element_size())
-    teacher_bias = None if teacher_bias is None else teacher_bias.detach()
-    if teacher_precision is None:
-        teacher = TeacherHead(teacher_weight.detach(), teacher_bias)
-    elif teacher_precision == "fp8":
-        fp8.check_supported(teacher_weight.device)
-        teacher = fp8.Fp8TeacherHead(teacher_weight, teacher_bias, max_rows=min(chunk_size, num_tokens))
-    else:
-        raise ValueError(f"teacher_precision must be None or 'fp8', got {teacher_precision!r}")
-    if num_valid_tokens is not None and not torch.is_tensor(num_valid_tokens) and not num_valid_tokens > 0:
-        raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
-
+    num_tokens, vocab_student = labels.numel(), student_weight.shape[0]
+    chunk_size = chunk_size or auto_chunk_size(num_tokens, vocab_student, teacher_weight.shape[0], student_weight.element_size())
     grad_on = torch.is_grad_enabled()
-    needs_grad = tuple(grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
     options = _Options(
-        scales=RowStepScales(
-            float(weight_hard_loss), float(weight_soft_loss), float(beta), float(temperature), int(ignore_index),
-            student_softcap=None if student_softcap is None else float(student_softcap),
-            teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
-        ),
+        scales=row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
+                               teacher_softcap, student_logit_scale, teacher_logit_scale),
         normaliser=_LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens),
-        row_step=_pick_row_step(impl, student_input.device),
-        teacher=teacher,
+        row_step=pick_row_step(impl, student_input.device),
+        teacher=teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=min(chunk_size, num_tokens)),
         chunk_size=chunk_size,
-        needs_grad=needs_grad,
+        needs_grad=tuple(grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias)),
         accum_dtype=accum_dtype or student_weight.dtype,
     )
     loss, soft, hard = _FusedLinearCosineDistill.apply(
-        student_input.reshape(num_tokens, hidden_student),
+        student_input.reshape(num_tokens, student_input.shape[-1]),
         student_weight,
         student_bias,
         teacher_input.reshape(num_tokens, teacher_input.shape[-1]).detach(),
@@ -145,6 +125,8 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
         teacher_precision=None,
         student_softcap=None,
         teacher_softcap=None,
+        student_logit_scale=1.0,
+        teacher_logit_scale=1.0,
     ):
         super().__init__()
         self.options = dict(
@@ -161,6 +143,8 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
             teacher_precision=teacher_precision,
             student_softcap=student_softcap,
             teacher_softcap=teacher_softcap,
+            student_logit_scale=student_logit_scale,
+            teacher_logit_scale=teacher_logit_scale,
         )
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None, teacher_bias=None, *, num_valid_tokens=None):
@@ -243,7 +227,44 @@ class _FusedLinearCosineDistill(torch.autograd.Function):
         return (*cast, None, None, None)
 
 
-def _pick_row_step(impl: str, device: torch.device) -> RowStep:
+def check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
+                  teacher_precision, num_valid_tokens):
+    """The option rules that need no host read (shared with the torch.compile path, ops.py)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
+        if cap is not None and not cap > 0:
+            raise ValueError(f"{name} must be > 0 or None, got {cap}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if accum_dtype not in (None, torch.float32, student_weight.dtype):
+        raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {student_weight.dtype}, got {accum_dtype}")
+    if teacher_precision not in (None, "fp8"):
+        raise ValueError(f"teacher_precision must be None or 'fp8', got {teacher_precision!r}")
+    if num_valid_tokens is not None and not torch.is_tensor(num_valid_tokens) and not num_valid_tokens > 0:
+        raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
+
+
+def row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
+                    teacher_softcap, student_logit_scale, teacher_logit_scale) -> RowStepScales:
+    optional = lambda value: None if value is None else float(value)  # noqa: E731
+    return RowStepScales(
+        float(weight_hard_loss), float(weight_soft_loss), float(beta), float(temperature), int(ignore_index),
+        student_softcap=optional(student_softcap), teacher_softcap=optional(teacher_softcap),
+        student_logit_scale=float(student_logit_scale), teacher_logit_scale=float(teacher_logit_scale),
+    )
+
+
+def teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows) -> TeacherHead:
+    teacher_bias = None if teacher_bias is None else teacher_bias.detach()
+    if teacher_precision == "fp8":
+        fp8.check_supported(teacher_weight.device)
+        # the weight itself, not a detached alias: the FP8 cache is keyed on this object
+        return fp8.Fp8TeacherHead(teacher_weight, teacher_bias, max_rows=max_rows)
+    return TeacherHead(teacher_weight.detach(), teacher_bias)
+
+
+def pick_row_step(impl: str, device: torch.device) -> RowStep:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "torch" or (impl == "auto" and device.type != "cuda"):

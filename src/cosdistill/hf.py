@@ -67,12 +67,12 @@ def next_token_targets(labels, attention_mask=None, ignore_index=-100):
 
 
 def head_inputs(model, hidden, name="model"):
-    """(hidden, weight, bias, softcap) for the fused loss, reproducing the model's logits.
+    """(hidden, weight, bias, softcap, logit_scale) for the fused loss, reproducing the model's logits.
 
-    Cohere-style ``config.logit_scale`` (logits = scale * (h W^T + b)) is folded into the hidden
-    states (a copy) and the bias, so autograd carries it into the gradients; Gemma-2-style
-    ``config.final_logit_softcapping`` is returned as the softcap. Under autocast everything is cast
-    to the autocast dtype, as the model's own LM head would be.
+    Cohere-style ``config.logit_scale`` (logits = scale * (h W^T + b)) and Gemma-2-style
+    ``config.final_logit_softcapping`` are handed to the fused step, which applies both (scale, then
+    softcap) with their gradients. Under autocast everything is cast to the autocast dtype, as the
+    model's own LM head would be.
     """
     config, head = model.config.get_text_config(), lm_head(model, name)
     if getattr(config, "logits_scaling", None) not in (None, 1):
@@ -86,10 +86,7 @@ def head_inputs(model, hidden, name="model"):
     hidden, weight = hidden.to(dtype), head.weight.to(dtype)
     bias = None if head.bias is None else head.bias.to(dtype)
     scale = getattr(config, "logit_scale", None)
-    if scale is not None:
-        hidden = hidden * scale
-        bias = None if bias is None else bias * scale
-    return hidden, weight, bias, getattr(config, "final_logit_softcapping", None)
+    return hidden, weight, bias, getattr(config, "final_logit_softcapping", None), 1.0 if scale is None else scale
 
 
 def cosine_distill_loss(
@@ -134,13 +131,14 @@ def cosine_distill_loss(
         if teacher_hidden is None:
             teacher_hidden = final_hidden_states(teacher, input_ids, attention_mask, lm_head(teacher, "teacher"))
         teacher_args = head_inputs(teacher, teacher_hidden, "teacher")
-    hidden, weight, bias, softcap = head_inputs(student, student_hidden, "student")
+    hidden, weight, bias, softcap, logit_scale = head_inputs(student, student_hidden, "student")
     with torch.autocast(hidden.device.type, enabled=False):  # the inputs are already in the autocast dtype
         return fused_linear_cosine_distill(
             hidden, weight, teacher_args[0], teacher_args[1], targets, bias, teacher_args[2],
             weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
             ignore_index=ignore_index, temperature=temperature, return_soft_hard_loss=return_soft_hard_loss,
             num_valid_tokens=num_valid_tokens, student_softcap=softcap, teacher_softcap=teacher_args[3],
+            student_logit_scale=logit_scale, teacher_logit_scale=teacher_args[4],
             **loss_options,
         )
 

@@ -30,9 +30,8 @@ Gradients not asked for come back from the op as empty tensors (custom ops canno
 import torch
 from torch import Tensor
 
-from . import api, fp8
-from .chunked import TeacherHead, auto_chunk_size, chunked_loss_and_grads
-from .row_step import RowStepScales
+from . import api
+from .chunked import auto_chunk_size, chunked_loss_and_grads
 
 
 # The body reads label counts on the host, which a CUDA graph cannot capture ("reduce-overhead" mode).
@@ -63,26 +62,22 @@ def fused_linear_cosine_distill_op(
     student_softcap: float | None,
     teacher_softcap: float | None,
     needs_grad: list[bool],  # input, weight, bias
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, soft, hard, grad_input, grad_weight, grad_bias) for grad_output = 1; runs eagerly.
 
     grad_weight comes in the accum dtype and grad_bias in fp32, cast to their leaves' dtypes in backward."""
     num_tokens, vocab_student = labels.numel(), student_weight.shape[0]
     chunk_size = chunk_size or auto_chunk_size(num_tokens, vocab_student, teacher_weight.shape[0], student_weight.element_size())
-    if teacher_precision == "fp8":
-        fp8.check_supported(teacher_weight.device)
-        teacher = fp8.Fp8TeacherHead(teacher_weight, teacher_bias, max_rows=min(chunk_size, num_tokens))
-    else:
-        teacher = TeacherHead(teacher_weight, teacher_bias)
-    scales = RowStepScales(
-        weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index,
-        student_softcap=student_softcap, teacher_softcap=teacher_softcap,
-    )
+    teacher = api.teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=min(chunk_size, num_tokens))
+    scales = api.row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
+                                 teacher_softcap, student_logit_scale, teacher_logit_scale)
     given = num_valid_tokens if num_valid_tokens is not None else num_valid_count
     normaliser = api._LabelCounts(labels, ignore_index, vocab_student, given)  # raises on bad labels
     result = chunked_loss_and_grads(
         student_input, student_weight, student_bias, teacher_input, teacher, labels, scales, normaliser,
-        api._pick_row_step(impl, student_input.device), chunk_size, tuple(needs_grad), accum_dtype or student_weight.dtype,
+        api.pick_row_step(impl, student_input.device), chunk_size, tuple(needs_grad), accum_dtype or student_weight.dtype,
     )
     loss = weight_hard_loss * result.hard_loss + weight_soft_loss * result.soft_loss
     grads = result.gradients.finish(1.0) if result.gradients is not None else (None, None, None)
@@ -125,11 +120,14 @@ def compiled_distill(
     teacher_bias=None, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100,
     temperature=1.0, compiled=True, chunk_size=None, return_soft_hard_loss=False, *, num_valid_tokens=None,
     accum_dtype=None, impl="auto", teacher_precision=None, student_softcap=None, teacher_softcap=None,
+    student_logit_scale=1.0, teacher_logit_scale=1.0,
 ):
     """``api.fused_linear_cosine_distill`` through the custom op: traceable, no host reads."""
     api._check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias)
-    _check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
-                   teacher_precision, num_valid_tokens, impl)
+    api.check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
+                      teacher_precision, num_valid_tokens)
+    if impl not in api.IMPLS:  # pick_row_step checks it where the op runs; fail at compile time already
+        raise ValueError(f"impl must be one of {api.IMPLS}, got {impl!r}")
     grad_on = torch.is_grad_enabled()
     needs_grad = [grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias)]
     given_tensor = torch.is_tensor(num_valid_tokens)
@@ -154,27 +152,9 @@ def compiled_distill(
         teacher_precision=teacher_precision,
         student_softcap=None if student_softcap is None else float(student_softcap),
         teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
+        student_logit_scale=float(student_logit_scale),
+        teacher_logit_scale=float(teacher_logit_scale),
         needs_grad=needs_grad,
     )
     soft, hard = soft.detach(), hard.detach()  # for logging, as in eager
     return (loss, soft, hard) if return_soft_hard_loss else loss
-
-
-def _check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
-                   teacher_precision, num_valid_tokens, impl):
-    """api.fused_linear_cosine_distill's option rules, those that need no host read."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
-        if cap is not None and not cap > 0:
-            raise ValueError(f"{name} must be > 0 or None, got {cap}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if accum_dtype not in (None, torch.float32, student_weight.dtype):
-        raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {student_weight.dtype}, got {accum_dtype}")
-    if teacher_precision not in (None, "fp8"):
-        raise ValueError(f"teacher_precision must be None or 'fp8', got {teacher_precision!r}")
-    if num_valid_tokens is not None and not torch.is_tensor(num_valid_tokens) and not num_valid_tokens > 0:
-        raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
-    if impl not in api.IMPLS:
-        raise ValueError(f"impl must be one of {api.IMPLS}, got {impl!r}")

@@ -24,6 +24,8 @@ def naive_cosine_distill(
     num_valid_tokens=None,
     student_softcap=None,
     teacher_softcap=None,
+    student_logit_scale=1.0,
+    teacher_logit_scale=1.0,
 ):
     """Returns (loss, soft, hard). Computes in fp32, or in float64 if the inputs are float64."""
     compute_dtype = torch.promote_types(student_input.dtype, torch.float32)
@@ -32,6 +34,7 @@ def naive_cosine_distill(
     with torch.no_grad():
         teacher = F.linear(teacher_input, teacher_weight, teacher_bias).reshape(labels.numel(), -1).to(compute_dtype)
 
+    student, teacher = student * student_logit_scale, teacher * teacher_logit_scale
     if student_softcap is not None:
         student = student_softcap * torch.tanh(student / student_softcap)
     if teacher_softcap is not None:

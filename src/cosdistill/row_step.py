@@ -3,8 +3,9 @@
 For one chunk of tokens it takes the student logits s [n, Vs] and the teacher logits t [n, Vt]
 (Vt >= Vs; s is treated as zero-padded to Vt), and
 
-* with softcapping (Gemma-2 style), replaces s by c_s * tanh(s / c_s) and t by c_t * tanh(t / c_t)
-  before anything below (the gradient then carries the factor 1 - tanh^2);
+* with a logit scale (Cohere style), multiplies s by a_s and t by a_t; then, with softcapping
+  (Gemma-2 style), replaces s by c_s * tanh(s / c_s) and t by c_t * tanh(t / c_t); both before
+  anything below (the gradient then carries the factors a_s and 1 - tanh^2);
 * writes each token's unnormalised hard and soft loss into ``token_losses`` [n, 2]:
       hard_i = logsumexp(s_i) - s_i[label_i]
       soft_i = beta * (1 - cos(s_i / T, t_i / T))
@@ -38,9 +39,12 @@ class RowStepScales:
     ignore_index: int
     student_softcap: float | None = None  # logits -> c * tanh(logits / c)
     teacher_softcap: float | None = None
+    student_logit_scale: float = 1.0  # logits -> a * logits, before the softcap
+    teacher_logit_scale: float = 1.0
 
 
-def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+def scale_and_softcap(logits: torch.Tensor, scale: float, cap: float | None) -> torch.Tensor:
+    logits = logits * scale
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
@@ -73,8 +77,8 @@ def row_step_torch(
     write_grad: bool,
 ) -> None:
     vocab_student = student_logits.shape[1]
-    s = softcap(student_logits.float(), scales.student_softcap)
-    t = softcap(teacher_logits.float(), scales.teacher_softcap)
+    s = scale_and_softcap(student_logits.float(), scales.student_logit_scale, scales.student_softcap)
+    t = scale_and_softcap(teacher_logits.float(), scales.teacher_logit_scale, scales.teacher_softcap)
     t_shared = t[:, :vocab_student]  # the student's zero padding adds nothing to s.t or |s|^2
 
     valid = (labels != scales.ignore_index) & (labels >= 0) & (labels < vocab_student)
@@ -99,5 +103,6 @@ def row_step_torch(
     grad -= soft_scale * (coef_teacher[:, None] * t_shared - coef_student[:, None] * s)
     if scales.student_softcap is not None:
         grad *= 1.0 - (s / scales.student_softcap) ** 2  # d(c tanh(z / c)) / dz
+    grad *= scales.student_logit_scale
     grad = torch.where(valid[:, None], grad, 0.0)
     student_logits.copy_(grad)

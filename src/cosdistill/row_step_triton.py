@@ -41,6 +41,8 @@ def _row_step_kernel(
     eps,
     student_cap,
     teacher_cap,
+    student_scale,
+    teacher_scale,
     STUDENT_CAP: tl.constexpr,
     TEACHER_CAP: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
@@ -62,8 +64,8 @@ def _row_step_kernel(
     for start in range(0, vocab_student, BLOCK):
         cols = start + offsets
         in_row = cols < vocab_student
-        s = tl.load(student_row + cols, mask=in_row, other=0.0).to(tl.float32)
-        t = tl.load(teacher_row + cols, mask=in_row, other=0.0).to(tl.float32)
+        s = tl.load(student_row + cols, mask=in_row, other=0.0).to(tl.float32) * student_scale
+        t = tl.load(teacher_row + cols, mask=in_row, other=0.0).to(tl.float32) * teacher_scale
         if STUDENT_CAP:
             s = _softcap(s, student_cap)
         if TEACHER_CAP:
@@ -80,14 +82,14 @@ def _row_step_kernel(
     # The teacher's extra vocabulary [Vs, Vt) meets the student's zero padding: only |t|^2 grows.
     for start in range(vocab_student, vocab_teacher, BLOCK):
         cols = start + offsets
-        t = tl.load(teacher_row + cols, mask=cols < vocab_teacher, other=0.0).to(tl.float32)
+        t = tl.load(teacher_row + cols, mask=cols < vocab_teacher, other=0.0).to(tl.float32) * teacher_scale
         if TEACHER_CAP:
             t = _softcap(t, teacher_cap)
         sum_sq_teacher += t * t
 
     row_max = tl.max(run_max, axis=0)
     logsumexp = row_max + tl.log(tl.sum(run_sum_exp * tl.exp(run_max - row_max), axis=0))
-    target_logit = tl.load(student_row + tl.where(valid, label, 0)).to(tl.float32)
+    target_logit = tl.load(student_row + tl.where(valid, label, 0)).to(tl.float32) * student_scale
     if STUDENT_CAP:
         target_logit = _softcap(target_logit, student_cap)
 
@@ -113,8 +115,8 @@ def _row_step_kernel(
         for start in range(0, vocab_student, BLOCK):
             cols = start + offsets
             in_row = cols < vocab_student
-            s = tl.load(student_row + cols, mask=in_row, other=0.0).to(tl.float32)
-            t = tl.load(teacher_row + cols, mask=in_row, other=0.0).to(tl.float32)
+            s = tl.load(student_row + cols, mask=in_row, other=0.0).to(tl.float32) * student_scale
+            t = tl.load(teacher_row + cols, mask=in_row, other=0.0).to(tl.float32) * teacher_scale
             if STUDENT_CAP:
                 s = _softcap(s, student_cap)
             if TEACHER_CAP:
@@ -124,6 +126,7 @@ def _row_step_kernel(
             grad -= soft_scale * (coef_teacher * t - coef_student * s)
             if STUDENT_CAP:
                 grad *= 1.0 - (s / student_cap) * (s / student_cap)  # d(c tanh(z / c)) / dz
+            grad *= student_scale
             grad = tl.where(valid, grad, 0.0)
             tl.store(student_row + cols, grad.to(student_ptr.dtype.element_ty), mask=in_row)
 
@@ -163,6 +166,8 @@ def row_step_triton(
         COSINE_EPS,
         scales.student_softcap or 1.0,
         scales.teacher_softcap or 1.0,
+        scales.student_logit_scale,
+        scales.teacher_logit_scale,
         STUDENT_CAP=scales.student_softcap is not None,
         TEACHER_CAP=scales.teacher_softcap is not None,
         WRITE_GRAD=write_grad,
