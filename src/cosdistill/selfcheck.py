@@ -35,17 +35,20 @@ class LossCase:
     ignore_every: int  # every n-th label is ignore_index; 0: none
     chunk_size: int | None  # None: the API's automatic size
     softcap: float | None = None  # the student's logit softcap; the teacher's is 1.5 times it
+    logit_scale: float = 1.0  # the student's logit scale; the teacher's is twice it
 
     def options(self) -> dict:
-        if self.softcap is None:
-            return {}
-        return dict(student_softcap=self.softcap, teacher_softcap=1.5 * self.softcap)
+        options = dict(student_logit_scale=self.logit_scale, teacher_logit_scale=2 * self.logit_scale)
+        if self.softcap is not None:
+            options.update(student_softcap=self.softcap, teacher_softcap=1.5 * self.softcap)
+        return options
 
     def describe(self) -> str:
         return (
             f"T={self.tokens} Vs={self.vocab_student} Vt={self.vocab_teacher} Ht={self.hidden_teacher} "
             f"{DTYPE_NAMES[self.dtype]}{' bias' if self.bias else ''} ignore 1/{self.ignore_every or '-'} "
             f"chunk={self.chunk_size or 'auto'}{f' softcap={self.softcap:g}' if self.softcap else ''}"
+            f"{f' logit scale={self.logit_scale:g}' if self.logit_scale != 1 else ''}"
         )
 
 
@@ -56,10 +59,12 @@ class RowStepCase:
     vocab_teacher: int
     dtype: torch.dtype
     softcap: float | None = None  # the student's logit softcap; the teacher's is 1.5 times it
+    logit_scale: float = 1.0  # the student's logit scale; the teacher's is twice it
 
     def describe(self) -> str:
         capped = f" softcap={self.softcap:g}" if self.softcap else ""
-        return f"rows={self.rows} Vs={self.vocab_student} Vt={self.vocab_teacher} {DTYPE_NAMES[self.dtype]}{capped}"
+        scaled = f" logit scale={self.logit_scale:g}" if self.logit_scale != 1 else ""
+        return f"rows={self.rows} Vs={self.vocab_student} Vt={self.vocab_teacher} {DTYPE_NAMES[self.dtype]}{capped}{scaled}"
 
 
 LOSS_CASES = (
@@ -67,14 +72,14 @@ LOSS_CASES = (
     LossCase(37, 101, 131, 24, torch.bfloat16, False, 4, 10),
     LossCase(50, 1500, 1531, 64, torch.float32, True, 7, None),
     LossCase(29, 257, 300, 32, torch.bfloat16, True, 3, 8),
-    LossCase(33, 211, 240, 32, torch.float32, True, 4, 7, softcap=3.0),
+    LossCase(33, 211, 240, 32, torch.float32, True, 4, 7, softcap=3.0, logit_scale=0.5),
 )
 ROW_STEP_CASES = (
     RowStepCase(5, 1, 1, torch.float32),
     RowStepCase(11, 97, 131, torch.bfloat16),
     RowStepCase(7, 300, 301, torch.float32),
     RowStepCase(5, 2500, 2600, torch.bfloat16),
-    RowStepCase(6, 1000, 1100, torch.float32, softcap=4.0),
+    RowStepCase(6, 1000, 1100, torch.float32, softcap=4.0, logit_scale=0.5),
 )
 
 
@@ -166,6 +171,7 @@ def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
         scales = RowStepScales(
             weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100,
             student_softcap=case.softcap, teacher_softcap=case.softcap and 1.5 * case.softcap,
+            student_logit_scale=case.logit_scale, teacher_logit_scale=2 * case.logit_scale,
         )
         tol_loss, tol_grad = ROW_STEP_TOLERANCE[case.dtype]
         student = (torch.randn(case.rows, case.vocab_student, device=device) * 3).to(case.dtype)
