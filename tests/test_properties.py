@@ -1,0 +1,265 @@
+"""Property-based tests: random problems through the fused loss against the float64 naive reference.
+
+Hypothesis draws a ``Case``: sizes (T 0..300, hidden sizes, Vs 1..5000 with primes, Vt >= Vs and
+often >), dtype, biases, ignore pattern, weights and beta (zeros included), temperature, chunk size
+(None, and sizes that do not divide T), 2-D or 3-D layout, softcaps, logit scales, num_valid_tokens,
+accum_dtype and grad_output, plus a seed from which ``build_problem`` makes the tensors with a
+``torch.Generator``. So the ``Case(...)`` that Hypothesis prints for a failure reproduces it exactly:
+
+    PYTHONPATH=src:tests python -c "import torch; from test_properties import *; check(Case(...))"
+
+The tests are derandomized (the same cases on every run) and keep no example database, so CI is
+reproducible. ``check`` holds the losses and every student gradient to conftest.TOLERANCE.
+"""
+
+import warnings
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import TOLERANCE, Problem, reference, rel_err
+from cosdistill import fused_linear_cosine_distill
+
+PRIMES = (2, 3, 5, 7, 31, 97, 101, 127, 257, 509, 1021, 1031, 2039, 4093, 4999)
+MIN_STUDENT_HIDDEN = 4
+FLOAT64_ZERO = 1e-12  # a float64 gradient norm below this is zero up to rounding (see check)
+
+
+@dataclass(frozen=True)
+class Case:
+    seed: int
+    tokens: int  # T
+    batch: int | None  # None: [T, H] inputs; else [batch, T // batch, H]
+    hidden_student: int
+    hidden_teacher: int
+    vocab_student: int
+    vocab_teacher: int
+    dtype: torch.dtype
+    student_bias: bool
+    teacher_bias: bool
+    ignore: str  # "some" (30% at random), "none", "alternating" (every other token) or "all"
+    ignore_index: int
+    weight_hard_loss: float
+    weight_soft_loss: float
+    beta: float
+    temperature: float
+    chunk_size: int | None
+    student_softcap: float | None
+    teacher_softcap: float | None
+    student_logit_scale: float
+    teacher_logit_scale: float
+    num_valid_tokens: int | None
+    accum_dtype: torch.dtype | None
+    grad_output: float
+    impl: str
+
+    def options(self):
+        """The keyword arguments that the fused loss and the reference share."""
+        return dict(
+            weight_hard_loss=self.weight_hard_loss, weight_soft_loss=self.weight_soft_loss, beta=self.beta,
+            ignore_index=self.ignore_index, temperature=self.temperature, num_valid_tokens=self.num_valid_tokens,
+            student_softcap=self.student_softcap, teacher_softcap=self.teacher_softcap,
+            student_logit_scale=self.student_logit_scale, teacher_logit_scale=self.teacher_logit_scale,
+        )
+
+
+def build_problem(case: Case) -> Problem:
+    """The tensors of a case, from its seed alone; scaled as conftest.make_problem (logits of a few units)."""
+    gen = torch.Generator().manual_seed(case.seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(case.dtype)
+
+    lead = (case.tokens,) if case.batch is None else (case.batch, case.tokens // case.batch)
+    labels = torch.randint(0, case.vocab_student, lead, generator=gen)
+    flat = labels.view(-1)
+    if case.ignore == "some":
+        flat[torch.rand(case.tokens, generator=gen) < 0.3] = case.ignore_index
+    elif case.ignore == "alternating":
+        flat[::2] = case.ignore_index
+    elif case.ignore == "all":
+        flat.fill_(case.ignore_index)
+    hs, ht, vs, vt = case.hidden_student, case.hidden_teacher, case.vocab_student, case.vocab_teacher
+    return Problem(
+        student_input=randn(*lead, hs).requires_grad_(),
+        student_weight=randn(vs, hs, scale=2 / hs**0.5).requires_grad_(),
+        teacher_input=randn(*lead, ht),
+        teacher_weight=randn(vt, ht, scale=2 / ht**0.5),
+        labels=labels,
+        student_bias=randn(vs).requires_grad_() if case.student_bias else None,
+        teacher_bias=randn(vt) if case.teacher_bias else None,
+    )
+
+
+@st.composite
+def cases(draw, impl, max_tokens, max_vocab, max_hidden):
+    """The one strategy; the size limits keep the Triton interpreter's cases small. Hypothesis favours
+    the first entry of each sampled_from, so the common choice comes first."""
+    tokens = draw(st.integers(0, max_tokens))
+    divisors = [b for b in range(1, tokens + 1) if tokens % b == 0] if tokens else [1, 2, 3]
+    vocab_student = draw(st.one_of(
+        st.integers(1, max_vocab), st.integers(max_vocab // 2, max_vocab),
+        st.sampled_from([p for p in PRIMES if p <= max_vocab]),
+    ))
+    vocab_teacher = draw(st.one_of(  # Vt > Vs in two draws of three
+        st.integers(vocab_student + 1, vocab_student + 17),
+        st.just(vocab_student),
+        st.integers(vocab_student, max(vocab_student, max_vocab)),
+    ))
+    # Nonzero weights and beta from 0.01: smaller ones only push fp16 gradients into underflow (and
+    # 1e-308 is 0 in fp32), which says nothing more about the loss.
+    weights = dict(weight_hard_loss=draw(st.floats(0.01, 2.0)), weight_soft_loss=draw(st.floats(0.01, 2.0)),
+                   beta=draw(st.one_of(st.floats(0.01, 1.0), st.just(1.0))))
+    for zeroed in draw(st.sampled_from([(), (), (), ("weight_hard_loss",), ("weight_soft_loss",), ("beta",),
+                                        ("weight_hard_loss", "beta"), tuple(weights)])):
+        weights[zeroed] = 0.0
+    softcap = st.one_of(st.none(), st.floats(1.0, 30.0))
+    logit_scale = st.one_of(st.just(1.0), st.floats(0.25, 2.0))
+    return Case(
+        seed=draw(st.integers(0, 2**32 - 1)),
+        tokens=tokens,
+        batch=draw(st.one_of(st.sampled_from(divisors), st.none())),
+        # From 4: at student hidden 1-2 the soft term's input gradient cancels to within rounding in
+        # any implementation (the naive bf16 version misses the bf16 tolerance on the same cases).
+        hidden_student=draw(st.integers(MIN_STUDENT_HIDDEN, max_hidden)),
+        hidden_teacher=draw(st.integers(1, max_hidden)),
+        vocab_student=vocab_student,
+        vocab_teacher=vocab_teacher,
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
+        student_bias=draw(st.booleans()),
+        teacher_bias=draw(st.booleans()),
+        ignore=draw(st.sampled_from(["some", "none", "alternating", "some", "all"])),
+        ignore_index=draw(st.sampled_from([-100, -1])),
+        **weights,
+        temperature=draw(st.one_of(st.just(1.0), st.floats(0.25, 5.0))),
+        chunk_size=draw(st.one_of(st.integers(1, tokens + 8), st.none(), st.sampled_from([1, 7, 64]))),
+        student_softcap=draw(softcap),
+        teacher_softcap=draw(softcap),
+        student_logit_scale=draw(logit_scale),
+        teacher_logit_scale=draw(logit_scale),
+        num_valid_tokens=draw(st.one_of(st.none(), st.integers(1, 2 * max_tokens))),
+        accum_dtype=draw(st.sampled_from([None, torch.float32])),
+        grad_output=draw(st.sampled_from([1.0, -2.5, 0.3])),
+        impl=impl,
+    )
+
+
+def check(case: Case, excuse_known_issue=True):
+    """The fused loss's (loss, soft, hard) and student gradients against float64: relative error by
+    norm (conftest.rel_err) below conftest.TOLERANCE[dtype], except in three situations where the
+    relative error cannot measure it, each checked as strictly as it allows:
+
+    * Zero by construction: no valid token (all ignored, or T = 0), or both terms weighted out
+      (weight_hard_loss = 0 and weight_soft_loss * beta = 0). The result must be exactly zero: the
+      row step multiplies each token's gradient by the weights and masks ignored tokens with a
+      select, so only exact zeros reach the gradient GEMMs, and an ignored token adds an exact 0.
+    * Zero by a symmetry, so the float64 reference is zero up to its own rounding (norm below
+      FLOAT64_ZERO): e.g. student hidden size 1 with the soft term alone (cos is invariant to scaling
+      the student's logits, so d cos / d input = 0), or Vs = 1 (cos(s, t) = sign(s) t_0 / |t|). The
+      result must be tiny in absolute terms, norm below grad_tol: the terms that cancel are of order
+      one at most (weights <= 2, |p - onehot| <= 1, unit-scale inputs and head weights), so that is
+      the relative budget of an order-one gradient; rounding leaves ~1e-9 (fp32) to ~1e-5 (fp16).
+    * Gradients that their own dtype cannot hold to grad_tol: when the float64 reference rounded to
+      the gradient's dtype is itself off by ``floor`` >= grad_tol (fp16 gradients of a few 1e-6 are
+      subnormals, absolute step 2^-24), no result in that dtype -- which the README fixes -- can
+      pass; the error must then stay below grad_tol on top of that floor.
+
+    ``excuse_known_issue``: see fp16_underflow_is_the_cause.
+    """
+    problem = build_problem(case)
+    loss_tol, grad_tol = TOLERANCE[case.dtype]
+    losses = fused_linear_cosine_distill(
+        *problem.args(), chunk_size=case.chunk_size, return_soft_hard_loss=True, accum_dtype=case.accum_dtype,
+        impl=case.impl, **case.options(),
+    )
+    (losses[0] * case.grad_output).backward()
+    if case.tokens:
+        ref_losses, ref_grads = reference(problem, case.grad_output, **case.options())
+    else:  # reference.py cannot take zero tokens (its reshape(0, -1) raises); README: zero tokens, loss 0
+        ref_losses = [torch.zeros((), dtype=torch.float64)] * 3
+        ref_grads = [torch.zeros_like(leaf, dtype=torch.float64) for leaf in problem.student_leaves()]
+
+    no_valid_token = not (problem.labels != case.ignore_index).any()
+    weighted_out = case.weight_hard_loss == 0 and case.weight_soft_loss * case.beta == 0
+    for name, got, want in zip(("loss", "soft", "hard"), losses, ref_losses):
+        assert got.dtype == torch.float32 and got.shape == () and torch.isfinite(got), (name, got)
+        if no_valid_token:
+            assert got.item() == 0.0, (name, got.item())
+        assert rel_err(got, want) < loss_tol, (name, got.item(), want.item(), rel_err(got, want))
+
+    for name, leaf, want in zip(("grad_input", "grad_weight", "grad_bias"), problem.student_leaves(), ref_grads):
+        got = leaf.grad
+        assert got is not None and got.dtype == leaf.dtype and got.shape == leaf.shape, (name, got)
+        assert torch.isfinite(got).all(), name
+        if no_valid_token or weighted_out:
+            assert torch.count_nonzero(got) == 0, (name, got.abs().max().item())
+            continue
+        if want.norm() < FLOAT64_ZERO:
+            assert got.double().norm() < grad_tol, (name, got.double().norm().item(), want.norm().item())
+            continue
+        err, floor = rel_err(got, want), rel_err(want.to(got.dtype), want)
+        bound = grad_tol if floor < grad_tol else grad_tol + floor
+        if err >= bound and excuse_known_issue and fp16_underflow_is_the_cause(case):
+            warnings.warn(f"KNOWN ISSUE fp16 d loss / d logits underflow: {name} off by {err:.1e} in {case}")
+            continue
+        assert err < bound, (name, err, "floor", floor, "norm", want.norm().item())
+
+
+def fp16_underflow_is_the_cause(case: Case) -> bool:
+    """KNOWN ISSUE (library; test_known_issue_fp16_dlogits_underflow): the fused loss computes the
+    gradients in forward, for grad_output = 1, through fp16 d loss / d logits (the logits buffer)
+    and, with accum_dtype None, an fp16 grad_weight accumulator. The soft term's entries are of
+    order weight_soft * beta / (logit size * V), below fp16's smallest normal 2^-14 from a few
+    thousand vocab entries on, so they are rounded to subnormals (absolute step 2^-24) before
+    grad_output -- a GradScaler's loss scale -- can lift them; the naive version scales them first.
+    A failing case is this issue exactly when it passes with both weights times 2^10 and grad_output
+    times 2^-10: the same gradients, every rounding the same (powers of two) except that the
+    intermediates are 2^10 further from underflow."""
+    if case.dtype != torch.float16:
+        return False
+    lifted = replace(case, weight_hard_loss=case.weight_hard_loss * 2**10,
+                     weight_soft_loss=case.weight_soft_loss * 2**10, grad_output=case.grad_output * 2**-10)
+    try:
+        check(lifted, excuse_known_issue=False)
+    except AssertionError:
+        return False
+    return True
+
+
+COMMON = dict(deadline=None, derandomize=True, database=None, print_blob=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@settings(max_examples=500, **COMMON)
+@given(cases(impl="torch", max_tokens=300, max_vocab=5000, max_hidden=64))
+def test_torch_row_step_matches_float64(case):
+    check(case)
+
+
+@settings(max_examples=100, **COMMON)  # Triton's interpreter: small sizes; Vs up to 1500 > one 1024 block
+@given(cases(impl="triton", max_tokens=16, max_vocab=1500, max_hidden=16))
+def test_triton_row_step_matches_float64(case):
+    check(case)
+
+
+# fp16, soft term only, grad_output = 1024 as from a GradScaler: grad_input is 1.1e-2 off (TOLERANCE
+# 5e-3; the reference rounded to fp16 is 2e-4 off) and passes with the weights times 2^10 and
+# grad_output 1. The naive fp16 version, whose d loss / d logits carry the loss scale, is 4e-4 off.
+FP16_UNDERFLOW_CASE = Case(
+    seed=1, tokens=64, batch=None, hidden_student=32, hidden_teacher=32, vocab_student=4999, vocab_teacher=4999,
+    dtype=torch.float16, student_bias=True, teacher_bias=False, ignore="none", ignore_index=-100,
+    weight_hard_loss=0.0, weight_soft_loss=0.5, beta=0.1, temperature=1.0, chunk_size=None, student_softcap=None,
+    teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0, num_valid_tokens=None,
+    accum_dtype=torch.float32, grad_output=1024.0, impl="torch",
+)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="KNOWN ISSUE (library): fp16 d loss / d logits "
+                   "underflow in forward, before grad_output (a loss scale) applies; see fp16_underflow_is_the_cause")
+def test_known_issue_fp16_dlogits_underflow():
+    if not fp16_underflow_is_the_cause(FP16_UNDERFLOW_CASE):  # not an AssertionError: this would fail the test
+        raise RuntimeError("the case no longer fails, or fails for another reason than the underflow")
+    check(FP16_UNDERFLOW_CASE, excuse_known_issue=False)
