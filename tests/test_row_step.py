@@ -1,5 +1,7 @@
 """The Triton row step, run by Triton's interpreter, against the torch row step (the spec)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -75,3 +77,51 @@ def test_out_of_range_labels_count_as_ignored_in_the_kernel():
     assert (expected_losses[[1, 3]] == 0).all() and torch.count_nonzero(expected_grad[[1, 3]]) == 0
     torch.testing.assert_close(got_losses, expected_losses)
     torch.testing.assert_close(got_grad, expected_grad)
+
+
+def shard_bounds(vocab_teacher, shards, generator):
+    """Random contiguous split of [0, Vt) into `shards` pieces (some may hold no student columns)."""
+    cuts = torch.randperm(vocab_teacher - 1, generator=generator)[: shards - 1] + 1
+    edges = [0, *sorted(cuts.tolist()), vocab_teacher]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+@pytest.mark.parametrize("impl_name", ["torch", "triton"])
+@pytest.mark.parametrize("vocab_student, vocab_teacher, shards", [(97, 97, 2), (61, 131, 3), (40, 200, 4), (7, 7, 7)])
+@pytest.mark.parametrize("softcaps", [(None, None), (4.0, 6.0)])
+def test_statistics_of_vocabulary_shards_combine_to_the_whole_row_step(impl_name, vocab_student, vocab_teacher,
+                                                                       shards, softcaps):
+    """Each shard's statistics, combined, then each shard's gradient: the unsplit row step, column for column."""
+    from cosdistill.row_step import TORCH_ROW_STEP, combine_row_stats
+    from cosdistill.row_step_triton import TRITON_ROW_STEP
+
+    impl = {"torch": TORCH_ROW_STEP, "triton": TRITON_ROW_STEP}[impl_name]
+    generator = torch.Generator().manual_seed(vocab_teacher * shards)
+    rows = 9
+    student, teacher, labels = random_chunk(rows, vocab_student, vocab_teacher, torch.float32)
+    scales = RowStepScales(0.4, 0.7, 0.6, 1.3, -7, student_softcap=softcaps[0], teacher_softcap=softcaps[1])
+    whole_grad, whole_losses = student.clone(), torch.full((rows, 2), POISON)
+    row_step_torch(whole_grad, teacher, labels, scales, whole_losses, True)
+
+    bounds = shard_bounds(vocab_teacher, shards, generator)
+    pieces = [(student[:, start:min(stop, vocab_student)].contiguous(), teacher[:, start:stop].contiguous(),
+               replace(scales, vocab_start=start, vocab_student_total=vocab_student)) for start, stop in bounds]
+    stats = combine_row_stats(torch.stack([impl.stats(s, t, labels, sc) for s, t, sc in pieces]))
+    for s, t, sc in pieces:
+        losses = torch.full((rows, 2), POISON)
+        impl.grad(s, t, labels, stats, sc, losses, True)
+        torch.testing.assert_close(losses, whole_losses, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(torch.cat([s for s, _, _ in pieces], 1), whole_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_triton_statistics_and_gradient_kernels_match_the_fused_kernel():
+    from cosdistill.row_step_triton import row_grad_triton, row_stats_triton
+
+    student, teacher, labels = random_chunk(7, 300, 301, torch.bfloat16)
+    scales = RowStepScales(0.37, 0.81, 0.6, 1.7, -7)
+    fused_grad, fused_losses = student.clone(), torch.full((7, 2), POISON)
+    row_step_triton(fused_grad, teacher, labels, scales, fused_losses, True, block_size=64)
+    split_grad, split_losses = student.clone(), torch.full((7, 2), POISON)
+    stats = row_stats_triton(split_grad, teacher, labels, scales, block_size=64)
+    row_grad_triton(split_grad, teacher, labels, stats, scales, split_losses, True, block_size=64)
+    assert torch.equal(split_losses, fused_losses) and torch.equal(split_grad, fused_grad)

@@ -1,13 +1,16 @@
 """Public API: argument checking, dispatch to a row-step implementation, and the autograd wrapper."""
 
+import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from . import fp8
-from .chunked import Normaliser, RowStep, TeacherHead, auto_chunk_size, chunked_loss_and_grads
-from .row_step import RowStepScales, row_step_torch
+from .chunked import (Normaliser, RowStep, TeacherHead, VocabParallel, auto_chunk_size, chunked_loss_and_grads,
+                      split_row_step)
+from .row_step import TORCH_ROW_STEP, RowStepImpl, RowStepScales
 
 IMPLS = ("auto", "torch", "triton")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -38,6 +41,7 @@ def fused_linear_cosine_distill(
     teacher_softcap=None,
     student_logit_scale=1.0,
     teacher_logit_scale=1.0,
+    vocab_parallel=None,
 ):
     """Hard cross-entropy plus soft cosine distillation loss through two LM heads, never holding all logits.
 
@@ -64,7 +68,9 @@ def fused_linear_cosine_distill(
     ``student_softcap`` / ``teacher_softcap`` (Gemma-2 style final logit softcapping c: each head's
     logits, bias included, become c * tanh(logits / c) before everything above; None: none),
     ``student_logit_scale`` / ``teacher_logit_scale`` (Cohere style: each head's logits, bias
-    included, are multiplied by it, before the softcap; applied inside the fused step).
+    included, are multiplied by it, before the softcap; applied inside the fused step),
+    ``vocab_parallel`` (both heads split along the vocabulary over ranks: pass the local weight shards
+    and a ``cosdistill.distributed.VocabParallelOptions``; see that module).
     ``compiled`` is accepted for compatibility with Liger and changes nothing.
     ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget.
     """
@@ -77,23 +83,35 @@ def fused_linear_cosine_distill(
             return_soft_hard_loss, num_valid_tokens=num_valid_tokens, accum_dtype=accum_dtype, impl=impl,
             teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
             student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale,
+            vocab_parallel=vocab_parallel,
         )
     _check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias)
     check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
                   teacher_precision, num_valid_tokens)
     labels = true_labels.reshape(-1).contiguous()
-    num_tokens, vocab_student = labels.numel(), student_weight.shape[0]
-    chunk_size = chunk_size or auto_chunk_size(num_tokens, vocab_student, teacher_weight.shape[0], student_weight.element_size())
+    num_tokens = labels.numel()
+    scales = row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
+                             teacher_softcap, student_logit_scale, teacher_logit_scale)
+    row_step_impl = pick_row_step(impl, student_input.device)
+    row_step, reduce_grad_input = row_step_impl.step, None
+    vocab_student, vocab_teacher = student_weight.shape[0], teacher_weight.shape[0]
+    if vocab_parallel is not None:
+        check_vocab_parallel(vocab_parallel, student_weight, teacher_weight)
+        # The whole student vocabulary sizes the chunks: every rank must run the same number of them.
+        vocab_student = vocab_teacher = vocab_parallel.vocab_student
+        scales = dataclasses.replace(scales, vocab_start=vocab_parallel.start, vocab_student_total=vocab_student)
+        row_step, reduce_grad_input = split_row_step(row_step_impl, vocab_parallel), vocab_parallel.all_reduce
+    chunk_size = chunk_size or auto_chunk_size(num_tokens, vocab_student, vocab_teacher, student_weight.element_size())
     grad_on = torch.is_grad_enabled()
     options = _Options(
-        scales=row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
-                               teacher_softcap, student_logit_scale, teacher_logit_scale),
+        scales=scales,
         normaliser=_LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens),
-        row_step=pick_row_step(impl, student_input.device),
+        row_step=row_step,
         teacher=teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=min(chunk_size, num_tokens)),
         chunk_size=chunk_size,
         needs_grad=tuple(grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias)),
         accum_dtype=accum_dtype or student_weight.dtype,
+        reduce_grad_input=reduce_grad_input,
     )
     loss, soft, hard = _FusedLinearCosineDistill.apply(
         student_input.reshape(num_tokens, student_input.shape[-1]),
@@ -199,6 +217,7 @@ class _Options:
     chunk_size: int
     needs_grad: tuple[bool, bool, bool]
     accum_dtype: torch.dtype
+    reduce_grad_input: Callable[[torch.Tensor], None] | None = None
 
 
 class _FusedLinearCosineDistill(torch.autograd.Function):
@@ -209,7 +228,7 @@ class _FusedLinearCosineDistill(torch.autograd.Function):
         result = chunked_loss_and_grads(
             student_input, student_weight, student_bias, teacher_input, options.teacher, labels,
             options.scales, options.normaliser, options.row_step, options.chunk_size, options.needs_grad,
-            options.accum_dtype,
+            options.accum_dtype, options.reduce_grad_input,
         )
         loss = options.scales.weight_hard * result.hard_loss + options.scales.weight_soft * result.soft_loss
         ctx.gradients = result.gradients
@@ -264,16 +283,30 @@ def teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows) -> T
     return TeacherHead(teacher_weight.detach(), teacher_bias)
 
 
-def pick_row_step(impl: str, device: torch.device) -> RowStep:
+def pick_row_step(impl: str, device: torch.device) -> RowStepImpl:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "torch" or (impl == "auto" and device.type != "cuda"):
-        return row_step_torch
+        return TORCH_ROW_STEP
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU); tensors are on {device}")
-    from .row_step_triton import row_step_triton
+    from .row_step_triton import TRITON_ROW_STEP
 
-    return row_step_triton
+    return TRITON_ROW_STEP
+
+
+def check_vocab_parallel(vocab_parallel: VocabParallel, student_weight, teacher_weight) -> None:
+    """The local weight shards against the split."""
+    start, stop, vocab_student = vocab_parallel.start, vocab_parallel.stop, vocab_parallel.vocab_student
+    if not 0 <= start < stop:
+        raise ValueError(f"vocab_parallel needs 0 <= start < stop, got start={start}, stop={stop}")
+    student_rows = max(0, min(stop, vocab_student) - start)
+    if teacher_weight.shape[0] != stop - start or student_weight.shape[0] != student_rows:
+        raise ValueError(
+            f"vocab_parallel rows [{start}, {stop}) with vocab_student={vocab_student} need a teacher_weight shard "
+            f"of {stop - start} rows and a student_weight shard of {student_rows} rows, got "
+            f"{tuple(teacher_weight.shape)} and {tuple(student_weight.shape)}"
+        )
 
 
 def _check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias):

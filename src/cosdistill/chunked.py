@@ -12,9 +12,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from .row_step import RowStepScales
+from .row_step import RowStepImpl, RowStepScales, combine_row_stats
 
-RowStep = Callable[..., None]
+RowStep = Callable[..., None]  # (student_logits, teacher_logits, labels, scales, token_losses, write_grad)
 
 
 class Normaliser(Protocol):
@@ -23,6 +23,32 @@ class Normaliser(Protocol):
     def launch(self) -> None: ...
 
     def wait(self) -> float: ...
+
+
+class VocabParallel(Protocol):
+    """Both LM heads split along the vocabulary over ranks: this rank holds the teacher's rows
+    [start, stop) and the student's rows from start up to min(stop, vocab_student).
+    ``cosdistill.distributed.VocabParallelOptions`` implements it with torch.distributed."""
+
+    start: int
+    stop: int
+    vocab_student: int  # the student's whole vocabulary
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...  # [ranks, *tensor.shape]
+
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...  # sum, in place
+
+
+def split_row_step(impl: RowStepImpl, vocab_parallel: VocabParallel) -> RowStep:
+    """The row step over a split vocabulary: each rank's row statistics, combined across ranks (O(rows)
+    traffic, never the logits), then each rank's losses and the gradient of its own logits."""
+
+    def row_step(student_logits, teacher_logits, labels, scales, token_losses, write_grad):
+        shard_stats = impl.stats(student_logits, teacher_logits, labels, scales)
+        stats = combine_row_stats(vocab_parallel.all_gather(shard_stats))
+        impl.grad(student_logits, teacher_logits, labels, stats, scales, token_losses, write_grad)
+
+    return row_step
 
 # At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole
 # grad_weight, and below ~1024 rows that traffic shows (V = 262144 at 512 rows: 1.34x the floor,
@@ -126,6 +152,7 @@ def chunked_loss_and_grads(
     chunk_size: int,
     needs_grad: tuple[bool, bool, bool],  # input, weight, bias
     accum_dtype: torch.dtype,
+    reduce_grad_input: Callable[[torch.Tensor], None] | None = None,  # sums it over a vocabulary split
 ) -> ChunkResult:
     """The row step does not need N (1/N is the gradient GEMMs' alpha), so N is counted behind the first
     chunk's logits GEMMs and waited for once the first row step is queued: the GPU never idles on it."""
@@ -169,7 +196,9 @@ def chunked_loss_and_grads(
     if inv_normaliser is None:  # no tokens
         normaliser.launch()
         inv_normaliser = 1.0 / normaliser.wait()
-    loss_sums = token_losses.sum(0) * inv_normaliser
+    if grad_input is not None and reduce_grad_input is not None:
+        reduce_grad_input(grad_input)
+    loss_sums = (token_losses * inv_normaliser).sum(0)  # scaled first: per-token losses near fp32 max must not overflow the sum
     gradients = None
     if write_grad:
         last_start = (num_tokens - 1) // chunk * chunk if num_tokens else 0

@@ -77,7 +77,7 @@ def fused_linear_cosine_distill_op(
     normaliser = api._LabelCounts(labels, ignore_index, vocab_student, given)  # raises on bad labels
     result = chunked_loss_and_grads(
         student_input, student_weight, student_bias, teacher_input, teacher, labels, scales, normaliser,
-        api.pick_row_step(impl, student_input.device), chunk_size, tuple(needs_grad), accum_dtype or student_weight.dtype,
+        api.pick_row_step(impl, student_input.device).step, chunk_size, tuple(needs_grad), accum_dtype or student_weight.dtype,
     )
     loss = weight_hard_loss * result.hard_loss + weight_soft_loss * result.soft_loss
     grads = result.gradients.finish(1.0) if result.gradients is not None else (None, None, None)
@@ -120,9 +120,12 @@ def compiled_distill(
     teacher_bias=None, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100,
     temperature=1.0, compiled=True, chunk_size=None, return_soft_hard_loss=False, *, num_valid_tokens=None,
     accum_dtype=None, impl="auto", teacher_precision=None, student_softcap=None, teacher_softcap=None,
-    student_logit_scale=1.0, teacher_logit_scale=1.0,
+    student_logit_scale=1.0, teacher_logit_scale=1.0, vocab_parallel=None,
 ):
     """``api.fused_linear_cosine_distill`` through the custom op: traceable, no host reads."""
+    if vocab_parallel is not None:
+        raise ValueError("vocab_parallel is not supported under torch.compile: call the loss outside the compiled "
+                         "region (torch.compiler.disable) or without vocab_parallel")
     api._check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias)
     api.check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
                       teacher_precision, num_valid_tokens)

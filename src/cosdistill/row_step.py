@@ -16,16 +16,40 @@ For one chunk of tokens it takes the student logits s [n, Vs] and the teacher lo
   The chunk loop applies 1 / N in the gradient GEMMs, so N need not be known here and fp16
   gradients stay far from underflow.
 
-Labels outside [0, Vs) that are not ignore_index are treated as ignored here (the API raises on them).
+It does so in two stages, so that a vocabulary split over ranks (cosdistill.distributed) can add up
+the per-row statistics of its shards in between:
 
-``row_step_triton.py`` is the same step as one Triton kernel; tests hold the two equal.
+1. ``row_stats``: per row, the ROW_STATS below over this shard's columns;
+2. ``row_grad``: from the (combined) statistics, the losses and, if asked, the gradient.
+
+The sums of squares and s.t are kept relative to per-row scales (max |s|, max |t|), so logits near
+the dtype's largest value do not overflow |s|^2 in fp32; the Triton twin uses scale 1 and rescales
+only the rows whose sums overflowed.
+
+Labels outside [0, Vs) that are not ignore_index are treated as ignored here (the API raises on them).
+``row_step_triton.py`` is the same step in Triton; tests hold the two equal.
 """
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 COSINE_EPS = 1e-8
+
+# Per-row statistics, in this order along the last dimension of a [n, NUM_STATS] fp32 tensor.
+ROW_STATS = (
+    "student_max",  # max of s over the shard's columns (-inf when the shard has none)
+    "sum_exp",  # sum of exp(s - student_max)
+    "target_logit",  # s[label] if the label falls in this shard, else 0
+    "dot",  # sum of (s / student_scale) * (t / teacher_scale) over the shared columns
+    "sum_sq_student",  # sum of (s / student_scale)^2
+    "sum_sq_teacher",  # sum of (t / teacher_scale)^2
+    "student_scale",
+    "teacher_scale",
+)
+NUM_STATS = len(ROW_STATS)
+MAX, SUM_EXP, TARGET, DOT, SUM_SQ_S, SUM_SQ_T, SCALE_S, SCALE_T = range(NUM_STATS)
 
 
 @dataclass(frozen=True)
@@ -41,6 +65,17 @@ class RowStepScales:
     teacher_softcap: float | None = None
     student_logit_scale: float = 1.0  # logits -> a * logits, before the softcap
     teacher_logit_scale: float = 1.0
+    vocab_start: int = 0  # global id of the shard's first column (vocabulary parallel)
+    vocab_student_total: int | None = None  # labels must be below it; None: the shard's own Vs
+
+
+@dataclass(frozen=True)
+class RowStepImpl:
+    """One implementation of the row step: whole (one process) and in its two stages."""
+
+    step: Callable[..., None]  # (s, t, labels, scales, token_losses, write_grad)
+    stats: Callable[..., torch.Tensor]  # (s, t, labels, scales) -> [n, NUM_STATS]
+    grad: Callable[..., None]  # (s, t, labels, stats, scales, token_losses, write_grad)
 
 
 def scale_and_softcap(logits: torch.Tensor, scale: float, cap: float | None) -> torch.Tensor:
@@ -48,61 +83,114 @@ def scale_and_softcap(logits: torch.Tensor, scale: float, cap: float | None) -> 
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
-def cosine_terms(dot, sum_sq_student, sum_sq_teacher, scales: RowStepScales):
-    """cos(s/T, t/T) and the two coefficients of its gradient, from the raw row sums.
+def label_columns(labels: torch.Tensor, vocab_student: int, scales: RowStepScales):
+    """(valid, in_shard, column): which tokens count, and where each label lies in this shard's columns."""
+    total = vocab_student if scales.vocab_student_total is None else scales.vocab_student_total
+    valid = (labels != scales.ignore_index) & (labels >= 0) & (labels < total)
+    column = labels.long() - scales.vocab_start
+    in_shard = valid & (column >= 0) & (column < vocab_student)
+    return valid, in_shard, torch.where(in_shard, column, 0)
 
-    d cos / d s = (t * coef_teacher - s * coef_student), both coefficients already divided by T^2.
-    The student norm is clamped at eps like cosine_similarity, and where the clamp is active the norm
-    is a constant, so its derivative term drops out.
+
+def _transformed(student_logits, teacher_logits, scales: RowStepScales):
+    s = scale_and_softcap(student_logits.float(), scales.student_logit_scale, scales.student_softcap)
+    t = scale_and_softcap(teacher_logits.float(), scales.teacher_logit_scale, scales.teacher_softcap)
+    return s, t
+
+
+def _abs_max_or_one(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[1] == 0:
+        return x.new_ones(x.shape[0])
+    abs_max = x.abs().amax(1)
+    return torch.where(abs_max > 0, abs_max, 1.0)
+
+
+def row_stats_torch(student_logits, teacher_logits, labels, scales: RowStepScales) -> torch.Tensor:
+    rows, vocab_student = student_logits.shape
+    s, t = _transformed(student_logits, teacher_logits, scales)
+    _, in_shard, column = label_columns(labels, vocab_student, scales)
+    stats = s.new_empty(rows, NUM_STATS)
+    if vocab_student:
+        stats[:, MAX] = s.amax(1)
+        stats[:, SUM_EXP] = torch.exp(s - stats[:, MAX, None]).sum(1)
+    else:
+        stats[:, MAX], stats[:, SUM_EXP] = float("-inf"), 0.0
+    stats[:, TARGET] = torch.where(in_shard, s.gather(1, column[:, None])[:, 0] if vocab_student else 0.0, 0.0)
+    stats[:, SCALE_S], stats[:, SCALE_T] = _abs_max_or_one(s), _abs_max_or_one(t)
+    s_unit, t_unit = s / stats[:, SCALE_S, None], t / stats[:, SCALE_T, None]
+    stats[:, DOT] = (s_unit * t_unit[:, :vocab_student]).sum(1)  # the student's zero padding adds nothing
+    stats[:, SUM_SQ_S] = (s_unit * s_unit).sum(1)
+    stats[:, SUM_SQ_T] = (t_unit * t_unit).sum(1)
+    return stats
+
+
+def combine_row_stats(shard_stats: torch.Tensor) -> torch.Tensor:
+    """The statistics of the whole vocabulary from those of its shards, [shards, n, NUM_STATS] -> [n, NUM_STATS]."""
+    stats = shard_stats.new_empty(shard_stats.shape[1:])
+    stats[:, MAX] = shard_stats[..., MAX].amax(0)
+    stats[:, SUM_EXP] = (shard_stats[..., SUM_EXP] * torch.exp(shard_stats[..., MAX] - stats[:, MAX])).sum(0)
+    stats[:, TARGET] = shard_stats[..., TARGET].sum(0)
+    stats[:, SCALE_S] = shard_stats[..., SCALE_S].amax(0)
+    stats[:, SCALE_T] = shard_stats[..., SCALE_T].amax(0)
+    student_ratio = shard_stats[..., SCALE_S] / stats[:, SCALE_S]
+    teacher_ratio = shard_stats[..., SCALE_T] / stats[:, SCALE_T]
+    stats[:, DOT] = (shard_stats[..., DOT] * student_ratio * teacher_ratio).sum(0)
+    stats[:, SUM_SQ_S] = (shard_stats[..., SUM_SQ_S] * student_ratio * student_ratio).sum(0)
+    stats[:, SUM_SQ_T] = (shard_stats[..., SUM_SQ_T] * teacher_ratio * teacher_ratio).sum(0)
+    return stats
+
+
+def cosine_terms(stats: torch.Tensor, scales: RowStepScales):
+    """cos(s/T, t/T) and the two coefficients of its gradient, from the row statistics.
+
+    d cos / d s = coef_teacher * t - coef_student * s (t and s as they are, not divided by their
+    scales). The norms are clamped at eps like cosine_similarity, and where the student's clamp is
+    active its norm is a constant, so its derivative term drops out. With scale = max |x|, the
+    unit-scaled norms are >= 1 / T, so nothing below divides by a tiny number.
     """
     inv_t2 = 1.0 / (scales.temperature * scales.temperature)
-    norm_student = torch.sqrt(sum_sq_student * inv_t2)
-    norm_teacher = torch.sqrt(sum_sq_teacher * inv_t2)
-    clamped_student = norm_student.clamp_min(COSINE_EPS)
-    clamped_teacher = norm_teacher.clamp_min(COSINE_EPS)
-    cos = dot * inv_t2 / (clamped_student * clamped_teacher)
-    coef_teacher = inv_t2 / (clamped_student * clamped_teacher)
-    coef_student = torch.where(
-        norm_student >= COSINE_EPS, cos * inv_t2 / (clamped_student * clamped_student), 0.0
-    )
+    student_scale, teacher_scale = stats[:, SCALE_S], stats[:, SCALE_T]
+    norm_student = torch.sqrt(stats[:, SUM_SQ_S] * inv_t2)  # |s / T| / student_scale
+    norm_teacher = torch.sqrt(stats[:, SUM_SQ_T] * inv_t2)
+    student_eps, teacher_eps = COSINE_EPS / student_scale, COSINE_EPS / teacher_scale
+    clamped_student = torch.maximum(norm_student, student_eps)
+    clamped_teacher = torch.maximum(norm_teacher, teacher_eps)
+    cos = stats[:, DOT] * inv_t2 / clamped_student / clamped_teacher
+    coef_teacher = inv_t2 / (clamped_student * clamped_teacher) / student_scale / teacher_scale
+    coef_student = cos * inv_t2 / (clamped_student * clamped_student) / student_scale / student_scale
+    coef_student = torch.where(norm_student >= student_eps, coef_student, 0.0)
     return cos, coef_teacher, coef_student
 
 
-def row_step_torch(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    labels: torch.Tensor,
-    scales: RowStepScales,
-    token_losses: torch.Tensor,
-    write_grad: bool,
-) -> None:
+def row_grad_torch(student_logits, teacher_logits, labels, stats, scales: RowStepScales, token_losses, write_grad):
     vocab_student = student_logits.shape[1]
-    s = scale_and_softcap(student_logits.float(), scales.student_logit_scale, scales.student_softcap)
-    t = scale_and_softcap(teacher_logits.float(), scales.teacher_logit_scale, scales.teacher_softcap)
-    t_shared = t[:, :vocab_student]  # the student's zero padding adds nothing to s.t or |s|^2
-
-    valid = (labels != scales.ignore_index) & (labels >= 0) & (labels < vocab_student)
-    safe_labels = torch.where(valid, labels, 0).long()
-
-    logsumexp = torch.logsumexp(s, dim=1)
-    target_logit = s.gather(1, safe_labels[:, None])[:, 0]
-    dot = (s * t_shared).sum(1)
-    cos, coef_teacher, coef_student = cosine_terms(
-        dot, (s * s).sum(1), (t * t).sum(1), scales
-    )
-
-    token_losses[:, 0] = torch.where(valid, logsumexp - target_logit, 0.0)
+    valid, in_shard, column = label_columns(labels, vocab_student, scales)
+    # logsumexp - target as (max - target) + log(sum_exp): with logits near 1e38 the log(sum_exp) part
+    # would vanish in max + log(sum_exp) (fp32 spacing there is ~1e31); likewise in the softmax below.
+    log_sum_exp = torch.log(stats[:, SUM_EXP])
+    cos, coef_teacher, coef_student = cosine_terms(stats, scales)
+    token_losses[:, 0] = torch.where(valid, (stats[:, MAX] - stats[:, TARGET]) + log_sum_exp, 0.0)
     token_losses[:, 1] = torch.where(valid, scales.beta * (1.0 - cos), 0.0)
     if not write_grad:
         return
 
-    grad = torch.exp(s - logsumexp[:, None])
-    grad.scatter_add_(1, safe_labels[:, None], torch.full_like(grad[:, :1], -1.0))
+    s, t = _transformed(student_logits, teacher_logits, scales)
+    grad = torch.exp((s - stats[:, MAX, None]) - log_sum_exp[:, None])
+    if vocab_student:  # a shard may hold none of the student's columns
+        grad.scatter_add_(1, column[:, None], torch.where(in_shard, -1.0, 0.0)[:, None])
     grad *= scales.weight_hard
     soft_scale = scales.weight_soft * scales.beta
-    grad -= soft_scale * (coef_teacher[:, None] * t_shared - coef_student[:, None] * s)
+    grad -= soft_scale * (coef_teacher[:, None] * t[:, :vocab_student] - coef_student[:, None] * s)
     if scales.student_softcap is not None:
         grad *= 1.0 - (s / scales.student_softcap) ** 2  # d(c tanh(z / c)) / dz
     grad *= scales.student_logit_scale
     grad = torch.where(valid[:, None], grad, 0.0)
     student_logits.copy_(grad)
+
+
+def row_step_torch(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad) -> None:
+    stats = row_stats_torch(student_logits, teacher_logits, labels, scales)
+    row_grad_torch(student_logits, teacher_logits, labels, stats, scales, token_losses, write_grad)
+
+
+TORCH_ROW_STEP = RowStepImpl(row_step_torch, row_stats_torch, row_grad_torch)

@@ -1,0 +1,61 @@
+"""Vocabulary-parallel LM heads (Megatron style): both heads split along the vocabulary over a group.
+
+Each rank holds rows [start, stop) of the teacher's head and the same rows of the student's (up to
+the student's vocabulary, which may be smaller), and every rank sees the same hidden states and
+labels. Pass the local shards and a ``VocabParallelOptions`` to ``fused_linear_cosine_distill``:
+
+    options = VocabParallelOptions.even_split(vocab_teacher, vocab_student, group)
+    loss = fused_linear_cosine_distill(
+        hidden_s, options.student_rows(student_weight), hidden_t, options.teacher_rows(teacher_weight),
+        labels, vocab_parallel=options)
+
+Per chunk, each rank computes its logits and the per-token statistics of its columns (max, sum of
+exp, target logit, s.t, |s|^2, |t|^2, see row_step.ROW_STATS); the statistics are all-gathered and
+combined (O(tokens) traffic, never the logits), and each rank writes the gradient of its own logits.
+Every rank returns the same loss. grad_input is summed over the group inside the loss (so the hidden
+states' upstream must not all-reduce it again); grad_weight and grad_bias are each rank's own shard's.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class VocabParallelOptions:
+    """This rank's rows [start, stop) of both heads; ``vocab_student`` is the student's whole vocabulary."""
+
+    start: int
+    stop: int
+    vocab_student: int
+    group: dist.ProcessGroup | None = None
+
+    @classmethod
+    def even_split(cls, vocab_teacher: int, vocab_student: int | None = None, group=None) -> "VocabParallelOptions":
+        """This rank's slice of a contiguous split of the teacher's vocabulary into near-equal parts."""
+        vocab_student = vocab_teacher if vocab_student is None else vocab_student
+        if not 0 < vocab_student <= vocab_teacher:
+            raise ValueError(f"need 0 < vocab_student <= vocab_teacher, got {vocab_student} and {vocab_teacher}")
+        ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+        if vocab_teacher < ranks:
+            raise ValueError(f"cannot split a vocabulary of {vocab_teacher} over {ranks} ranks")
+        base, extra = divmod(vocab_teacher, ranks)
+        start = rank * base + min(rank, extra)
+        return cls(start, start + base + (rank < extra), vocab_student, group)
+
+    def teacher_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full teacher head weight or bias."""
+        return full[self.start : self.stop]
+
+    def student_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full student head weight or bias (none past the student's vocabulary)."""
+        return full[self.start : max(self.start, min(self.stop, self.vocab_student))]
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(gathered, tensor.contiguous(), group=self.group)
+        return torch.stack(gathered)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, group=self.group)

@@ -1,0 +1,105 @@
+"""Vocabulary-parallel heads on gloo (CPU), 2 and 3 ranks: the loss and gradients of the unsplit heads."""
+
+import datetime
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cosdistill import fused_linear_cosine_distill
+from cosdistill.distributed import VocabParallelOptions
+
+from conftest import make_problem, rel_err
+
+# (vocab_student, vocab_teacher): neither divisible by 2 or 3; with 3 ranks the last holds no student rows
+VOCABS = {"equal vocabularies": (101, 101), "larger teacher vocabulary": (30, 50)}
+IMPLS = ("torch", "triton")  # triton through the interpreter (conftest sets TRITON_INTERPRET=1)
+OPTIONS = dict(weight_hard_loss=0.3, weight_soft_loss=0.7, beta=0.8, temperature=1.5, chunk_size=8,
+               return_soft_hard_loss=True)
+GRAD_OUTPUT = 0.5
+
+
+def losses_and_grads(problem, student_weight, student_bias, teacher_weight, teacher_bias, **kwargs):
+    student_input = problem.student_input.detach().clone().requires_grad_()
+    leaves = [student_input, student_weight.detach().clone().requires_grad_(),
+              student_bias.detach().clone().requires_grad_()]
+    loss, soft, hard = fused_linear_cosine_distill(
+        leaves[0], leaves[1], problem.teacher_input, teacher_weight, problem.labels, leaves[2], teacher_bias,
+        **OPTIONS, **kwargs)
+    (loss * GRAD_OUTPUT).backward()
+    return [loss.detach(), soft, hard], [leaf.grad for leaf in leaves]
+
+
+def measure_rank(rank, world_size, folder):
+    """Each rank compares its sharded run with the unsplit loss on the same inputs; writes errors-<rank>.json."""
+    store = dist.FileStore(os.path.join(folder, "store"), world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        errors = {}
+        for case, (vocab_student, vocab_teacher) in VOCABS.items():
+            torch.manual_seed(0)  # the same problem on every rank
+            problem = make_problem(tokens=24, vocab_student=vocab_student, vocab_teacher=vocab_teacher,
+                                   ignore_every=5, batch=3)
+            problem.labels.view(-1)[1], problem.labels.view(-1)[2] = 0, vocab_student - 1
+            whole = (problem.student_weight, problem.student_bias, problem.teacher_weight, problem.teacher_bias)
+            options = VocabParallelOptions.even_split(vocab_teacher, vocab_student)
+            shards = (options.student_rows(problem.student_weight), options.student_rows(problem.student_bias),
+                      options.teacher_rows(problem.teacher_weight), options.teacher_rows(problem.teacher_bias))
+            for impl in IMPLS:
+                want_losses, want_grads = losses_and_grads(problem, *whole, impl="torch")
+                got_losses, got_grads = losses_and_grads(problem, *shards, impl=impl, vocab_parallel=options)
+                want_grads[1:] = [options.student_rows(grad) for grad in want_grads[1:]]
+                errors[f"{case}, {impl}"] = {
+                    "losses": [rel_err(got, want) for got, want in zip(got_losses, want_losses)],
+                    "grads": [rel_err(got, want) for got, want in zip(got_grads, want_grads)],
+                    "student rows": options.student_rows(problem.student_weight).shape[0],
+                }
+        with open(os.path.join(folder, f"errors-{rank}.json"), "w") as file:
+            json.dump(errors, file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda world_size: f"{world_size} ranks")
+def errors_per_rank(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ranks")
+    mp.spawn(measure_rank, args=(request.param, str(folder)), nprocs=request.param)
+    return [json.loads((folder / f"errors-{rank}.json").read_text()) for rank in range(request.param)]
+
+
+def test_every_rank_gets_the_unsplit_loss_and_its_shard_of_the_gradients(errors_per_rank):
+    for rank, errors in enumerate(errors_per_rank):
+        for case, error in errors.items():
+            assert max(error["losses"]) < 1e-6, f"rank {rank}, {case}: {error}"
+            assert max(error["grads"]) < 1e-5, f"rank {rank}, {case}: {error}"
+
+
+def test_a_rank_may_hold_no_student_rows(errors_per_rank):
+    rows = [errors["larger teacher vocabulary, torch"]["student rows"] for errors in errors_per_rank]
+    assert sum(rows) == VOCABS["larger teacher vocabulary"][0]
+    if len(errors_per_rank) == 3:
+        assert rows[-1] == 0
+
+
+class FakeSplit:
+    """The VocabParallel protocol without a process group, for the argument checks."""
+
+    def __init__(self, start, stop, vocab_student):
+        self.start, self.stop, self.vocab_student = start, stop, vocab_student
+
+
+def test_shards_that_do_not_match_the_split_are_refused():
+    problem = make_problem(vocab_student=20, vocab_teacher=20)
+    with pytest.raises(ValueError, match=r"need a teacher_weight shard of 10 rows and a student_weight shard of 10 rows"):
+        fused_linear_cosine_distill(*problem.args()[:5], vocab_parallel=FakeSplit(0, 10, 20))
+    with pytest.raises(ValueError, match="0 <= start < stop"):
+        fused_linear_cosine_distill(*problem.args()[:5], vocab_parallel=FakeSplit(5, 5, 20))
+
+
+def test_even_split_needs_a_process_group_and_sensible_sizes():
+    with pytest.raises(ValueError, match="0 < vocab_student <= vocab_teacher"):
+        VocabParallelOptions.even_split(10, 11)

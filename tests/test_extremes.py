@@ -1,0 +1,141 @@
+"""Extreme values on purpose (issue 6): huge logits, degenerate rows, tiny shapes, non-finite inputs.
+
+Every case runs through the torch and the Triton row step against the float64 naive version.
+"""
+
+import pytest
+import torch
+
+from cosdistill import fused_linear_cosine_distill
+
+from conftest import TOLERANCE, Problem, make_problem, reference, rel_err
+
+BF16_MAX = torch.finfo(torch.bfloat16).max  # (2 - 2^-7) * 2^127
+FP16_MAX = torch.finfo(torch.float16).max  # 65504 = 32 * 2047
+
+
+def run(problem, impl, **kwargs):
+    losses = fused_linear_cosine_distill(*problem.args(), impl=impl, return_soft_hard_loss=True, **kwargs)
+    losses[0].backward()
+    return [loss.detach() for loss in losses], [leaf.grad for leaf in problem.student_leaves()]
+
+
+def assert_matches_float64(problem, impl, dtype, **kwargs):
+    (want_losses, want_grads) = reference(problem, **kwargs)
+    got_losses, got_grads = run(problem, impl, **kwargs)
+    loss_tol, grad_tol = TOLERANCE[dtype]
+    for got in [*got_losses, *got_grads]:
+        assert torch.isfinite(got).all()
+    for got, want in zip(got_losses, want_losses):
+        assert rel_err(got, want) < loss_tol, (got, want)
+    for got, want in zip(got_grads, want_grads):
+        assert rel_err(got, want) < grad_tol
+
+
+def one_feature_problem(input_values, weight_values, teacher_weight_values, labels, dtype):
+    """Hidden size 1: each logit is exactly input * weight, so logits can be put anywhere, even at a dtype's max."""
+    def leaf(values, grad):
+        return torch.tensor(values, dtype=dtype)[:, None].requires_grad_(grad)
+
+    return Problem(leaf(input_values, True), leaf(weight_values, True), leaf(input_values, False),
+                   leaf(teacher_weight_values, False), torch.tensor(labels), None, None)
+
+
+def test_logits_of_magnitude_1e4_in_fp32(impl):
+    problem = make_problem(tokens=29, vocab_student=131, dtype=torch.float32, ignore_every=4)
+    for tensor in (problem.student_input, problem.teacher_input):
+        tensor.data *= 3000.0  # logits of order 1e4
+    assert_matches_float64(problem, impl, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_logits_at_the_largest_value_of_the_dtype(impl, dtype):
+    """Logits at +-max of the dtype; no overflow in the sum of exponentials or in |s|^2. Labels point at
+    each row's largest logit (any other label's cross-entropy, ~2 * max, is itself past fp32's range)."""
+    generator = torch.Generator().manual_seed(3)
+    vocab = 37
+    if dtype == torch.bfloat16:  # 2^64 * (2 - 2^-7) * 2^63 = bf16's max
+        scale_input, top_weight = 2.0**64, (2 - 2**-7) * 2.0**63
+    else:  # 32 * 2047 = fp16's max
+        scale_input, top_weight = 32.0, 2047.0
+    inputs = [scale_input, -scale_input, scale_input, scale_input, -scale_input]
+    student_weight = (torch.rand(vocab, generator=generator) * 2 - 1) * top_weight
+    teacher_weight = (torch.rand(vocab, generator=generator) * 2 - 1) * top_weight
+    student_weight[3] = student_weight[10] = top_weight  # two logits at the max: hard loss log 2
+    student_weight[20], teacher_weight[5] = -top_weight, -top_weight
+    rounded_weight = student_weight.to(dtype).double()
+    labels = [int((value * rounded_weight).argmax()) for value in inputs]
+    problem = one_feature_problem(inputs, student_weight.tolist(), teacher_weight.tolist(), labels, dtype)
+    assert (problem.student_input[0] * problem.student_weight[3]).item() == torch.finfo(dtype).max
+
+    (want_losses, want_grads) = reference(problem)
+    got_losses, got_grads = run(problem, impl)
+    loss_tol, grad_tol = TOLERANCE[dtype]
+    for got, want in zip(got_losses, want_losses):
+        assert torch.isfinite(got) and rel_err(got, want) < loss_tol, (got, want)
+    # The exact gradients here are tiny differences (the two tied logits' softmax terms cancel in
+    # grad_input; the soft term is ~1 / |s| ~ 1e-39): held to the scale of one token's gradient,
+    # max |weight| / N for grad_input and max |input| / N for grad_weight.
+    tokens = len(inputs)
+    scales = (problem.student_weight.abs().max().double() / tokens, problem.student_input.abs().max().double() / tokens)
+    for got, want, scale in zip(got_grads, want_grads, scales):
+        assert torch.isfinite(got).all()
+        assert (got.double() - want).abs().max() < grad_tol * scale
+
+
+def test_all_equal_logits(impl):
+    """Equal head rows: the gradient reaching student_input cancels to rounding (exactly 0 in float64),
+    so it is held to an absolute bound; the weight's gradient to the usual relative one."""
+    problem = make_problem(tokens=9, vocab_student=50, vocab_teacher=61, bias=False)
+    problem.student_weight.data[:] = problem.student_weight.data[0]
+    problem.teacher_weight.data[:] = problem.teacher_weight.data[0]
+    (want_losses, (_, want_grad_weight)) = reference(problem)
+    got_losses, (got_grad_input, got_grad_weight) = run(problem, impl)
+    for got, want in zip(got_losses, want_losses):
+        assert rel_err(got, want) < 1e-6
+    assert rel_err(got_grad_weight, want_grad_weight) < 1e-5
+    assert got_grad_input.abs().max() < 1e-6 * problem.student_weight.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tokens_whose_student_or_teacher_logits_are_all_zero(impl, dtype):
+    """cos as cosine_similarity defines it (norms clamped at 1e-8): finite loss and finite gradient."""
+    problem = make_problem(tokens=11, vocab_student=40, dtype=dtype, bias=False)
+    problem.student_input.data[2] = 0.0  # student logits all zero
+    problem.teacher_input.data[5] = 0.0  # teacher logits all zero
+    problem.student_input.data[7] = 0.0
+    problem.teacher_input.data[7] = 0.0  # both
+    assert_matches_float64(problem, impl, dtype)
+
+
+@pytest.mark.parametrize("vocab", [2, 3])
+def test_single_token_and_tiny_vocabulary(impl, vocab):
+    problem = make_problem(tokens=1, vocab_student=vocab, vocab_teacher=vocab + 1)
+    assert_matches_float64(problem, impl, torch.float32)
+
+
+def test_a_vocabulary_of_one(impl):
+    """V = 1: the cross-entropy is 0 and a one-entry student vector's direction cannot change, so the
+    exact gradient is 0; ours must be rounding noise of it."""
+    problem = make_problem(tokens=5, vocab_student=1, vocab_teacher=3)
+    (want_losses, _) = reference(problem)
+    got_losses, got_grads = run(problem, impl)
+    for got, want in zip(got_losses, want_losses):
+        assert rel_err(got, want) < 1e-6
+    for grad in got_grads:
+        assert grad.abs().max() < 1e-6
+
+
+def test_labels_at_both_ends_of_the_vocabulary(impl):
+    problem = make_problem(tokens=8, vocab_student=33)
+    problem.labels[:4], problem.labels[4:] = 0, 32
+    assert_matches_float64(problem, impl, torch.float32)
+
+
+@pytest.mark.parametrize("where", ["student_input", "student_weight", "teacher_input", "teacher_weight"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_input_gives_a_non_finite_loss(impl, where, value):
+    problem = make_problem(tokens=6, vocab_student=20, bias=False)
+    getattr(problem, where).data[1, 0] = value
+    loss = fused_linear_cosine_distill(*problem.args(), impl=impl)
+    assert not torch.isfinite(loss)
