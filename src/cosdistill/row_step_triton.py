@@ -80,8 +80,9 @@ def _unit_scaled_sums(student_row, teacher_row, vocab_student, vocab_teacher, st
 @triton.jit
 def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale,
                teacher_scale, student_cap, teacher_cap, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr,
-               BLOCK: tl.constexpr):
-    """The row's ROW_STATS (row_step.py), with unit scales unless the plain sums overflowed."""
+               UNIT_SCALED: tl.constexpr, BLOCK: tl.constexpr):
+    """The row's ROW_STATS (row_step.py): plain sums (scales 1), or with UNIT_SCALED sums of s / max|s|
+    and t / max|t| (two more passes, for rows whose plain sums overflow fp32)."""
     offsets = tl.arange(0, BLOCK)
     run_max = tl.full([BLOCK], float("-inf"), tl.float32)
     run_sum_exp = tl.zeros([BLOCK], tl.float32)
@@ -118,8 +119,7 @@ def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_
     sum_sq_teacher = tl.sum(sum_sq_teacher, axis=0)
     student_unit = tl.full([], 1.0, tl.float32)
     teacher_unit = tl.full([], 1.0, tl.float32)
-    overflow_check = sum_sq_student + sum_sq_teacher + tl.abs(dot)
-    if (overflow_check > FLOAT32_MAX) | (overflow_check != overflow_check):
+    if UNIT_SCALED:
         dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _unit_scaled_sums(
             student_row, teacher_row, vocab_student, vocab_teacher, student_scale, teacher_scale,
             student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, BLOCK,
@@ -128,13 +128,21 @@ def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_
 
 
 @triton.jit
+def _overflowed(dot, sum_sq_student, sum_sq_teacher):
+    """Whether the plain sums overflowed fp32 (or met an inf / NaN logit)."""
+    total = sum_sq_student + sum_sq_teacher + tl.abs(dot)
+    return (total > FLOAT32_MAX) | (total != total)
+
+
+@triton.jit
 def _row_losses_and_grad(
     student_row, teacher_row, losses_row, valid, in_shard, column, vocab_student,
     row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
     weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
-    STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    usable, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Losses and (if WRITE_GRAD) d L / d s from the row's statistics (row_step.cosine_terms, row_grad_torch)."""
+    """Losses and (if WRITE_GRAD) d L / d s from the row's statistics (row_step.cosine_terms, row_grad_torch).
+    If not ``usable`` the losses become NaN and the logits are left alone, for ``_row_rescue_kernel``."""
     log_sum_exp = tl.log(sum_exp)  # kept apart from row_max, see row_step.row_grad_torch
     norm_student = tl.sqrt(sum_sq_student * inv_temp_sq)
     norm_teacher = tl.sqrt(sum_sq_teacher * inv_temp_sq)
@@ -143,8 +151,9 @@ def _row_losses_and_grad(
     clamped_teacher = tl.maximum(norm_teacher, eps / teacher_unit)
     cos = dot * inv_temp_sq / clamped_student / clamped_teacher
 
-    tl.store(losses_row, tl.where(valid, (row_max - target_logit) + log_sum_exp, 0.0))
-    tl.store(losses_row + 1, tl.where(valid, beta * (1.0 - cos), 0.0))
+    hard_loss = tl.where(valid, (row_max - target_logit) + log_sum_exp, 0.0)
+    tl.store(losses_row, tl.where(usable, hard_loss, float("nan")))
+    tl.store(losses_row + 1, tl.where(usable, tl.where(valid, beta * (1.0 - cos), 0.0), float("nan")))
 
     if WRITE_GRAD:
         # d L / d s = weight_hard * (softmax - onehot) - weight_soft * beta * d cos / d s, and
@@ -169,7 +178,7 @@ def _row_losses_and_grad(
                 grad *= 1.0 - (s / student_cap) * (s / student_cap)  # d(c tanh(z / c)) / dz
             grad *= student_scale
             grad = tl.where(valid, grad, 0.0)
-            tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_row)
+            tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=tl.where(usable, in_row, False))
 
 
 @triton.jit
@@ -177,23 +186,38 @@ def _row_step_kernel(
     student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, losses_ptr,
     vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
     weight_hard, weight_soft, beta, inv_temp_sq, eps, student_cap, teacher_cap, student_scale, teacher_scale,
-    STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, RESCUE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
+    """Launched twice. First (RESCUE False) every row with plain sums; a row whose sums overflowed gets
+    NaN losses and keeps its logits. Then (RESCUE True) only those rows, with unit-scaled sums. A branch
+    for them inside the first launch cost the step 20% (benchmarks/NOTES.md)."""
     row = tl.program_id(0).to(tl.int64)
-    student_row = student_ptr + row * student_row_stride
-    teacher_row = teacher_ptr + row * teacher_row_stride
-    label = tl.load(labels_ptr + row).to(tl.int64)
-    valid, in_shard, column = _label_columns(label, ignore_index, vocab_start, vocab_student, vocab_student_total)
-    row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _row_stats(
-        student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale, teacher_scale,
-        student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, BLOCK,
-    )
-    _row_losses_and_grad(
-        student_row, teacher_row, losses_ptr + row * 2, valid, in_shard, column, vocab_student,
-        row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
-        weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
-        STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, BLOCK,
-    )
+    losses_row = losses_ptr + row * 2
+    if RESCUE:
+        left = tl.load(losses_row)
+        todo = left != left
+    else:
+        todo = True
+    if todo:
+        student_row = student_ptr + row * student_row_stride
+        teacher_row = teacher_ptr + row * teacher_row_stride
+        label = tl.load(labels_ptr + row).to(tl.int64)
+        valid, in_shard, column = _label_columns(label, ignore_index, vocab_start, vocab_student, vocab_student_total)
+        row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _row_stats(
+            student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale, teacher_scale,
+            student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, RESCUE, BLOCK,
+        )
+        if RESCUE:  # an inf or NaN logit still overflows: its NaN loss and gradient are the answer
+            usable = tl.full([], 1, tl.int1)
+        else:
+            usable = _overflowed(dot, sum_sq_student, sum_sq_teacher) == 0
+        _row_losses_and_grad(
+            student_row, teacher_row, losses_row, valid, in_shard, column, vocab_student,
+            row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
+            weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
+            usable, STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, BLOCK,
+        )
 
 
 @triton.jit
@@ -210,8 +234,13 @@ def _row_stats_kernel(
     _, in_shard, column = _label_columns(label, ignore_index, vocab_start, vocab_student, vocab_student_total)
     row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _row_stats(
         student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale, teacher_scale,
-        student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, BLOCK,
+        student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, False, BLOCK,
     )
+    if _overflowed(dot, sum_sq_student, sum_sq_teacher):
+        dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _unit_scaled_sums(
+            student_row, teacher_row, vocab_student, vocab_teacher, student_scale, teacher_scale,
+            student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, BLOCK,
+        )
     stats_row = stats_ptr + row * NUM_STATS  # the order of row_step.ROW_STATS
     tl.store(stats_row, row_max)
     tl.store(stats_row + 1, sum_exp)
@@ -241,7 +270,7 @@ def _row_grad_kernel(
         tl.load(stats_row), tl.load(stats_row + 1), tl.load(stats_row + 2), tl.load(stats_row + 3),
         tl.load(stats_row + 4), tl.load(stats_row + 5), tl.load(stats_row + 6), tl.load(stats_row + 7),
         weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
-        STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, BLOCK,
+        tl.full([], 1, tl.int1), STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, BLOCK,
     )
 
 
@@ -281,11 +310,13 @@ def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepScale
     if rows == 0:
         return
     _check_layout(student_logits, teacher_logits, labels, token_losses)
-    _row_step_kernel[(rows,)](
-        student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
-        vocab_student, teacher_logits.shape[1], *_common_args(vocab_student, scales), *_loss_args(scales),
-        **_caps(scales), WRITE_GRAD=write_grad, BLOCK=_block(vocab_student, block_size, num_warps), num_warps=num_warps,
-    )
+    for rescue in (False, True):
+        _row_step_kernel[(rows,)](
+            student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
+            vocab_student, teacher_logits.shape[1], *_common_args(vocab_student, scales), *_loss_args(scales),
+            **_caps(scales), WRITE_GRAD=write_grad, RESCUE=rescue, BLOCK=_block(vocab_student, block_size, num_warps),
+            num_warps=num_warps,
+        )
 
 
 def row_stats_triton(student_logits, teacher_logits, labels, scales: RowStepScales, block_size=None,
