@@ -24,7 +24,10 @@ Prediction, per chunk of C = 1024 rows at V = 128256, student K = 2048, teacher 
   against 0.14 ms saved: the lever does not pay (a net loss of up to ~0.35 ms per 1024 rows; all
   terms scale with C, so C = 2048 gives the same verdict).
 
-Outcome: (filled in after the H200 run)
+Outcome (H200, benchmarks/results/2026-11-30-s2c/epilogue/): better GEMMs than predicted (the TMA
+tile kernel within -2..+5% of cuBLAS), but the statistics epilogues cost 0.46 ms per 1024 rows
+against 0.20 ms of pass 1 saved (does not pay), and +0.05 ms net at 2048 rows (within noise).
+Not adopted.
 
 Measured per (M, K), M rows of the chunk, N = V, out [M, N] bf16 with fp32 accumulation:
 (a) cuBLAS torch.mm into a preallocated buffer; (b) our Triton GEMM without statistics, a small

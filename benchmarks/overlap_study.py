@@ -30,7 +30,11 @@ Prediction (written before the first H200 run of this script)
   above inputs, Liger's 1.58-1.61 GB); C equals the library (1.06-1.09 GB).
 * Verdict expected: not worth the library's complexity (it would need >= 3% of the floor at T >= 4096).
 
-Outcome: (filled in after the H200 run)
+Outcome (H200, benchmarks/results/2026-11-30-s2b/overlap.md): B saves 1.3-1.9% of serial's time at
+T >= 2048 (about 0.09 of the row step's ~0.39 ms per chunk hidden), inside the predicted range, for
++0.53 GB; D no better (slower at T = 8192); C +4..7%, worse than predicted. Not adopted: 2% for half a
+gigabyte more than Liger's peak. The run also showed the library 0.3-1.3 ms slower than the same loop
+without autograd ("serial"), a larger gap than this lever's, not yet explained.
 
 Rows: "floor" (the four GEMMs alone on the whole T, ``cosdistill.bench.floor_provider``); "library"
 (``fused_linear_cosine_distill(..., impl="triton")``, forward + backward, its own chunk size);
