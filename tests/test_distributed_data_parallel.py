@@ -1,0 +1,171 @@
+"""DDP and FSDP2 on gloo (CPU): with the data parallel normaliser, the gradients of one process on
+the whole batch, also when ranks hold different numbers of ignored tokens."""
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from cosdistill import FusedLinearCosineDistillLoss
+from cosdistill.distributed import DataParallelCosineDistillLoss, data_parallel_num_valid_tokens
+
+REPO = Path(__file__).resolve().parents[1]
+FEATURES, HIDDEN_STUDENT, HIDDEN_TEACHER = 6, 8, 12
+VOCAB_STUDENT, VOCAB_TEACHER = 37, 41  # neither divisible by 2 or 3
+SEQUENCES_PER_RANK, SEQ_LEN = 2, 5
+# Ignored tokens on ranks 0, 1, 2 (of SEQUENCES_PER_RANK * SEQ_LEN = 10); 2 ranks take the first two.
+IGNORED_PER_RANK = {"uneven": (0, 3, 6), "one rank all ignored": (2, 10, 5)}
+SAME, DIFFERENT = 1e-5, 1e-3  # relative errors (fp32 against fp32)
+
+
+class Student(torch.nn.Module):
+    """A Linear-Tanh body and an LM head with a bias; forward returns the loss, so that DDP and FSDP2
+    see the head used inside forward."""
+
+    def __init__(self, loss):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN_STUDENT), torch.nn.Tanh())
+        self.head = torch.nn.Linear(HIDDEN_STUDENT, VOCAB_STUDENT)
+        self.loss = loss
+
+    def forward(self, features, teacher_hidden, teacher_weight, labels, num_valid_tokens=None):
+        hidden = self.body(features)
+        return self.loss(hidden, self.head.weight, teacher_hidden, teacher_weight, labels, self.head.bias,
+                         num_valid_tokens=num_valid_tokens)
+
+
+def make_student(loss):
+    torch.manual_seed(1)  # the same initial student on every rank and in the single process
+    return Student(loss)
+
+
+def global_batch(world_size, ignored_per_rank):
+    """(features, teacher_hidden, teacher_weight, labels); the labels of rank r's sequences start with
+    ignored_per_rank[r] ignored ones."""
+    generator = torch.Generator().manual_seed(0)
+    sequences = SEQUENCES_PER_RANK * world_size
+    features = torch.randn(sequences, SEQ_LEN, FEATURES, generator=generator)
+    teacher_hidden = torch.randn(sequences, SEQ_LEN, HIDDEN_TEACHER, generator=generator)
+    teacher_weight = torch.randn(VOCAB_TEACHER, HIDDEN_TEACHER, generator=generator) * 2 / HIDDEN_TEACHER**0.5
+    labels = torch.randint(0, VOCAB_STUDENT, (sequences, SEQ_LEN), generator=generator)
+    for rank, labels_of_rank in enumerate(labels.split(SEQUENCES_PER_RANK)):
+        labels_of_rank.view(-1)[: ignored_per_rank[rank]] = -100
+    return features, teacher_hidden, teacher_weight, labels
+
+
+def rank_share(batch, rank):
+    features, teacher_hidden, teacher_weight, labels = batch
+    rows = slice(rank * SEQUENCES_PER_RANK, (rank + 1) * SEQUENCES_PER_RANK)
+    return features[rows], teacher_hidden[rows], teacher_weight, labels[rows]
+
+
+def whole_batch_loss_and_grads(batch):
+    student = make_student(FusedLinearCosineDistillLoss(impl="torch"))
+    loss = student(*batch)
+    loss.backward()
+    return loss.detach(), {name: param.grad for name, param in student.named_parameters()}
+
+
+def ddp_loss_and_grads(batch, loss):
+    student = DistributedDataParallel(make_student(loss))
+    rank_loss = student(*rank_share(batch, dist.get_rank()))
+    rank_loss.backward()
+    return rank_loss.detach(), {name: param.grad for name, param in student.module.named_parameters()}
+
+
+def fsdp2_loss_and_grads(batch):
+    student = make_student(FusedLinearCosineDistillLoss(impl="torch"))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(student.body, mesh=mesh)
+    fully_shard(student, mesh=mesh)
+    share = rank_share(batch, dist.get_rank())
+    rank_loss = student(*share, num_valid_tokens=data_parallel_num_valid_tokens(share[-1]))
+    rank_loss.backward()
+    return rank_loss.detach(), {name: param.grad.full_tensor() for name, param in student.named_parameters()}
+
+
+RUNS = {
+    "ddp": lambda batch: ddp_loss_and_grads(batch, DataParallelCosineDistillLoss(impl="torch")),
+    "fsdp2": fsdp2_loss_and_grads,
+    "ddp, local normaliser": lambda batch: ddp_loss_and_grads(batch, FusedLinearCosineDistillLoss(impl="torch")),
+}
+
+
+def rel_err(actual, expected):
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+def measure_rank(rank, world_size, folder):
+    """Per run and ignore layout, the relative errors of the gradients and of the mean loss against one
+    process; rank 0 writes them to folder/errors.json (the gradients are all-reduced: the same on all ranks)."""
+    store = dist.FileStore(os.path.join(folder, "store"), world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        errors = {run: {} for run in RUNS}
+        for case, ignored_per_rank in IGNORED_PER_RANK.items():
+            batch = global_batch(world_size, ignored_per_rank)
+            expected_loss, expected_grads = whole_batch_loss_and_grads(batch)
+            for run, loss_and_grads in RUNS.items():
+                rank_loss, grads = loss_and_grads(batch)
+                dist.all_reduce(rank_loss)  # the mean of the ranks' shares is the whole-batch loss
+                errors[run][case] = {
+                    "grads": {name: rel_err(grads[name], expected_grads[name]) for name in expected_grads},
+                    "loss": rel_err(rank_loss / world_size, expected_loss),
+                }
+        errors["all ignored"] = data_parallel_num_valid_tokens(torch.full((3, 4), -100)).item() * world_size
+        if rank == 0:
+            with open(os.path.join(folder, "errors.json"), "w") as file:
+                json.dump(errors, file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda world_size: f"{world_size} ranks")
+def errors(request, tmp_path_factory):
+    """One spawn of the ranks per world size measures every run (a process start costs seconds)."""
+    folder = tmp_path_factory.mktemp("ranks")
+    mp.spawn(measure_rank, args=(request.param, str(folder)), nprocs=request.param)
+    return json.loads((folder / "errors.json").read_text())
+
+
+@pytest.mark.parametrize("run", ["ddp", "fsdp2"])
+def test_gradients_and_loss_equal_one_process(errors, run):
+    for case, error in errors[run].items():
+        assert max(error["grads"].values()) < SAME, f"{case}: {error}"
+        assert error["loss"] < SAME, f"{case}: {error}"
+
+
+def test_local_normaliser_gives_other_gradients(errors):
+    for case, error in errors["ddp, local normaliser"].items():
+        assert max(error["grads"].values()) > DIFFERENT, f"{case}: {error}"
+
+
+def test_no_valid_token_anywhere_counts_as_one(errors):
+    assert errors["all ignored"] == pytest.approx(1.0)
+
+
+def test_needs_initialised_process_group_and_integer_labels():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        data_parallel_num_valid_tokens(torch.zeros(3, dtype=torch.long))
+    with pytest.raises(TypeError, match="labels must be an integer tensor, got torch.float32"):
+        data_parallel_num_valid_tokens(torch.zeros(3))
+
+
+@pytest.mark.parametrize("wrapper", [[], ["--fsdp2"]], ids=["ddp", "fsdp2"])
+def test_torchrun_example(wrapper):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "examples/torchrun_ddp.py", "--steps", "2", *wrapper]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step 1: loss" in result.stdout
