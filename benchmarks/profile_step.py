@@ -38,14 +38,28 @@ def main():
         torch.cuda.synchronize()
     print(f"T={args.tokens} chunk={args.chunk_size} accum={args.accum_dtype}: step {start.elapsed_time(end):.3f} ms (events)")
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=10, max_name_column_width=60))
-    print_gpu_timeline(prof)
-
-
-def print_gpu_timeline(prof):
-    """Each GPU kernel/memset/memcpy with its start, duration and the idle gap before it, in microseconds."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as trace_file:
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace_file:  # a trace can be exported once
         prof.export_chrome_trace(trace_file.name)
         events = json.load(open(trace_file.name))["traceEvents"]
+    print_gpu_timeline(events)
+    print_runtime_calls(events)
+
+
+def print_runtime_calls(events, min_us=20.0):
+    """CUDA runtime calls of the step that took at least min_us on the host (allocations, syncs, launches
+    that blocked), with their start relative to the first one: where the host, not the GPU, spent time."""
+    runtime = sorted((e for e in events if e.get("cat") == "cuda_runtime"), key=lambda e: e["ts"])
+    if not runtime:
+        return
+    origin = runtime[0]["ts"]
+    print(f"CUDA runtime calls >= {min_us} us on the host ({len(runtime)} calls in all):")
+    for event in runtime:
+        if event["dur"] >= min_us:
+            print(f"  +{event['ts'] - origin:9.1f} us  {event['dur']:8.1f} us  {event['name'][:60]}")
+
+
+def print_gpu_timeline(events):
+    """Each GPU kernel/memset/memcpy with its start, duration and the idle gap before it, in microseconds."""
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
     if not gpu:
         return
