@@ -173,14 +173,12 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
 
 
 class _LabelCounts:
-    """N and the check for labels outside [0, Vs). ``launch`` counts on the device (the chunk loop queues it
-    behind the first GEMMs); the loss divides by the device count, and the host reads it only in
-    ``wait``, from backward (or at the end of a forward without gradients), so the forward never stalls."""
+    """N and the check for labels outside [0, Vs). The chunk loop launches the count behind the first
+    GEMMs and waits for it only after the first row step is queued, so the host read stalls nothing."""
 
     def __init__(self, labels, ignore_index, vocab_student, num_valid_tokens):
         self.labels, self.ignore_index, self.vocab_student = labels, ignore_index, vocab_student
         self.num_valid_tokens = num_valid_tokens
-        self.normaliser = None
 
     def launch(self):
         valid = self.labels != self.ignore_index
@@ -190,20 +188,8 @@ class _LabelCounts:
         self.copied = torch.cuda.Event() if counts.is_cuda else None
         if self.copied is not None:
             self.copied.record()
-        given = self.num_valid_tokens
-        if given is None:
-            self.device_inverse = 1.0 / counts[0].clamp_min(1).float()
-        elif torch.is_tensor(given):
-            self.device_inverse = 1.0 / given.detach().float()
-        else:
-            self.device_inverse = 1.0 / float(given)
-
-    def inverse(self):
-        return self.device_inverse
 
     def wait(self) -> float:
-        if self.normaliser is not None:
-            return self.normaliser
         if self.copied is not None:
             self.copied.synchronize()
         num_valid, num_out_of_range = self.counts.tolist()
@@ -213,14 +199,12 @@ class _LabelCounts:
                 f"true_labels has {num_out_of_range} labels outside [0, {self.vocab_student}) that are not "
                 f"ignore_index={self.ignore_index}, e.g. {examples}"
             )
+        if self.num_valid_tokens is None:
+            return float(max(1, num_valid))
         given = self.num_valid_tokens
-        if given is None:
-            self.normaliser = float(max(1, num_valid))
-            return self.normaliser
         normaliser = float(given.item() if torch.is_tensor(given) else given)
         if not normaliser > 0:
             raise ValueError(f"num_valid_tokens must be > 0, got {normaliser}")
-        self.normaliser = normaliser
         return normaliser
 
 
@@ -257,7 +241,7 @@ class _FusedLinearCosineDistill(torch.autograd.Function):
         if ctx.gradients is None:
             raise RuntimeError("cosdistill computes gradients in forward and can run backward only once per call")
         gradients, ctx.gradients = ctx.gradients, None
-        grads = gradients.finish(float(grad_loss))  # host reads of grad_output and N: the last GEMM's alpha/beta
+        grads = gradients.finish(float(grad_loss))  # the one host read of grad_output: it sets GEMM alpha/beta
         cast = [None if grad is None else grad.to(dtype) for grad, dtype in zip(grads, ctx.grad_dtypes)]
         return (*cast, None, None, None)
 

@@ -18,12 +18,9 @@ RowStep = Callable[..., None]  # (student_logits, teacher_logits, labels, scales
 
 
 class Normaliser(Protocol):
-    """N, counted on the device: ``launch`` queues the count; ``inverse`` is 1/N for the loss, a 0-d
-    device tensor or a number (no host read); ``wait`` reads N on the host (and may raise)."""
+    """N, counted on the device: ``launch`` queues the count, ``wait`` returns it (and may raise)."""
 
     def launch(self) -> None: ...
-
-    def inverse(self) -> torch.Tensor | float: ...
 
     def wait(self) -> float: ...
 
@@ -73,11 +70,9 @@ def auto_chunk_size(num_tokens: int, vocab_student: int, vocab_teacher: int, ite
 
 @dataclass
 class Gradients:
-    """The student's gradients, accumulated with 1/T (known on the host) where the loss divides by N
-    (known on the device), less the last chunk's grad_weight GEMM. ``finish`` reads N and grad_output on
-    the host, once, and folds g/N into that GEMM's alpha and beta; grad_input and grad_bias get one
-    small in-place rescale when T/N * g != 1. So the forward never waits for the GPU
-    (benchmarks/NOTES.md items 7 and 14)."""
+    """The student's gradients for grad_output = 1, less the last chunk's grad_weight GEMM, which waits
+    for grad_output so that scaling by it rides on that GEMM's alpha and beta instead of a pass over
+    grad_weight (measured: 1.1 ms at T = 1024 on the H200, see benchmarks/NOTES.md)."""
 
     grad_input: torch.Tensor | None
     grad_weight: torch.Tensor | None  # in the accum dtype
@@ -85,24 +80,19 @@ class Gradients:
     last_grad_logits: torch.Tensor | None  # the last chunk's d L / d logits (unnormalised); None: no GEMM waits
     last_hidden: torch.Tensor | None
     accumulate_last: bool  # whether grad_weight already holds earlier chunks
-    accumulated_scale: float  # what the gradients so far are scaled by: 1/T
-    normaliser: Normaliser
+    inv_normaliser: float
 
     def finish(self, grad_output: float):
-        """(grad_input, grad_weight, grad_bias) for this grad_output; raises on bad labels.
-
-        grad_input and grad_bias are rescaled to 1/N and then by grad_output, in that order and each only
-        if != 1: the roundings of the torch.compile path, which applies grad_output after the op (ops.py)."""
-        inv_normaliser = 1.0 / self.normaliser.wait()
-        to_mean = inv_normaliser / self.accumulated_scale  # T / N
-        for grad in (self.grad_input, self.grad_bias):
-            for factor in (to_mean, grad_output):
-                if grad is not None and factor != 1.0:
-                    grad.mul_(factor)
+        """(grad_input, grad_weight, grad_bias) for this grad_output."""
+        if grad_output != 1.0:
+            for grad in (self.grad_input, self.grad_bias):
+                if grad is not None:
+                    grad.mul_(grad_output)
         if self.last_grad_logits is not None:
-            _grad_weight_gemm(self.grad_weight, self.last_grad_logits, self.last_hidden,
-                              alpha=grad_output * inv_normaliser,
-                              beta=grad_output * to_mean if self.accumulate_last else 0.0)
+            _grad_weight_gemm(
+                self.grad_weight, self.last_grad_logits, self.last_hidden,
+                alpha=grad_output * self.inv_normaliser, beta=grad_output if self.accumulate_last else 0.0,
+            )
         return self.grad_input, self.grad_weight, self.grad_bias
 
 
@@ -164,9 +154,8 @@ def chunked_loss_and_grads(
     accum_dtype: torch.dtype,
     reduce_grad_input: Callable[[torch.Tensor], None] | None = None,  # sums it over a vocabulary split
 ) -> ChunkResult:
-    """Nothing here waits for the GPU: N is counted on the device behind the first chunk's logits GEMMs,
-    the loss divides by it there, and the gradients are accumulated with 1/T until ``Gradients.finish``
-    reads N. Without gradients, N is read (and bad labels raised) once everything is queued."""
+    """The row step does not need N (1/N is the gradient GEMMs' alpha), so N is counted behind the first
+    chunk's logits GEMMs and waited for once the first row step is queued: the GPU never idles on it."""
     num_tokens, hidden_student = student_input.shape
     vocab_student = student_weight.shape[0]
     device = student_input.device
@@ -183,7 +172,7 @@ def chunked_loss_and_grads(
         grad_weight = allocate(vocab_student, hidden_student, dtype=accum_dtype, device=device)
     grad_bias = torch.zeros(vocab_student, dtype=torch.float32, device=device) if needs_grad[2] else None
 
-    grad_scale = 1.0 / max(1, num_tokens)
+    inv_normaliser = None
     for start in range(0, num_tokens, chunk):
         stop = min(start + chunk, num_tokens)
         hidden = student_input[start:stop]
@@ -191,22 +180,25 @@ def chunked_loss_and_grads(
         chunk_teacher = teacher_logits[: stop - start]
         _logits_into(chunk_student, hidden, student_weight, student_bias)
         teacher.logits_into(teacher_logits, teacher_input[start:stop])
-        if start == 0:
-            normaliser.launch()  # behind the first GEMMs, which need nothing from it
+        if inv_normaliser is None:
+            normaliser.launch()
         row_step(chunk_student, chunk_teacher, labels[start:stop], scales, token_losses[start:stop], write_grad)
+        if inv_normaliser is None:
+            inv_normaliser = 1.0 / normaliser.wait()
         grad_logits = chunk_student  # overwritten in place by the row step
         if grad_input is not None:
-            grad_input[start:stop].addmm_(grad_logits, student_weight, beta=0.0, alpha=grad_scale)
+            grad_input[start:stop].addmm_(grad_logits, student_weight, beta=0.0, alpha=inv_normaliser)
         if grad_weight is not None and stop < num_tokens:  # the last chunk's waits for backward
-            _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha=grad_scale, beta=1.0 if start else 0.0)
+            _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha=inv_normaliser, beta=1.0 if start else 0.0)
         if grad_bias is not None:
-            grad_bias.add_(grad_logits.sum(0, dtype=torch.float32), alpha=grad_scale)
+            grad_bias.add_(grad_logits.sum(0, dtype=torch.float32), alpha=inv_normaliser)
 
-    if not num_tokens:
+    if inv_normaliser is None:  # no tokens
         normaliser.launch()
+        inv_normaliser = 1.0 / normaliser.wait()
     if grad_input is not None and reduce_grad_input is not None:
         reduce_grad_input(grad_input)
-    loss_sums = (token_losses * normaliser.inverse()).sum(0)  # scaled first: losses near fp32 max must not overflow
+    loss_sums = (token_losses * inv_normaliser).sum(0)  # scaled first: per-token losses near fp32 max must not overflow the sum
     gradients = None
     if write_grad:
         last_start = (num_tokens - 1) // chunk * chunk if num_tokens else 0
@@ -216,9 +208,6 @@ def chunked_loss_and_grads(
             last_grad_logits=student_logits[: num_tokens - last_start] if defer else None,
             last_hidden=student_input[last_start:] if defer else None,
             accumulate_last=last_start > 0,
-            accumulated_scale=grad_scale,
-            normaliser=normaliser,
+            inv_normaliser=inv_normaliser,
         )
-    else:
-        normaliser.wait()  # bad labels raise here when no backward will
     return ChunkResult(loss_sums[0], loss_sums[1], gradients)
