@@ -27,7 +27,8 @@ def assert_matches_float64(problem, impl, dtype, **kwargs):
     for got in [*got_losses, *got_grads]:
         assert torch.isfinite(got).all()
     for got, want in zip(got_losses, want_losses):
-        assert rel_err(got, want) < loss_tol, (got, want)
+        # soft = beta * (1 - cos) cancels when cos ~ 1 (a token or two): fp32's 1 - cos is good to ~1e-7 absolute
+        assert rel_err(got, want) < loss_tol or abs(got.item() - want.item()) < 1e-6, (got, want)
     for got, want in zip(got_grads, want_grads):
         assert rel_err(got, want) < grad_tol
 
