@@ -8,6 +8,7 @@ the whole global batch at each step.
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -105,8 +106,10 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     train(args.steps, args.fsdp2, init_distributed())
-    # After train returned: its models, which hold the process group, are gone. Freed after
-    # destroy_process_group instead, DDP's hung now and then on gloo (torch 2.13).
+    # Free the models, which hold the process group, before destroying it: FSDP2's outlive train in
+    # reference cycles, and a gloo group freed after destroy_process_group (at exit) now and then
+    # aborted the process or hung it (torch 2.13).
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -37,11 +37,14 @@ def _load_logits(row, cols, mask, logit_scale, cap, CAP: tl.constexpr):
 
 
 @triton.jit
-def _label_columns(label, ignore_index, vocab_start, vocab_student, vocab_student_total):
+def _row_and_label(row, student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, ignore_index,
+                   vocab_start, vocab_student, vocab_student_total):
+    """The row's logits pointers and its label: whether it counts, and where it lies in this shard."""
+    label = tl.load(labels_ptr + row).to(tl.int64)
     valid = (label != ignore_index) & (label >= 0) & (label < vocab_student_total)
     column = label - vocab_start
     in_shard = valid & (column >= 0) & (column < vocab_student)
-    return valid, in_shard, column
+    return student_ptr + row * student_row_stride, teacher_ptr + row * teacher_row_stride, valid, in_shard, column
 
 
 @triton.jit
@@ -200,10 +203,10 @@ def _row_step_kernel(
     else:
         todo = True
     if todo:
-        student_row = student_ptr + row * student_row_stride
-        teacher_row = teacher_ptr + row * teacher_row_stride
-        label = tl.load(labels_ptr + row).to(tl.int64)
-        valid, in_shard, column = _label_columns(label, ignore_index, vocab_start, vocab_student, vocab_student_total)
+        student_row, teacher_row, valid, in_shard, column = _row_and_label(
+            row, student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, ignore_index,
+            vocab_start, vocab_student, vocab_student_total,
+        )
         row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _row_stats(
             student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale, teacher_scale,
             student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, RESCUE, BLOCK,
@@ -228,10 +231,10 @@ def _row_stats_kernel(
     STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, NUM_STATS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    student_row = student_ptr + row * student_row_stride
-    teacher_row = teacher_ptr + row * teacher_row_stride
-    label = tl.load(labels_ptr + row).to(tl.int64)
-    _, in_shard, column = _label_columns(label, ignore_index, vocab_start, vocab_student, vocab_student_total)
+    student_row, teacher_row, _, in_shard, column = _row_and_label(
+        row, student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, ignore_index,
+        vocab_start, vocab_student, vocab_student_total,
+    )
     row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _row_stats(
         student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale, teacher_scale,
         student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, False, BLOCK,
@@ -261,12 +264,13 @@ def _row_grad_kernel(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    label = tl.load(labels_ptr + row).to(tl.int64)
-    valid, in_shard, column = _label_columns(label, ignore_index, vocab_start, vocab_student, vocab_student_total)
+    student_row, teacher_row, valid, in_shard, column = _row_and_label(
+        row, student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, ignore_index,
+        vocab_start, vocab_student, vocab_student_total,
+    )
     stats_row = stats_ptr + row * NUM_STATS
     _row_losses_and_grad(
-        student_ptr + row * student_row_stride, teacher_ptr + row * teacher_row_stride, losses_ptr + row * 2,
-        valid, in_shard, column, vocab_student,
+        student_row, teacher_row, losses_ptr + row * 2, valid, in_shard, column, vocab_student,
         tl.load(stats_row), tl.load(stats_row + 1), tl.load(stats_row + 2), tl.load(stats_row + 3),
         tl.load(stats_row + 4), tl.load(stats_row + 5), tl.load(stats_row + 6), tl.load(stats_row + 7),
         weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
