@@ -1,0 +1,49 @@
+"""Compile every Triton kernel variant for Hopper (sm_90) with Triton's real compiler: no GPU needed.
+
+Triton's interpreter, which runs the kernels in the other tests, skips the compiler's front end, so it
+misses errors only a GPU run would show (e.g. a plain Python global read inside @triton.jit). Run as
+a script without TRITON_INTERPRET (test_kernels_compile.py does), it prints one line per variant.
+"""
+
+import itertools
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from cosdistill import row_step_triton as kernels
+
+HOPPER = GPUTarget("cuda", 90, 32)
+INTS = ("student_row_stride", "teacher_row_stride", "vocab_student", "vocab_teacher", "ignore_index",
+        "vocab_start", "vocab_student_total")
+FLOATS = ("student_cap", "teacher_cap", "student_scale", "teacher_scale", "weight_hard", "weight_soft", "beta",
+          "inv_temp_sq", "eps")
+
+
+def compile_for_hopper(kernel, logits_type, constants):
+    types = dict(student_ptr=logits_type, teacher_ptr=logits_type, labels_ptr="*i64", stats_ptr="*fp32",
+                 losses_ptr="*fp32", **{name: "i32" for name in INTS}, **{name: "fp32" for name in FLOATS})
+    signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
+    constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER)
+
+
+def variants():
+    for logits_type, caps in itertools.product(("*bf16", "*fp16", "*fp32"), ((False, False), (True, True))):
+        common = dict(STUDENT_CAP=caps[0], TEACHER_CAP=caps[1], BLOCK=kernels.DEFAULT_BLOCK)
+        yield "row step", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, RESCUE=False)
+        if logits_type == "*bf16":
+            yield "rescue", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, RESCUE=True)
+            yield "loss only", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=False, RESCUE=False)
+            yield "statistics", kernels._row_stats_kernel, logits_type, dict(common, NUM_STATS=8)
+            yield "gradient", kernels._row_grad_kernel, logits_type, dict(common, WRITE_GRAD=True, NUM_STATS=8)
+
+
+def main():
+    for name, kernel, logits_type, constants in variants():
+        compiled = compile_for_hopper(kernel, logits_type, constants)
+        print(f"{name} {logits_type} caps={constants['STUDENT_CAP']}: {len(compiled.asm['cubin'])} bytes of sm_90 cubin")
+
+
+if __name__ == "__main__":
+    main()
