@@ -30,6 +30,7 @@ ROW_STEP_CASES = [
     RowStepCase(9, 151936, 152064, FP16), RowStepCase(3, 1, 1, FP32), RowStepCase(3, 1, 2, FP32),
     RowStepCase(3, 2, 2, FP32), RowStepCase(4, 2, 3, FP32), RowStepCase(4, 17, 17, BF16), RowStepCase(4, 1000, 1000, FP32),
     RowStepCase(37, 128256, 128320, BF16, softcap=30.0), RowStepCase(5, 32001, 32001, FP32, softcap=5.0, logit_scale=0.5),
+    RowStepCase(9, 50000, 128256, BF16),  # split in two: the upper half holds no student columns
 ]
 LOSS_CASES = [
     LossCase(300, 32011, 32011, 256, FP32, True, 7, 128),

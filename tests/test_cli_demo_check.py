@@ -25,6 +25,8 @@ def test_check_on_the_cpu_passes_and_prints_the_table(capsys):
         assert "paths checked: torch and triton (in Triton's interpreter" in out
         assert out.count("| loss triton vs float64 |") == len(selfcheck.LOSS_CASES)
         assert out.count("| row step triton vs torch |") == len(selfcheck.ROW_STEP_CASES)
+        splittable = [case for case in selfcheck.ROW_STEP_CASES if case.vocab_teacher >= 2]
+        assert out.count("| row step triton split in two vs torch |") == len(splittable)
     assert "FAIL" not in out and out.endswith("checks passed\n")
 
 

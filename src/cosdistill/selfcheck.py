@@ -2,13 +2,15 @@
 
 * The whole loss (each row-step path) against the naive version run on float64 copies, at small odd
   shapes: fp32 and bf16, biases, Vt > Vs, ignored tokens, chunk sizes that do not divide T.
-* The Triton row step against the torch row step (the spec), into poisoned outputs.
+* The Triton row step against the torch row step (the spec), into poisoned outputs: the fused kernel,
+  and the statistics and gradient kernels as a vocabulary split over two ranks runs them.
 
 The Triton paths run on CUDA, and on the CPU only under Triton's interpreter, which must be switched on
 (``TRITON_INTERPRET=1``) before triton is imported, i.e. in the environment of the process.
 ``benchmarks/gpu_check.py`` reuses these functions with larger cases.
 """
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -16,7 +18,7 @@ import torch
 
 from .api import fused_linear_cosine_distill
 from .reference import naive_cosine_distill
-from .row_step import RowStepScales, row_step_torch
+from .row_step import RowStepImpl, RowStepScales, combine_row_stats, row_step_torch
 
 POISON = 12345.0
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -80,6 +82,7 @@ ROW_STEP_CASES = (
     RowStepCase(7, 300, 301, torch.float32),
     RowStepCase(5, 2500, 2600, torch.bfloat16),
     RowStepCase(6, 1000, 1100, torch.float32, softcap=4.0, logit_scale=0.5),
+    RowStepCase(6, 40, 130, torch.bfloat16),  # split in two, the upper half holds no student columns
 )
 
 
@@ -162,12 +165,30 @@ def check_loss(impls, device, cases=LOSS_CASES) -> list[CheckResult]:
     return results
 
 
-def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
-    from .row_step_triton import row_step_triton  # imports triton: only on CUDA or under the interpreter
+def split_in_two(impl: RowStepImpl, student, teacher, labels, scales, token_losses, write_grad) -> None:
+    """The row step the way a vocabulary split over two ranks runs it (cosdistill.distributed): each
+    half's statistics, combined, then each half's losses and gradient, in place in ``student``."""
+    vocab_student, middle = student.shape[1], teacher.shape[1] // 2
+    bounds = ((0, middle), (middle, teacher.shape[1]))
+    halves = [(student[:, min(start, vocab_student):min(stop, vocab_student)], teacher[:, start:stop],
+               dataclasses.replace(scales, vocab_start=start, vocab_student_total=vocab_student))
+              for start, stop in bounds]
+    stats = combine_row_stats(torch.stack([impl.stats(s, t, labels, half) for s, t, half in halves]))
+    for s, t, half in halves:
+        impl.grad(s, t, labels, stats, half, token_losses, write_grad)
 
-    name = "row step triton vs torch"
+
+def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
+    from .row_step_triton import TRITON_ROW_STEP  # imports triton: only on CUDA or under the interpreter
+
+    runs = {
+        "row step triton vs torch": TRITON_ROW_STEP.step,
+        "row step triton split in two vs torch": lambda *args: split_in_two(TRITON_ROW_STEP, *args),
+    }
     results = []
-    for case in cases:
+    for (name, run), case in ((run, case) for run in runs.items() for case in cases):
+        if "split" in name and case.vocab_teacher < 2:
+            continue
         scales = RowStepScales(
             weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100,
             student_softcap=case.softcap, teacher_softcap=case.softcap and 1.5 * case.softcap,
@@ -182,7 +203,7 @@ def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
         row_step_torch(want_grad, teacher, labels, scales, want_losses, True)
         got_grad, got_losses = student.clone(), torch.full((case.rows, 2), POISON, device=device)
         try:
-            row_step_triton(got_grad, teacher, labels, scales, got_losses, True)
+            run(got_grad, teacher, labels, scales, got_losses, True)
         except Exception as error:
             results.append(failed(name, case.describe(), error))
             continue
