@@ -34,7 +34,7 @@ import torch
 from cosdistill import fused_linear_cosine_distill
 from cosdistill.bench import DTYPES
 from cosdistill.reference import naive_cosine_distill
-from cosdistill.selfcheck import float64_reference, rel_err
+from cosdistill.selfcheck import float64_reference, ignore_some_labels, random_student_teacher, rel_err
 
 # (losses, gradients), relative to the float64 result's norm
 TOLERANCE = {"fp32": (1e-5, 1e-4), "bf16": (5e-3, 2e-2), "fp16": (2e-3, 5e-3)}
@@ -208,32 +208,13 @@ def draw_cases(seed: int, count: int, limits: Limits) -> list[Case]:
 
 def build_problem(case: Case, device) -> list:
     """[student_input, student_weight, teacher_input, teacher_weight, labels, student_bias, teacher_bias] from
-    the case's seed; weights scaled by 2 / sqrt(H) so logits are of a few units, like a trained head's."""
+    the case's seed (selfcheck.random_student_teacher: logits of a few units, like a trained head's)."""
     gen = torch.Generator(device=device).manual_seed(case.seed)
-    dtype = DTYPES[case.dtype]
-
-    def randn(*shape, scale=1.0, requires_grad=False):
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype).requires_grad_(requires_grad)
-
     lead = (case.tokens,) if case.batch is None else (case.batch, case.tokens // case.batch)
     labels = torch.randint(0, case.vocab_student, lead, generator=gen, device=device)
-    flat = labels.view(-1)
-    if case.ignore == "some":
-        flat[torch.rand(case.tokens, generator=gen, device=device) < 0.3] = case.ignore_index
-    elif case.ignore == "alternating":
-        flat[::2] = case.ignore_index
-    elif case.ignore == "all":
-        flat.fill_(case.ignore_index)
-    hs, ht, vs, vt = case.hidden_student, case.hidden_teacher, case.vocab_student, case.vocab_teacher
-    return [
-        randn(*lead, hs, requires_grad=True),
-        randn(vs, hs, scale=2 / hs**0.5, requires_grad=True),
-        randn(*lead, ht),
-        randn(vt, ht, scale=2 / ht**0.5),
-        labels,
-        randn(vs, requires_grad=True) if case.student_bias else None,
-        randn(vt) if case.teacher_bias else None,
-    ]
+    ignore_some_labels(labels, case.ignore, case.ignore_index, gen)
+    return random_student_teacher(labels, case.hidden_student, case.hidden_teacher, case.vocab_student,
+                                  case.vocab_teacher, DTYPES[case.dtype], case.student_bias, case.teacher_bias, gen)
 
 
 def fused_result(args, case: Case, impl: str):

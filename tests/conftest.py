@@ -9,6 +9,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from cosdistill.reference import naive_cosine_distill  # noqa: E402
+from cosdistill.selfcheck import random_student_teacher  # noqa: E402
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (5e-3, 2e-2), torch.float16: (2e-3, 5e-3)}  # (loss, grads)
 
@@ -34,24 +35,19 @@ class Problem:
 def make_problem(tokens=37, hidden_student=16, hidden_teacher=24, vocab_student=101, vocab_teacher=None,
                  dtype=torch.float32, bias=True, ignore_every=0, batch=None) -> Problem:
     """Fresh random inputs (never zeros); logits of order a few units, like a trained LM head's."""
-    vocab_teacher = vocab_teacher or vocab_student
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape) * scale).to(dtype)
-
     lead = (tokens,) if batch is None else (batch, tokens // batch)
     labels = torch.randint(0, vocab_student, lead)
     if ignore_every:
         labels.view(-1)[::ignore_every] = -100
-    return Problem(
-        student_input=randn(*lead, hidden_student).requires_grad_(),
-        student_weight=randn(vocab_student, hidden_student, scale=2 / hidden_student**0.5).requires_grad_(),
-        teacher_input=randn(*lead, hidden_teacher),
-        teacher_weight=randn(vocab_teacher, hidden_teacher, scale=2 / hidden_teacher**0.5),
-        labels=labels,
-        student_bias=randn(vocab_student).requires_grad_() if bias else None,
-        teacher_bias=randn(vocab_teacher) if bias else None,
-    )
+    return problem_around(labels, hidden_student, hidden_teacher, vocab_student, vocab_teacher or vocab_student,
+                          dtype, bias, bias)
+
+
+def problem_around(labels, hidden_student, hidden_teacher, vocab_student, vocab_teacher, dtype, student_bias,
+                   teacher_bias, generator=None) -> Problem:
+    """A Problem for these labels: cosdistill.selfcheck.random_student_teacher's tensors."""
+    return Problem(*random_student_teacher(labels, hidden_student, hidden_teacher, vocab_student, vocab_teacher,
+                                           dtype, student_bias, teacher_bias, generator))
 
 
 def reference(problem: Problem, grad_output=1.0, **kwargs):

@@ -20,8 +20,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TOLERANCE, Problem, reference, rel_err
+from conftest import TOLERANCE, Problem, problem_around, reference, rel_err
 from cosdistill import fused_linear_cosine_distill
+from cosdistill.selfcheck import ignore_some_labels
 
 PRIMES = (2, 3, 5, 7, 31, 97, 101, 127, 257, 509, 1021, 1031, 2039, 4093, 4999)
 MIN_STUDENT_HIDDEN = 4
@@ -69,29 +70,11 @@ class Case:
 def build_problem(case: Case) -> Problem:
     """The tensors of a case, from its seed alone; scaled as conftest.make_problem (logits of a few units)."""
     gen = torch.Generator().manual_seed(case.seed)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(case.dtype)
-
     lead = (case.tokens,) if case.batch is None else (case.batch, case.tokens // case.batch)
     labels = torch.randint(0, case.vocab_student, lead, generator=gen)
-    flat = labels.view(-1)
-    if case.ignore == "some":
-        flat[torch.rand(case.tokens, generator=gen) < 0.3] = case.ignore_index
-    elif case.ignore == "alternating":
-        flat[::2] = case.ignore_index
-    elif case.ignore == "all":
-        flat.fill_(case.ignore_index)
-    hs, ht, vs, vt = case.hidden_student, case.hidden_teacher, case.vocab_student, case.vocab_teacher
-    return Problem(
-        student_input=randn(*lead, hs).requires_grad_(),
-        student_weight=randn(vs, hs, scale=2 / hs**0.5).requires_grad_(),
-        teacher_input=randn(*lead, ht),
-        teacher_weight=randn(vt, ht, scale=2 / ht**0.5),
-        labels=labels,
-        student_bias=randn(vs).requires_grad_() if case.student_bias else None,
-        teacher_bias=randn(vt) if case.teacher_bias else None,
-    )
+    ignore_some_labels(labels, case.ignore, case.ignore_index, gen)
+    return problem_around(labels, case.hidden_student, case.hidden_teacher, case.vocab_student, case.vocab_teacher,
+                          case.dtype, case.student_bias, case.teacher_bias, generator=gen)
 
 
 @st.composite

@@ -101,25 +101,45 @@ def rel_err(actual, expected) -> float:
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-300)).item()
 
 
+def random_student_teacher(labels, hidden_student, hidden_teacher, vocab_student, vocab_teacher, dtype,
+                           student_bias, teacher_bias, generator=None) -> list:
+    """[student_input, student_weight, teacher_input, teacher_weight, labels, student_bias, teacher_bias]
+    for these labels, on their device: random normal hidden states, weights scaled by 2 / sqrt(H) (logits
+    of a few units, like a trained head's), drawn in that order from ``generator`` (default: torch's)."""
+    def randn(*shape, scale=1.0, requires_grad=False):
+        values = torch.randn(*shape, generator=generator, device=labels.device) * scale
+        return values.to(dtype).requires_grad_(requires_grad)
+
+    lead = tuple(labels.shape)
+    return [
+        randn(*lead, hidden_student, requires_grad=True),
+        randn(vocab_student, hidden_student, scale=2 / hidden_student**0.5, requires_grad=True),
+        randn(*lead, hidden_teacher),
+        randn(vocab_teacher, hidden_teacher, scale=2 / hidden_teacher**0.5),
+        labels,
+        randn(vocab_student, requires_grad=True) if student_bias else None,
+        randn(vocab_teacher) if teacher_bias else None,
+    ]
+
+
+def ignore_some_labels(labels, pattern: str, ignore_index: int, generator=None) -> None:
+    """Sets labels to ignore_index in place: "none", "some" (30% at random), "alternating" or "all"."""
+    flat = labels.view(-1)
+    if pattern == "some":
+        flat[torch.rand(flat.numel(), generator=generator, device=labels.device) < 0.3] = ignore_index
+    elif pattern == "alternating":
+        flat[::2] = ignore_index
+    elif pattern == "all":
+        flat.fill_(ignore_index)
+
+
 def random_problem(case: LossCase, device):
     """[student_input, student_weight, teacher_input, teacher_weight, labels, student_bias, teacher_bias]."""
-    hidden_student = case.hidden_teacher // 2
     labels = torch.randint(0, case.vocab_student, (case.tokens,), device=device)
     if case.ignore_every:
         labels[:: case.ignore_every] = -100
-
-    def randn(*shape, scale=1.0, requires_grad=False):  # logits of a few units, like a trained head's
-        return (torch.randn(*shape, device=device) * scale).to(case.dtype).requires_grad_(requires_grad)
-
-    return [
-        randn(case.tokens, hidden_student, requires_grad=True),
-        randn(case.vocab_student, hidden_student, scale=2 / hidden_student**0.5, requires_grad=True),
-        randn(case.tokens, case.hidden_teacher),
-        randn(case.vocab_teacher, case.hidden_teacher, scale=2 / case.hidden_teacher**0.5),
-        labels,
-        randn(case.vocab_student, requires_grad=True) if case.bias else None,
-        randn(case.vocab_teacher) if case.bias else None,
-    ]
+    return random_student_teacher(labels, case.hidden_teacher // 2, case.hidden_teacher, case.vocab_student,
+                                  case.vocab_teacher, case.dtype, case.bias, case.bias)
 
 
 def float64_reference(args, **options):
