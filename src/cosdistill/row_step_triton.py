@@ -143,6 +143,7 @@ def _row_losses_and_grad(
     row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
     weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
     usable, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    REVERSE: tl.constexpr = False,
 ):
     """Losses and (if WRITE_GRAD) d L / d s from the row's statistics (row_step.cosine_terms, row_grad_torch).
     If not ``usable`` the losses become NaN and the logits are left alone, for ``_row_rescue_kernel``."""
@@ -169,8 +170,12 @@ def _row_losses_and_grad(
         )
         soft_scale = weight_soft * beta
         offsets = tl.arange(0, BLOCK)
-        for start in range(0, vocab_student, BLOCK):
-            cols = start + offsets
+        num_blocks = tl.cdiv(vocab_student, BLOCK)
+        for index in range(0, num_blocks):
+            # REVERSE (study, benchmarks/l2_study.py): the row's last blocks, read last by the
+            # statistics, are read first here, while they may still sit in L2.
+            block = num_blocks - 1 - index if REVERSE else index
+            cols = block * BLOCK + offsets
             in_row = cols < vocab_student
             s = _load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP)
             t = _load_logits(teacher_row, cols, in_row, teacher_scale, teacher_cap, TEACHER_CAP)
