@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 from cosdistill import fused_linear_cosine_distill
 from cosdistill.api import _LabelCounts, pick_row_step, row_step_scales
 from cosdistill.bench import CPU_WORKLOAD, CUDA_WORKLOAD, make_tensors, median_ms
-from cosdistill.chunked import TeacherHead, chunked_loss_and_grads
+from cosdistill.chunked import ChunkRows, TeacherHead, chunked_loss_and_grads
 
 SCALES = row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0)
 
@@ -74,7 +74,7 @@ def gemm_steps(tensors, chunk):
     return dict(student_logits=student, teacher_logits=teacher, grad_input=input_grad, grad_weight=weight_grad)
 
 
-def direct_step(tensors, chunk):
+def direct_step(tensors, rows: ChunkRows):
     """The chunk loop and finish(1.0), without api.py's checks and without autograd."""
     x_s, w_s = tensors.student_input.detach(), tensors.student_weight.detach()
     labels, vocab = tensors.labels, w_s.shape[0]
@@ -83,7 +83,7 @@ def direct_step(tensors, chunk):
     def step():
         result = chunked_loss_and_grads(
             x_s, w_s, None, tensors.teacher_input, TeacherHead(tensors.teacher_weight, None), labels, SCALES,
-            _LabelCounts(labels, -100, vocab, None), row_step, chunk, (True, True, False), w_s.dtype,
+            _LabelCounts(labels, -100, vocab, None), row_step, rows, (True, True, False), w_s.dtype,
         )
         grad_input, grad_weight, _ = result.gradients.finish(1.0)
         tensors.student_input.grad, tensors.student_weight.grad = grad_input, grad_weight  # held like backward's
@@ -132,8 +132,8 @@ def main():
         for chunk in (None, 1024, 2048):
             for kind, step in gemm_steps(tensors, chunk).items():
                 steps[f"{kind} chunk={chunk or 'all'}"] = step
-        steps["direct chunk=1024"] = direct_step(tensors, 1024)
-        steps["direct chunk=2048"] = direct_step(tensors, 2048)
+        for rows in (ChunkRows(1024, 1024), ChunkRows(2048, 2048), ChunkRows(2048, 1024)):
+            steps[f"direct chunk={rows.student} teacher={rows.teacher}"] = direct_step(tensors, rows)
         steps["library forward (grads computed)"] = library_step(tensors, backward=False)
         steps["library full"] = library_step(tensors, backward=True)
         times = {}
@@ -146,7 +146,7 @@ def main():
         for label, value in medians.items():
             print(f"  {label:40s} {value:8.3f} ms  {value / floor:6.3f} x floor   rounds {[round(t, 3) for t in times[label]]}")
         profiles = {}
-        for label in ("direct chunk=1024", "library full") if device.type == "cuda" else ():
+        for label in ("direct chunk=2048 teacher=1024", "library full") if device.type == "cuda" else ():
             sums, busy = kernel_sums(steps[label], tensors)
             profiles[label] = dict(busy_ms=busy, kernels=sums)
             print(f"  profile {label}: GPU busy {busy:.3f} ms per call")

@@ -69,7 +69,7 @@ from cosdistill.bench import (
     CUDA_WORKLOAD, TOLERANCE, Tensors, environment_header, floor_provider, make_tensors, median_ms,
     peak_gb_above_inputs, rel_err,
 )
-from cosdistill.chunked import _grad_weight_gemm, _logits_into, auto_chunk_size
+from cosdistill.chunked import _grad_weight_gemm, _logits_into, chunk_rows
 from cosdistill.row_step import RowStepScales, row_step_torch
 
 SCALES = RowStepScales(weight_hard=0.5, weight_soft=0.5, beta=0.5, temperature=1.0, ignore_index=-100)  # the API's defaults
@@ -286,7 +286,8 @@ def run_study(workload, device: torch.device, impl: str, variants=VARIANTS) -> d
         tensors = make_tensors(tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype, device)
         errors = {variant.label: check_errors(variant, tensors, impl) for variant in variants}
         check_passed &= all(error <= tolerance for per_variant in errors.values() for error in per_variant.values())
-        library_chunk = auto_chunk_size(tokens, workload.vocab, workload.vocab, tensors.student_weight.element_size())
+        library_rows = chunk_rows(None, tokens, workload.vocab, workload.vocab, tensors.student_weight.element_size())
+        library_chunk = library_rows.student
         steps = {"floor": (None, floor_provider(tensors, "full")), "library": (library_chunk, library_step(tensors, impl))}
         steps.update({variant.label: (variant.chunk, variant_step(variant, tensors, impl)) for variant in variants})
         times = interleaved_times({label: step for label, (_, step) in steps.items()}, tensors, device, workload)
@@ -302,10 +303,10 @@ def run_study(workload, device: torch.device, impl: str, variants=VARIANTS) -> d
             ))
         tensors.clear_grads()
         floor_ms, library_ms = size_rows[0]["median_ms"], size_rows[1]["median_ms"]
-        step_ms = row_step_ms(tensors, library_chunk, impl, workload)
+        step_ms = row_step_ms(tensors, library_rows.teacher, impl, workload)  # the row step runs on teacher sub-chunks
         size_rows.insert(2, dict(
             variant="bound: library - row steps", T=tokens, chunk=library_chunk,
-            median_ms=library_ms - -(-tokens // library_chunk) * step_ms, row_step_ms_per_chunk=step_ms,
+            median_ms=library_ms - -(-tokens // library_rows.teacher) * step_ms, row_step_ms_per_chunk=step_ms,
         ))
         for row in size_rows:
             row.update(x_floor=row["median_ms"] / floor_ms, x_library=row["median_ms"] / library_ms)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from cosdistill import FusedLinearCosineDistillLoss, fused_linear_cosine_distill
+from cosdistill import FusedLinearCosineDistillLoss, api, fused_linear_cosine_distill
+from cosdistill.chunked import ChunkRows, chunk_rows
 from conftest import TOLERANCE, make_problem, reference, rel_err
 
 
@@ -38,6 +39,33 @@ def test_matches_reference(impl, dtype, bias, vocab_teacher):
 def test_chunk_sizes(impl, chunk_size):
     problem = make_problem(tokens=37, ignore_every=3)
     assert_matches_reference(problem, torch.float32, impl=impl, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("rows", [ChunkRows(16, 5), ChunkRows(10, 3), ChunkRows(37, 36), ChunkRows(8, 8)])
+@pytest.mark.parametrize("fp8_like_buffer", [False, True])
+def test_teacher_logits_in_sub_chunks(impl, rows, fp8_like_buffer, monkeypatch):
+    """The automatic sizes give the teacher's logits GEMM and the row step fewer rows than the student's
+    chunk (seed workload: 1024 of 2048); small sizes here, forced, with odd remainders at both levels.
+    ``fp8_like_buffer``: a teacher buffer with more rows than asked for, as the FP8 head's padding."""
+    monkeypatch.setattr(api, "chunk_rows", lambda *args: rows)
+    if fp8_like_buffer:
+        monkeypatch.setattr(api.TeacherHead, "buffer_rows", lambda self, n: n + 3)
+    problem = make_problem(tokens=37, vocab_teacher=131, ignore_every=4)
+    assert_matches_reference(problem, torch.float32, impl=impl)
+
+
+def test_automatic_chunk_rows():
+    seed = dict(vocab_student=128256, vocab_teacher=128256, itemsize=2)
+    assert chunk_rows(None, 8192, **seed) == ChunkRows(2048, 1024)  # 0.79 GB of logits buffers
+    assert chunk_rows(None, 3000, **seed) == ChunkRows(2048, 1024)
+    assert chunk_rows(None, 1024, **seed) == ChunkRows(1024, 1024)
+    assert chunk_rows(None, 100, **seed) == ChunkRows(100, 100)
+    assert chunk_rows(None, 8192, 32000, 32000, 2) == ChunkRows(2048, 2048)  # the budget gives both 2048
+    assert chunk_rows(None, 8192, 262144, 262144, 2) == ChunkRows(1024, 1024)  # 2048 would pass the 1 GiB budget
+    assert chunk_rows(None, 8192, 600000, 600000, 4) == ChunkRows(192, 192)  # past the 1 GiB budget: fewer
+    assert chunk_rows(None, 0, **seed) == ChunkRows(1, 1)
+    assert chunk_rows(512, 8192, **seed) == ChunkRows(512, 512)  # a given chunk_size holds for both
+    assert chunk_rows(512, 100, **seed) == ChunkRows(100, 100)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

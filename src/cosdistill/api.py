@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from . import fp8
-from .chunked import (Normaliser, RowStep, TeacherHead, VocabParallel, auto_chunk_size, chunked_loss_and_grads,
+from .chunked import (ChunkRows, Normaliser, RowStep, TeacherHead, VocabParallel, chunk_rows, chunked_loss_and_grads,
                       split_row_step)
 from .row_step import TORCH_ROW_STEP, RowStepImpl, RowStepScales
 
@@ -72,7 +72,8 @@ def fused_linear_cosine_distill(
     ``vocab_parallel`` (both heads split along the vocabulary over ranks: pass the local weight shards
     and a ``cosdistill.distributed.VocabParallelOptions``; see that module).
     ``compiled`` is accepted for compatibility with Liger and changes nothing.
-    ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget.
+    ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget (on the seed
+    workload, 2048 tokens per chunk with the teacher's logits in halves of 1024).
     """
     if torch.compiler.is_compiling():  # torch.compile: the registered custom op, see ops.py
         from . import ops
@@ -101,14 +102,14 @@ def fused_linear_cosine_distill(
         vocab_student = vocab_teacher = vocab_parallel.vocab_student
         scales = dataclasses.replace(scales, vocab_start=vocab_parallel.start, vocab_student_total=vocab_student)
         row_step, reduce_grad_input = split_row_step(row_step_impl, vocab_parallel), vocab_parallel.all_reduce
-    chunk_size = chunk_size or auto_chunk_size(num_tokens, vocab_student, vocab_teacher, student_weight.element_size())
+    rows = chunk_rows(chunk_size, num_tokens, vocab_student, vocab_teacher, student_weight.element_size())
     grad_on = torch.is_grad_enabled()
     options = _Options(
         scales=scales,
         normaliser=_LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens),
         row_step=row_step,
-        teacher=teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=min(chunk_size, num_tokens)),
-        chunk_size=chunk_size,
+        teacher=teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=rows.teacher),
+        rows=rows,
         needs_grad=tuple(grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias)),
         accum_dtype=accum_dtype or student_weight.dtype,
         reduce_grad_input=reduce_grad_input,
@@ -214,7 +215,7 @@ class _Options:
     normaliser: Normaliser
     row_step: RowStep
     teacher: TeacherHead
-    chunk_size: int
+    rows: ChunkRows
     needs_grad: tuple[bool, bool, bool]
     accum_dtype: torch.dtype
     reduce_grad_input: Callable[[torch.Tensor], None] | None = None
@@ -227,7 +228,7 @@ class _FusedLinearCosineDistill(torch.autograd.Function):
     def forward(ctx, student_input, student_weight, student_bias, teacher_input, labels, options):
         result = chunked_loss_and_grads(
             student_input, student_weight, student_bias, teacher_input, options.teacher, labels,
-            options.scales, options.normaliser, options.row_step, options.chunk_size, options.needs_grad,
+            options.scales, options.normaliser, options.row_step, options.rows, options.needs_grad,
             options.accum_dtype, options.reduce_grad_input,
         )
         loss = options.scales.weight_hard * result.hard_loss + options.scales.weight_soft * result.soft_loss

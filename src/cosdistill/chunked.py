@@ -1,9 +1,10 @@
 """The chunk loop: logits GEMMs into preallocated buffers, the fused row step, gradient GEMMs.
 
 Everything the loss costs happens in ``chunked_loss_and_grads``, called from the forward pass: per
-chunk of tokens, two cuBLAS GEMMs write the student and teacher logits into reused buffers, the row
-step turns the student buffer into d loss / d logits in place, and two more GEMMs turn that into
-grad_input (written straight into its slice) and grad_weight (accumulated). Backward applies
+chunk of tokens, two cuBLAS GEMMs write the student and teacher logits into reused buffers (the
+teacher's in sub-chunks), the row step turns the student buffer into d loss / d logits in place, and
+two more GEMMs turn that into grad_input (written straight into its slice) and grad_weight
+(accumulated). Backward applies
 grad_output, folding it into the last chunk's grad_weight GEMM (``Gradients.finish``).
 """
 
@@ -50,22 +51,44 @@ def split_row_step(impl: RowStepImpl, vocab_parallel: VocabParallel) -> RowStep:
 
     return row_step
 
-# At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole
-# grad_weight, and below ~1024 rows that traffic shows (V = 262144 at 512 rows: 1.34x the floor,
-# at 1024: 1.25x). More rows while the two logits buffers stay small (small vocabularies: V = 32000
-# ran 1.16x at 4096 rows, 1.30x at 1024), and fewer than 1024 only past a hard budget.
+# At least 1024 rows per teacher GEMM and row step: each chunk's grad_weight GEMM reads and writes
+# the whole grad_weight, and below ~1024 rows that traffic shows (V = 262144 at 512 rows: 1.34x the
+# floor, at 1024: 1.25x). More rows while the two logits buffers stay small (small vocabularies:
+# V = 32000 ran 1.16x at 4096 rows, 1.30x at 1024), and fewer than 1024 only past a hard budget.
 MIN_PREFERRED_ROWS = 1024
 SMALL_BUFFER_BYTES = 256 * 2**20  # grow the chunk up to this...
 MAX_BUFFER_BYTES = 2**30  # ...and shrink it below MIN_PREFERRED_ROWS only past this
 CHUNK_MULTIPLE = 64
+# The student's chunk (its logits GEMM and the two gradient GEMMs) this long where the hard budget
+# allows, the teacher's logits computed in sub-chunks: the gradient GEMMs cost less per token at 2048
+# rows (the grad_weight traffic per chunk halves), for a larger student buffer only (NOTES.md).
+MIN_STUDENT_ROWS = 2048
 
 
-def auto_chunk_size(num_tokens: int, vocab_student: int, vocab_teacher: int, itemsize: int) -> int:
-    """Rows per chunk from T, the vocabularies and the budgets above (see benchmarks/NOTES.md)."""
-    row_bytes = max(1, (vocab_student + vocab_teacher) * itemsize)
+@dataclass(frozen=True)
+class ChunkRows:
+    student: int  # tokens per chunk: the student's logits GEMM, d loss / d logits, the gradient GEMMs
+    teacher: int  # tokens per teacher logits GEMM and row step, inside a chunk (<= student)
+
+
+def _budget_rows(row_bytes: int) -> int:
     rows = max(MIN_PREFERRED_ROWS, SMALL_BUFFER_BYTES // row_bytes)
-    rows = min(rows, max(CHUNK_MULTIPLE, MAX_BUFFER_BYTES // row_bytes))
-    return max(1, min(rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE, num_tokens))
+    return min(rows, max(CHUNK_MULTIPLE, MAX_BUFFER_BYTES // row_bytes)) // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+
+
+def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, vocab_teacher: int,
+               itemsize: int) -> ChunkRows:
+    """Rows per chunk: ``chunk_size`` for both heads if given, else from T, the vocabularies and the
+    budgets above (see benchmarks/NOTES.md)."""
+    if chunk_size is not None:
+        rows = max(1, min(chunk_size, num_tokens))
+        return ChunkRows(rows, rows)
+    teacher = _budget_rows(max(1, (vocab_student + vocab_teacher) * itemsize))
+    # student rows within what the teacher's buffer leaves of the hard budget
+    student_cap = (MAX_BUFFER_BYTES - teacher * vocab_teacher * itemsize) // max(1, vocab_student * itemsize)
+    student = max(teacher, min(MIN_STUDENT_ROWS, student_cap) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+    student = max(1, min(student, num_tokens))
+    return ChunkRows(student, min(teacher, student))
 
 
 @dataclass
@@ -149,7 +172,7 @@ def chunked_loss_and_grads(
     scales: RowStepScales,
     normaliser: Normaliser,
     row_step: RowStep,
-    chunk_size: int,
+    rows: ChunkRows,
     needs_grad: tuple[bool, bool, bool],  # input, weight, bias
     accum_dtype: torch.dtype,
     reduce_grad_input: Callable[[torch.Tensor], None] | None = None,  # sums it over a vocabulary split
@@ -160,10 +183,10 @@ def chunked_loss_and_grads(
     vocab_student = student_weight.shape[0]
     device = student_input.device
     write_grad = any(needs_grad)
-    chunk = max(1, min(chunk_size, num_tokens))
+    chunk = rows.student
 
     student_logits = torch.empty(chunk, vocab_student, dtype=student_weight.dtype, device=device)
-    teacher_logits = torch.empty(teacher.buffer_rows(chunk), teacher.vocab, dtype=teacher.logits_dtype, device=device)
+    teacher_logits = torch.empty(teacher.buffer_rows(rows.teacher), teacher.vocab, dtype=teacher.logits_dtype, device=device)
     token_losses = torch.empty(num_tokens, 2, dtype=torch.float32, device=device)
     grad_input = torch.empty(num_tokens, hidden_student, dtype=student_input.dtype, device=device) if needs_grad[0] else None
     grad_weight = None
@@ -177,14 +200,16 @@ def chunked_loss_and_grads(
         stop = min(start + chunk, num_tokens)
         hidden = student_input[start:stop]
         chunk_student = student_logits[: stop - start]
-        chunk_teacher = teacher_logits[: stop - start]
         _logits_into(chunk_student, hidden, student_weight, student_bias)
-        teacher.logits_into(teacher_logits, teacher_input[start:stop])
-        if inv_normaliser is None:
-            normaliser.launch()
-        row_step(chunk_student, chunk_teacher, labels[start:stop], scales, token_losses[start:stop], write_grad)
-        if inv_normaliser is None:
-            inv_normaliser = 1.0 / normaliser.wait()
+        for part in range(start, stop, rows.teacher):
+            part_stop = min(part + rows.teacher, stop)
+            teacher.logits_into(teacher_logits, teacher_input[part:part_stop])
+            if inv_normaliser is None:
+                normaliser.launch()
+            row_step(student_logits[part - start : part_stop - start], teacher_logits[: part_stop - part],
+                     labels[part:part_stop], scales, token_losses[part:part_stop], write_grad)
+            if inv_normaliser is None:
+                inv_normaliser = 1.0 / normaliser.wait()
         grad_logits = chunk_student  # overwritten in place by the row step
         if grad_input is not None:
             grad_input[start:stop].addmm_(grad_logits, student_weight, beta=0.0, alpha=inv_normaliser)

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from . import api
-from .chunked import auto_chunk_size, chunked_loss_and_grads
+from .chunked import chunk_rows, chunked_loss_and_grads
 
 
 # The body reads label counts on the host, which a CUDA graph cannot capture ("reduce-overhead" mode).
@@ -69,15 +69,15 @@ def fused_linear_cosine_distill_op(
 
     grad_weight comes in the accum dtype and grad_bias in fp32, cast to their leaves' dtypes in backward."""
     num_tokens, vocab_student = labels.numel(), student_weight.shape[0]
-    chunk_size = chunk_size or auto_chunk_size(num_tokens, vocab_student, teacher_weight.shape[0], student_weight.element_size())
-    teacher = api.teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=min(chunk_size, num_tokens))
+    rows = chunk_rows(chunk_size, num_tokens, vocab_student, teacher_weight.shape[0], student_weight.element_size())
+    teacher = api.teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=rows.teacher)
     scales = api.row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
                                  teacher_softcap, student_logit_scale, teacher_logit_scale)
     given = num_valid_tokens if num_valid_tokens is not None else num_valid_count
     normaliser = api._LabelCounts(labels, ignore_index, vocab_student, given)  # raises on bad labels
     result = chunked_loss_and_grads(
         student_input, student_weight, student_bias, teacher_input, teacher, labels, scales, normaliser,
-        api.pick_row_step(impl, student_input.device).step, chunk_size, tuple(needs_grad), accum_dtype or student_weight.dtype,
+        api.pick_row_step(impl, student_input.device).step, rows, tuple(needs_grad), accum_dtype or student_weight.dtype,
     )
     loss = weight_hard_loss * result.hard_loss + weight_soft_loss * result.soft_loss
     grads = result.gradients.finish(1.0) if result.gradients is not None else (None, None, None)
