@@ -22,7 +22,7 @@ FLOATS = ("student_cap", "teacher_cap", "student_scale", "teacher_scale", "weigh
 
 def compile_for_hopper(kernel, logits_type, constants):
     types = dict(student_ptr=logits_type, teacher_ptr=logits_type, labels_ptr="*i64", stats_ptr="*fp32",
-                 losses_ptr="*fp32", **{name: "i32" for name in INTS}, **{name: "fp32" for name in FLOATS})
+                 losses_ptr="*fp32", lifts_ptr="*fp32", **{name: "i32" for name in INTS}, **{name: "fp32" for name in FLOATS})
     signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER)
@@ -31,12 +31,14 @@ def compile_for_hopper(kernel, logits_type, constants):
 def variants():
     for logits_type, caps in itertools.product(("*bf16", "*fp16", "*fp32"), ((False, False), (True, True))):
         common = dict(STUDENT_CAP=caps[0], TEACHER_CAP=caps[1], BLOCK=kernels.DEFAULT_BLOCK)
-        yield "row step", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, RESCUE=False)
+        lift = logits_type == "*fp16"  # the chunk loop lifts fp16 gradients only
+        yield "row step", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, RESCUE=False)
+        if logits_type != "*fp32":
+            yield "rescue", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, RESCUE=True)
+            yield "gradient", kernels._row_grad_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, NUM_STATS=8)
         if logits_type == "*bf16":
-            yield "rescue", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, RESCUE=True)
-            yield "loss only", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=False, RESCUE=False)
+            yield "loss only", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=False, LIFT=False, RESCUE=False)
             yield "statistics", kernels._row_stats_kernel, logits_type, dict(common, NUM_STATS=8)
-            yield "gradient", kernels._row_grad_kernel, logits_type, dict(common, WRITE_GRAD=True, NUM_STATS=8)
 
 
 def main():

@@ -15,7 +15,7 @@ import torch
 
 from .row_step import RowStepImpl, RowStepScales, combine_row_stats
 
-RowStep = Callable[..., None]  # (student_logits, teacher_logits, labels, scales, token_losses, write_grad)
+RowStep = Callable[..., None]  # (student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None)
 
 
 class Normaliser(Protocol):
@@ -44,10 +44,10 @@ def split_row_step(impl: RowStepImpl, vocab_parallel: VocabParallel) -> RowStep:
     """The row step over a split vocabulary: each rank's row statistics, combined across ranks (O(rows)
     traffic, never the logits), then each rank's losses and the gradient of its own logits."""
 
-    def row_step(student_logits, teacher_logits, labels, scales, token_losses, write_grad):
+    def row_step(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None):
         shard_stats = impl.stats(student_logits, teacher_logits, labels, scales)
-        stats = combine_row_stats(vocab_parallel.all_gather(shard_stats))
-        impl.grad(student_logits, teacher_logits, labels, stats, scales, token_losses, write_grad)
+        stats = combine_row_stats(vocab_parallel.all_gather(shard_stats))  # every rank: the same lifts
+        impl.grad(student_logits, teacher_logits, labels, stats, scales, token_losses, write_grad, grad_lifts)
 
     return row_step
 
@@ -104,13 +104,20 @@ class Gradients:
     last_hidden: torch.Tensor | None
     accumulate_last: bool  # whether grad_weight already holds earlier chunks
     inv_normaliser: float
+    grad_input_lifts: torch.Tensor | None = None  # fp16: grad_input's rows are kept times these
+    chunk_rows: int = 1  # rows rescaled at a time in fp32 (grad_input_lifts)
 
     def finish(self, grad_output: float):
         """(grad_input, grad_weight, grad_bias) for this grad_output."""
-        if grad_output != 1.0:
-            for grad in (self.grad_input, self.grad_bias):
-                if grad is not None:
-                    grad.mul_(grad_output)
+        if self.grad_input is not None and self.grad_input_lifts is not None:
+            for start in range(0, len(self.grad_input), self.chunk_rows):
+                rows = self.grad_input[start : start + self.chunk_rows]
+                factors = grad_output / self.grad_input_lifts[start : start + self.chunk_rows, None]
+                rows.copy_(rows.float() * factors)
+        elif self.grad_input is not None and grad_output != 1.0:
+            self.grad_input.mul_(grad_output)
+        if self.grad_bias is not None and grad_output != 1.0:
+            self.grad_bias.mul_(grad_output)
         if self.last_grad_logits is not None:
             _grad_weight_gemm(
                 self.grad_weight, self.last_grad_logits, self.last_hidden,
@@ -147,19 +154,61 @@ class TeacherHead:
         _logits_into(out[: hidden.shape[0]], hidden, self.weight, self.bias)
 
 
+def _addmm_into(out, left, right, alpha, beta):
+    """out = beta * out + alpha * left @ right, in out's dtype (fp32 out of bf16/fp16 operands too)."""
+    if out.dtype == left.dtype:
+        out.addmm_(left, right, beta=beta, alpha=alpha)
+    elif out.is_cuda:
+        # cuBLAS reads the bf16/fp16 operands and accumulates into the fp32 buffer directly.
+        torch.addmm(out, left, right, out_dtype=out.dtype, beta=beta, alpha=alpha, out=out)
+    else:
+        out.addmm_(left.to(out.dtype), right.to(out.dtype), beta=beta, alpha=alpha)
+
+
 def _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha, beta):
     """grad_weight = beta * grad_weight + alpha * grad_logits^T @ hidden, in grad_weight's dtype.
 
     beta = 0 on the first chunk: cuBLAS then never reads the uninitialised buffer, so no memset.
     """
-    grad_logits_t = grad_logits.t()
-    if grad_weight.dtype == grad_logits.dtype:
-        grad_weight.addmm_(grad_logits_t, hidden, beta=beta, alpha=alpha)
-    elif grad_weight.is_cuda:
-        # cuBLAS reads the bf16/fp16 operands and accumulates into the fp32 buffer directly.
-        torch.addmm(grad_weight, grad_logits_t, hidden, out_dtype=grad_weight.dtype, beta=beta, alpha=alpha, out=grad_weight)
-    else:
-        grad_weight.addmm_(grad_logits_t.to(grad_weight.dtype), hidden.to(grad_weight.dtype), beta=beta, alpha=alpha)
+    _addmm_into(grad_weight, grad_logits.t(), hidden, alpha=alpha, beta=beta)
+
+
+FP16_STORAGE_EXPONENT = 14  # grad_input rows are kept in fp16 with their largest entry in [2^14, 2^15)
+
+
+class _Unlift:
+    """fp16 only: the row step writes each row's gradient times a power of two (row_step.py, so that
+    it does not sink into fp16's subnormals); its inverse goes onto the row's hidden state for
+    grad_weight, and onto grad_input's and grad_bias's rows through fp32 (exact: powers of two).
+    grad_input then waits for grad_output (a loss scale, say) in fp16, so each of its rows is kept
+    times its own power of two too (``grad_input_lifts``), divided out with grad_output in backward."""
+
+    def __init__(self, rows: int, hidden_size: int, num_tokens: int, device: torch.device):
+        self.lifts = torch.empty(rows, dtype=torch.float32, device=device)
+        self.hidden = torch.empty(rows, hidden_size, dtype=torch.float16, device=device)
+        self.grad_input = torch.empty(rows, hidden_size, dtype=torch.float32, device=device)
+        self.grad_input_lifts = torch.ones(num_tokens, dtype=torch.float32, device=device)
+
+    def hidden_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden / lift, row by row, for the grad_weight GEMM."""
+        return torch.div(hidden, self.lifts[: len(hidden), None].to(hidden.dtype), out=self.hidden[: len(hidden)])
+
+    def grad_input_into(self, grad_input, start, grad_logits, student_weight, inv_normaliser, reduce):
+        rows = self.grad_input[: len(grad_logits)]
+        _addmm_into(rows, grad_logits, student_weight, alpha=1.0, beta=0.0)
+        rows.mul_((inv_normaliser / self.lifts[: len(rows)])[:, None])  # the rows for grad_output = 1
+        if reduce is not None:  # a vocabulary split: sum in fp32 first, so that every rank picks the same lifts
+            reduce(rows)
+        abs_max = rows.abs().amax(1)
+        exponent = FP16_STORAGE_EXPONENT - torch.floor(torch.log2(abs_max))
+        exponent = torch.where((abs_max > 0) & torch.isfinite(abs_max), exponent.clamp(-100, 100), 0.0)
+        storage_lifts = torch.ldexp(torch.ones_like(abs_max), exponent.int())
+        self.grad_input_lifts[start : start + len(rows)] = storage_lifts
+        grad_input[start : start + len(rows)] = rows.mul_(storage_lifts[:, None])
+
+    def add_grad_bias(self, grad_bias, grad_logits, inv_normaliser):
+        unlift = (1.0 / self.lifts[: len(grad_logits)]).to(grad_logits.dtype)
+        _addmm_into(grad_bias[None], unlift[None], grad_logits, alpha=inv_normaliser, beta=1.0)
 
 
 def chunked_loss_and_grads(
@@ -194,6 +243,8 @@ def chunked_loss_and_grads(
         allocate = torch.empty if num_tokens else torch.zeros
         grad_weight = allocate(vocab_student, hidden_student, dtype=accum_dtype, device=device)
     grad_bias = torch.zeros(vocab_student, dtype=torch.float32, device=device) if needs_grad[2] else None
+    lifted = write_grad and student_weight.dtype == torch.float16
+    unlift = _Unlift(chunk, hidden_student, num_tokens, device) if lifted else None
 
     inv_normaliser = None
     for start in range(0, num_tokens, chunk):
@@ -206,22 +257,29 @@ def chunked_loss_and_grads(
             teacher.logits_into(teacher_logits, teacher_input[part:part_stop])
             if inv_normaliser is None:
                 normaliser.launch()
+            lifts = () if unlift is None else (unlift.lifts[part - start : part_stop - start],)
             row_step(student_logits[part - start : part_stop - start], teacher_logits[: part_stop - part],
-                     labels[part:part_stop], scales, token_losses[part:part_stop], write_grad)
+                     labels[part:part_stop], scales, token_losses[part:part_stop], write_grad, *lifts)
             if inv_normaliser is None:
                 inv_normaliser = 1.0 / normaliser.wait()
         grad_logits = chunk_student  # overwritten in place by the row step
-        if grad_input is not None:
+        if unlift is not None and grad_weight is not None:
+            hidden = unlift.hidden_rows(hidden)
+        if grad_input is not None and unlift is not None:
+            unlift.grad_input_into(grad_input, start, grad_logits, student_weight, inv_normaliser, reduce_grad_input)
+        elif grad_input is not None:
             grad_input[start:stop].addmm_(grad_logits, student_weight, beta=0.0, alpha=inv_normaliser)
         if grad_weight is not None and stop < num_tokens:  # the last chunk's waits for backward
             _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha=inv_normaliser, beta=1.0 if start else 0.0)
-        if grad_bias is not None:
+        if grad_bias is not None and unlift is not None:
+            unlift.add_grad_bias(grad_bias, grad_logits, inv_normaliser)
+        elif grad_bias is not None:
             grad_bias.add_(grad_logits.sum(0, dtype=torch.float32), alpha=inv_normaliser)
 
     if inv_normaliser is None:  # no tokens
         normaliser.launch()
         inv_normaliser = 1.0 / normaliser.wait()
-    if grad_input is not None and reduce_grad_input is not None:
+    if grad_input is not None and reduce_grad_input is not None and unlift is None:
         reduce_grad_input(grad_input)
     loss_sums = (token_losses * inv_normaliser).sum(0)  # scaled first: per-token losses near fp32 max must not overflow the sum
     gradients = None
@@ -231,8 +289,10 @@ def chunked_loss_and_grads(
         gradients = Gradients(
             grad_input, grad_weight, grad_bias,
             last_grad_logits=student_logits[: num_tokens - last_start] if defer else None,
-            last_hidden=student_input[last_start:] if defer else None,
+            last_hidden=hidden if defer else None,  # the last chunk's (divided by its lifts in fp16)
             accumulate_last=last_start > 0,
             inv_normaliser=inv_normaliser,
+            grad_input_lifts=None if unlift is None or grad_input is None else unlift.grad_input_lifts,
+            chunk_rows=chunk,
         )
     return ChunkResult(loss_sums[0], loss_sums[1], gradients)

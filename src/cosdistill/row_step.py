@@ -13,8 +13,12 @@ For one chunk of tokens it takes the student logits s [n, Vs] and the teacher lo
   torch.nn.functional.cosine_similarity; ignored tokens get 0;
 * if ``write_grad``, overwrites s in place with d L / d s, where L is the chunk's unnormalised loss
       L = weight_hard * sum_i hard_i + weight_soft * sum_i soft_i.
-  The chunk loop applies 1 / N in the gradient GEMMs, so N need not be known here and fp16
-  gradients stay far from underflow.
+  The chunk loop applies 1 / N in the gradient GEMMs, so N need not be known here.
+* if also given ``grad_lifts`` [n] (the chunk loop does for fp16 logits), writes each row's gradient
+  times a power of two 2^k, k in [0, MAX_LIFT_EXPONENT], that brings a bound on the row's largest
+  entry up to (1/2, 1], and stores 2^k there: fp16's subnormals start at 6e-5, and the soft term's
+  entries, of order weight_soft * beta / (|s| * sqrt(V)), fall below that at LLM vocabularies. The
+  chunk loop divides it out again (row_lift_bound, chunked.py).
 
 It does so in two stages, so that a vocabulary split over ranks (cosdistill.distributed) can add up
 the per-row statistics of its shards in between:
@@ -36,6 +40,9 @@ from typing import Callable
 import torch
 
 COSINE_EPS = 1e-8
+# At most 2^10: the chunk loop moves 1 / 2^k onto the row's hidden state for grad_weight, and that
+# must not push typical hidden entries (order 1) into fp16's subnormals (below 6e-5) in turn.
+MAX_LIFT_EXPONENT = 10
 
 # Per-row statistics, in this order along the last dimension of a [n, NUM_STATS] fp32 tensor.
 ROW_STATS = (
@@ -73,9 +80,9 @@ class RowStepScales:
 class RowStepImpl:
     """One implementation of the row step: whole (one process) and in its two stages."""
 
-    step: Callable[..., None]  # (s, t, labels, scales, token_losses, write_grad)
+    step: Callable[..., None]  # (s, t, labels, scales, token_losses, write_grad, grad_lifts=None)
     stats: Callable[..., torch.Tensor]  # (s, t, labels, scales) -> [n, NUM_STATS]
-    grad: Callable[..., None]  # (s, t, labels, stats, scales, token_losses, write_grad)
+    grad: Callable[..., None]  # (s, t, labels, stats, scales, token_losses, write_grad, grad_lifts=None)
 
 
 def scale_and_softcap(logits: torch.Tensor, scale: float, cap: float | None) -> torch.Tensor:
@@ -162,7 +169,23 @@ def cosine_terms(stats: torch.Tensor, scales: RowStepScales):
     return cos, coef_teacher, coef_student
 
 
-def row_grad_torch(student_logits, teacher_logits, labels, stats, scales: RowStepScales, token_losses, write_grad):
+def row_lift_bound(stats: torch.Tensor, scales: RowStepScales, coef_teacher, coef_student) -> torch.Tensor:
+    """A bound on max_v |d L / d s_v| of each row: |p - onehot| <= 1, |t_v| <= |t| and |s_v| <= |s|;
+    the softcap's derivative is <= 1."""
+    soft = coef_teacher * stats[:, SCALE_T] * torch.sqrt(stats[:, SUM_SQ_T]) + (
+        coef_student.abs() * stats[:, SCALE_S] * torch.sqrt(stats[:, SUM_SQ_S]))
+    return (abs(scales.weight_hard) + abs(scales.weight_soft * scales.beta) * soft) * abs(scales.student_logit_scale)
+
+
+def lift_for(bound: torch.Tensor) -> torch.Tensor:
+    """2^k with k = floor(-log2(bound)) clamped to [0, MAX_LIFT_EXPONENT]; 1 for a NaN bound."""
+    exponent = torch.floor(-torch.log2(bound))
+    exponent = torch.where(exponent > 0, exponent.clamp(max=MAX_LIFT_EXPONENT), 0.0)
+    return torch.ldexp(torch.ones_like(bound), exponent.int())
+
+
+def row_grad_torch(student_logits, teacher_logits, labels, stats, scales: RowStepScales, token_losses, write_grad,
+                   grad_lifts=None):
     vocab_student = student_logits.shape[1]
     valid, in_shard, column = label_columns(labels, vocab_student, scales)
     # logsumexp - target as (max - target) + log(sum_exp): with logits near 1e38 the log(sum_exp) part
@@ -184,13 +207,17 @@ def row_grad_torch(student_logits, teacher_logits, labels, stats, scales: RowSte
     if scales.student_softcap is not None:
         grad *= 1.0 - (s / scales.student_softcap) ** 2  # d(c tanh(z / c)) / dz
     grad *= scales.student_logit_scale
+    if grad_lifts is not None:
+        grad_lifts.copy_(lift_for(row_lift_bound(stats, scales, coef_teacher, coef_student)))
+        grad *= grad_lifts[:, None]
     grad = torch.where(valid[:, None], grad, 0.0)
     student_logits.copy_(grad)
 
 
-def row_step_torch(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad) -> None:
+def row_step_torch(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
+                   grad_lifts=None) -> None:
     stats = row_stats_torch(student_logits, teacher_logits, labels, scales)
-    row_grad_torch(student_logits, teacher_logits, labels, stats, scales, token_losses, write_grad)
+    row_grad_torch(student_logits, teacher_logits, labels, stats, scales, token_losses, write_grad, grad_lifts)
 
 
 TORCH_ROW_STEP = RowStepImpl(row_step_torch, row_stats_torch, row_grad_torch)

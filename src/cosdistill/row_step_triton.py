@@ -12,11 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .row_step import COSINE_EPS, NUM_STATS, RowStepImpl, RowStepScales
+from .row_step import COSINE_EPS, MAX_LIFT_EXPONENT, NUM_STATS, RowStepImpl, RowStepScales
 
 DEFAULT_BLOCK = 1024  # H200 sweep, benchmarks/NOTES.md
 DEFAULT_WARPS = 4
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # a jit global must be a constexpr
+MAX_LIFT: tl.constexpr = tl.constexpr(float(MAX_LIFT_EXPONENT))
 
 
 @triton.jit
@@ -142,11 +143,12 @@ def _row_losses_and_grad(
     student_row, teacher_row, losses_row, valid, in_shard, column, vocab_student,
     row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
     weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
-    usable, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
-    REVERSE: tl.constexpr = False,
+    usable, lift_row, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    LIFT: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Losses and (if WRITE_GRAD) d L / d s from the row's statistics (row_step.cosine_terms, row_grad_torch).
-    If not ``usable`` the losses become NaN and the logits are left alone, for ``_row_rescue_kernel``."""
+    """Losses and (if WRITE_GRAD) d L / d s from the row's statistics (row_step.cosine_terms, row_grad_torch);
+    with LIFT, times the row's power of two, stored at ``lift_row`` (row_step.row_lift_bound, lift_for).
+    If not ``usable`` the losses become NaN and the logits are left alone, for the RESCUE launch."""
     log_sum_exp = tl.log(sum_exp)  # kept apart from row_max, see row_step.row_grad_torch
     norm_student = tl.sqrt(sum_sq_student * inv_temp_sq)
     norm_teacher = tl.sqrt(sum_sq_teacher * inv_temp_sq)
@@ -169,13 +171,19 @@ def _row_losses_and_grad(
             0.0,
         )
         soft_scale = weight_soft * beta
+        grad_factor = student_scale
+        if LIFT:
+            bound = tl.abs(weight_hard) + tl.abs(soft_scale) * (
+                coef_teacher * teacher_unit * tl.sqrt(sum_sq_teacher)
+                + tl.abs(coef_student) * student_unit * tl.sqrt(sum_sq_student))
+            exponent = tl.floor(-tl.log2(bound * tl.abs(student_scale)))
+            exponent = tl.where(exponent > 0, tl.minimum(exponent, MAX_LIFT), 0.0)  # NaN -> 0
+            lift = ((exponent.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # exactly 2^exponent
+            tl.store(lift_row, lift)
+            grad_factor *= lift
         offsets = tl.arange(0, BLOCK)
-        num_blocks = tl.cdiv(vocab_student, BLOCK)
-        for index in range(0, num_blocks):
-            # REVERSE (study, benchmarks/l2_study.py): the row's last blocks, read last by the
-            # statistics, are read first here, while they may still sit in L2.
-            block = num_blocks - 1 - index if REVERSE else index
-            cols = block * BLOCK + offsets
+        for start in range(0, vocab_student, BLOCK):
+            cols = start + offsets
             in_row = cols < vocab_student
             s = _load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP)
             t = _load_logits(teacher_row, cols, in_row, teacher_scale, teacher_cap, TEACHER_CAP)
@@ -184,18 +192,18 @@ def _row_losses_and_grad(
             grad -= soft_scale * (coef_teacher * t - coef_student * s)
             if STUDENT_CAP:
                 grad *= 1.0 - (s / student_cap) * (s / student_cap)  # d(c tanh(z / c)) / dz
-            grad *= student_scale
+            grad *= grad_factor
             grad = tl.where(valid, grad, 0.0)
             tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=tl.where(usable, in_row, False))
 
 
 @triton.jit
 def _row_step_kernel(
-    student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, losses_ptr,
+    student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, losses_ptr, lifts_ptr,
     vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
     weight_hard, weight_soft, beta, inv_temp_sq, eps, student_cap, teacher_cap, student_scale, teacher_scale,
-    STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, RESCUE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, LIFT: tl.constexpr,
+    RESCUE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Launched twice. First (RESCUE False) every row with plain sums; a row whose sums overflowed gets
     NaN losses and keeps its logits. Then (RESCUE True) only those rows, with unit-scaled sums. A branch
@@ -224,7 +232,7 @@ def _row_step_kernel(
             student_row, teacher_row, losses_row, valid, in_shard, column, vocab_student,
             row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
             weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
-            usable, STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, BLOCK,
+            usable, lifts_ptr + row, STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, LIFT, BLOCK,
         )
 
 
@@ -262,11 +270,11 @@ def _row_stats_kernel(
 
 @triton.jit
 def _row_grad_kernel(
-    student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, stats_ptr, losses_ptr,
+    student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, stats_ptr, losses_ptr, lifts_ptr,
     vocab_student, ignore_index, vocab_start, vocab_student_total,
     weight_hard, weight_soft, beta, inv_temp_sq, eps, student_cap, teacher_cap, student_scale, teacher_scale,
-    STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, NUM_STATS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, LIFT: tl.constexpr,
+    NUM_STATS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     student_row, teacher_row, valid, in_shard, column = _row_and_label(
@@ -279,7 +287,7 @@ def _row_grad_kernel(
         tl.load(stats_row), tl.load(stats_row + 1), tl.load(stats_row + 2), tl.load(stats_row + 3),
         tl.load(stats_row + 4), tl.load(stats_row + 5), tl.load(stats_row + 6), tl.load(stats_row + 7),
         weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
-        tl.full([], 1, tl.int1), STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, BLOCK,
+        tl.full([], 1, tl.int1), lifts_ptr + row, STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, LIFT, BLOCK,
     )
 
 
@@ -313,18 +321,25 @@ def _caps(scales: RowStepScales):
     return dict(STUDENT_CAP=scales.student_softcap is not None, TEACHER_CAP=scales.teacher_softcap is not None)
 
 
+def _lift_args(grad_lifts, token_losses, write_grad):
+    """The lifts' pointer (token_losses stands in when there are none: never written) and LIFT."""
+    lift = write_grad and grad_lifts is not None
+    return (grad_lifts if lift else token_losses), dict(LIFT=lift)
+
+
 def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
-                    block_size=None, num_warps=DEFAULT_WARPS) -> None:
+                    grad_lifts=None, block_size=None, num_warps=DEFAULT_WARPS) -> None:
     rows, vocab_student = student_logits.shape
     if rows == 0:
         return
-    _check_layout(student_logits, teacher_logits, labels, token_losses)
+    _check_layout(student_logits, teacher_logits, labels, token_losses, *([] if grad_lifts is None else [grad_lifts]))
+    lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
     for rescue in (False, True):
         _row_step_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
-            vocab_student, teacher_logits.shape[1], *_common_args(vocab_student, scales), *_loss_args(scales),
-            **_caps(scales), WRITE_GRAD=write_grad, RESCUE=rescue, BLOCK=_block(vocab_student, block_size, num_warps),
-            num_warps=num_warps,
+            lifts, vocab_student, teacher_logits.shape[1], *_common_args(vocab_student, scales), *_loss_args(scales),
+            **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue,
+            BLOCK=_block(vocab_student, block_size, num_warps), num_warps=num_warps,
         )
 
 
@@ -345,15 +360,17 @@ def row_stats_triton(student_logits, teacher_logits, labels, scales: RowStepScal
 
 
 def row_grad_triton(student_logits, teacher_logits, labels, stats, scales: RowStepScales, token_losses, write_grad,
-                    block_size=None, num_warps=DEFAULT_WARPS) -> None:
+                    grad_lifts=None, block_size=None, num_warps=DEFAULT_WARPS) -> None:
     rows, vocab_student = student_logits.shape
     if rows == 0:
         return
-    _check_layout(student_logits, teacher_logits, labels, stats, token_losses)
+    _check_layout(student_logits, teacher_logits, labels, stats, token_losses,
+                  *([] if grad_lifts is None else [grad_lifts]))
+    lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
     _row_grad_kernel[(rows,)](
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats,
-        token_losses, vocab_student, *_common_args(vocab_student, scales), *_loss_args(scales),
-        **_caps(scales), WRITE_GRAD=write_grad, NUM_STATS=NUM_STATS,
+        token_losses, lifts, vocab_student, *_common_args(vocab_student, scales), *_loss_args(scales),
+        **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, NUM_STATS=NUM_STATS,
         BLOCK=_block(vocab_student, block_size, num_warps), num_warps=num_warps,
     )
 
