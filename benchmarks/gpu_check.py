@@ -37,6 +37,7 @@ LOSS_CASES = [
     LossCase(300, 32011, 32100, 256, BF16, False, 7, 100),
     LossCase(1000, 128256, 128256, 512, BF16, False, 7, None),
     LossCase(257, 5003, 5003, 128, FP16, True, 7, 64),
+    LossCase(1000, 128256, 128256, 512, FP16, True, 7, None),  # fp16 at an LLM vocabulary: the lifted gradients
     LossCase(300, 32011, 32100, 256, BF16, True, 7, 128, softcap=10.0),
     LossCase(2500, 128256, 128256, 256, BF16, False, 7, None),  # automatic rows: chunks 2048 + 452, teacher 1024
 ]

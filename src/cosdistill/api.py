@@ -61,8 +61,9 @@ def fused_linear_cosine_distill(
     and student_bias in their own dtypes; the teacher is frozen.
 
     Extra keywords: ``num_valid_tokens`` (a positive number or 0-d tensor, e.g. a count all-reduced
-    across ranks), ``accum_dtype`` (dtype of the grad_weight accumulator: the weight's dtype, the
-    default, or torch.float32), ``impl`` ("auto": Triton on CUDA, torch elsewhere; "torch"; "triton"),
+    across ranks), ``accum_dtype`` (dtype of the grad_weight accumulator: None, the weight's dtype
+    but fp32 for fp16 weights; the weight's dtype; or torch.float32), ``impl`` ("auto": Triton on
+    CUDA, torch elsewhere; "torch"; "triton"),
     ``teacher_precision`` (None: the teacher GEMM in the teacher's dtype; "fp8": in FP8 e4m3 with
     row-wise scales, on GPUs with FP8 tensor cores; the quantized weight is cached while unchanged),
     ``student_softcap`` / ``teacher_softcap`` (Gemma-2 style final logit softcapping c: each head's
@@ -111,7 +112,7 @@ def fused_linear_cosine_distill(
         teacher=teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=rows.teacher),
         rows=rows,
         needs_grad=tuple(grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias)),
-        accum_dtype=accum_dtype or student_weight.dtype,
+        accum_dtype=accum_dtype or default_accum_dtype(student_weight.dtype),
         reduce_grad_input=reduce_grad_input,
     )
     loss, soft, hard = _FusedLinearCosineDistill.apply(
@@ -245,6 +246,13 @@ class _FusedLinearCosineDistill(torch.autograd.Function):
         grads = gradients.finish(float(grad_loss))  # the one host read of grad_output: it sets GEMM alpha/beta
         cast = [None if grad is None else grad.to(dtype) for grad, dtype in zip(grads, ctx.grad_dtypes)]
         return (*cast, None, None, None)
+
+
+def default_accum_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """grad_weight's accumulator when accum_dtype is None: the weight's dtype, except fp16, whose
+    partial sums (d loss / d logits times hidden, over N, before grad_output -- a loss scale -- can
+    lift them) fall into its subnormals; bf16 has fp32's exponent range."""
+    return torch.float32 if weight_dtype == torch.float16 else weight_dtype
 
 
 def check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,

@@ -77,7 +77,7 @@ def fused_linear_cosine_distill_op(
     normaliser = api._LabelCounts(labels, ignore_index, vocab_student, given)  # raises on bad labels
     result = chunked_loss_and_grads(
         student_input, student_weight, student_bias, teacher_input, teacher, labels, scales, normaliser,
-        api.pick_row_step(impl, student_input.device).step, rows, tuple(needs_grad), accum_dtype or student_weight.dtype,
+        api.pick_row_step(impl, student_input.device).step, rows, tuple(needs_grad), accum_dtype or api.default_accum_dtype(student_weight.dtype),
     )
     loss = weight_hard_loss * result.hard_loss + weight_soft_loss * result.soft_loss
     grads = result.gradients.finish(1.0) if result.gradients is not None else (None, None, None)
@@ -89,7 +89,7 @@ def fused_linear_cosine_distill_op(
 def _(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
       num_valid_tokens, *, accum_dtype, needs_grad, **options):
     scalars = [student_input.new_empty((), dtype=torch.float32) for _ in range(3)]
-    grad_dtypes = (student_input.dtype, accum_dtype or student_weight.dtype, torch.float32)
+    grad_dtypes = (student_input.dtype, accum_dtype or api.default_accum_dtype(student_weight.dtype), torch.float32)
     grads = [
         leaf.new_empty(leaf.shape, dtype=dtype) if need else student_weight.new_empty(0)
         for need, leaf, dtype in zip(needs_grad, (student_input, student_weight, student_bias), grad_dtypes)

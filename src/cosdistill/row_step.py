@@ -179,7 +179,7 @@ def row_lift_bound(stats: torch.Tensor, scales: RowStepScales, coef_teacher, coe
 
 def lift_for(bound: torch.Tensor) -> torch.Tensor:
     """2^k with k = floor(-log2(bound)) clamped to [0, MAX_LIFT_EXPONENT]; 1 for a NaN bound."""
-    exponent = torch.floor(-torch.log2(bound))
+    exponent = torch.floor(-torch.log2(bound.clamp(min=torch.finfo(torch.float32).tiny)))
     exponent = torch.where(exponent > 0, exponent.clamp(max=MAX_LIFT_EXPONENT), 0.0)
     return torch.ldexp(torch.ones_like(bound), exponent.int())
 

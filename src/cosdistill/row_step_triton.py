@@ -17,6 +17,7 @@ from .row_step import COSINE_EPS, MAX_LIFT_EXPONENT, NUM_STATS, RowStepImpl, Row
 DEFAULT_BLOCK = 1024  # H200 sweep, benchmarks/NOTES.md
 DEFAULT_WARPS = 4
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # a jit global must be a constexpr
+FLOAT32_TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # bound 0 (both weights 0): no log2(0)
 MAX_LIFT: tl.constexpr = tl.constexpr(float(MAX_LIFT_EXPONENT))
 
 
@@ -176,7 +177,8 @@ def _row_losses_and_grad(
             bound = tl.abs(weight_hard) + tl.abs(soft_scale) * (
                 coef_teacher * teacher_unit * tl.sqrt(sum_sq_teacher)
                 + tl.abs(coef_student) * student_unit * tl.sqrt(sum_sq_student))
-            exponent = tl.floor(-tl.log2(bound * tl.abs(student_scale)))
+            bound = tl.maximum(bound * tl.abs(student_scale), FLOAT32_TINY, propagate_nan=tl.PropagateNan.ALL)
+            exponent = tl.floor(-tl.log2(bound))
             exponent = tl.where(exponent > 0, tl.minimum(exponent, MAX_LIFT), 0.0)  # NaN -> 0
             lift = ((exponent.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # exactly 2^exponent
             tl.store(lift_row, lift)
