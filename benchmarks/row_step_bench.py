@@ -44,11 +44,13 @@ def main():
             total_ms = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
             step_ms = total_ms - copy_ms
             print(f"row step block={block:5d} warps={warps:2d}: {step_ms:.3f} ms, {bytes_moved / step_ms / 1e9:.2f} TB/s")
-    for warps in (4, 8, 16):
-        loss_only_ms = triton.testing.do_bench(
-            lambda: row_step_triton(student, teacher, labels, scales, losses, False, num_warps=warps),
-            warmup=50, rep=300, return_mode="median")
-        print(f"loss only (no grad) warps={warps:2d}: {loss_only_ms:.3f} ms, {2 * rows * vocab * 2 / loss_only_ms / 1e9:.2f} TB/s")
+    for block in (1024, 2048, 4096):
+        for warps in (4, 8, 16):
+            loss_only_ms = triton.testing.do_bench(
+                lambda: row_step_triton(student, teacher, labels, scales, losses, False, block_size=block, num_warps=warps),
+                warmup=50, rep=300, return_mode="median")
+            print(f"loss only (no grad) block={block:5d} warps={warps:2d}: {loss_only_ms:.3f} ms, "
+                  f"{2 * rows * vocab * 2 / loss_only_ms / 1e9:.2f} TB/s")
 
 
 if __name__ == "__main__":

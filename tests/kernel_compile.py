@@ -37,7 +37,8 @@ def variants():
             yield "rescue", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, RESCUE=True)
             yield "gradient", kernels._row_grad_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, NUM_STATS=8)
         if logits_type == "*bf16":
-            yield "loss only", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=False, LIFT=False, RESCUE=False)
+            yield "loss only", kernels._row_step_kernel, logits_type, dict(
+                common, BLOCK=kernels.LOSS_ONLY_BLOCK, WRITE_GRAD=False, LIFT=False, RESCUE=False)
             yield "statistics", kernels._row_stats_kernel, logits_type, dict(common, NUM_STATS=8)
 
 

@@ -14,8 +14,10 @@ import triton.language as tl
 
 from .row_step import COSINE_EPS, MAX_LIFT_EXPONENT, NUM_STATS, RowStepImpl, RowStepScales
 
-DEFAULT_BLOCK = 1024  # H200 sweep, benchmarks/NOTES.md
+DEFAULT_BLOCK = 1024  # H200 sweeps, benchmarks/NOTES.md items 2 and 19
 DEFAULT_WARPS = 4
+LOSS_ONLY_BLOCK = 2048  # the no-grad launch: one pass whose online max / sum of exp chain
+LOSS_ONLY_WARPS = 16  # wants more loads in flight (0.178 against 0.195 ms per 1024 rows)
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # a jit global must be a constexpr
 FLOAT32_TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # bound 0 (both weights 0): no log2(0)
 MAX_LIFT: tl.constexpr = tl.constexpr(float(MAX_LIFT_EXPONENT))
@@ -315,8 +317,8 @@ def _loss_args(scales: RowStepScales):
             COSINE_EPS, *_logit_args(scales))
 
 
-def _block(vocab, block_size, num_warps):
-    return block_size or max(32 * num_warps, min(DEFAULT_BLOCK, triton.next_power_of_2(max(1, vocab))))
+def _block(vocab, block_size, num_warps, default=DEFAULT_BLOCK):
+    return block_size or max(32 * num_warps, min(default, triton.next_power_of_2(max(1, vocab))))
 
 
 def _caps(scales: RowStepScales):
@@ -330,18 +332,19 @@ def _lift_args(grad_lifts, token_losses, write_grad):
 
 
 def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
-                    grad_lifts=None, block_size=None, num_warps=DEFAULT_WARPS) -> None:
+                    grad_lifts=None, block_size=None, num_warps=None) -> None:
     rows, vocab_student = student_logits.shape
     if rows == 0:
         return
     _check_layout(student_logits, teacher_logits, labels, token_losses, *([] if grad_lifts is None else [grad_lifts]))
     lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
+    num_warps = num_warps or (DEFAULT_WARPS if write_grad else LOSS_ONLY_WARPS)
+    block = _block(vocab_student, block_size, num_warps, DEFAULT_BLOCK if write_grad else LOSS_ONLY_BLOCK)
     for rescue in (False, True):
         _row_step_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
             lifts, vocab_student, teacher_logits.shape[1], *_common_args(vocab_student, scales), *_loss_args(scales),
-            **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue,
-            BLOCK=_block(vocab_student, block_size, num_warps), num_warps=num_warps,
+            **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue, BLOCK=block, num_warps=num_warps,
         )
 
 
