@@ -2,7 +2,7 @@
 
 1. The Triton row step against the torch row step (the spec) at odd and LLM-sized vocabularies, poisoned outputs.
 2. The whole loss (impl="triton" and "torch") against the float64 naive reference at a few odd shapes.
-3. The FP8 teacher path against float64 fed the dequantized teacher.
+3. The FP8 teacher path against float64 fed the dequantized teacher; fp16 with a zero student head.
 4. At the seed workload (V = 128256, H = 4096, student H/2, bf16, T = 8192 by default): the error of
    losses and gradients against float64 for each grad_weight accumulator dtype, and the peak memory
    above the inputs, to pick the default accum_dtype.
@@ -57,6 +57,24 @@ def check_fp8():
     return results
 
 
+def check_fp16_zero_head():
+    """fp16 with a zero (zero-initialised) student head: every row's d loss / d logits (~1e7) is past
+    fp16's range and is scaled down, its grad_weight and grad_bias terms taken in fp32 (chunked.py).
+    N = 2^32 (num_valid_tokens) so that the exact gradients fit fp16. T = 2500: chunks 2048 + 452."""
+    results = []
+    for impl in ("triton", "torch"):
+        case = LossCase(2500, 128256, 128256, 512, FP16, True, 7, None)
+        args = random_problem(case, "cuda")
+        with torch.no_grad():
+            args[1].zero_()
+            args[5].zero_()
+        options = dict(num_valid_tokens=2**32)
+        got = fused_run(args, impl=impl, **options)
+        results.append(compare(f"loss {impl} vs float64, fp16 zero student head", case.describe(), FP16, got,
+                               float64_reference(args, **options)))
+    return results
+
+
 def seed_accum_study(tokens):
     """Error vs float64 and peak memory above the inputs for each accum_dtype at the seed workload."""
     args = random_problem(LossCase(tokens, 128256, 128256, 4096, BF16, bias=False, ignore_every=0, chunk_size=None), "cuda")
@@ -89,7 +107,8 @@ def main():
     args = parser.parse_args()
     print(torch.__version__, torch.cuda.get_device_name())
     torch.manual_seed(0)
-    checks = check_row_step("cuda", ROW_STEP_CASES) + check_loss(("triton", "torch"), "cuda", LOSS_CASES) + check_fp8()
+    checks = (check_row_step("cuda", ROW_STEP_CASES) + check_loss(("triton", "torch"), "cuda", LOSS_CASES) + check_fp8()
+              + check_fp16_zero_head())
     print(results_table(checks), end="")
     failures = [asdict(result) for result in checks if not result.passed]
     study = seed_accum_study(args.seed_tokens)

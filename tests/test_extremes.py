@@ -109,6 +109,37 @@ def test_tokens_whose_student_or_teacher_logits_are_all_zero(impl, dtype):
     assert_matches_float64(problem, impl, dtype)
 
 
+@pytest.mark.parametrize("zero", ["three hidden states", "the student head"])
+@pytest.mark.parametrize("chunk_size", [None, 4])
+@pytest.mark.parametrize("grad_output", [1.0, 1024.0])
+def test_fp16_tokens_whose_student_logits_are_all_zero(impl, zero, chunk_size, grad_output):
+    """fp16: such a token's d loss / d logits (~weight_soft * beta / eps = 2.5e7) is past fp16's range
+    until divided by N. The row step scales its row down, and the chunk loop takes its grad_weight
+    and grad_bias terms through fp32 (chunked._Unlift.add_scaled_down_rows). With N = 2^32, as
+    num_valid_tokens, every exact gradient that reaches those tokens fits fp16 and must come out
+    finite and right, in the last chunk (deferred to backward) and the others, the first included.
+    A zero head (all rows scaled down, as a zero-initialised new head) exercises grad_weight; zero
+    hidden states give those rows no grad_weight term, and the other rows' grad_weight (~1e-11 at
+    this N) is below fp16's range: held to its own rounding floor, as in test_properties."""
+    problem = make_problem(tokens=11, vocab_student=40, dtype=torch.float16, bias=True)
+    problem.student_bias.data.zero_()
+    if zero == "the student head":
+        problem.student_weight.data.zero_()
+    else:
+        problem.student_input.data[[0, 2, 10]] = 0.0
+    options = dict(num_valid_tokens=2**32)
+    (_, want_grads) = reference(problem, grad_output, **options)
+    assert max(grad.abs().max().item() for grad in want_grads) < FP16_MAX / 4  # the exact result fits fp16
+    losses = fused_linear_cosine_distill(*problem.args(), impl=impl, chunk_size=chunk_size, **options)
+    (losses * grad_output).backward()
+    grad_tol = TOLERANCE[torch.float16][1]
+    for leaf, want in zip(problem.student_leaves(), want_grads):
+        floor = rel_err(want.to(torch.float16), want)
+        assert torch.isfinite(leaf.grad).all()
+        assert rel_err(leaf.grad, want) < (grad_tol if floor < grad_tol else grad_tol + floor), (
+            tuple(leaf.shape), rel_err(leaf.grad, want), floor)
+
+
 @pytest.mark.parametrize("vocab", [2, 3])
 def test_single_token_and_tiny_vocabulary(impl, vocab):
     problem = make_problem(tokens=1, vocab_student=vocab, vocab_teacher=vocab + 1)

@@ -127,33 +127,36 @@ def test_triton_statistics_and_gradient_kernels_match_the_fused_kernel():
     assert torch.equal(split_losses, fused_losses) and torch.equal(split_grad, fused_grad)
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # row 2: 1e8 does not fit fp16
 @pytest.mark.parametrize("weights", [(0.0, 0.05), (0.5, 0.5), (0.0, 0.0)])
 @pytest.mark.parametrize("softcap", [None, 4.0])
-def test_fp16_lifts_match_torch_and_keep_gradients_out_of_subnormals(weights, softcap):
+def test_fp16_lifts_match_torch_and_keep_gradients_in_fp16_range(weights, softcap):
     """fp16: each row's gradient times 2^k (row_step.row_lift_bound, lift_for), the same in both twins.
-    A soft term alone at V = 3000 has entries ~1e-5 (subnormal in fp16); lifted they are not."""
+    A soft term alone at V = 3000 has entries ~1e-5 (subnormal in fp16): lifted (k > 0) they are
+    not; a student row of norm 0 has entries ~1e7, past fp16's 65504: scaled down (k < 0) they fit."""
     rows, vocab = 7, 3000
     student, teacher, labels = random_chunk(rows, vocab, vocab, torch.float16)
-    student[2] = 0.0  # |s| = 0: an unbounded gradient, lift 1
+    student[2] = 0.0
+    labels[2] = 5  # counted
     scales = RowStepScales(weights[0], weights[1], beta=0.8, temperature=1.3, ignore_index=-7,
                            student_softcap=softcap)
     plain_grad, plain_losses = student.float(), torch.empty(rows, 2)
-    row_step_torch(plain_grad, teacher.float(), labels, scales, plain_losses, True)  # fp32: no subnormals
+    row_step_torch(plain_grad, teacher.float(), labels, scales, plain_losses, True)  # fp32: all in range
     results = {}
     for name, step in (("torch", row_step_torch), ("triton", row_step_triton)):
         grad, losses, lifts = student.clone(), torch.empty(rows, 2), torch.full((rows,), POISON)
         step(grad, teacher, labels, scales, losses, True, lifts)
         results[name] = grad, lifts
         exponents = torch.log2(lifts)
-        assert torch.equal(exponents, exponents.round()) and exponents.min() >= 0 and exponents.max() <= 10
+        assert torch.equal(exponents, exponents.round()) and exponents.max() <= 10
         if weights == (0.0, 0.05):
             assert (lifts[[0, 1, 3, 4, 5, 6]] >= 2**8).all(), lifts  # lifted far from fp16's subnormals
-        assert lifts[2] == (2.0**10 if weights == (0.0, 0.0) else 1.0)  # a zero gradient: any lift is exact
+        if weights != (0.0, 0.0):
+            assert lifts[2] <= 2**-6, lifts  # scaled down: entries ~weight_soft * beta / eps
+        assert torch.isfinite(grad).all()
         valid = labels != -7
-        valid[2] = False  # its fp16 gradient is out of fp16's range (README): not compared
         unlifted = grad.float() / lifts[:, None]
         # entries below the lifted row's subnormal step 2^-24 (a softmax tail next to a -1) stay lost
-        torch.testing.assert_close(unlifted[valid], plain_grad[valid], rtol=2e-3, atol=2**-24)
+        atol = 2**-24 / lifts[valid, None]
+        assert ((unlifted[valid] - plain_grad[valid]).abs() <= 2e-3 * plain_grad[valid].abs() + atol).all()
     assert torch.equal(results["torch"][1], results["triton"][1])
     torch.testing.assert_close(results["triton"][0].float(), results["torch"][0].float(), rtol=1e-2, atol=1e-4)

@@ -158,7 +158,7 @@ def _addmm_into(out, left, right, alpha, beta):
     """out = beta * out + alpha * left @ right, in out's dtype (fp32 out of bf16/fp16 operands too)."""
     if out.dtype == left.dtype:
         out.addmm_(left, right, beta=beta, alpha=alpha)
-    elif out.is_cuda:
+    elif out.is_cuda and out.dtype == torch.float32:
         # cuBLAS reads the bf16/fp16 operands and accumulates into the fp32 buffer directly.
         torch.addmm(out, left, right, out_dtype=out.dtype, beta=beta, alpha=alpha, out=out)
     else:
@@ -174,6 +174,7 @@ def _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha, beta):
 
 
 FP16_STORAGE_EXPONENT = 14  # grad_input rows are kept in fp16 with their largest entry in [2^14, 2^15)
+SCALED_DOWN_GROUP = 256  # rows of scaled-down gradients widened to fp32 at a time (V x 1 KiB each)
 
 
 class _Unlift:
@@ -181,7 +182,10 @@ class _Unlift:
     it does not sink into fp16's subnormals); its inverse goes onto the row's hidden state for
     grad_weight, and onto grad_input's and grad_bias's rows through fp32 (exact: powers of two).
     grad_input then waits for grad_output (a loss scale, say) in fp16, so each of its rows is kept
-    times its own power of two too (``grad_input_lifts``), divided out with grad_output in backward."""
+    times its own power of two too (``grad_input_lifts``), divided out with grad_output in backward.
+    Rows whose gradient was scaled down (lift < 1: entries past fp16's range, e.g. a student row of
+    norm ~0) cannot move 1 / lift onto their hidden state in fp16; their grad_weight and grad_bias
+    terms go through fp32 instead (``add_scaled_down_rows``)."""
 
     def __init__(self, rows: int, hidden_size: int, num_tokens: int, device: torch.device):
         self.lifts = torch.empty(rows, dtype=torch.float32, device=device)
@@ -189,9 +193,30 @@ class _Unlift:
         self.grad_input = torch.empty(rows, hidden_size, dtype=torch.float32, device=device)
         self.grad_input_lifts = torch.ones(num_tokens, dtype=torch.float32, device=device)
 
+    def up_lifts(self, rows: int) -> torch.Tensor:
+        """The lifts, 1 for scaled-down rows (whose gradient rows are zeroed before it is used)."""
+        return self.lifts[:rows].clamp(min=1.0)
+
     def hidden_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden / lift, row by row, for the grad_weight GEMM."""
-        return torch.div(hidden, self.lifts[: len(hidden), None].to(hidden.dtype), out=self.hidden[: len(hidden)])
+        return torch.div(hidden, self.up_lifts(len(hidden))[:, None].to(hidden.dtype), out=self.hidden[: len(hidden)])
+
+    def scaled_down_rows(self, rows: int) -> torch.Tensor | None:
+        """Indices of the chunk's rows with lift < 1, or None. A host sync: fp16 only, once per chunk."""
+        indices = torch.nonzero(self.lifts[:rows] < 1.0).flatten()
+        return indices if len(indices) else None
+
+    def add_scaled_down_rows(self, grad_weight, grad_bias, grad_logits, hidden, indices, inv_normaliser,
+                             overwrite) -> None:
+        """Their grad_weight and grad_bias terms in fp32, then their gradient rows zeroed."""
+        for group in indices.split(SCALED_DOWN_GROUP):
+            rows = grad_logits[group].float() / self.lifts[group, None] * inv_normaliser
+            if grad_weight is not None:
+                _addmm_into(grad_weight, rows.t(), hidden[group].float(), alpha=1.0, beta=0.0 if overwrite else 1.0)
+                overwrite = False
+            if grad_bias is not None:
+                grad_bias.add_(rows.sum(0))
+        grad_logits[indices] = 0
 
     def grad_input_into(self, grad_input, start, grad_logits, student_weight, inv_normaliser, reduce):
         rows = self.grad_input[: len(grad_logits)]
@@ -207,7 +232,7 @@ class _Unlift:
         grad_input[start : start + len(rows)] = rows.mul_(storage_lifts[:, None])
 
     def add_grad_bias(self, grad_bias, grad_logits, inv_normaliser):
-        unlift = (1.0 / self.lifts[: len(grad_logits)]).to(grad_logits.dtype)
+        unlift = (1.0 / self.up_lifts(len(grad_logits))).to(grad_logits.dtype)
         _addmm_into(grad_bias[None], unlift[None], grad_logits, alpha=inv_normaliser, beta=1.0)
 
 
@@ -247,6 +272,7 @@ def chunked_loss_and_grads(
     unlift = _Unlift(chunk, hidden_student, num_tokens, device) if lifted else None
 
     inv_normaliser = None
+    weight_started = False  # whether grad_weight holds a sum yet (the first GEMM overwrites it)
     for start in range(0, num_tokens, chunk):
         stop = min(start + chunk, num_tokens)
         hidden = student_input[start:stop]
@@ -263,14 +289,20 @@ def chunked_loss_and_grads(
             if inv_normaliser is None:
                 inv_normaliser = 1.0 / normaliser.wait()
         grad_logits = chunk_student  # overwritten in place by the row step
-        if unlift is not None and grad_weight is not None:
-            hidden = unlift.hidden_rows(hidden)
         if grad_input is not None and unlift is not None:
             unlift.grad_input_into(grad_input, start, grad_logits, student_weight, inv_normaliser, reduce_grad_input)
         elif grad_input is not None:
             grad_input[start:stop].addmm_(grad_logits, student_weight, beta=0.0, alpha=inv_normaliser)
+        if unlift is not None and (grad_weight is not None or grad_bias is not None):
+            scaled_down = unlift.scaled_down_rows(stop - start)
+            if scaled_down is not None:
+                unlift.add_scaled_down_rows(grad_weight, grad_bias, grad_logits, hidden, scaled_down, inv_normaliser,
+                                            overwrite=not weight_started)
+                weight_started = weight_started or grad_weight is not None
+            hidden = unlift.hidden_rows(hidden)
         if grad_weight is not None and stop < num_tokens:  # the last chunk's waits for backward
-            _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha=inv_normaliser, beta=1.0 if start else 0.0)
+            _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha=inv_normaliser, beta=1.0 if weight_started else 0.0)
+            weight_started = True
         if grad_bias is not None and unlift is not None:
             unlift.add_grad_bias(grad_bias, grad_logits, inv_normaliser)
         elif grad_bias is not None:
@@ -290,7 +322,7 @@ def chunked_loss_and_grads(
             grad_input, grad_weight, grad_bias,
             last_grad_logits=student_logits[: num_tokens - last_start] if defer else None,
             last_hidden=hidden if defer else None,  # the last chunk's (divided by its lifts in fp16)
-            accumulate_last=last_start > 0,
+            accumulate_last=weight_started,
             inv_normaliser=inv_normaliser,
             grad_input_lifts=None if unlift is None or grad_input is None else unlift.grad_input_lifts,
             chunk_rows=chunk,

@@ -15,10 +15,12 @@ For one chunk of tokens it takes the student logits s [n, Vs] and the teacher lo
       L = weight_hard * sum_i hard_i + weight_soft * sum_i soft_i.
   The chunk loop applies 1 / N in the gradient GEMMs, so N need not be known here.
 * if also given ``grad_lifts`` [n] (the chunk loop does for fp16 logits), writes each row's gradient
-  times a power of two 2^k, k in [0, MAX_LIFT_EXPONENT], that brings a bound on the row's largest
-  entry up to (1/2, 1], and stores 2^k there: fp16's subnormals start at 6e-5, and the soft term's
-  entries, of order weight_soft * beta / (|s| * sqrt(V)), fall below that at LLM vocabularies. The
-  chunk loop divides it out again (row_lift_bound, chunked.py).
+  times a power of two 2^k and stores 2^k there (lift_for): k in [1, MAX_LIFT_EXPONENT] brings a
+  bound on the row's largest entry up towards (1/2, 1], since fp16's subnormals start at 6e-5 and
+  the soft term's entries, of order weight_soft * beta / (|s| * sqrt(V)), fall below that at LLM
+  vocabularies; k < 0 brings a bound above 2^14 down into (2^13, 2^14] (a student row of norm
+  ~0 has entries ~1/eps = 1e8, past fp16's 65504). The chunk loop divides it out again
+  (chunked._Unlift).
 
 It does so in two stages, so that a vocabulary split over ranks (cosdistill.distributed) can add up
 the per-row statistics of its shards in between:
@@ -43,6 +45,7 @@ COSINE_EPS = 1e-8
 # At most 2^10: the chunk loop moves 1 / 2^k onto the row's hidden state for grad_weight, and that
 # must not push typical hidden entries (order 1) into fp16's subnormals (below 6e-5) in turn.
 MAX_LIFT_EXPONENT = 10
+MAX_STORED_EXPONENT = 14  # rows whose bound passes 2^14 are scaled down below it
 
 # Per-row statistics, in this order along the last dimension of a [n, NUM_STATS] fp32 tensor.
 ROW_STATS = (
@@ -178,9 +181,11 @@ def row_lift_bound(stats: torch.Tensor, scales: RowStepScales, coef_teacher, coe
 
 
 def lift_for(bound: torch.Tensor) -> torch.Tensor:
-    """2^k with k = floor(-log2(bound)) clamped to [0, MAX_LIFT_EXPONENT]; 1 for a NaN bound."""
+    """2^k: with e = floor(-log2(bound)), k = min(e, MAX_LIFT_EXPONENT) for e > 0, e + MAX_STORED_EXPONENT
+    for bounds above 2^MAX_STORED_EXPONENT, else 0; 1 for a NaN bound."""
     exponent = torch.floor(-torch.log2(bound.clamp(min=torch.finfo(torch.float32).tiny)))
-    exponent = torch.where(exponent > 0, exponent.clamp(max=MAX_LIFT_EXPONENT), 0.0)
+    exponent = torch.where(exponent > 0, exponent.clamp(max=MAX_LIFT_EXPONENT),
+                           torch.where(exponent < -MAX_STORED_EXPONENT, exponent + MAX_STORED_EXPONENT, 0.0))
     return torch.ldexp(torch.ones_like(bound), exponent.int())
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .row_step import COSINE_EPS, MAX_LIFT_EXPONENT, NUM_STATS, RowStepImpl, RowStepScales
+from .row_step import COSINE_EPS, MAX_LIFT_EXPONENT, MAX_STORED_EXPONENT, NUM_STATS, RowStepImpl, RowStepScales
 
 DEFAULT_BLOCK = 1024  # H200 sweeps, benchmarks/NOTES.md items 2 and 19
 DEFAULT_WARPS = 4
@@ -21,6 +21,7 @@ LOSS_ONLY_WARPS = 16  # wants more loads in flight (0.178 against 0.195 ms per 1
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # a jit global must be a constexpr
 FLOAT32_TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # bound 0 (both weights 0): no log2(0)
 MAX_LIFT: tl.constexpr = tl.constexpr(float(MAX_LIFT_EXPONENT))
+MAX_STORED: tl.constexpr = tl.constexpr(float(MAX_STORED_EXPONENT))
 
 
 @triton.jit
@@ -181,7 +182,8 @@ def _row_losses_and_grad(
                 + tl.abs(coef_student) * student_unit * tl.sqrt(sum_sq_student))
             bound = tl.maximum(bound * tl.abs(student_scale), FLOAT32_TINY, propagate_nan=tl.PropagateNan.ALL)
             exponent = tl.floor(-tl.log2(bound))
-            exponent = tl.where(exponent > 0, tl.minimum(exponent, MAX_LIFT), 0.0)  # NaN -> 0
+            exponent = tl.where(exponent > 0, tl.minimum(exponent, MAX_LIFT),
+                                tl.where(exponent < -MAX_STORED, exponent + MAX_STORED, 0.0))  # NaN -> 0
             lift = ((exponent.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # exactly 2^exponent
             tl.store(lift_row, lift)
             grad_factor *= lift
