@@ -184,8 +184,10 @@ class _Unlift:
     grad_input then waits for grad_output (a loss scale, say) in fp16, so each of its rows is kept
     times its own power of two too (``grad_input_lifts``), divided out with grad_output in backward.
     Rows whose gradient was scaled down (lift < 1: entries past fp16's range, e.g. a student row of
-    norm ~0) cannot move 1 / lift onto their hidden state in fp16; their grad_weight and grad_bias
-    terms go through fp32 instead (``add_scaled_down_rows``)."""
+    norm ~0) cannot move 1 / lift onto their hidden state in fp16: the fp16 GEMMs take them as stored,
+    and the rest of their grad_weight and grad_bias terms is added in fp32 (``correct_scaled_down``).
+    Their count is copied to the host behind the row step and read once the chunk's GEMMs are
+    queued, so the GPU never waits for the host on it."""
 
     def __init__(self, rows: int, hidden_size: int, num_tokens: int, device: torch.device):
         self.lifts = torch.empty(rows, dtype=torch.float32, device=device)
@@ -194,29 +196,36 @@ class _Unlift:
         self.grad_input_lifts = torch.ones(num_tokens, dtype=torch.float32, device=device)
 
     def up_lifts(self, rows: int) -> torch.Tensor:
-        """The lifts, 1 for scaled-down rows (whose gradient rows are zeroed before it is used)."""
+        """The lifts, 1 for scaled-down rows (``correct_scaled_down`` adds the rest of their terms)."""
         return self.lifts[:rows].clamp(min=1.0)
 
     def hidden_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden / lift, row by row, for the grad_weight GEMM."""
         return torch.div(hidden, self.up_lifts(len(hidden))[:, None].to(hidden.dtype), out=self.hidden[: len(hidden)])
 
-    def scaled_down_rows(self, rows: int) -> torch.Tensor | None:
-        """Indices of the chunk's rows with lift < 1, or None. A host sync: fp16 only, once per chunk."""
-        indices = torch.nonzero(self.lifts[:rows] < 1.0).flatten()
-        return indices if len(indices) else None
+    def count_scaled_down(self, rows: int) -> None:
+        """Queue the copy of the number of rows with lift < 1 to the host."""
+        self.count = (self.lifts[:rows] < 1.0).sum().to("cpu", non_blocking=True)
+        self.counted = torch.cuda.Event() if self.lifts.is_cuda else None
+        if self.counted is not None:
+            self.counted.record()
 
-    def add_scaled_down_rows(self, grad_weight, grad_bias, grad_logits, hidden, indices, inv_normaliser,
-                             overwrite) -> None:
-        """Their grad_weight and grad_bias terms in fp32, then their gradient rows zeroed."""
+    def correct_scaled_down(self, grad_weight, grad_bias, grad_logits, hidden, inv_normaliser, overwrite) -> bool:
+        """Add (1 / lift - 1) times the stored gradient of the rows with lift < 1 (the fp16 GEMMs took it
+        once, with the undivided hidden state) to grad_weight and grad_bias, in fp32. Whether any."""
+        if self.counted is not None:
+            self.counted.synchronize()
+        if not self.count.item():
+            return False
+        indices = torch.nonzero(self.lifts[: len(grad_logits)] < 1.0).flatten()
         for group in indices.split(SCALED_DOWN_GROUP):
-            rows = grad_logits[group].float() / self.lifts[group, None] * inv_normaliser
+            rows = grad_logits[group].float() * ((1.0 / self.lifts[group] - 1.0) * inv_normaliser)[:, None]
             if grad_weight is not None:
                 _addmm_into(grad_weight, rows.t(), hidden[group].float(), alpha=1.0, beta=0.0 if overwrite else 1.0)
                 overwrite = False
             if grad_bias is not None:
                 grad_bias.add_(rows.sum(0))
-        grad_logits[indices] = 0
+        return True
 
     def grad_input_into(self, grad_input, start, grad_logits, student_weight, inv_normaliser, reduce):
         rows = self.grad_input[: len(grad_logits)]
@@ -293,12 +302,10 @@ def chunked_loss_and_grads(
             unlift.grad_input_into(grad_input, start, grad_logits, student_weight, inv_normaliser, reduce_grad_input)
         elif grad_input is not None:
             grad_input[start:stop].addmm_(grad_logits, student_weight, beta=0.0, alpha=inv_normaliser)
-        if unlift is not None and (grad_weight is not None or grad_bias is not None):
-            scaled_down = unlift.scaled_down_rows(stop - start)
-            if scaled_down is not None:
-                unlift.add_scaled_down_rows(grad_weight, grad_bias, grad_logits, hidden, scaled_down, inv_normaliser,
-                                            overwrite=not weight_started)
-                weight_started = weight_started or grad_weight is not None
+        correct = unlift is not None and (grad_weight is not None or grad_bias is not None)
+        raw_hidden = hidden
+        if correct:
+            unlift.count_scaled_down(stop - start)
             hidden = unlift.hidden_rows(hidden)
         if grad_weight is not None and stop < num_tokens:  # the last chunk's waits for backward
             _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha=inv_normaliser, beta=1.0 if weight_started else 0.0)
@@ -307,6 +314,9 @@ def chunked_loss_and_grads(
             unlift.add_grad_bias(grad_bias, grad_logits, inv_normaliser)
         elif grad_bias is not None:
             grad_bias.add_(grad_logits.sum(0, dtype=torch.float32), alpha=inv_normaliser)
+        if correct and unlift.correct_scaled_down(grad_weight, grad_bias, grad_logits, raw_hidden, inv_normaliser,
+                                                  overwrite=not weight_started):
+            weight_started = weight_started or grad_weight is not None
 
     if inv_normaliser is None:  # no tokens
         normaliser.launch()
