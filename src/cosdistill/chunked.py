@@ -8,6 +8,7 @@ two more GEMMs turn that into grad_input (written straight into its slice) and g
 grad_output, folding it into the last chunk's grad_weight GEMM (``Gradients.finish``).
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -106,9 +107,14 @@ class Gradients:
     inv_normaliser: float
     grad_input_lifts: torch.Tensor | None = None  # fp16: grad_input's rows are kept times these
     chunk_rows: int = 1  # rows rescaled at a time in fp32 (grad_input_lifts)
+    # fp16: _Unlift.correct_scaled_down for the last chunk, run here, where the host has waited for
+    # the forward already (reading grad_output), so that the forward never waits for the host
+    correct_last: Callable[..., bool] | None = None
 
     def finish(self, grad_output: float):
         """(grad_input, grad_weight, grad_bias) for this grad_output."""
+        if self.correct_last is not None and self.correct_last(overwrite=not self.accumulate_last):
+            self.accumulate_last = True  # grad_weight holds the correction (or is None)
         if self.grad_input is not None and self.grad_input_lifts is not None:
             for start in range(0, len(self.grad_input), self.chunk_rows):
                 rows = self.grad_input[start : start + self.chunk_rows]
@@ -314,8 +320,8 @@ def chunked_loss_and_grads(
             unlift.add_grad_bias(grad_bias, grad_logits, inv_normaliser)
         elif grad_bias is not None:
             grad_bias.add_(grad_logits.sum(0, dtype=torch.float32), alpha=inv_normaliser)
-        if correct and unlift.correct_scaled_down(grad_weight, grad_bias, grad_logits, raw_hidden, inv_normaliser,
-                                                  overwrite=not weight_started):
+        if correct and stop < num_tokens and unlift.correct_scaled_down(
+                grad_weight, grad_bias, grad_logits, raw_hidden, inv_normaliser, overwrite=not weight_started):
             weight_started = weight_started or grad_weight is not None
 
     if inv_normaliser is None:  # no tokens
@@ -336,5 +342,7 @@ def chunked_loss_and_grads(
             inv_normaliser=inv_normaliser,
             grad_input_lifts=None if unlift is None or grad_input is None else unlift.grad_input_lifts,
             chunk_rows=chunk,
+            correct_last=functools.partial(unlift.correct_scaled_down, grad_weight, grad_bias, grad_logits, raw_hidden,
+                                           inv_normaliser) if num_tokens and correct else None,
         )
     return ChunkResult(loss_sums[0], loss_sums[1], gradients)
