@@ -34,8 +34,6 @@ import torch
 from cosdistill import fused_linear_cosine_distill
 from cosdistill.bench import DTYPES
 from cosdistill.reference import naive_cosine_distill
-from cosdistill.api import default_accum_dtype
-from cosdistill.chunked import chunk_rows
 from cosdistill.selfcheck import (accumulation_floor, float64_reference, ignore_some_labels, logits_rounding_floors,
                                   random_student_teacher, rel_err)
 
@@ -318,9 +316,8 @@ def check_case(case: Case, device) -> dict:
     pairs = dict(zip(COMPARISONS, [(triton, reference), (torch_, reference), (triton, torch_)]))
     dtype = DTYPES[case.dtype]
     design = logits_rounding_floors(args, dtype, case.grad_output, **case.options()) if case.tokens else [0.0] * 3
-    rows = chunk_rows(case.chunk_size, case.tokens, case.vocab_student, case.vocab_teacher, dtype.itemsize).student
-    accum_dtype = DTYPES[case.accum_dtype] if case.accum_dtype else default_accum_dtype(dtype)
-    accumulation = accumulation_floor(accum_dtype, -(-case.tokens // rows))
+    accumulation = accumulation_floor(dtype, case.accum_dtype and DTYPES[case.accum_dtype], case.chunk_size,
+                                      case.tokens, case.vocab_student, case.vocab_teacher)
     return {name: compare(got, want, reference, case.dtype, no_valid_token, weighted_out, floors, design, accumulation)
             for name, (got, want) in pairs.items()}
 

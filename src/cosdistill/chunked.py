@@ -312,6 +312,7 @@ def chunked_loss_and_grads(
         raw_hidden = hidden
         if correct:
             unlift.count_scaled_down(stop - start)
+        if unlift is not None and grad_weight is not None:
             hidden = unlift.hidden_rows(hidden)
         if grad_weight is not None and stop < num_tokens:  # the last chunk's waits for backward
             _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha=inv_normaliser, beta=1.0 if weight_started else 0.0)

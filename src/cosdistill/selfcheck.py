@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .api import fused_linear_cosine_distill
+from .api import default_accum_dtype, fused_linear_cosine_distill
+from .chunked import chunk_rows
 from .reference import naive_cosine_distill
 from .row_step import RowStepImpl, RowStepScales, combine_row_stats, row_step_torch
 
@@ -194,14 +195,18 @@ def logits_rounding_floors(args, dtype: torch.dtype, grad_output=1.0, **options)
             rel_err(rounded.sum(0), grad_logits.sum(0))]
 
 
-def accumulation_floor(accum_dtype: torch.dtype, chunks: int) -> float:
+def accumulation_floor(dtype: torch.dtype, accum_dtype: torch.dtype | None, chunk_size: int | None, tokens: int,
+                       vocab_student: int, vocab_teacher: int) -> float:
     """The relative error that summing grad_weight chunk by chunk in a bf16 or fp16 accumulator brings
-    beyond the final rounding: one rounding (unit roundoff u) of the growing partial sum per further
-    chunk, a random walk, ~u * sqrt((chunks - 1) / 6); 0 in fp32. The property test that showed it
-    (bf16, 244 one-row chunks) was off by 0.0247; this gives 0.0250. README: accum_dtype."""
-    if accum_dtype == torch.float32 or chunks <= 1:
+    beyond the final rounding, for a call with these arguments (the library's accumulator and chunks):
+    one rounding (unit roundoff u) of the growing partial sum per further chunk, a random walk,
+    ~u * sqrt((chunks - 1) / 6); 0 in fp32. The property test that showed it (bf16, 244 one-row
+    chunks) was off by 0.0247; this gives 0.0250. README: accum_dtype."""
+    accum_dtype = accum_dtype or default_accum_dtype(dtype)
+    if accum_dtype == torch.float32 or tokens == 0:
         return 0.0
-    return torch.finfo(accum_dtype).eps / 2 * math.sqrt((chunks - 1) / 6)
+    rows = chunk_rows(chunk_size, tokens, vocab_student, vocab_teacher, dtype.itemsize).student
+    return torch.finfo(accum_dtype).eps / 2 * math.sqrt((-(-tokens // rows) - 1) / 6)
 
 
 def fused_run(args, **kwargs):
