@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 4 GPU call A: the sliced row step (NOTES item 21). Its microbench against the two-pass
-# per-row kernel of c94ac5b, then gpu_check (the sliced kernel against the torch spec), then the seed bench.
+# per-row kernel of c94ac5b (the code it ran is commit 1cfe6c2; the sliced kernel was reverted after), then gpu_check (the sliced kernel against the torch spec), then the seed bench.
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 R=$OUT/r; mkdir -p $R
