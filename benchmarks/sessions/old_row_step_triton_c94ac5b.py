@@ -1,0 +1,385 @@
+"""The fused row step in Triton: the twin of ``row_step.py`` (read that first).
+
+One program per token row. ``_row_stats`` streams the row's student and teacher logits once and keeps
+per-lane running statistics (max and sum of exp for the softmax, s.t, |s|^2, |t|^2);
+``_row_losses_and_grad`` turns the row's statistics into its losses and, when gradients are wanted,
+streams the logits again and overwrites the student logits with d loss / d s. One process runs both
+in one kernel (``row_step_triton``); a vocabulary split over ranks runs them as two kernels with the
+statistics combined across ranks in between (``row_stats_triton``, ``row_grad_triton``).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from cosdistill.row_step import COSINE_EPS, MAX_LIFT_EXPONENT, MAX_STORED_EXPONENT, NUM_STATS, RowStepImpl, RowStepScales
+
+DEFAULT_BLOCK = 1024  # H200 sweeps, benchmarks/NOTES.md items 2 and 19
+DEFAULT_WARPS = 4
+LOSS_ONLY_BLOCK = 2048  # the no-grad launch: one pass whose online max / sum of exp chain
+LOSS_ONLY_WARPS = 16  # wants more loads in flight (0.178 against 0.195 ms per 1024 rows)
+FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # a jit global must be a constexpr
+FLOAT32_TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # bound 0 (both weights 0): no log2(0)
+MAX_LIFT: tl.constexpr = tl.constexpr(float(MAX_LIFT_EXPONENT))
+MAX_STORED: tl.constexpr = tl.constexpr(float(MAX_STORED_EXPONENT))
+
+
+@triton.jit
+def _softcap(x, cap):
+    """cap * tanh(x / cap), with tanh written through exp of a non-positive number (no overflow)."""
+    decay = tl.exp(-2.0 * tl.abs(x) / cap)
+    tanh_abs = (1.0 - decay) / (1.0 + decay)
+    return cap * tl.where(x >= 0, tanh_abs, -tanh_abs)
+
+
+@triton.jit
+def _load_logits(row, cols, mask, logit_scale, cap, CAP: tl.constexpr):
+    """Logits as the loss sees them: fp32, times the logit scale, softcapped; 0 where masked."""
+    x = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
+    if CAP:
+        x = _softcap(x, cap)
+    return x
+
+
+@triton.jit
+def _row_and_label(row, student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, ignore_index,
+                   vocab_start, vocab_student, vocab_student_total):
+    """The row's logits pointers and its label: whether it counts, and where it lies in this shard."""
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    valid = (label != ignore_index) & (label >= 0) & (label < vocab_student_total)
+    column = label - vocab_start
+    in_shard = valid & (column >= 0) & (column < vocab_student)
+    return student_ptr + row * student_row_stride, teacher_ptr + row * teacher_row_stride, valid, in_shard, column
+
+
+@triton.jit
+def _unit_scaled_sums(student_row, teacher_row, vocab_student, vocab_teacher, student_scale, teacher_scale,
+                      student_cap, teacher_cap, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """s.t, |s|^2, |t|^2 of s / max|s| and t / max|t|: two more passes, only for rows whose plain sums
+    overflowed fp32 (logits near the dtype's largest value). An inf logit makes them NaN, as it should."""
+    offsets = tl.arange(0, BLOCK)
+    student_abs_max = tl.zeros([BLOCK], tl.float32)
+    teacher_abs_max = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab_teacher, BLOCK):
+        cols = start + offsets
+        s = _load_logits(student_row, cols, cols < vocab_student, student_scale, student_cap, STUDENT_CAP)
+        t = _load_logits(teacher_row, cols, cols < vocab_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
+        student_abs_max = tl.maximum(student_abs_max, tl.abs(s))
+        teacher_abs_max = tl.maximum(teacher_abs_max, tl.abs(t))
+    student_unit = tl.max(student_abs_max, axis=0)
+    teacher_unit = tl.max(teacher_abs_max, axis=0)
+    student_unit = tl.where(student_unit > 0, student_unit, 1.0)
+    teacher_unit = tl.where(teacher_unit > 0, teacher_unit, 1.0)
+    dot = tl.zeros([BLOCK], tl.float32)
+    sum_sq_student = tl.zeros([BLOCK], tl.float32)
+    sum_sq_teacher = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab_teacher, BLOCK):
+        cols = start + offsets
+        s = _load_logits(student_row, cols, cols < vocab_student, student_scale, student_cap, STUDENT_CAP) / student_unit
+        t = _load_logits(teacher_row, cols, cols < vocab_teacher, teacher_scale, teacher_cap, TEACHER_CAP) / teacher_unit
+        dot += s * t  # s is 0 past the student's vocabulary
+        sum_sq_student += s * s
+        sum_sq_teacher += t * t
+    return (tl.sum(dot, axis=0), tl.sum(sum_sq_student, axis=0), tl.sum(sum_sq_teacher, axis=0),
+            student_unit, teacher_unit)
+
+
+@triton.jit
+def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale,
+               teacher_scale, student_cap, teacher_cap, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr,
+               UNIT_SCALED: tl.constexpr, BLOCK: tl.constexpr):
+    """The row's ROW_STATS (row_step.py): plain sums (scales 1), or with UNIT_SCALED sums of s / max|s|
+    and t / max|t| (two more passes, for rows whose plain sums overflow fp32)."""
+    offsets = tl.arange(0, BLOCK)
+    run_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    run_sum_exp = tl.zeros([BLOCK], tl.float32)
+    dot = tl.zeros([BLOCK], tl.float32)
+    sum_sq_student = tl.zeros([BLOCK], tl.float32)
+    sum_sq_teacher = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab_student, BLOCK):
+        cols = start + offsets
+        in_row = cols < vocab_student
+        s = _load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP)
+        t = _load_logits(teacher_row, cols, in_row, teacher_scale, teacher_cap, TEACHER_CAP)
+        s_for_max = tl.where(in_row, s, float("-inf"))
+        new_max = tl.maximum(run_max, s_for_max)
+        # A lane that has seen only padding keeps max = -inf; keep its sum at 0 instead of NaN.
+        shift = tl.where(new_max != float("-inf"), new_max, 0.0)
+        run_sum_exp = run_sum_exp * tl.exp(run_max - shift) + tl.exp(s_for_max - shift)
+        run_max = new_max
+        dot += s * t
+        sum_sq_student += s * s
+        sum_sq_teacher += t * t
+    # The teacher's extra vocabulary [Vs, Vt) meets the student's zero padding: only |t|^2 grows.
+    for start in range(vocab_student, vocab_teacher, BLOCK):
+        cols = start + offsets
+        t = _load_logits(teacher_row, cols, cols < vocab_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
+        sum_sq_teacher += t * t
+
+    row_max = tl.max(run_max, axis=0)
+    row_shift = tl.where(row_max != float("-inf"), row_max, 0.0)  # a shard with no student columns
+    sum_exp = tl.sum(run_sum_exp * tl.exp(run_max - row_shift), axis=0)
+    target_logit = _load_logits(student_row, column, in_shard, student_scale, student_cap, STUDENT_CAP)
+
+    dot = tl.sum(dot, axis=0)
+    sum_sq_student = tl.sum(sum_sq_student, axis=0)
+    sum_sq_teacher = tl.sum(sum_sq_teacher, axis=0)
+    student_unit = tl.full([], 1.0, tl.float32)
+    teacher_unit = tl.full([], 1.0, tl.float32)
+    if UNIT_SCALED:
+        dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _unit_scaled_sums(
+            student_row, teacher_row, vocab_student, vocab_teacher, student_scale, teacher_scale,
+            student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, BLOCK,
+        )
+    return row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit
+
+
+@triton.jit
+def _overflowed(dot, sum_sq_student, sum_sq_teacher):
+    """Whether the plain sums overflowed fp32 (or met an inf / NaN logit)."""
+    total = sum_sq_student + sum_sq_teacher + tl.abs(dot)
+    return (total > FLOAT32_MAX) | (total != total)
+
+
+@triton.jit
+def _row_losses_and_grad(
+    student_row, teacher_row, losses_row, valid, in_shard, column, vocab_student,
+    row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
+    weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
+    usable, lift_row, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    LIFT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Losses and (if WRITE_GRAD) d L / d s from the row's statistics (row_step.cosine_terms, row_grad_torch);
+    with LIFT, times the row's power of two, stored at ``lift_row`` (row_step.row_lift_bound, lift_for).
+    If not ``usable`` the losses become NaN and the logits are left alone, for the RESCUE launch."""
+    log_sum_exp = tl.log(sum_exp)  # kept apart from row_max, see row_step.row_grad_torch
+    norm_student = tl.sqrt(sum_sq_student * inv_temp_sq)
+    norm_teacher = tl.sqrt(sum_sq_teacher * inv_temp_sq)
+    student_eps = eps / student_unit
+    clamped_student = tl.maximum(norm_student, student_eps)
+    clamped_teacher = tl.maximum(norm_teacher, eps / teacher_unit)
+    cos = dot * inv_temp_sq / clamped_student / clamped_teacher
+
+    hard_loss = tl.where(valid, (row_max - target_logit) + log_sum_exp, 0.0)
+    tl.store(losses_row, tl.where(usable, hard_loss, float("nan")))
+    tl.store(losses_row + 1, tl.where(usable, tl.where(valid, beta * (1.0 - cos), 0.0), float("nan")))
+
+    if WRITE_GRAD:
+        # d L / d s = weight_hard * (softmax - onehot) - weight_soft * beta * d cos / d s, and
+        # d cos / d s = coef_teacher * t - coef_student * s.
+        coef_teacher = inv_temp_sq / (clamped_student * clamped_teacher) / student_unit / teacher_unit
+        coef_student = tl.where(
+            norm_student >= student_eps,
+            cos * inv_temp_sq / (clamped_student * clamped_student) / student_unit / student_unit,
+            0.0,
+        )
+        soft_scale = weight_soft * beta
+        grad_factor = student_scale
+        if LIFT:
+            bound = tl.abs(weight_hard) + tl.abs(soft_scale) * (
+                coef_teacher * teacher_unit * tl.sqrt(sum_sq_teacher)
+                + tl.abs(coef_student) * student_unit * tl.sqrt(sum_sq_student))
+            bound = tl.maximum(bound * tl.abs(student_scale), FLOAT32_TINY, propagate_nan=tl.PropagateNan.ALL)
+            exponent = tl.floor(-tl.log2(bound))
+            exponent = tl.where(exponent > 0, tl.minimum(exponent, MAX_LIFT),
+                                tl.where(exponent < -MAX_STORED, exponent + MAX_STORED, 0.0))  # NaN -> 0
+            lift = ((exponent.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # exactly 2^exponent
+            tl.store(lift_row, lift)
+            grad_factor *= lift
+        offsets = tl.arange(0, BLOCK)
+        for start in range(0, vocab_student, BLOCK):
+            cols = start + offsets
+            in_row = cols < vocab_student
+            s = _load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP)
+            t = _load_logits(teacher_row, cols, in_row, teacher_scale, teacher_cap, TEACHER_CAP)
+            prob = tl.exp((s - row_max) - log_sum_exp)
+            grad = weight_hard * (prob - tl.where((cols == column) & in_shard, 1.0, 0.0))
+            grad -= soft_scale * (coef_teacher * t - coef_student * s)
+            if STUDENT_CAP:
+                grad *= 1.0 - (s / student_cap) * (s / student_cap)  # d(c tanh(z / c)) / dz
+            grad *= grad_factor
+            grad = tl.where(valid, grad, 0.0)
+            tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=tl.where(usable, in_row, False))
+
+
+@triton.jit
+def _row_step_kernel(
+    student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, losses_ptr, lifts_ptr,
+    vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
+    weight_hard, weight_soft, beta, inv_temp_sq, eps, student_cap, teacher_cap, student_scale, teacher_scale,
+    STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, LIFT: tl.constexpr,
+    RESCUE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Launched twice. First (RESCUE False) every row with plain sums; a row whose sums overflowed gets
+    NaN losses and keeps its logits. Then (RESCUE True) only those rows, with unit-scaled sums. A branch
+    for them inside the first launch cost the step 20% (benchmarks/NOTES.md)."""
+    row = tl.program_id(0).to(tl.int64)
+    losses_row = losses_ptr + row * 2
+    if RESCUE:
+        left = tl.load(losses_row)
+        todo = left != left
+    else:
+        todo = True
+    if todo:
+        student_row, teacher_row, valid, in_shard, column = _row_and_label(
+            row, student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, ignore_index,
+            vocab_start, vocab_student, vocab_student_total,
+        )
+        row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _row_stats(
+            student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale, teacher_scale,
+            student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, RESCUE, BLOCK,
+        )
+        if RESCUE:  # an inf or NaN logit still overflows: its NaN loss and gradient are the answer
+            usable = tl.full([], 1, tl.int1)
+        else:
+            usable = _overflowed(dot, sum_sq_student, sum_sq_teacher) == 0
+        _row_losses_and_grad(
+            student_row, teacher_row, losses_row, valid, in_shard, column, vocab_student,
+            row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
+            weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
+            usable, lifts_ptr + row, STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, LIFT, BLOCK,
+        )
+
+
+@triton.jit
+def _row_stats_kernel(
+    student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, stats_ptr,
+    vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
+    student_cap, teacher_cap, student_scale, teacher_scale,
+    STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, NUM_STATS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    student_row, teacher_row, _, in_shard, column = _row_and_label(
+        row, student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, ignore_index,
+        vocab_start, vocab_student, vocab_student_total,
+    )
+    row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _row_stats(
+        student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale, teacher_scale,
+        student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, False, BLOCK,
+    )
+    if _overflowed(dot, sum_sq_student, sum_sq_teacher):
+        dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _unit_scaled_sums(
+            student_row, teacher_row, vocab_student, vocab_teacher, student_scale, teacher_scale,
+            student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, BLOCK,
+        )
+    stats_row = stats_ptr + row * NUM_STATS  # the order of row_step.ROW_STATS
+    tl.store(stats_row, row_max)
+    tl.store(stats_row + 1, sum_exp)
+    tl.store(stats_row + 2, target_logit)
+    tl.store(stats_row + 3, dot)
+    tl.store(stats_row + 4, sum_sq_student)
+    tl.store(stats_row + 5, sum_sq_teacher)
+    tl.store(stats_row + 6, student_unit)
+    tl.store(stats_row + 7, teacher_unit)
+
+
+@triton.jit
+def _row_grad_kernel(
+    student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, stats_ptr, losses_ptr, lifts_ptr,
+    vocab_student, ignore_index, vocab_start, vocab_student_total,
+    weight_hard, weight_soft, beta, inv_temp_sq, eps, student_cap, teacher_cap, student_scale, teacher_scale,
+    STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, LIFT: tl.constexpr,
+    NUM_STATS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    student_row, teacher_row, valid, in_shard, column = _row_and_label(
+        row, student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, ignore_index,
+        vocab_start, vocab_student, vocab_student_total,
+    )
+    stats_row = stats_ptr + row * NUM_STATS
+    _row_losses_and_grad(
+        student_row, teacher_row, losses_ptr + row * 2, valid, in_shard, column, vocab_student,
+        tl.load(stats_row), tl.load(stats_row + 1), tl.load(stats_row + 2), tl.load(stats_row + 3),
+        tl.load(stats_row + 4), tl.load(stats_row + 5), tl.load(stats_row + 6), tl.load(stats_row + 7),
+        weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
+        tl.full([], 1, tl.int1), lifts_ptr + row, STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, LIFT, BLOCK,
+    )
+
+
+def _check_layout(student_logits, teacher_logits, labels, *contiguous):
+    if student_logits.stride(1) != 1 or teacher_logits.stride(1) != 1:
+        raise ValueError("the Triton row step needs logits with unit stride along the vocabulary")
+    if not all(t.is_contiguous() for t in (labels, *contiguous)):
+        raise ValueError("the Triton row step needs contiguous labels, statistics and token_losses")
+
+
+def _common_args(vocab_student, scales: RowStepScales):
+    total = vocab_student if scales.vocab_student_total is None else scales.vocab_student_total
+    return (scales.ignore_index, scales.vocab_start, total)
+
+
+def _logit_args(scales: RowStepScales):
+    return (scales.student_softcap or 1.0, scales.teacher_softcap or 1.0, scales.student_logit_scale,
+            scales.teacher_logit_scale)
+
+
+def _loss_args(scales: RowStepScales):
+    return (scales.weight_hard, scales.weight_soft, scales.beta, 1.0 / (scales.temperature * scales.temperature),
+            COSINE_EPS, *_logit_args(scales))
+
+
+def _block(vocab, block_size, num_warps, default=DEFAULT_BLOCK):
+    return block_size or max(32 * num_warps, min(default, triton.next_power_of_2(max(1, vocab))))
+
+
+def _caps(scales: RowStepScales):
+    return dict(STUDENT_CAP=scales.student_softcap is not None, TEACHER_CAP=scales.teacher_softcap is not None)
+
+
+def _lift_args(grad_lifts, token_losses, write_grad):
+    """The lifts' pointer (token_losses stands in when there are none: never written) and LIFT."""
+    lift = write_grad and grad_lifts is not None
+    return (grad_lifts if lift else token_losses), dict(LIFT=lift)
+
+
+def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
+                    grad_lifts=None, block_size=None, num_warps=None) -> None:
+    rows, vocab_student = student_logits.shape
+    if rows == 0:
+        return
+    _check_layout(student_logits, teacher_logits, labels, token_losses, *([] if grad_lifts is None else [grad_lifts]))
+    lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
+    num_warps = num_warps or (DEFAULT_WARPS if write_grad else LOSS_ONLY_WARPS)
+    block = _block(vocab_student, block_size, num_warps, DEFAULT_BLOCK if write_grad else LOSS_ONLY_BLOCK)
+    for rescue in (False, True):
+        _row_step_kernel[(rows,)](
+            student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
+            lifts, vocab_student, teacher_logits.shape[1], *_common_args(vocab_student, scales), *_loss_args(scales),
+            **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue, BLOCK=block, num_warps=num_warps,
+        )
+
+
+def row_stats_triton(student_logits, teacher_logits, labels, scales: RowStepScales, block_size=None,
+                     num_warps=DEFAULT_WARPS) -> torch.Tensor:
+    rows, vocab_student = student_logits.shape
+    stats = torch.empty(rows, NUM_STATS, dtype=torch.float32, device=student_logits.device)
+    if rows == 0:
+        return stats
+    _check_layout(student_logits, teacher_logits, labels)
+    _row_stats_kernel[(rows,)](
+        student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats,
+        vocab_student, teacher_logits.shape[1], *_common_args(vocab_student, scales), *_logit_args(scales),
+        **_caps(scales), NUM_STATS=NUM_STATS, BLOCK=_block(vocab_student, block_size, num_warps),
+        num_warps=num_warps,
+    )
+    return stats
+
+
+def row_grad_triton(student_logits, teacher_logits, labels, stats, scales: RowStepScales, token_losses, write_grad,
+                    grad_lifts=None, block_size=None, num_warps=DEFAULT_WARPS) -> None:
+    rows, vocab_student = student_logits.shape
+    if rows == 0:
+        return
+    _check_layout(student_logits, teacher_logits, labels, stats, token_losses,
+                  *([] if grad_lifts is None else [grad_lifts]))
+    lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
+    _row_grad_kernel[(rows,)](
+        student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats,
+        token_losses, lifts, vocab_student, *_common_args(vocab_student, scales), *_loss_args(scales),
+        **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, NUM_STATS=NUM_STATS,
+        BLOCK=_block(vocab_student, block_size, num_warps), num_warps=num_warps,
+    )
+
+
+TRITON_ROW_STEP = RowStepImpl(row_step_triton, row_stats_triton, row_grad_triton)
