@@ -43,7 +43,7 @@ def test_triton_row_step_matches_torch(dtype, vocab_student, vocab_teacher, bloc
     expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
     row_step_torch(expected_grad, teacher, labels, scales, expected_losses, write_grad)
     got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_triton(got_grad, teacher, labels, scales, got_losses, write_grad, block_size=block, slice_size=3 * block)
+    row_step_triton(got_grad, teacher, labels, scales, got_losses, write_grad, block_size=block)
 
     assert not (got_losses == POISON).any()
     torch.testing.assert_close(got_losses, expected_losses, rtol=2e-5, atol=2e-5)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 4 GPU call C: the sliced row step streaming its span twice (NOTES item 23). Its microbench against the two-pass
-# per-row kernel of c94ac5b, then gpu_check (the sliced kernel against the torch spec), then the seed bench.
+# per-row kernel of c94ac5b (the code it ran is commit f459454; reverted after), then gpu_check, then the seed bench.
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 R=$OUT/r; mkdir -p $R
