@@ -8,6 +8,8 @@ in one kernel (``row_step_triton``); a vocabulary split over ranks runs them as 
 statistics combined across ranks in between (``row_stats_triton``, ``row_grad_triton``).
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,20 @@ FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # a jit global 
 FLOAT32_TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # bound 0 (both weights 0): no log2(0)
 MAX_LIFT: tl.constexpr = tl.constexpr(float(MAX_LIFT_EXPONENT))
 MAX_STORED: tl.constexpr = tl.constexpr(float(MAX_STORED_EXPONENT))
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # read when Triton reads it
+
+
+@triton.jit
+def _exp(x):
+    """e^x in one SFU instruction (ex2.approx.ftz): results below fp32's normal range (1e-38) flush to
+    0, which no sum of exps and no stored gradient sees; plain tl.exp spends three more instructions
+    per logit keeping them (benchmarks/NOTES.md item 24). The interpreter cannot run PTX."""
+    if INTERPRET:
+        return tl.exp(x)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * LOG2E], dtype=tl.float32,
+                                         is_pure=True, pack=1)
 
 
 @triton.jit
@@ -33,12 +49,25 @@ def _softcap(x, cap):
 
 
 @triton.jit
-def _load_logits(row, cols, mask, logit_scale, cap, CAP: tl.constexpr):
-    """Logits as the loss sees them: fp32, times the logit scale, softcapped; 0 where masked."""
-    x = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
+def _load_logits(row, cols, mask, logit_scale, cap, CAP: tl.constexpr, MASKED: tl.constexpr = True):
+    """Logits as the loss sees them: fp32, times the logit scale (None: 1), softcapped; 0 where masked."""
+    if MASKED:
+        x = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(row + cols).to(tl.float32)
+    if logit_scale is not None:
+        x = x * logit_scale
     if CAP:
         x = _softcap(x, cap)
     return x
+
+
+@triton.jit
+def _one_if_none(x):
+    if x is None:
+        return 1.0
+    else:
+        return x
 
 
 @triton.jit
@@ -97,7 +126,18 @@ def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_
     dot = tl.zeros([BLOCK], tl.float32)
     sum_sq_student = tl.zeros([BLOCK], tl.float32)
     sum_sq_teacher = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, vocab_student, BLOCK):
+    whole_blocks_stop = vocab_student - vocab_student % BLOCK
+    for start in range(0, whole_blocks_stop, BLOCK):  # no masks: the hot loop (NOTES item 24)
+        cols = start + offsets
+        s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
+        t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
+        new_max = tl.maximum(run_max, s)  # an inf or NaN logit makes the sums below overflow: the RESCUE launch
+        run_sum_exp = run_sum_exp * _exp(run_max - new_max) + _exp(s - new_max)
+        run_max = new_max
+        dot += s * t
+        sum_sq_student += s * s
+        sum_sq_teacher += t * t
+    for start in range(whole_blocks_stop, vocab_student, BLOCK):  # the last, partial block
         cols = start + offsets
         in_row = cols < vocab_student
         s = _load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP)
@@ -106,7 +146,7 @@ def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_
         new_max = tl.maximum(run_max, s_for_max)
         # A lane that has seen only padding keeps max = -inf; keep its sum at 0 instead of NaN.
         shift = tl.where(new_max != float("-inf"), new_max, 0.0)
-        run_sum_exp = run_sum_exp * tl.exp(run_max - shift) + tl.exp(s_for_max - shift)
+        run_sum_exp = run_sum_exp * _exp(run_max - shift) + _exp(s_for_max - shift)
         run_max = new_max
         dot += s * t
         sum_sq_student += s * s
@@ -175,32 +215,66 @@ def _row_losses_and_grad(
             0.0,
         )
         soft_scale = weight_soft * beta
-        grad_factor = student_scale
+        grad_factor = _one_if_none(student_scale)
         if LIFT:
             bound = tl.abs(weight_hard) + tl.abs(soft_scale) * (
                 coef_teacher * teacher_unit * tl.sqrt(sum_sq_teacher)
                 + tl.abs(coef_student) * student_unit * tl.sqrt(sum_sq_student))
-            bound = tl.maximum(bound * tl.abs(student_scale), FLOAT32_TINY, propagate_nan=tl.PropagateNan.ALL)
+            bound = tl.maximum(bound * tl.abs(grad_factor), FLOAT32_TINY, propagate_nan=tl.PropagateNan.ALL)
             exponent = tl.floor(-tl.log2(bound))
             exponent = tl.where(exponent > 0, tl.minimum(exponent, MAX_LIFT),
                                 tl.where(exponent < -MAX_STORED, exponent + MAX_STORED, 0.0))  # NaN -> 0
             lift = ((exponent.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # exactly 2^exponent
             tl.store(lift_row, lift)
             grad_factor *= lift
+        # Per logit: d L / d s = prob_coef * softmax + teacher_coef * t + student_coef * s, the label's
+        # entry less prob_coef (the one-hot, stored apart after the loop), times the softcap's derivative.
+        prob_coef = weight_hard * grad_factor
+        teacher_coef = -soft_scale * coef_teacher * grad_factor
+        student_coef = soft_scale * coef_student * grad_factor
         offsets = tl.arange(0, BLOCK)
-        for start in range(0, vocab_student, BLOCK):
-            cols = start + offsets
-            in_row = cols < vocab_student
-            s = _load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP)
-            t = _load_logits(teacher_row, cols, in_row, teacher_scale, teacher_cap, TEACHER_CAP)
-            prob = tl.exp((s - row_max) - log_sum_exp)
-            grad = weight_hard * (prob - tl.where((cols == column) & in_shard, 1.0, 0.0))
-            grad -= soft_scale * (coef_teacher * t - coef_student * s)
-            if STUDENT_CAP:
-                grad *= 1.0 - (s / student_cap) * (s / student_cap)  # d(c tanh(z / c)) / dz
-            grad *= grad_factor
-            grad = tl.where(valid, grad, 0.0)
-            tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=tl.where(usable, in_row, False))
+        whole_blocks_stop = vocab_student - vocab_student % BLOCK
+        if usable & valid:
+            for start in range(0, whole_blocks_stop, BLOCK):
+                cols = start + offsets
+                s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
+                t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
+                grad = _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coef, student_cap,
+                                   STUDENT_CAP)
+                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
+            for start in range(whole_blocks_stop, vocab_student, BLOCK):
+                cols = start + offsets
+                in_row = cols < vocab_student
+                s = _load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP)
+                t = _load_logits(teacher_row, cols, in_row, teacher_scale, teacher_cap, TEACHER_CAP)
+                grad = _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coef, student_cap,
+                                   STUDENT_CAP)
+                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_row)
+            if in_shard:
+                t_label = _load_logits(teacher_row, column, in_shard, teacher_scale, teacher_cap, TEACHER_CAP)
+                label_grad = _grad_block(target_logit, t_label, row_max, log_sum_exp, prob_coef, teacher_coef,
+                                         student_coef, student_cap, STUDENT_CAP, ONE_HOT=True)
+                tl.debug_barrier()  # after every thread's store of the row's blocks
+                tl.store(student_row + column, label_grad.to(student_row.dtype.element_ty))
+        elif usable:  # an ignored token: no gradient
+            for start in range(0, vocab_student, BLOCK):
+                cols = start + offsets
+                tl.store(student_row + cols, tl.zeros([BLOCK], student_row.dtype.element_ty), mask=cols < vocab_student)
+
+
+@triton.jit
+def _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coef, student_cap,
+                STUDENT_CAP: tl.constexpr, ONE_HOT: tl.constexpr = False):
+    """d L / d s from the transformed logits and the row's coefficients (_row_losses_and_grad); with
+    ONE_HOT, the label's entry (one logit, at full precision)."""
+    if ONE_HOT:
+        grad = prob_coef * (tl.exp((s - row_max) - log_sum_exp) - 1.0)
+    else:
+        grad = prob_coef * _exp((s - row_max) - log_sum_exp)
+    grad += teacher_coef * t + student_coef * s
+    if STUDENT_CAP:
+        grad *= 1.0 - (s / student_cap) * (s / student_cap)  # d(c tanh(z / c)) / dz
+    return grad
 
 
 @triton.jit
@@ -310,8 +384,12 @@ def _common_args(vocab_student, scales: RowStepScales):
 
 
 def _logit_args(scales: RowStepScales):
-    return (scales.student_softcap or 1.0, scales.teacher_softcap or 1.0, scales.student_logit_scale,
-            scales.teacher_logit_scale)
+    """Caps (1.0 when off: the CAP flags skip them), then logit scales (None for 1: no multiply per logit)."""
+    def scale(value):
+        return None if value == 1.0 else value
+
+    return (scales.student_softcap or 1.0, scales.teacher_softcap or 1.0, scale(scales.student_logit_scale),
+            scale(scales.teacher_logit_scale))
 
 
 def _loss_args(scales: RowStepScales):
