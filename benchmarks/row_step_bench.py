@@ -45,8 +45,8 @@ def main():
     copy_ms = timed(lambda: scratch.copy_(student))
     print(f"copy of one buffer: {copy_ms:.3f} ms, {2 * one_pass / copy_ms / 1e9:.2f} TB/s")
     impls = [("this", row_step_triton)] + ([("other", load_other(args.other))] if args.other else [])
-    for write_grad, passes, configs in ((True, 5, ((1024, 4), (2048, 4), (1024, 8), (2048, 8), (4096, 8))),
-                                        (False, 2, ((2048, 16), (1024, 4), (2048, 8), (4096, 16)))):
+    for write_grad, passes, configs in ((True, 5, ((1024, 4), (2048, 2), (2048, 4), (4096, 4), (2048, 8), (4096, 8))),
+                                        (False, 2, ((2048, 4), (2048, 8), (4096, 8), (2048, 16), (4096, 16)))):
         for name, step in impls:
             for block, warps in (None, None), *configs:
                 if write_grad:  # the step overwrites its input: time it with a copy, subtract the copy

@@ -16,10 +16,10 @@ import triton.language as tl
 
 from .row_step import COSINE_EPS, MAX_LIFT_EXPONENT, MAX_STORED_EXPONENT, NUM_STATS, RowStepImpl, RowStepScales
 
-DEFAULT_BLOCK = 1024  # H200 sweeps, benchmarks/NOTES.md items 2 and 19
+DEFAULT_BLOCK = 2048  # H200 sweeps, benchmarks/NOTES.md items 2, 19 and 24
 DEFAULT_WARPS = 4
-LOSS_ONLY_BLOCK = 2048  # the no-grad launch: one pass whose online max / sum of exp chain
-LOSS_ONLY_WARPS = 16  # wants more loads in flight (0.178 against 0.195 ms per 1024 rows)
+LOSS_ONLY_BLOCK = 2048  # the no-grad launch (0.164 against 0.185-0.202 ms per 1024 rows at other settings)
+LOSS_ONLY_WARPS = 8
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # a jit global must be a constexpr
 FLOAT32_TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # bound 0 (both weights 0): no log2(0)
 MAX_LIFT: tl.constexpr = tl.constexpr(float(MAX_LIFT_EXPONENT))
