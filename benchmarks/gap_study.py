@@ -3,14 +3,13 @@
 Splits the library's time (forward + backward) into parts, each timed in the same process:
 
 * each of the four GEMM kinds alone, over the whole batch (the floor's parts) and chunk by chunk as
-  the chunk loop runs it (1024 and 2048 rows; grad_weight accumulated with beta = 1 after the first
+  the chunk loop runs it (``--chunks`` rows; grad_weight accumulated with beta = 1 after the first
   chunk): what chunking costs the GEMMs themselves;
 * "direct": ``chunked_loss_and_grads`` plus ``Gradients.finish`` called straight, no argument checks,
-  no autograd: the chunk loop's own cost;
+  no autograd: the chunk loop's own cost, for each ``--layouts`` student/teacher rows;
 * the library's forward alone (gradients computed, no backward) and its full step;
-* one profile each of "direct" and the library's full step: the summed time of every kernel, so any
-  kernel the library runs beyond the loop (or runs slower) shows by name, and the GPU's busy time
-  against the call's wall time.
+* one profile of the library's full step: the summed time of every kernel by name, and the GPU's busy
+  time against the call's wall time.
 
 Prediction (written before the run, T = 8192): the row step is ~3.1 ms of the ~5.5 ms the library
 spends beyond the floor (8 x 0.388 ms); the chunked grad_weight GEMM (K = 1024, reading and writing
@@ -18,7 +17,8 @@ the 0.5 GB grad_weight per chunk) costs ~1 ms more than the floor's single one, 
 GEMMs within ~2% of theirs; the library costs ~1 ms more than "direct" (NOTES item 11), and the
 profile shows the same kernels with the same sums, i.e. the difference is GPU idle time.
 
-    PYTHONPATH=src python benchmarks/gap_study.py [--tokens 1024 8192] [--json out.json]
+    PYTHONPATH=src python benchmarks/gap_study.py [--tokens 1024 8192] [--chunks 1024 2048]
+        [--layouts 1024/1024 2048/2048 2048/1024] [--json out.json]
 """
 
 import argparse
@@ -121,6 +121,9 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--json")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048], help="rows per chunked GEMM")
+    parser.add_argument("--layouts", nargs="+", default=["1024/1024", "2048/2048", "2048/1024"],
+                        help="student/teacher rows of the direct chunk loop")
     parser.add_argument("--device", default="cuda")  # cpu: a smoke run of the script at a small size
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -129,10 +132,10 @@ def main():
     for tokens in args.tokens:
         tensors = make_tensors(tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype, device)
         steps = {}
-        for chunk in (None, 1024, 2048):
+        for chunk in (None, *args.chunks):
             for kind, step in gemm_steps(tensors, chunk).items():
                 steps[f"{kind} chunk={chunk or 'all'}"] = step
-        for rows in (ChunkRows(1024, 1024), ChunkRows(2048, 2048), ChunkRows(2048, 1024)):
+        for rows in (ChunkRows(*map(int, layout.split("/"))) for layout in args.layouts):
             steps[f"direct chunk={rows.student} teacher={rows.teacher}"] = direct_step(tensors, rows)
         steps["library forward (grads computed)"] = library_step(tensors, backward=False)
         steps["library full"] = library_step(tensors, backward=True)
@@ -146,7 +149,7 @@ def main():
         for label, value in medians.items():
             print(f"  {label:40s} {value:8.3f} ms  {value / floor:6.3f} x floor   rounds {[round(t, 3) for t in times[label]]}")
         profiles = {}
-        for label in ("direct chunk=2048 teacher=1024", "library full") if device.type == "cuda" else ():
+        for label in ("library full",) if device.type == "cuda" else ():
             sums, busy = kernel_sums(steps[label], tensors)
             profiles[label] = dict(busy_ms=busy, kernels=sums)
             print(f"  profile {label}: GPU busy {busy:.3f} ms per call")
