@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Needs benchmarks/sessions/old_row_step_triton_c94ac5b.py, made before the call (not committed):
+#   git show c94ac5b:src/cosdistill/row_step_triton.py | sed 's/from .row_step import/from cosdistill.row_step import/' > benchmarks/sessions/old_row_step_triton_c94ac5b.py
 # Session 4 GPU call C: the sliced row step streaming its span twice (NOTES item 23). Its microbench against the two-pass
 # per-row kernel of c94ac5b (the code it ran is commit f459454; reverted after), then gpu_check, then the seed bench.
 set -u

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Needs benchmarks/sessions/old_row_step_triton_c94ac5b.py, made before the call (not committed):
+#   git show c94ac5b:src/cosdistill/row_step_triton.py | sed 's/from .row_step import/from cosdistill.row_step import/' > benchmarks/sessions/old_row_step_triton_c94ac5b.py
 # Session 4 GPU call D: the row step with fewer instructions per logit (NOTES item 24): its microbench
 # against c94ac5b's kernel (benchmarks/sessions/old_row_step_triton_c94ac5b.py, a copy of that commit's
 # file, not committed), then gpu_check and the 240-case fuzz on the changed kernels.

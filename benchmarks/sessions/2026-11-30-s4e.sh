@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Needs benchmarks/sessions/old_row_step_triton_c94ac5b.py, made before the call (not committed):
+#   git show c94ac5b:src/cosdistill/row_step_triton.py | sed 's/from .row_step import/from cosdistill.row_step import/' > benchmarks/sessions/old_row_step_triton_c94ac5b.py
 # Session 4 GPU call E: the row step of NOTES item 24 at its swept defaults (block 2048 / 4 warps; loss
 # only 2048 / 8): the microbench again, the seed bench (full step, with FP8), the no-grad forward, and
 # the two shapes past 1.15x (V = 32000 / H = 4096, V = 262144 / H = 2048).

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Needs benchmarks/sessions/old_row_step_triton_c94ac5b.py, made before the call (not committed):
+#   git show c94ac5b:src/cosdistill/row_step_triton.py | sed 's/from .row_step import/from cosdistill.row_step import/' > benchmarks/sessions/old_row_step_triton_c94ac5b.py
 # Session 4 GPU call H: whole-step A/B of NOTES item 24 (the leaner row step) against c94ac5b's row-step
 # file (benchmarks/sessions/old_row_step_triton_c94ac5b.py, swapped into a copy of src/), alternating
 # new / old twice, full step and no-grad forward, ours and the floor only.
