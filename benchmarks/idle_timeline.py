@@ -11,6 +11,9 @@ time and the time from the step's start to its first kernel.
 """
 
 import argparse
+import json
+import os
+import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -41,27 +44,39 @@ def main():
             with record_function(f"step {index}"):
                 step()
             torch.cuda.synchronize()
-    events = prof.events()
-    last = next(e for e in events if e.name == "step 2")
-    start, stop = last.time_range.start, last.time_range.end
-    kernels = sorted((k for e in events for k in e.kernels if start <= k.time_range.start <= stop + 10_000),
-                     key=lambda k: k.time_range.start)
-    launcher = {}  # kernel -> the innermost CPU op whose range holds its launch
-    for event in events:
-        if start <= event.time_range.start <= stop:
-            for kernel in event.kernels:
-                launcher[id(kernel)] = event.name
-    busy = sum(k.time_range.elapsed_us() for k in kernels)
-    print(f"T={args.tokens}: step wall {(stop - start) / 1e3:.3f} ms (host), kernels busy {busy / 1e3:.3f} ms, "
-          f"{len(kernels)} kernels; first kernel {(kernels[0].time_range.start - start):.0f} us after the step began")
-    previous_end = kernels[0].time_range.start
-    for kernel in kernels:
-        gap = kernel.time_range.start - previous_end
-        marker = f"  <- GPU idle {gap:7.0f} us before it" if gap > args.min_gap_us else ""
-        print(f"  {kernel.time_range.start - start:9.0f} us  {kernel.time_range.elapsed_us():8.0f} us  "
-              f"{kernel.name[:60]:60s} (from {launcher.get(id(kernel), '?')[:40]}){marker}")
-        previous_end = max(previous_end, kernel.time_range.end)
+    with tempfile.TemporaryDirectory() as folder:  # the trace has timestamps and launch correlations
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as file:
+            trace = [e for e in json.load(file)["traceEvents"] if e.get("ph") == "X"]
+    step = next(e for e in trace if e["name"] == "step 2")
+    start, stop = step["ts"], step["ts"] + step["dur"]
+    launches = {e["args"]["correlation"]: e for e in trace
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    host_ops = [e for e in trace if e.get("cat") == "cpu_op" and start <= e["ts"] <= stop]
+    kernels = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                      and start <= e["ts"] <= stop + 100_000), key=lambda e: e["ts"])
 
+    def launched_by(kernel):
+        launch = launches.get(kernel["args"].get("correlation"))
+        if launch is None:
+            return "?"
+        holders = [op for op in host_ops if op["ts"] <= launch["ts"] <= op["ts"] + op["dur"]]
+        return min(holders, key=lambda op: op["dur"])["name"] if holders else launch["name"]
+
+    busy = sum(k["dur"] for k in kernels)
+    print(f"T={args.tokens}: step {(stop - start) / 1e3:.3f} ms on the host, kernels busy {busy / 1e3:.3f} ms, "
+          f"{len(kernels)} kernels and copies")
+    if not kernels:
+        return
+    print(f"  first kernel {kernels[0]['ts'] - start:.0f} us after the step began")
+    previous_end = kernels[0]["ts"]
+    for kernel in kernels:
+        gap = kernel["ts"] - previous_end
+        marker = f"  <- GPU idle {gap:6.0f} us before it" if gap > args.min_gap_us else ""
+        print(f"  {kernel['ts'] - start:9.0f} us {kernel['dur']:7.0f} us  {kernel['name'][:50]:50s} "
+              f"(from {launched_by(kernel)[:40]}){marker}")
+        previous_end = max(previous_end, kernel["ts"] + kernel["dur"])
 
 if __name__ == "__main__":
     main()
