@@ -5,7 +5,7 @@ last step lists its kernels in time order and every gap of more than --min-gap-u
 between one kernel's end and the next one's start, naming the host op that launched the next kernel
 (the profiler's correlation). The profiler slows the host, so gaps read as upper bounds; their
 places, not their exact sizes, are the point. Also prints the step's wall time, the kernels' busy
-time and the time from the step's start to its first kernel.
+time, the time from the step's start to its first kernel and the host ops (>= --min-gap-us) before it.
 
     PYTHONPATH=src python benchmarks/idle_timeline.py [--tokens 1024] [--min-gap-us 5]
 """
@@ -69,7 +69,11 @@ def main():
           f"{len(kernels)} kernels and copies")
     if not kernels:
         return
-    print(f"  first kernel {kernels[0]['ts'] - start:.0f} us after the step began")
+    print(f"  first kernel {kernels[0]['ts'] - start:.0f} us after the step began; the host ops before its launch:")
+    first_launch = launches.get(kernels[0]["args"].get("correlation"), kernels[0])["ts"]
+    for op in host_ops:
+        if op["ts"] < first_launch and op["dur"] >= args.min_gap_us:
+            print(f"    {op['ts'] - start:7.0f} us {op['dur']:6.0f} us  {op['name'][:70]}")
     previous_end = kernels[0]["ts"]
     for kernel in kernels:
         gap = kernel["ts"] - previous_end
