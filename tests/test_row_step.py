@@ -170,3 +170,26 @@ def test_fp16_lifts_match_torch_and_keep_gradients_in_fp16_range(weights, softca
         assert ((unlifted[valid] - plain_grad[valid]).abs() <= 2e-3 * plain_grad[valid].abs() + atol).all()
     assert torch.equal(results["torch"][1], results["triton"][1])
     torch.testing.assert_close(results["triton"][0].float(), results["torch"][0].float(), rtol=1e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("vocab, block", [(96, 32), (97, 32), (64, 64), (65, 64)])
+def test_label_entry_in_whole_blocks_and_in_the_partial_last_block(vocab, block):
+    """The kernel streams whole blocks without masks and the last, partial one with them, and stores the
+    label's entry (softmax minus one) after the loop: labels at the first and last column and on both
+    sides of a block boundary, each in a row of its own; an ignored row gets zeros even from
+    non-finite logits (no 0 * inf)."""
+    columns = [0, vocab - 1, block - 1, min(block, vocab - 1), vocab // 2]
+    rows = len(columns) + 1
+    student, teacher, _ = random_chunk(rows, vocab, vocab, torch.float32)
+    labels = torch.tensor(columns + [-7])
+    student[-1, 3] = float("inf")
+    scales = RowStepScales(0.7, 0.4, 0.6, 1.3, -7)
+    expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
+    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
+    got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
+    row_step_triton(got_grad, teacher, labels, scales, got_losses, True, block_size=block)
+    torch.testing.assert_close(got_losses, expected_losses, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_grad[-1], torch.zeros(vocab))
+    label_entries = got_grad[torch.arange(len(columns)), labels[:-1]]
+    assert (label_entries < 0).all()  # the one-hot's -weight_hard dominates the label's entry
