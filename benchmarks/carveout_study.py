@@ -18,6 +18,11 @@ Prediction (written before the first H200 run of this script)
 * Risks: cuBLAS ignores the target for some kernels (then the persistent side kernel delays GEMM CTAs
   and the GEMM can take twice as long); HBM traffic of the side kernel lowers the GEMMs' clocks.
 
+Outcome (H200, benchmarks/results/2026-11-30-s4b/carveout.log; NOTES item 22): the persistent row step
+streams ~29 GB/s per SM, as the library kernel does on all 132, so it needs the whole machine for as
+long wherever it runs; every "together" row was slower than serial, and cuBLAS's SM target did not act
+consistently. Not adopted.
+
 Measured rows, per 1024 rows of the seed workload (V = 128256, H = 4096 / 2048, bf16):
 "gemms k=K": the chunk's four GEMMs alone with carveout K; "row step P=P w=W": the persistent row step
 alone on P programs of W warps; "together k=K P=P w=W": both at once (GEMMs on the main stream, the
