@@ -31,7 +31,29 @@ def test_bench_sweeps_ours_settings(capsys):
     assert "| ours[c=16,acc=fp32] | 32 | forward |" in out
 
 
-@pytest.mark.parametrize("bad", [["--tokens", "12,x"], ["--vocab", "0"], ["--providers", "ours,bogus"], ["--dtype", "fp8"]])
+def test_rounds_time_the_providers_in_turn_and_report_the_median_over_rounds(capsys, monkeypatch, tmp_path):
+    from cosdistill import bench
+
+    calls = []
+
+    def fake_median_ms(step, tensors, device, warmup, reps):
+        calls.append(warmup)
+        return {1: 5.0, 2: 1.0, 3: 2.0, 4: 7.0, 5: 3.0, 6: 4.0}[len(calls)]  # ours, floor alternate
+
+    monkeypatch.setattr(bench, "median_ms", fake_median_ms)
+    json_path = tmp_path / "bench.json"
+    code = main(TINY + ["--providers", "ours,floor", "--rounds", "3", "--warmup", "3", "--json", str(json_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert calls == [3, 3, 1, 1, 1, 1]  # the first round warms up with --warmup, later ones with one call
+    rows = {row["provider"]: row for row in json.loads(json_path.read_text())["rows"]}
+    assert rows["ours"]["median_ms"] == 3.0 and rows["floor"]["median_ms"] == 4.0  # medians of (5, 2, 3), (1, 7, 4)
+    assert rows["ours"]["ratio_to_floor"] == 0.75
+    assert "in each of 3 interleaved rounds" in out
+
+
+@pytest.mark.parametrize("bad", [["--tokens", "12,x"], ["--vocab", "0"], ["--providers", "ours,bogus"], ["--dtype", "fp8"],
+                                 ["--rounds", "0"]])
 def test_bad_argument_exits_2_with_one_line(capsys, bad):
     with pytest.raises(SystemExit) as exit_info:
         main(TINY + bad)
@@ -88,3 +110,26 @@ def test_fp8_loss_error_is_reported_not_checked(capsys, monkeypatch):
     fp8_row = next(line for line in out.splitlines() if line.startswith("| ours-fp8 | 32 | forward |"))
     assert 2e-6 < float(fp8_row.split("|")[7]) < 1e-2  # the loss err column
     assert "check: passed" in out
+
+
+def test_a_provider_out_of_memory_gets_a_note_and_an_empty_row(capsys, monkeypatch, tmp_path):
+    """Out of memory in a later round drops the provider from the table's timings, not the run."""
+    from cosdistill import bench
+
+    real_median_ms, calls = bench.median_ms, []
+
+    def median_ms_failing_naive(step, tensors, device, warmup, reps):
+        calls.append(step)
+        if len(calls) == 5:  # round 2, naive (order: ours, naive, floor)
+            raise torch.OutOfMemoryError("fake")
+        return real_median_ms(step, tensors, device, warmup, reps)
+
+    monkeypatch.setattr(bench, "median_ms", median_ms_failing_naive)
+    json_path = tmp_path / "bench.json"
+    code = main(TINY + ["--providers", "ours,naive,floor", "--rounds", "2", "--json", str(json_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = {row["provider"]: row for row in json.loads(json_path.read_text())["rows"]}
+    assert rows["naive"]["median_ms"] is None and rows["naive"]["peak_gb_above_inputs"] is None
+    assert rows["ours"]["median_ms"] > 0 and rows["floor"]["median_ms"] > 0
+    assert "naive ran out of memory at T=32" in out

@@ -55,9 +55,11 @@ class Workload:
     dtype: torch.dtype
     warmup: int
     reps: int
+    rounds: int = 1  # > 1: providers timed in turn, round after round (time_providers)
 
     def __post_init__(self):
-        sizes = dict(vocab=self.vocab, hidden=self.hidden, student_hidden=self.student_hidden, reps=self.reps)
+        sizes = dict(vocab=self.vocab, hidden=self.hidden, student_hidden=self.student_hidden, reps=self.reps,
+                     rounds=self.rounds)
         for name, value in sizes.items():
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -70,7 +72,9 @@ class Workload:
         return (
             f"V={self.vocab} (student and teacher), teacher H={self.hidden}, student H={self.student_hidden}, "
             f"dtype={DTYPE_NAMES[self.dtype]}, T={','.join(map(str, self.tokens))}, labels uniform in [0, V) "
-            f"(none ignored), warm-up {self.warmup}, median of {self.reps}, seed {SEED}"
+            f"(none ignored), warm-up {self.warmup}, median of {self.reps}"
+            + (f" in each of {self.rounds} interleaved rounds, then the median over rounds" if self.rounds > 1 else "")
+            + f", seed {SEED}"
         )
 
 
@@ -339,13 +343,13 @@ def run_bench(workload: Workload, device: torch.device, providers=PROVIDERS, mod
     ours_errors = [error for errors in small_errors.values() for error in errors.values()]
 
     rows = []
-    with progress_bar(len(workload.tokens) * len(builders)) as bar:
+    with progress_bar(len(workload.tokens) * len(builders) * workload.rounds) as bar:
         for tokens in workload.tokens:
             tensors = make_tensors(tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype, device)
             loss_errors = bench_size_loss_errors(tensors, settings + fp8_settings, liger_loss)
             ours_errors += [loss_errors[setting.label] for setting in settings]
-            for label, build in builders.items():
-                milliseconds, peak_gb = time_provider(build, tensors, device, mode, workload, notes, label)
+            timings = time_providers(builders, tensors, device, mode, workload, notes, bar)
+            for label, (milliseconds, peak_gb) in timings.items():
                 rows.append({
                     "provider": label,
                     "T": tokens,
@@ -356,8 +360,6 @@ def run_bench(workload: Workload, device: torch.device, providers=PROVIDERS, mod
                     "loss_rel_err": loss_errors.get(label),
                     **small_errors.get(label, dict.fromkeys(SMALL_ERROR_KEYS)),
                 })
-                if bar is not None:
-                    bar.update()
             del tensors
 
     floor_ms = {row["T"]: row["median_ms"] for row in rows if row["provider"] == "floor"}
@@ -392,21 +394,35 @@ def bench_size_loss_errors(tensors: Tensors, settings, liger_loss) -> dict:
     return errors
 
 
-def time_provider(build, tensors: Tensors, device, mode, workload: Workload, notes, label):
-    """(median ms, peak GB above inputs) of one provider; (None, None) and a note if it runs out of memory."""
-    try:
-        step = build(tensors, mode)
-        if mode == "forward":
-            step = torch.no_grad()(step)
-        return (
-            median_ms(step, tensors, device, workload.warmup, workload.reps),
-            peak_gb_above_inputs(step, tensors, device),
-        )
-    except torch.OutOfMemoryError:
-        notes.append(f"{label} ran out of memory at T={tensors.labels.numel()}")
-        return None, None
-    finally:
-        tensors.clear_grads()
+def time_providers(builders, tensors: Tensors, device, mode, workload: Workload, notes, bar) -> dict:
+    """label -> (median ms, peak GB above inputs); (None, None) and a note for one that runs out of memory.
+
+    Each round times every provider in turn (median of ``reps`` calls, after ``warmup`` calls in the
+    first round, one in later rounds); a provider's time is the median over rounds of its round
+    medians. With several rounds, clocks that drift over a run (the floor moved 3.67-3.92 ms at
+    T = 1024 between runs on one H200, BENCHMARKS.md) drift under every provider alike."""
+    steps, times, timings = {}, {}, dict.fromkeys(builders, (None, None))
+    for round_index in range(workload.rounds):
+        last_round = round_index == workload.rounds - 1
+        for label, build in builders.items():
+            if label in steps or round_index == 0:
+                try:
+                    if label not in steps:  # built when first timed: a round allocates provider after provider
+                        step = build(tensors, mode)
+                        steps[label] = torch.no_grad()(step) if mode == "forward" else step
+                    warmup = workload.warmup if round_index == 0 else min(1, workload.warmup)
+                    times.setdefault(label, []).append(median_ms(steps[label], tensors, device, warmup, workload.reps))
+                    if last_round:
+                        timings[label] = (statistics.median(times[label]),
+                                          peak_gb_above_inputs(steps[label], tensors, device))
+                except torch.OutOfMemoryError:
+                    notes.append(f"{label} ran out of memory at T={tensors.labels.numel()}")
+                    steps.pop(label, None)
+                finally:
+                    tensors.clear_grads()
+            if bar is not None:
+                bar.update()
+    return timings
 
 
 TABLE_COLUMNS = (  # (row key, heading, format)

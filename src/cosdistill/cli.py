@@ -73,6 +73,9 @@ def build_parser():
     bench_parser.add_argument("--accum-dtypes", type=comma_list(dtype), help="run ours once per grad_weight accumulator dtype")
     bench_parser.add_argument("--warmup", type=int, help="untimed calls before timing")
     bench_parser.add_argument("--reps", type=int, help="timed calls; the median is reported")
+    bench_parser.add_argument("--rounds", type=int, default=1,
+                              help="time the providers in turn this many times and report the median over rounds "
+                                   "(clock drift then spreads over all providers alike)")
     bench_parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     bench_parser.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
     bench_parser.add_argument("--plot", metavar="PATH", help="also plot time and %% of the floor vs T as a PNG (needs matplotlib)")
@@ -152,6 +155,7 @@ def run_bench_command(args):
         dtype=args.dtype or default.dtype,
         warmup=args.warmup if args.warmup is not None else default.warmup,
         reps=args.reps if args.reps is not None else default.reps,
+        rounds=args.rounds,
     )
     settings = bench.ours_settings(args.chunk_sizes, args.accum_dtypes)
     result = bench.run_bench(workload, device, providers=args.providers, mode=args.mode, settings=settings)
