@@ -236,20 +236,13 @@ def _row_losses_and_grad(
         whole_blocks_stop = vocab_student - vocab_student % BLOCK
         if usable & valid:
             for start in range(0, whole_blocks_stop, BLOCK):
-                cols = start + offsets
-                s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
-                t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
-                grad = _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coef, student_cap,
-                                   STUDENT_CAP)
-                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
-            for start in range(whole_blocks_stop, vocab_student, BLOCK):
-                cols = start + offsets
-                in_row = cols < vocab_student
-                s = _load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP)
-                t = _load_logits(teacher_row, cols, in_row, teacher_scale, teacher_cap, TEACHER_CAP)
-                grad = _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coef, student_cap,
-                                   STUDENT_CAP)
-                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_row)
+                _write_grad_block(student_row, teacher_row, start + offsets, vocab_student, row_max, log_sum_exp,
+                                  prob_coef, teacher_coef, student_coef, student_scale, teacher_scale, student_cap,
+                                  teacher_cap, STUDENT_CAP, TEACHER_CAP, MASKED=False)
+            for start in range(whole_blocks_stop, vocab_student, BLOCK):  # the last, partial block
+                _write_grad_block(student_row, teacher_row, start + offsets, vocab_student, row_max, log_sum_exp,
+                                  prob_coef, teacher_coef, student_coef, student_scale, teacher_scale, student_cap,
+                                  teacher_cap, STUDENT_CAP, TEACHER_CAP, MASKED=True)
             if in_shard:
                 t_label = _load_logits(teacher_row, column, in_shard, teacher_scale, teacher_cap, TEACHER_CAP)
                 label_grad = _grad_block(target_logit, t_label, row_max, log_sum_exp, prob_coef, teacher_coef,
@@ -260,6 +253,21 @@ def _row_losses_and_grad(
             for start in range(0, vocab_student, BLOCK):
                 cols = start + offsets
                 tl.store(student_row + cols, tl.zeros([BLOCK], student_row.dtype.element_ty), mask=cols < vocab_student)
+
+
+@triton.jit
+def _write_grad_block(student_row, teacher_row, cols, vocab_student, row_max, log_sum_exp, prob_coef, teacher_coef,
+                      student_coef, student_scale, teacher_scale, student_cap, teacher_cap, STUDENT_CAP: tl.constexpr,
+                      TEACHER_CAP: tl.constexpr, MASKED: tl.constexpr):
+    """Overwrites one block of the row's student logits with d L / d s (MASKED: the last, partial block)."""
+    in_row = cols < vocab_student
+    s = _load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP, MASKED)
+    t = _load_logits(teacher_row, cols, in_row, teacher_scale, teacher_cap, TEACHER_CAP, MASKED)
+    grad = _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coef, student_cap, STUDENT_CAP)
+    if MASKED:
+        tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_row)
+    else:
+        tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
 
 
 @triton.jit
