@@ -405,23 +405,23 @@ def time_providers(builders, tensors: Tensors, device, mode, workload: Workload,
     for round_index in range(workload.rounds):
         last_round = round_index == workload.rounds - 1
         for label, build in builders.items():
-            if label in steps or round_index == 0:
-                try:
-                    if label not in steps:  # built when first timed: a round allocates provider after provider
-                        step = build(tensors, mode)
-                        steps[label] = torch.no_grad()(step) if mode == "forward" else step
-                    warmup = workload.warmup if round_index == 0 else min(1, workload.warmup)
-                    times.setdefault(label, []).append(median_ms(steps[label], tensors, device, warmup, workload.reps))
-                    if last_round:
-                        timings[label] = (statistics.median(times[label]),
-                                          peak_gb_above_inputs(steps[label], tensors, device))
-                except torch.OutOfMemoryError:
-                    notes.append(f"{label} ran out of memory at T={tensors.labels.numel()}")
-                    steps.pop(label, None)
-                finally:
-                    tensors.clear_grads()
             if bar is not None:
                 bar.update()
+            if round_index > 0 and label not in steps:  # it ran out of memory in an earlier round
+                continue
+            try:
+                if round_index == 0:  # built when first timed: a round allocates provider after provider
+                    step = build(tensors, mode)
+                    steps[label] = torch.no_grad()(step) if mode == "forward" else step
+                warmup = workload.warmup if round_index == 0 else min(1, workload.warmup)
+                times.setdefault(label, []).append(median_ms(steps[label], tensors, device, warmup, workload.reps))
+                if last_round:
+                    timings[label] = (statistics.median(times[label]), peak_gb_above_inputs(steps[label], tensors, device))
+            except torch.OutOfMemoryError:
+                notes.append(f"{label} ran out of memory at T={tensors.labels.numel()}")
+                steps.pop(label, None)
+            finally:
+                tensors.clear_grads()
     return timings
 
 
