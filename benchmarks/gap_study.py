@@ -30,7 +30,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from cosdistill import fused_linear_cosine_distill
-from cosdistill.api import _LabelCounts, pick_row_step, row_step_scales
+from cosdistill.api import pick_row_step, row_step_scales
+from cosdistill.labels import LabelCounts
 from cosdistill.bench import CPU_WORKLOAD, CUDA_WORKLOAD, make_tensors, median_ms
 from cosdistill.chunked import ChunkRows, TeacherHead, chunked_loss_and_grads
 
@@ -83,7 +84,7 @@ def direct_step(tensors, rows: ChunkRows):
     def step():
         result = chunked_loss_and_grads(
             x_s, w_s, None, tensors.teacher_input, TeacherHead(tensors.teacher_weight, None), labels, SCALES,
-            _LabelCounts(labels, -100, vocab, None), row_step, rows, (True, True, False), w_s.dtype,
+            LabelCounts(labels, -100, vocab, None), row_step, rows, (True, True, False), w_s.dtype,
         )
         grad_input, grad_weight, _ = result.gradients.finish(1.0)
         tensors.student_input.grad, tensors.student_weight.grad = grad_input, grad_weight  # held like backward's

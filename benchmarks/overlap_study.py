@@ -64,12 +64,12 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from cosdistill import fused_linear_cosine_distill
-from cosdistill.api import _LabelCounts
 from cosdistill.bench import (
     CUDA_WORKLOAD, TOLERANCE, Tensors, environment_header, floor_provider, make_tensors, median_ms,
     peak_gb_above_inputs, rel_err,
 )
 from cosdistill.chunked import _grad_weight_gemm, _logits_into, chunk_rows
+from cosdistill.labels import LabelCounts
 from cosdistill.row_step import RowStepScales, row_step_torch
 
 SCALES = RowStepScales(weight_hard=0.5, weight_soft=0.5, beta=0.5, temperature=1.0, ignore_index=-100)  # the API's defaults
@@ -153,7 +153,7 @@ def overlapped_loss_and_grads(student_input, student_weight, teacher_input, teac
     token_losses = torch.empty(num_tokens, 2, dtype=torch.float32, device=device)
     grad_input = torch.empty_like(student_input)
     grad_weight = torch.empty_like(student_weight)
-    normaliser = _LabelCounts(labels, SCALES.ignore_index, vocab, None)
+    normaliser = LabelCounts(labels, SCALES.ignore_index, vocab, None)
     inv_normaliser = None
     for index, start in enumerate(range(0, num_tokens, chunk)):
         stop = min(start + chunk, num_tokens)

@@ -1,19 +1,23 @@
-"""Time the Triton row step alone on one chunk, for several block sizes and warp counts, and (if given)
+"""Time the Triton row step alone on one chunk, for several block sizes, warp counts and prefetch stages
+(``--stages``), and (if given)
 another implementation of row_step_triton with the same signature, e.g. an earlier commit's, for an A/B.
 
 Bytes counted: pass 1 reads s and t, pass 2 reads s and t and writes s: 5 * rows * V * itemsize.
-Compared with a device-to-device copy of the same buffers (read + write counted).
+Compared with a device-to-device copy of the same buffers (read + write counted). Each setting's
+losses and gradient are first checked against the torch row step (relative error printed).
 
-    PYTHONPATH=src python benchmarks/row_step_bench.py [--rows 1024] [--vocab 128256] [--other FILE]
+    PYTHONPATH=src python benchmarks/row_step_bench.py [--rows 1024] [--vocab 128256] [--stages 1 3] [--other FILE]
 """
 
 import argparse
+import functools
 import importlib.util
 
 import torch
 import triton.testing
 
-from cosdistill.row_step import RowStepScales
+from cosdistill.bench import rel_err
+from cosdistill.row_step import RowStepScales, row_step_torch
 from cosdistill.row_step_triton import row_step_triton
 
 
@@ -29,6 +33,8 @@ def main():
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--other", help="a file defining row_step_triton (same signature), timed beside this one")
+    parser.add_argument("--stages", type=int, nargs="+", default=[None],
+                        help="num_stages settings swept for this file's kernel (default: its own)")
     args = parser.parse_args()
     rows, vocab = args.rows, args.vocab
     student = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
@@ -42,9 +48,23 @@ def main():
     def timed(fn):
         return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
+    want_grad, want_losses = student.clone(), torch.empty_like(losses)
+    row_step_torch(want_grad, teacher, labels, scales, want_losses, True)
+    want_loss_only = torch.empty_like(losses)
+    row_step_torch(student.clone(), teacher, labels, scales, want_loss_only, False)
+
+    def error(step, write_grad, block, warps):
+        scratch.copy_(student)
+        losses.fill_(float("nan"))  # poisoned: every row must be written
+        step(scratch, teacher, labels, scales, losses, write_grad, block_size=block, num_warps=warps)
+        if not write_grad:
+            return rel_err(losses, want_loss_only)
+        return max(rel_err(losses, want_losses), rel_err(scratch.float(), want_grad.float()))
+
     copy_ms = timed(lambda: scratch.copy_(student))
     print(f"copy of one buffer: {copy_ms:.3f} ms, {2 * one_pass / copy_ms / 1e9:.2f} TB/s")
-    impls = [("this", row_step_triton)] + ([("other", load_other(args.other))] if args.other else [])
+    impls = [(f"this stages={stages}", functools.partial(row_step_triton, num_stages=stages)) for stages in args.stages]
+    impls += [("other", load_other(args.other))] if args.other else []
     for write_grad, passes, configs in ((True, 5, ((1024, 4), (2048, 2), (2048, 4), (4096, 4), (2048, 8), (4096, 8))),
                                         (False, 2, ((2048, 4), (2048, 8), (4096, 8), (2048, 16), (4096, 16)))):
         for name, step in impls:
@@ -57,7 +77,8 @@ def main():
                                             num_warps=warps))
                 setting = "defaults" if block is None else f"block={block:5d} warps={warps:2d}"
                 print(f"{'row step' if write_grad else 'loss only'} {name} {setting}: {ms:.3f} ms, "
-                      f"{passes * one_pass / ms / 1e9:.2f} TB/s", flush=True)
+                      f"{passes * one_pass / ms / 1e9:.2f} TB/s, rel err {error(step, write_grad, block, warps):.1e}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -75,9 +75,11 @@ def test_options_and_3d_inputs(impl, dtype):
     assert_matches_reference(problem, dtype, grad_output=-2.5, ref_kwargs=options, impl=impl, chunk_size=10, **options)
 
 
-def test_grad_output_scales_gradients(impl):
-    problem = make_problem()
-    assert_matches_reference(problem, torch.float32, grad_output=3.25, impl=impl, chunk_size=8)
+@pytest.mark.parametrize("chunk_size", [8, None])  # several chunks: on the last GEMM's alpha and beta; one: on its rows
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_output_scales_gradients(impl, chunk_size, dtype):
+    problem = make_problem(dtype=dtype)
+    assert_matches_reference(problem, dtype, grad_output=3.25, impl=impl, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("accum_dtype", [torch.float32, torch.bfloat16])

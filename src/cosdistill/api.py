@@ -10,6 +10,7 @@ import torch
 from . import fp8
 from .chunked import (ChunkRows, Normaliser, RowStep, TeacherHead, VocabParallel, chunk_rows, chunked_loss_and_grads,
                       split_row_step)
+from .labels import LabelCounts
 from .row_step import TORCH_ROW_STEP, RowStepImpl, RowStepScales
 
 IMPLS = ("auto", "torch", "triton")
@@ -107,7 +108,7 @@ def fused_linear_cosine_distill(
     grad_on = torch.is_grad_enabled()
     options = _Options(
         scales=scales,
-        normaliser=_LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens),
+        normaliser=LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens),
         row_step=row_step,
         teacher=teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=rows.teacher),
         rows=rows,
@@ -174,42 +175,6 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
         )
 
 
-class _LabelCounts:
-    """N and the check for labels outside [0, Vs). The chunk loop launches the count behind the first
-    GEMMs and waits for it only after the first row step is queued, so the host read stalls nothing."""
-
-    def __init__(self, labels, ignore_index, vocab_student, num_valid_tokens):
-        self.labels, self.ignore_index, self.vocab_student = labels, ignore_index, vocab_student
-        self.num_valid_tokens = num_valid_tokens
-
-    def launch(self):
-        valid = self.labels != self.ignore_index
-        self.out_of_range = valid & ((self.labels < 0) | (self.labels >= self.vocab_student))
-        counts = torch.stack([valid.sum(), self.out_of_range.sum()])
-        self.counts = counts.to("cpu", non_blocking=True)
-        self.copied = torch.cuda.Event() if counts.is_cuda else None
-        if self.copied is not None:
-            self.copied.record()
-
-    def wait(self) -> float:
-        if self.copied is not None:
-            self.copied.synchronize()
-        num_valid, num_out_of_range = self.counts.tolist()
-        if num_out_of_range:
-            examples = self.labels[self.out_of_range][:5].tolist()
-            raise ValueError(
-                f"true_labels has {num_out_of_range} labels outside [0, {self.vocab_student}) that are not "
-                f"ignore_index={self.ignore_index}, e.g. {examples}"
-            )
-        if self.num_valid_tokens is None:
-            return float(max(1, num_valid))
-        given = self.num_valid_tokens
-        normaliser = float(given.item() if torch.is_tensor(given) else given)
-        if not normaliser > 0:
-            raise ValueError(f"num_valid_tokens must be > 0, got {normaliser}")
-        return normaliser
-
-
 @dataclass(frozen=True)
 class _Options:
     scales: RowStepScales
@@ -243,7 +208,7 @@ class _FusedLinearCosineDistill(torch.autograd.Function):
         if ctx.gradients is None:
             raise RuntimeError("cosdistill computes gradients in forward and can run backward only once per call")
         gradients, ctx.gradients = ctx.gradients, None
-        grads = gradients.finish(float(grad_loss))  # the one host read of grad_output: it sets GEMM alpha/beta
+        grads = gradients.finish(grad_loss.detach())
         cast = [None if grad is None else grad.to(dtype) for grad, dtype in zip(grads, ctx.grad_dtypes)]
         return (*cast, None, None, None)
 

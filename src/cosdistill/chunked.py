@@ -4,8 +4,8 @@ Everything the loss costs happens in ``chunked_loss_and_grads``, called from the
 chunk of tokens, two cuBLAS GEMMs write the student and teacher logits into reused buffers (the
 teacher's in sub-chunks), the row step turns the student buffer into d loss / d logits in place, and
 two more GEMMs turn that into grad_input (written straight into its slice) and grad_weight
-(accumulated). Backward applies
-grad_output, folding it into the last chunk's grad_weight GEMM (``Gradients.finish``).
+(accumulated). Backward applies grad_output, folding it into the last chunk's grad_weight GEMM
+(``Gradients.finish``).
 """
 
 import functools
@@ -14,6 +14,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from .grad_output import scale_unless_one_
 from .row_step import RowStepImpl, RowStepScales, combine_row_stats
 
 RowStep = Callable[..., None]  # (student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None)
@@ -95,8 +96,8 @@ def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, voca
 @dataclass
 class Gradients:
     """The student's gradients for grad_output = 1, less the last chunk's grad_weight GEMM, which waits
-    for grad_output so that scaling by it rides on that GEMM's alpha and beta instead of a pass over
-    grad_weight (measured: 1.1 ms at T = 1024 on the H200, see benchmarks/NOTES.md)."""
+    for grad_output: scaling by it then rides on that GEMM instead of a pass over grad_weight (measured:
+    1.1 ms at T = 1024 on the H200, see benchmarks/NOTES.md item 13)."""
 
     grad_input: torch.Tensor | None
     grad_weight: torch.Tensor | None  # in the accum dtype
@@ -111,25 +112,36 @@ class Gradients:
     # the forward already (reading grad_output), so that the forward never waits for the host
     correct_last: Callable[..., bool] | None = None
 
-    def finish(self, grad_output: float):
-        """(grad_input, grad_weight, grad_bias) for this grad_output."""
+    def finish(self, grad_output: torch.Tensor | None = None):
+        """(grad_input, grad_weight, grad_bias) for this grad_output (a 0-d tensor; None: 1)."""
         if self.correct_last is not None and self.correct_last(overwrite=not self.accumulate_last):
             self.accumulate_last = True  # grad_weight holds the correction (or is None)
+        if self.last_grad_logits is not None:
+            self._last_grad_weight_gemm(grad_output)
         if self.grad_input is not None and self.grad_input_lifts is not None:
             for start in range(0, len(self.grad_input), self.chunk_rows):
                 rows = self.grad_input[start : start + self.chunk_rows]
-                factors = grad_output / self.grad_input_lifts[start : start + self.chunk_rows, None]
-                rows.copy_(rows.float() * factors)
-        elif self.grad_input is not None and grad_output != 1.0:
-            self.grad_input.mul_(grad_output)
-        if self.grad_bias is not None and grad_output != 1.0:
-            self.grad_bias.mul_(grad_output)
-        if self.last_grad_logits is not None:
-            _grad_weight_gemm(
-                self.grad_weight, self.last_grad_logits, self.last_hidden,
-                alpha=grad_output * self.inv_normaliser, beta=grad_output if self.accumulate_last else 0.0,
-            )
+                factors = 1.0 / self.grad_input_lifts[start : start + self.chunk_rows, None]  # exact: powers of two
+                rows.copy_(rows.float() * (factors if grad_output is None else factors * grad_output))
+        elif self.grad_input is not None:
+            scale_unless_one_(self.grad_input, grad_output)
+        if self.grad_bias is not None:
+            scale_unless_one_(self.grad_bias, grad_output)
         return self.grad_input, self.grad_weight, self.grad_bias
+
+    def _last_grad_weight_gemm(self, grad_output):
+        """When this GEMM makes the whole of grad_weight, grad_output goes onto its hidden rows on the
+        device. Otherwise (earlier chunks' sum in it; or fp16 rows, which a loss scale could overflow)
+        it goes onto the GEMM's alpha and beta, read on the host: the wait costs the GPU ~0.07 ms of
+        idle, a pass over grad_weight (when grad_output != 1, e.g. 1 / gradient accumulation steps)
+        ~0.25 ms (benchmarks/NOTES.md item 27)."""
+        hidden, alpha, beta = self.last_hidden, self.inv_normaliser, 1.0 if self.accumulate_last else 0.0
+        if grad_output is not None and (self.accumulate_last or hidden.dtype == torch.float16):
+            scale = float(grad_output)
+            alpha, beta = alpha * scale, beta * scale
+        elif grad_output is not None:
+            hidden = (hidden.float() * grad_output).to(hidden.dtype)  # in fp32: rounded once
+        _grad_weight_gemm(self.grad_weight, self.last_grad_logits, hidden, alpha=alpha, beta=beta)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from . import api
 from .chunked import chunk_rows, chunked_loss_and_grads
+from .labels import LabelCounts
 
 
 # The body reads label counts on the host, which a CUDA graph cannot capture ("reduce-overhead" mode).
@@ -74,13 +75,13 @@ def fused_linear_cosine_distill_op(
     scales = api.row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
                                  teacher_softcap, student_logit_scale, teacher_logit_scale)
     given = num_valid_tokens if num_valid_tokens is not None else num_valid_count
-    normaliser = api._LabelCounts(labels, ignore_index, vocab_student, given)  # raises on bad labels
+    normaliser = LabelCounts(labels, ignore_index, vocab_student, given)  # raises on bad labels
     result = chunked_loss_and_grads(
         student_input, student_weight, student_bias, teacher_input, teacher, labels, scales, normaliser,
         api.pick_row_step(impl, student_input.device).step, rows, tuple(needs_grad), accum_dtype or api.default_accum_dtype(student_weight.dtype),
     )
     loss = weight_hard_loss * result.hard_loss + weight_soft_loss * result.soft_loss
-    grads = result.gradients.finish(1.0) if result.gradients is not None else (None, None, None)
+    grads = result.gradients.finish() if result.gradients is not None else (None, None, None)
     grads = [student_weight.new_empty(0) if grad is None else grad for grad in grads]
     return loss, result.soft_loss.clone(), result.hard_loss.clone(), *grads  # outputs may not alias
 

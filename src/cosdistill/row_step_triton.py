@@ -20,6 +20,8 @@ DEFAULT_BLOCK = 2048  # H200 sweeps, benchmarks/NOTES.md items 2, 19 and 24
 DEFAULT_WARPS = 4
 LOSS_ONLY_BLOCK = 2048  # the no-grad launch (0.164 against 0.185-0.202 ms per 1024 rows at other settings)
 LOSS_ONLY_WARPS = 8
+DEFAULT_STAGES = 1  # blocks of each hot loop's loads in flight through shared memory (1: plain loads)
+LOSS_ONLY_STAGES = 1
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # a jit global must be a constexpr
 FLOAT32_TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # bound 0 (both weights 0): no log2(0)
 MAX_LIFT: tl.constexpr = tl.constexpr(float(MAX_LIFT_EXPONENT))
@@ -115,9 +117,18 @@ def _unit_scaled_sums(student_row, teacher_row, vocab_student, vocab_teacher, st
 
 
 @triton.jit
+def _add_to_sum_exp(run_max, run_sum_exp, above_max, s):
+    """The online max and sum of e^(s - max) with one exp per logit instead of two (NOTES item 27):
+    e^-|s - max| is the new term when s is at most the max, else the factor that rescales the sum."""
+    decay = _exp(-tl.abs(above_max))
+    run_sum_exp = tl.where(above_max > 0, run_sum_exp * decay + 1.0, run_sum_exp + decay)
+    return tl.maximum(run_max, s), run_sum_exp
+
+
+@triton.jit
 def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale,
                teacher_scale, student_cap, teacher_cap, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr,
-               UNIT_SCALED: tl.constexpr, BLOCK: tl.constexpr):
+               UNIT_SCALED: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """The row's ROW_STATS (row_step.py): plain sums (scales 1), or with UNIT_SCALED sums of s / max|s|
     and t / max|t| (two more passes, for rows whose plain sums overflow fp32)."""
     offsets = tl.arange(0, BLOCK)
@@ -127,13 +138,13 @@ def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_
     sum_sq_student = tl.zeros([BLOCK], tl.float32)
     sum_sq_teacher = tl.zeros([BLOCK], tl.float32)
     whole_blocks_stop = vocab_student - vocab_student % BLOCK
-    for start in range(0, whole_blocks_stop, BLOCK):  # no masks: the hot loop (NOTES item 24)
+    # no masks: the hot loop (NOTES item 24); its loads prefetched STAGES - 1 blocks ahead (item 28)
+    for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
         cols = start + offsets
         s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
         t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
-        new_max = tl.maximum(run_max, s)  # an inf or NaN logit makes the sums below overflow: the RESCUE launch
-        run_sum_exp = run_sum_exp * _exp(run_max - new_max) + _exp(s - new_max)
-        run_max = new_max
+        # an inf or NaN logit makes the sums below overflow: the RESCUE launch
+        run_max, run_sum_exp = _add_to_sum_exp(run_max, run_sum_exp, s - run_max, s)
         dot += s * t
         sum_sq_student += s * s
         sum_sq_teacher += t * t
@@ -142,12 +153,9 @@ def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_
         in_row = cols < vocab_student
         s = _load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP)
         t = _load_logits(teacher_row, cols, in_row, teacher_scale, teacher_cap, TEACHER_CAP)
-        s_for_max = tl.where(in_row, s, float("-inf"))
-        new_max = tl.maximum(run_max, s_for_max)
-        # A lane that has seen only padding keeps max = -inf; keep its sum at 0 instead of NaN.
-        shift = tl.where(new_max != float("-inf"), new_max, 0.0)
-        run_sum_exp = run_sum_exp * _exp(run_max - shift) + _exp(s_for_max - shift)
-        run_max = new_max
+        # padding adds e^-inf = 0 (also to a lane that has seen only padding: -inf - -inf would be NaN)
+        run_max, run_sum_exp = _add_to_sum_exp(run_max, run_sum_exp, tl.where(in_row, s - run_max, float("-inf")),
+                                               tl.where(in_row, s, float("-inf")))
         dot += s * t
         sum_sq_student += s * s
         sum_sq_teacher += t * t
@@ -188,7 +196,7 @@ def _row_losses_and_grad(
     row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
     weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
     usable, lift_row, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    LIFT: tl.constexpr, BLOCK: tl.constexpr,
+    LIFT: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Losses and (if WRITE_GRAD) d L / d s from the row's statistics (row_step.cosine_terms, row_grad_torch);
     with LIFT, times the row's power of two, stored at ``lift_row`` (row_step.row_lift_bound, lift_for).
@@ -235,7 +243,7 @@ def _row_losses_and_grad(
         offsets = tl.arange(0, BLOCK)
         whole_blocks_stop = vocab_student - vocab_student % BLOCK
         if usable & valid:
-            for start in range(0, whole_blocks_stop, BLOCK):
+            for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
                 _write_grad_block(student_row, teacher_row, start + offsets, vocab_student, row_max, log_sum_exp,
                                   prob_coef, teacher_coef, student_coef, student_scale, teacher_scale, student_cap,
                                   teacher_cap, STUDENT_CAP, TEACHER_CAP, MASKED=False)
@@ -291,7 +299,7 @@ def _row_step_kernel(
     vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
     weight_hard, weight_soft, beta, inv_temp_sq, eps, student_cap, teacher_cap, student_scale, teacher_scale,
     STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, LIFT: tl.constexpr,
-    RESCUE: tl.constexpr, BLOCK: tl.constexpr,
+    RESCUE: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Launched twice. First (RESCUE False) every row with plain sums; a row whose sums overflowed gets
     NaN losses and keeps its logits. Then (RESCUE True) only those rows, with unit-scaled sums. A branch
@@ -310,7 +318,7 @@ def _row_step_kernel(
         )
         row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _row_stats(
             student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale, teacher_scale,
-            student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, RESCUE, BLOCK,
+            student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, RESCUE, BLOCK, STAGES,
         )
         if RESCUE:  # an inf or NaN logit still overflows: its NaN loss and gradient are the answer
             usable = tl.full([], 1, tl.int1)
@@ -320,7 +328,7 @@ def _row_step_kernel(
             student_row, teacher_row, losses_row, valid, in_shard, column, vocab_student,
             row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
             weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
-            usable, lifts_ptr + row, STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, LIFT, BLOCK,
+            usable, lifts_ptr + row, STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, LIFT, BLOCK, STAGES,
         )
 
 
@@ -330,6 +338,7 @@ def _row_stats_kernel(
     vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
     student_cap, teacher_cap, student_scale, teacher_scale,
     STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, NUM_STATS: tl.constexpr, BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     student_row, teacher_row, _, in_shard, column = _row_and_label(
@@ -338,7 +347,7 @@ def _row_stats_kernel(
     )
     row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _row_stats(
         student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale, teacher_scale,
-        student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, False, BLOCK,
+        student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, False, BLOCK, STAGES,
     )
     if _overflowed(dot, sum_sq_student, sum_sq_teacher):
         dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _unit_scaled_sums(
@@ -362,7 +371,7 @@ def _row_grad_kernel(
     vocab_student, ignore_index, vocab_start, vocab_student_total,
     weight_hard, weight_soft, beta, inv_temp_sq, eps, student_cap, teacher_cap, student_scale, teacher_scale,
     STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, LIFT: tl.constexpr,
-    NUM_STATS: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_STATS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     student_row, teacher_row, valid, in_shard, column = _row_and_label(
@@ -375,7 +384,7 @@ def _row_grad_kernel(
         tl.load(stats_row), tl.load(stats_row + 1), tl.load(stats_row + 2), tl.load(stats_row + 3),
         tl.load(stats_row + 4), tl.load(stats_row + 5), tl.load(stats_row + 6), tl.load(stats_row + 7),
         weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
-        tl.full([], 1, tl.int1), lifts_ptr + row, STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, LIFT, BLOCK,
+        tl.full([], 1, tl.int1), lifts_ptr + row, STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, LIFT, BLOCK, STAGES,
     )
 
 
@@ -420,7 +429,7 @@ def _lift_args(grad_lifts, token_losses, write_grad):
 
 
 def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
-                    grad_lifts=None, block_size=None, num_warps=None) -> None:
+                    grad_lifts=None, block_size=None, num_warps=None, num_stages=None) -> None:
     rows, vocab_student = student_logits.shape
     if rows == 0:
         return
@@ -428,16 +437,18 @@ def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepScale
     lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
     num_warps = num_warps or (DEFAULT_WARPS if write_grad else LOSS_ONLY_WARPS)
     block = _block(vocab_student, block_size, num_warps, DEFAULT_BLOCK if write_grad else LOSS_ONLY_BLOCK)
+    stages = num_stages or (DEFAULT_STAGES if write_grad else LOSS_ONLY_STAGES)
     for rescue in (False, True):
         _row_step_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
             lifts, vocab_student, teacher_logits.shape[1], *_common_args(vocab_student, scales), *_loss_args(scales),
-            **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue, BLOCK=block, num_warps=num_warps,
+            **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue, BLOCK=block,
+            STAGES=stages, num_warps=num_warps,
         )
 
 
 def row_stats_triton(student_logits, teacher_logits, labels, scales: RowStepScales, block_size=None,
-                     num_warps=DEFAULT_WARPS) -> torch.Tensor:
+                     num_warps=DEFAULT_WARPS, num_stages=DEFAULT_STAGES) -> torch.Tensor:
     rows, vocab_student = student_logits.shape
     stats = torch.empty(rows, NUM_STATS, dtype=torch.float32, device=student_logits.device)
     if rows == 0:
@@ -446,14 +457,14 @@ def row_stats_triton(student_logits, teacher_logits, labels, scales: RowStepScal
     _row_stats_kernel[(rows,)](
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats,
         vocab_student, teacher_logits.shape[1], *_common_args(vocab_student, scales), *_logit_args(scales),
-        **_caps(scales), NUM_STATS=NUM_STATS, BLOCK=_block(vocab_student, block_size, num_warps),
+        **_caps(scales), NUM_STATS=NUM_STATS, BLOCK=_block(vocab_student, block_size, num_warps), STAGES=num_stages,
         num_warps=num_warps,
     )
     return stats
 
 
 def row_grad_triton(student_logits, teacher_logits, labels, stats, scales: RowStepScales, token_losses, write_grad,
-                    grad_lifts=None, block_size=None, num_warps=DEFAULT_WARPS) -> None:
+                    grad_lifts=None, block_size=None, num_warps=DEFAULT_WARPS, num_stages=DEFAULT_STAGES) -> None:
     rows, vocab_student = student_logits.shape
     if rows == 0:
         return
@@ -464,7 +475,7 @@ def row_grad_triton(student_logits, teacher_logits, labels, stats, scales: RowSt
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats,
         token_losses, lifts, vocab_student, *_common_args(vocab_student, scales), *_loss_args(scales),
         **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, NUM_STATS=NUM_STATS,
-        BLOCK=_block(vocab_student, block_size, num_warps), num_warps=num_warps,
+        BLOCK=_block(vocab_student, block_size, num_warps), STAGES=num_stages, num_warps=num_warps,
     )
 
 

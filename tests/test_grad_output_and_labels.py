@@ -1,0 +1,78 @@
+"""The two small device kernels around the chunk loop: grad_output's in-place scale, skipped when it is
+1 (grad_output.py), and the label count (labels.py), each against plain torch, through Triton's
+interpreter."""
+
+import pytest
+import torch
+
+from cosdistill.grad_output import BLOCK, scale_unless_one_, scale_unless_one_triton
+from cosdistill.labels import LabelCounts, count_labels_torch, count_labels_triton
+
+SIZES = (1, 37, 3 * BLOCK + 17)  # the last needs the grid-stride loop: the interpreter runs two programs
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scale_matches_torch(numel, dtype):
+    values = torch.randn(numel).to(dtype)
+    factor = torch.tensor(-2.7)
+    expected = (values.float() * factor).to(dtype)
+    scale_unless_one_triton(values, factor)
+    if dtype == torch.bfloat16:  # the interpreter truncates to bf16 (the GPU rounds to nearest): one ulp
+        assert ((values.float() - expected.float()).abs() <= expected.float().abs() * 2**-7).all()
+    else:
+        assert torch.equal(values, expected)
+
+
+@pytest.mark.parametrize("numel", SIZES)
+def test_factor_one_writes_nothing(numel):
+    values = torch.full((numel,), float("nan"))  # any write of NaN * 1 would still be NaN: look at the bits
+    values.view(torch.int32)[:] = torch.randint(-2**31, 2**31 - 1, (numel,), dtype=torch.int32)
+    before = values.clone()
+    scale_unless_one_triton(values, torch.tensor(1.0))
+    assert torch.equal(values.view(torch.int32), before.view(torch.int32))
+
+
+def test_nan_factor_reaches_every_value():
+    values = torch.randn(2 * BLOCK + 3)
+    scale_unless_one_triton(values, torch.tensor(float("nan")))
+    assert values.isnan().all()
+
+
+def test_scale_needs_contiguous_values():
+    with pytest.raises(ValueError, match="contiguous"):
+        scale_unless_one_triton(torch.randn(8, 6)[:, ::2], torch.tensor(2.0))
+
+
+def test_cpu_scale_and_none():
+    values = torch.randn(50)
+    kept = values.clone()
+    scale_unless_one_(values, None)
+    scale_unless_one_(values, torch.tensor(1.0))
+    assert torch.equal(values, kept)
+    scale_unless_one_(values, torch.tensor(0.5))
+    assert torch.equal(values, kept * 0.5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 37, 3 * 1024 + 5])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("ignore_index", [-100, 7])
+def test_label_count_matches_torch(num_tokens, dtype, ignore_index):
+    vocab = 50
+    labels = torch.randint(-3, vocab + 3, (num_tokens,), dtype=dtype)  # some below 0 and some past the vocab
+    labels[torch.rand(num_tokens) < 0.3] = ignore_index
+    got = count_labels_triton(labels, ignore_index, vocab)
+    want = count_labels_torch(labels, ignore_index, vocab)
+    assert got.tolist() == want.tolist()
+    assert want[1] > 0 or num_tokens < 5  # the test sees out-of-range labels
+
+
+def test_label_counts_normaliser_and_error():
+    labels = torch.tensor([3, -100, 4, 4])
+    counts = LabelCounts(labels, -100, 10, None)
+    counts.launch()
+    assert counts.wait() == 3.0
+    bad = LabelCounts(torch.tensor([3, 12, -100, -1]), -100, 10, None)
+    bad.launch()
+    with pytest.raises(ValueError, match=r"2 labels outside \[0, 10\).*\[12, -1\]"):
+        bad.wait()
