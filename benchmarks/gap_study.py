@@ -17,11 +17,12 @@ the 0.5 GB grad_weight per chunk) costs ~1 ms more than the floor's single one, 
 GEMMs within ~2% of theirs; the library costs ~1 ms more than "direct" (NOTES item 11), and the
 profile shows the same kernels with the same sums, i.e. the difference is GPU idle time.
 
-    PYTHONPATH=src python benchmarks/gap_study.py [--tokens 1024 8192] [--chunks 1024 2048]
+    PYTHONPATH=src python benchmarks/gap_study.py [--tokens 1024 8192] [--chunks 1024 2048] [--vocab V --hidden H]
         [--layouts 1024/1024 2048/2048 2048/1024] [--json out.json]
 """
 
 import argparse
+import dataclasses
 import collections
 import json
 import statistics
@@ -76,7 +77,7 @@ def gemm_steps(tensors, chunk):
 
 
 def direct_step(tensors, rows: ChunkRows):
-    """The chunk loop and finish(1.0), without api.py's checks and without autograd."""
+    """The chunk loop and finish() (grad_output 1), without api.py's checks and without autograd."""
     x_s, w_s = tensors.student_input.detach(), tensors.student_weight.detach()
     labels, vocab = tensors.labels, w_s.shape[0]
     row_step = pick_row_step("auto", x_s.device).step
@@ -86,7 +87,7 @@ def direct_step(tensors, rows: ChunkRows):
             x_s, w_s, None, tensors.teacher_input, TeacherHead(tensors.teacher_weight, None), labels, SCALES,
             LabelCounts(labels, -100, vocab, None), row_step, rows, (True, True, False), w_s.dtype,
         )
-        grad_input, grad_weight, _ = result.gradients.finish(1.0)
+        grad_input, grad_weight, _ = result.gradients.finish()
         tensors.student_input.grad, tensors.student_weight.grad = grad_input, grad_weight  # held like backward's
 
     return step
@@ -125,10 +126,16 @@ def main():
     parser.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048], help="rows per chunked GEMM")
     parser.add_argument("--layouts", nargs="+", default=["1024/1024", "2048/2048", "2048/1024"],
                         help="student/teacher rows of the direct chunk loop")
+    parser.add_argument("--vocab", type=int, help="both heads' vocabulary (default: the seed's)")
+    parser.add_argument("--hidden", type=int, help="the teacher's hidden size, the student's half (default: the seed's)")
     parser.add_argument("--device", default="cuda")  # cpu: a smoke run of the script at a small size
     args = parser.parse_args()
     device = torch.device(args.device)
     workload = CUDA_WORKLOAD if device.type == "cuda" else CPU_WORKLOAD
+    if args.vocab or args.hidden:
+        hidden = args.hidden or workload.hidden
+        workload = dataclasses.replace(workload, vocab=args.vocab or workload.vocab, hidden=hidden,
+                                       student_hidden=hidden // 2)
     report = []
     for tokens in args.tokens:
         tensors = make_tensors(tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype, device)

@@ -6,11 +6,12 @@ Bytes counted: pass 1 reads s and t, pass 2 reads s and t and writes s: 5 * rows
 Compared with a device-to-device copy of the same buffers (read + write counted). Each setting's
 losses and gradient are first checked against the torch row step (relative error printed).
 
-    PYTHONPATH=src python benchmarks/row_step_bench.py [--rows 1024] [--vocab 128256] [--stages 1 3] [--other FILE]
+    PYTHONPATH=src python benchmarks/row_step_bench.py [--rows 1024] [--vocab 128256] [--stages 1 3] [--configs 2048:4] [--other FILE]
 """
 
 import argparse
 import functools
+import inspect
 import importlib.util
 
 import torch
@@ -34,7 +35,9 @@ def main():
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--other", help="a file defining row_step_triton (same signature), timed beside this one")
     parser.add_argument("--stages", type=int, nargs="+", default=[None],
-                        help="num_stages settings swept for this file's kernel (default: its own)")
+                        help="num_stages settings swept (default: each kernel's own); an --other without the "
+                             "argument runs once")
+    parser.add_argument("--configs", nargs="+", help="BLOCK:WARPS settings for both modes (default: a sweep each)")
     args = parser.parse_args()
     rows, vocab = args.rows, args.vocab
     student = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
@@ -63,10 +66,15 @@ def main():
 
     copy_ms = timed(lambda: scratch.copy_(student))
     print(f"copy of one buffer: {copy_ms:.3f} ms, {2 * one_pass / copy_ms / 1e9:.2f} TB/s")
-    impls = [(f"this stages={stages}", functools.partial(row_step_triton, num_stages=stages)) for stages in args.stages]
-    impls += [("other", load_other(args.other))] if args.other else []
-    for write_grad, passes, configs in ((True, 5, ((1024, 4), (2048, 2), (2048, 4), (4096, 4), (2048, 8), (4096, 8))),
-                                        (False, 2, ((2048, 4), (2048, 8), (4096, 8), (2048, 16), (4096, 16)))):
+    impls = [("this", row_step_triton)] + ([("other", load_other(args.other))] if args.other else [])
+    impls = [(f"{name} stages={stages}", functools.partial(step, num_stages=stages)) if stages else (name, step)
+             for name, step in impls for stages in args.stages
+             if stages is None or "num_stages" in inspect.signature(step).parameters]
+    grad_configs = ((1024, 4), (2048, 2), (2048, 4), (4096, 4), (2048, 8), (4096, 8))
+    loss_configs = ((2048, 4), (2048, 8), (4096, 8), (2048, 16), (4096, 16))
+    if args.configs:
+        grad_configs = loss_configs = [tuple(int(part) for part in config.split(":")) for config in args.configs]
+    for write_grad, passes, configs in ((True, 5, grad_configs), (False, 2, loss_configs)):
         for name, step in impls:
             for block, warps in (None, None), *configs:
                 if write_grad:  # the step overwrites its input: time it with a copy, subtract the copy

@@ -24,7 +24,7 @@ ALIGNED = ("student_ptr", "teacher_ptr", "labels_ptr", "stats_ptr", "losses_ptr"
            "teacher_row_stride", "vocab_student", "vocab_teacher")
 
 
-def compile_for_hopper(kernel, logits_type, constants, aligned=False):
+def compile_for_hopper(kernel, logits_type, constants, aligned=False, num_warps=kernels.DEFAULT_WARPS):
     """With ``aligned``, as Triton specialises a launch whose pointers, strides and vocabularies are
     multiples of 16 (e.g. V = 128256): vectorised loads, and the STAGES prefetch through shared memory."""
     types = dict(student_ptr=logits_type, teacher_ptr=logits_type, labels_ptr="*i64", stats_ptr="*fp32",
@@ -33,30 +33,31 @@ def compile_for_hopper(kernel, logits_type, constants, aligned=False):
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
              for name in ALIGNED if aligned and name in kernel.arg_names}
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
+                          options=dict(num_warps=num_warps))
 
 
 def variants():
+    """(name, kernel, logits type, constants): the launches' settings; "aligned" as at V = 128256."""
     for logits_type, caps in itertools.product(("*bf16", "*fp16", "*fp32"), ((False, False), (True, True))):
         common = dict(STUDENT_CAP=caps[0], TEACHER_CAP=caps[1], BLOCK=kernels.DEFAULT_BLOCK, STAGES=kernels.DEFAULT_STAGES)
         lift = logits_type == "*fp16"  # the chunk loop lifts fp16 gradients only
-        yield "row step", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, RESCUE=False)
+        for name in ("row step", "row step aligned"):  # aligned: vector loads prefetched through shared memory
+            yield name, kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, RESCUE=False)
         if logits_type != "*fp32":
             yield "rescue", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, RESCUE=True)
             yield "gradient", kernels._row_grad_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, NUM_STATS=8)
         if logits_type == "*bf16":
-            yield "loss only", kernels._row_step_kernel, logits_type, dict(
+            yield "loss only aligned", kernels._row_step_kernel, logits_type, dict(
                 common, BLOCK=kernels.LOSS_ONLY_BLOCK, STAGES=kernels.LOSS_ONLY_STAGES, WRITE_GRAD=False, LIFT=False,
                 RESCUE=False)
-            for stages in (1, 3):  # aligned: plain vector loads, and loads prefetched through shared memory
-                yield f"row step aligned, {stages} stages", kernels._row_step_kernel, logits_type, dict(
-                    common, STAGES=stages, WRITE_GRAD=True, LIFT=False, RESCUE=False)
             yield "statistics", kernels._row_stats_kernel, logits_type, dict(common, NUM_STATS=8)
 
 
 def main():
     for name, kernel, logits_type, constants in variants():
-        compiled = compile_for_hopper(kernel, logits_type, constants, aligned="aligned" in name)
+        warps = kernels.LOSS_ONLY_WARPS if name.startswith("loss only") else kernels.DEFAULT_WARPS
+        compiled = compile_for_hopper(kernel, logits_type, constants, aligned="aligned" in name, num_warps=warps)
         print(f"{name} {logits_type} caps={constants['STUDENT_CAP']}: {len(compiled.asm['cubin'])} bytes of sm_90 cubin")
 
 

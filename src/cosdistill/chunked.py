@@ -140,7 +140,8 @@ class Gradients:
             scale = float(grad_output)
             alpha, beta = alpha * scale, beta * scale
         elif grad_output is not None:
-            hidden = (hidden.float() * grad_output).to(hidden.dtype)  # in fp32: rounded once
+            hidden = hidden.clone()
+            scale_unless_one_(hidden, grad_output)
         _grad_weight_gemm(self.grad_weight, self.last_grad_logits, hidden, alpha=alpha, beta=beta)
 
 

@@ -16,12 +16,14 @@ import triton.language as tl
 
 from .row_step import COSINE_EPS, MAX_LIFT_EXPONENT, MAX_STORED_EXPONENT, NUM_STATS, RowStepImpl, RowStepScales
 
-DEFAULT_BLOCK = 2048  # H200 sweeps, benchmarks/NOTES.md items 2, 19 and 24
-DEFAULT_WARPS = 4
-LOSS_ONLY_BLOCK = 2048  # the no-grad launch (0.164 against 0.185-0.202 ms per 1024 rows at other settings)
+# H200 sweeps, benchmarks/NOTES.md items 2, 19, 24 and 28. STAGES: each hot loop's loads go through
+# shared memory STAGES - 1 blocks ahead (cp.async; 1: plain loads into registers).
+DEFAULT_BLOCK = 2048
+DEFAULT_WARPS = 8
+DEFAULT_STAGES = 6  # 0.322 ms per 1024 rows at the seed vocab, 0.349 with plain loads
+LOSS_ONLY_BLOCK = 2048  # the no-grad launch: 0.142 ms per 1024 rows, 0.163 with plain loads
 LOSS_ONLY_WARPS = 8
-DEFAULT_STAGES = 1  # blocks of each hot loop's loads in flight through shared memory (1: plain loads)
-LOSS_ONLY_STAGES = 1
+LOSS_ONLY_STAGES = 4
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # a jit global must be a constexpr
 FLOAT32_TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # bound 0 (both weights 0): no log2(0)
 MAX_LIFT: tl.constexpr = tl.constexpr(float(MAX_LIFT_EXPONENT))
@@ -117,15 +119,6 @@ def _unit_scaled_sums(student_row, teacher_row, vocab_student, vocab_teacher, st
 
 
 @triton.jit
-def _add_to_sum_exp(run_max, run_sum_exp, above_max, s):
-    """The online max and sum of e^(s - max) with one exp per logit instead of two (NOTES item 27):
-    e^-|s - max| is the new term when s is at most the max, else the factor that rescales the sum."""
-    decay = _exp(-tl.abs(above_max))
-    run_sum_exp = tl.where(above_max > 0, run_sum_exp * decay + 1.0, run_sum_exp + decay)
-    return tl.maximum(run_max, s), run_sum_exp
-
-
-@triton.jit
 def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale,
                teacher_scale, student_cap, teacher_cap, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr,
                UNIT_SCALED: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
@@ -143,8 +136,9 @@ def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_
         cols = start + offsets
         s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
         t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
-        # an inf or NaN logit makes the sums below overflow: the RESCUE launch
-        run_max, run_sum_exp = _add_to_sum_exp(run_max, run_sum_exp, s - run_max, s)
+        new_max = tl.maximum(run_max, s)  # an inf or NaN logit makes the sums below overflow: the RESCUE launch
+        run_sum_exp = run_sum_exp * _exp(run_max - new_max) + _exp(s - new_max)
+        run_max = new_max
         dot += s * t
         sum_sq_student += s * s
         sum_sq_teacher += t * t
@@ -153,9 +147,12 @@ def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_
         in_row = cols < vocab_student
         s = _load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP)
         t = _load_logits(teacher_row, cols, in_row, teacher_scale, teacher_cap, TEACHER_CAP)
-        # padding adds e^-inf = 0 (also to a lane that has seen only padding: -inf - -inf would be NaN)
-        run_max, run_sum_exp = _add_to_sum_exp(run_max, run_sum_exp, tl.where(in_row, s - run_max, float("-inf")),
-                                               tl.where(in_row, s, float("-inf")))
+        s_for_max = tl.where(in_row, s, float("-inf"))
+        new_max = tl.maximum(run_max, s_for_max)
+        # A lane that has seen only padding keeps max = -inf; keep its sum at 0 instead of NaN.
+        shift = tl.where(new_max != float("-inf"), new_max, 0.0)
+        run_sum_exp = run_sum_exp * _exp(run_max - shift) + _exp(s_for_max - shift)
+        run_max = new_max
         dot += s * t
         sum_sq_student += s * s
         sum_sq_teacher += t * t
