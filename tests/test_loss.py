@@ -61,8 +61,10 @@ def test_automatic_chunk_rows():
     assert chunk_rows(None, 1024, **seed) == ChunkRows(1024, 1024)
     assert chunk_rows(None, 100, **seed) == ChunkRows(100, 100)
     assert chunk_rows(None, 8192, 32000, 32000, 2) == ChunkRows(2048, 2048)  # the budget gives both 2048
-    assert chunk_rows(None, 8192, 262144, 262144, 2) == ChunkRows(1024, 1024)  # 2048 would pass the 1 GiB budget
-    assert chunk_rows(None, 8192, 600000, 600000, 4) == ChunkRows(192, 192)  # past the 1 GiB budget: fewer
+    assert chunk_rows(None, 8192, 262144, 262144, 2) == ChunkRows(2048, 512)  # the teacher's rows shrink first
+    assert chunk_rows(None, 8192, 151936, 151936, 2) == ChunkRows(2048, 1024)
+    assert chunk_rows(None, 8192, 300000, 300000, 2) == ChunkRows(1152, 1024)  # 2048 / 512 would pass 1.25 GiB
+    assert chunk_rows(None, 8192, 600000, 600000, 4) == ChunkRows(256, 256)  # past the 1.25 GiB budget: fewer
     assert chunk_rows(None, 0, **seed) == ChunkRows(1, 1)
     assert chunk_rows(512, 8192, **seed) == ChunkRows(512, 512)  # a given chunk_size holds for both
     assert chunk_rows(512, 100, **seed) == ChunkRows(100, 100)

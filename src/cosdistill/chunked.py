@@ -53,18 +53,21 @@ def split_row_step(impl: RowStepImpl, vocab_parallel: VocabParallel) -> RowStep:
 
     return row_step
 
-# At least 1024 rows per teacher GEMM and row step: each chunk's grad_weight GEMM reads and writes
-# the whole grad_weight, and below ~1024 rows that traffic shows (V = 262144 at 512 rows: 1.34x the
-# floor, at 1024: 1.25x). More rows while the two logits buffers stay small (small vocabularies:
-# V = 32000 ran 1.16x at 4096 rows, 1.30x at 1024), and fewer than 1024 only past a hard budget.
+# At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole grad_weight,
+# and below ~1024 rows that traffic shows (V = 262144 at 512 rows: 1.34x the floor, at 1024: 1.25x).
+# More rows while the two logits buffers stay small (small vocabularies: V = 32000 ran 1.16x at 4096
+# rows, 1.30x at 1024), and fewer than 1024 only past a hard budget.
 MIN_PREFERRED_ROWS = 1024
 SMALL_BUFFER_BYTES = 256 * 2**20  # grow the chunk up to this...
-MAX_BUFFER_BYTES = 2**30  # ...and shrink it below MIN_PREFERRED_ROWS only past this
+MAX_BUFFER_BYTES = 5 * 2**28  # ...and shrink it below MIN_PREFERRED_ROWS only past this (1.25 GiB)
 CHUNK_MULTIPLE = 64
 # The student's chunk (its logits GEMM and the two gradient GEMMs) this long where the hard budget
 # allows, the teacher's logits computed in sub-chunks: the gradient GEMMs cost less per token at 2048
-# rows (the grad_weight traffic per chunk halves), for a larger student buffer only (NOTES.md).
+# rows (the grad_weight traffic per chunk halves), for a larger student buffer only (NOTES.md). The
+# teacher's sub-chunks shrink to MIN_TEACHER_ROWS first to make room (V = 262144: 2048 / 512 ran 3%
+# faster than 1024 / 1024, NOTES item 29).
 MIN_STUDENT_ROWS = 2048
+MIN_TEACHER_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -85,10 +88,15 @@ def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, voca
     if chunk_size is not None:
         rows = max(1, min(chunk_size, num_tokens))
         return ChunkRows(rows, rows)
-    teacher = _budget_rows(max(1, (vocab_student + vocab_teacher) * itemsize))
-    # student rows within what the teacher's buffer leaves of the hard budget
-    student_cap = (MAX_BUFFER_BYTES - teacher * vocab_teacher * itemsize) // max(1, vocab_student * itemsize)
-    student = max(teacher, min(MIN_STUDENT_ROWS, student_cap) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+    student_row, teacher_row = max(1, vocab_student * itemsize), max(1, vocab_teacher * itemsize)
+    teacher = _budget_rows(student_row + teacher_row)
+    student = max(teacher, MIN_STUDENT_ROWS)
+    room = (MAX_BUFFER_BYTES - student * student_row) // teacher_row // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+    if room >= MIN_TEACHER_ROWS:  # the long student chunk fits, with teacher sub-chunks of at most `room` rows
+        teacher = min(teacher, room)
+    else:  # student rows within what the teacher's buffer leaves of the hard budget
+        student_cap = (MAX_BUFFER_BYTES - teacher * teacher_row) // student_row
+        student = max(teacher, min(MIN_STUDENT_ROWS, student_cap) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
     student = max(1, min(student, num_tokens))
     return ChunkRows(student, min(teacher, student))
 
