@@ -49,6 +49,7 @@ def test_rounds_time_the_providers_in_turn_and_report_the_median_over_rounds(cap
     rows = {row["provider"]: row for row in json.loads(json_path.read_text())["rows"]}
     assert rows["ours"]["median_ms"] == 3.0 and rows["floor"]["median_ms"] == 4.0  # medians of (5, 2, 3), (1, 7, 4)
     assert rows["ours"]["ratio_to_floor"] == 0.75
+    assert rows["ours"]["round_ms"] == [5.0, 2.0, 3.0] and rows["floor"]["round_ms"] == [1.0, 7.0, 4.0]
     assert "in each of 3 interleaved rounds" in out
 
 

@@ -349,12 +349,13 @@ def run_bench(workload: Workload, device: torch.device, providers=PROVIDERS, mod
             loss_errors = bench_size_loss_errors(tensors, settings + fp8_settings, liger_loss)
             ours_errors += [loss_errors[setting.label] for setting in settings]
             timings = time_providers(builders, tensors, device, mode, workload, notes, bar)
-            for label, (milliseconds, peak_gb) in timings.items():
+            for label, (milliseconds, peak_gb, round_ms) in timings.items():
                 rows.append({
                     "provider": label,
                     "T": tokens,
                     "mode": mode,
                     "median_ms": milliseconds,
+                    "round_ms": round_ms,  # JSON only: each round's median, for the run-to-run spread
                     "ratio_to_floor": None,
                     "peak_gb_above_inputs": peak_gb,
                     "loss_rel_err": loss_errors.get(label),
@@ -395,13 +396,15 @@ def bench_size_loss_errors(tensors: Tensors, settings, liger_loss) -> dict:
 
 
 def time_providers(builders, tensors: Tensors, device, mode, workload: Workload, notes, bar) -> dict:
-    """label -> (median ms, peak GB above inputs); (None, None) and a note for one that runs out of memory.
+    """label -> (median ms, peak GB above inputs, each round's median ms); (None, None, rounds so far) and
+    a note for one that runs out of memory.
 
     Each round times every provider in turn (median of ``reps`` calls, after ``warmup`` calls in the
     first round, one in later rounds); a provider's time is the median over rounds of its round
     medians. With several rounds, clocks that drift over a run (the floor moved 3.67-3.92 ms at
     T = 1024 between runs on one H200, BENCHMARKS.md) drift under every provider alike."""
-    steps, times, timings = {}, {}, dict.fromkeys(builders, (None, None))
+    steps, times = {}, {label: [] for label in builders}
+    timings = {label: (None, None, times[label]) for label in builders}
     for round_index in range(workload.rounds):
         last_round = round_index == workload.rounds - 1
         for label, build in builders.items():
@@ -414,9 +417,10 @@ def time_providers(builders, tensors: Tensors, device, mode, workload: Workload,
                     step = build(tensors, mode)
                     steps[label] = torch.no_grad()(step) if mode == "forward" else step
                 warmup = workload.warmup if round_index == 0 else min(1, workload.warmup)
-                times.setdefault(label, []).append(median_ms(steps[label], tensors, device, warmup, workload.reps))
+                times[label].append(median_ms(steps[label], tensors, device, warmup, workload.reps))
                 if last_round:
-                    timings[label] = (statistics.median(times[label]), peak_gb_above_inputs(steps[label], tensors, device))
+                    timings[label] = (statistics.median(times[label]), peak_gb_above_inputs(steps[label], tensors, device),
+                                      times[label])
             except torch.OutOfMemoryError:
                 notes.append(f"{label} ran out of memory at T={tensors.labels.numel()}")
                 steps.pop(label, None)
