@@ -8,11 +8,18 @@ bulk). The student is a weaker, differently initialised model of the same kind.
 Also checks the FP8 path against the float64 reference fed the *dequantized* teacher (what the FP8
 GEMM multiplies): that isolates our code from the quantization error.
 
-    PYTHONPATH=src python benchmarks/fp8_study.py [--tokens 4096] [--json out.json]
+With ``--fast-accum`` the FP8 GEMM also runs with cuBLASLt's fast accumulation
+(``torch._scaled_mm(..., use_fast_accum=True)``: no periodic promotion of the tensor cores' partial
+sums to fp32): its errors get a column, and both FP8 settings are timed on the full step.
+
+    PYTHONPATH=src python benchmarks/fp8_study.py [--tokens 4096] [--fast-accum] [--json out.json]
 """
 
 import argparse
+import contextlib
+import functools
 import json
+import statistics
 
 import torch
 
@@ -61,6 +68,32 @@ def run(problem, **kwargs):
     return [x.detach().clone() for x in losses] + [problem["student_input"].grad.clone(), problem["student_weight"].grad.clone()]
 
 
+@contextlib.contextmanager
+def fast_accumulation():
+    """torch._scaled_mm with use_fast_accum=True while inside (the library passes no such argument)."""
+    scaled_mm = torch._scaled_mm
+    torch._scaled_mm = functools.partial(scaled_mm, use_fast_accum=True)
+    try:
+        yield
+    finally:
+        torch._scaled_mm = scaled_mm
+
+
+def step_ms(problem, reps=10, **kwargs):
+    """Median ms of the full step (CUDA events), after three warm-up calls."""
+    times = []
+    for index in range(3 + reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(problem, **kwargs)
+        end.record()
+        torch.cuda.synchronize()
+        if index >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def float64_reference(problem, teacher_input=None, teacher_weight=None):
     upcast = {k: v.detach().double().requires_grad_(v.requires_grad) if v.is_floating_point() else v for k, v in problem.items()}
     if teacher_input is not None:
@@ -74,6 +107,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--json")
+    parser.add_argument("--fast-accum", action="store_true", help="also run the FP8 GEMM with fast accumulation")
     args = parser.parse_args()
     problem = real_looking_problem(args.tokens)
     with torch.no_grad():
@@ -92,12 +126,25 @@ def main():
         row = dict(quantity=name, bf16_vs_float64=rel_err(bf16[i], exact[i]), fp8_vs_float64=rel_err(fp8_out[i], exact[i]),
                    fp8_vs_bf16=rel_err(fp8_out[i], bf16[i]), fp8_vs_float64_on_quantized_teacher=rel_err(fp8_out[i], on_quantized[i]))
         rows.append(row)
+    if args.fast_accum:
+        with fast_accumulation():
+            fast = run(problem, teacher_precision="fp8")
+        for i, row in enumerate(rows):
+            row["fp8_fast_accum_vs_float64"] = rel_err(fast[i], exact[i])
+        for _ in range(2):  # rounds: clocks drift
+            with fast_accumulation():
+                fast_ms = step_ms(problem, teacher_precision="fp8")
+            print(f"full step ms: bf16 {step_ms(problem):.3f}, fp8 {step_ms(problem, teacher_precision='fp8'):.3f}, "
+                  f"fp8 fast accumulation {fast_ms:.3f}")
     print(f"T={args.tokens}, V=128256, H=4096/2048, bf16 inputs, real-looking data; relative errors:")
     print("| quantity | bf16 path vs float64 | fp8 teacher vs float64 | fp8 vs bf16 path | fp8 vs float64 on the dequantized teacher |")
     print("|---|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['quantity']} | {row['bf16_vs_float64']:.2e} | {row['fp8_vs_float64']:.2e} | {row['fp8_vs_bf16']:.2e} | "
               f"{row['fp8_vs_float64_on_quantized_teacher']:.2e} |")
+    if args.fast_accum:
+        print("fp8 with fast accumulation vs float64: "
+              + ", ".join(f"{row['quantity']} {row['fp8_fast_accum_vs_float64']:.2e}" for row in rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
