@@ -28,6 +28,22 @@ class Normaliser(Protocol):
     def wait(self) -> float: ...
 
 
+class HostCopy:
+    """A device tensor's copy to the host, queued now behind the work already queued, and read later
+    (``get`` waits for that copy alone), so that the stream never waits for the host in between."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.host = tensor.to("cpu", non_blocking=True)
+        self.copied = torch.cuda.Event() if tensor.is_cuda else None
+        if self.copied is not None:
+            self.copied.record()
+
+    def get(self) -> torch.Tensor:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host
+
+
 class VocabParallel(Protocol):
     """Both LM heads split along the vocabulary over ranks: this rank holds the teacher's rows
     [start, stop) and the student's rows from start up to min(stop, vocab_student).
@@ -232,17 +248,12 @@ class _Unlift:
 
     def count_scaled_down(self, rows: int) -> None:
         """Queue the copy of the number of rows with lift < 1 to the host."""
-        self.count = (self.lifts[:rows] < 1.0).sum().to("cpu", non_blocking=True)
-        self.counted = torch.cuda.Event() if self.lifts.is_cuda else None
-        if self.counted is not None:
-            self.counted.record()
+        self.count = HostCopy((self.lifts[:rows] < 1.0).sum())
 
     def correct_scaled_down(self, grad_weight, grad_bias, grad_logits, hidden, inv_normaliser, overwrite) -> bool:
         """Add (1 / lift - 1) times the stored gradient of the rows with lift < 1 (the fp16 GEMMs took it
         once, with the undivided hidden state) to grad_weight and grad_bias, in fp32. Whether any."""
-        if self.counted is not None:
-            self.counted.synchronize()
-        if not self.count.item():
+        if not self.count.get().item():
             return False
         indices = torch.nonzero(self.lifts[: len(grad_logits)] < 1.0).flatten()
         for group in indices.split(SCALED_DOWN_GROUP):

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunked import HostCopy
+
 BLOCK = 1024
 
 
@@ -36,10 +38,12 @@ def count_labels_triton(labels: torch.Tensor, ignore_index: int, vocab_student: 
     return counts
 
 
+def _out_of_range(labels: torch.Tensor, ignore_index: int, vocab_student: int) -> torch.Tensor:
+    return (labels != ignore_index) & ((labels < 0) | (labels >= vocab_student))
+
+
 def count_labels_torch(labels: torch.Tensor, ignore_index: int, vocab_student: int) -> torch.Tensor:
-    valid = labels != ignore_index
-    out_of_range = valid & ((labels < 0) | (labels >= vocab_student))
-    return torch.stack([valid.sum(), out_of_range.sum()])
+    return torch.stack([(labels != ignore_index).sum(), _out_of_range(labels, ignore_index, vocab_student).sum()])
 
 
 class LabelCounts:
@@ -52,18 +56,12 @@ class LabelCounts:
 
     def launch(self):
         count = count_labels_triton if self.labels.is_cuda else count_labels_torch
-        self.counts = count(self.labels, self.ignore_index, self.vocab_student).to("cpu", non_blocking=True)
-        self.copied = torch.cuda.Event() if self.labels.is_cuda else None
-        if self.copied is not None:
-            self.copied.record()
+        self.counts = HostCopy(count(self.labels, self.ignore_index, self.vocab_student))
 
     def wait(self) -> float:
-        if self.copied is not None:
-            self.copied.synchronize()
-        num_valid, num_out_of_range = self.counts.tolist()
+        num_valid, num_out_of_range = self.counts.get().tolist()
         if num_out_of_range:
-            labels = self.labels
-            examples = labels[(labels != self.ignore_index) & ((labels < 0) | (labels >= self.vocab_student))]
+            examples = self.labels[_out_of_range(self.labels, self.ignore_index, self.vocab_student)]
             raise ValueError(
                 f"true_labels has {num_out_of_range} labels outside [0, {self.vocab_student}) that are not "
                 f"ignore_index={self.ignore_index}, e.g. {examples[:5].tolist()}"
