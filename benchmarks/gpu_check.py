@@ -20,7 +20,7 @@ import torch
 
 from cosdistill import fp8
 from cosdistill.selfcheck import (
-    LossCase, RowStepCase, check_loss, check_row_step, compare, float64_reference, fused_run, random_problem,
+    CheckResult, LossCase, RowStepCase, check_loss, check_row_step, compare, float64_reference, fused_run, random_problem,
     rel_err, results_table,
 )
 
@@ -55,6 +55,20 @@ def check_fp8():
         got = fused_run(args, chunk_size=case.chunk_size, teacher_precision="fp8")
         results.append(compare("loss fp8 teacher vs float64", case.describe(), BF16, got, float64_reference(quantized)))
     return results
+
+
+def check_fp8_quantization():
+    """fp8.quantize_rows on the GPU against the textbook formula on the CPU: bit for bit."""
+    rows = (torch.randn(1000, 4099, device="cuda") * torch.logspace(-4, 4, 1000, device="cuda")[:, None]).to(BF16)
+    out = torch.empty(1008, 4112, dtype=fp8.FP8, device="cuda")
+    scales = torch.empty(1000, 1, device="cuda")
+    fp8.quantize_rows(rows, out[:1000, :4099], scales)
+    want_scales = (rows.cpu().float().abs().amax(1, keepdim=True) / fp8.FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    want = (rows.cpu().float() / want_scales).to(fp8.FP8)
+    mismatched = (out[:1000, :4099].cpu().view(torch.uint8) != want.view(torch.uint8)).sum().item()
+    errors = dict(mismatched_codes=float(mismatched), scale_err=rel_err(scales.cpu(), want_scales))
+    passed = mismatched == 0 and torch.equal(scales.cpu(), want_scales)
+    return [CheckResult("fp8 quantize_rows vs the formula on the CPU", "1000 x 4099 bf16", "bit-exact", errors, passed)]
 
 
 def check_fp16_zero_head():
@@ -107,7 +121,7 @@ def main():
     args = parser.parse_args()
     print(torch.__version__, torch.cuda.get_device_name())
     torch.manual_seed(0)
-    checks = (check_row_step("cuda", ROW_STEP_CASES) + check_loss(("triton", "torch"), "cuda", LOSS_CASES) + check_fp8()
+    checks = (check_row_step("cuda", ROW_STEP_CASES) + check_loss(("triton", "torch"), "cuda", LOSS_CASES) + check_fp8_quantization() + check_fp8()
               + check_fp16_zero_head())
     print(results_table(checks), end="")
     failures = [asdict(result) for result in checks if not result.passed]

@@ -51,3 +51,19 @@ def test_quantized_weight_is_cached_until_the_weight_changes():
     assert second[0] is not first[0]
     torch.testing.assert_close(second[1][:, :50], 2 * first[1][:, :50])
     assert second[0].shape == (64, 32) and torch.count_nonzero(second[0][50:].float()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_rows_is_the_rounded_division_by_the_row_scale(dtype):
+    """Bit for bit the textbook formula, into a slice of a larger buffer whose other entries it leaves alone."""
+    rows = (torch.randn(37, 40) * torch.logspace(-3, 3, 37)[:, None]).to(dtype)
+    rows[5] = 0.0  # scale clamped to the smallest normal: zeros stay zeros
+    buffer = torch.full((48, 48), float("nan")).to(fp8.FP8)
+    scales = torch.full((37, 1), float("nan"))
+    fp8.quantize_rows(rows, buffer[:37, :40], scales)
+    want_scales = (rows.float().abs().amax(1, keepdim=True) / fp8.FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    assert torch.equal(scales, want_scales)
+    want = (rows.float() / want_scales).to(fp8.FP8)
+    assert torch.equal(buffer[:37, :40].view(torch.uint8), want.view(torch.uint8))
+    assert buffer[:37, :40].float().abs().amax(1).eq(fp8.FP8_MAX).sum() == 36  # each nonzero row reaches the top code
+    assert buffer[37:].float().isnan().all() and buffer[:, 40:].float().isnan().all()

@@ -37,11 +37,13 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def quantize_rows(rows: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
-    """out[i] = rows[i] / scales[i] in FP8, scales[i] = max |rows[i]| / FP8_MAX (fp32, never 0)."""
-    amax = rows.abs().amax(dim=1, keepdim=True).float()
+    """out[i] = rows[i] / scales[i] in FP8, scales[i] = max |rows[i]| / FP8_MAX (fp32, never 0).
+
+    Two passes over the rows (the max norm, then the division in fp32 stored as FP8): no fp32 copy."""
+    amax = torch.linalg.vector_norm(rows, ord=float("inf"), dim=1, keepdim=True, dtype=torch.float32)
     torch.div(amax, FP8_MAX, out=scales)
     scales.clamp_(min=torch.finfo(torch.float32).tiny)
-    out.copy_(rows.float() / scales)  # |rows / scale| <= FP8_MAX, so the cast never saturates
+    torch.div(rows, scales, out=out)  # |rows / scale| <= FP8_MAX, so the cast never saturates
 
 
 def dequantized(rows: torch.Tensor) -> torch.Tensor:
