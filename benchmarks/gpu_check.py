@@ -58,17 +58,21 @@ def check_fp8():
 
 
 def check_fp8_quantization():
-    """fp8.quantize_rows on the GPU against the textbook formula on the CPU: bit for bit."""
+    """fp8.quantize_rows on the GPU against the textbook formula on the CPU. The scales may differ by one
+    ulp (CUDA divides by a Python number as a multiplication by its reciprocal, s6a); given the GPU's
+    scales, the FP8 codes must match bit for bit."""
     rows = (torch.randn(1000, 4099, device="cuda") * torch.logspace(-4, 4, 1000, device="cuda")[:, None]).to(BF16)
     out = torch.empty(1008, 4112, dtype=fp8.FP8, device="cuda")
     scales = torch.empty(1000, 1, device="cuda")
     fp8.quantize_rows(rows, out[:1000, :4099], scales)
     want_scales = (rows.cpu().float().abs().amax(1, keepdim=True) / fp8.FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    want = (rows.cpu().float() / want_scales).to(fp8.FP8)
+    scale_ulps = ((scales.cpu() - want_scales).abs() / torch.finfo(torch.float32).eps / want_scales).max().item()
+    want = (rows.cpu().float() / scales.cpu()).to(fp8.FP8)
     mismatched = (out[:1000, :4099].cpu().view(torch.uint8) != want.view(torch.uint8)).sum().item()
-    errors = dict(mismatched_codes=float(mismatched), scale_err=rel_err(scales.cpu(), want_scales))
-    passed = mismatched == 0 and torch.equal(scales.cpu(), want_scales)
-    return [CheckResult("fp8 quantize_rows vs the formula on the CPU", "1000 x 4099 bf16", "bit-exact", errors, passed)]
+    errors = dict(mismatched_codes=float(mismatched), scale_max_ulps=scale_ulps)
+    passed = mismatched == 0 and scale_ulps <= 1.0
+    return [CheckResult("fp8 quantize_rows vs the formula on the CPU", "1000 x 4099 bf16", "codes exact, scales 1 ulp",
+                        errors, passed)]
 
 
 def check_fp16_zero_head():
