@@ -1,5 +1,6 @@
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -34,23 +35,53 @@ def test_bench_sweeps_ours_settings(capsys):
 def test_rounds_time_the_providers_in_turn_and_report_the_median_over_rounds(capsys, monkeypatch, tmp_path):
     from cosdistill import bench
 
-    calls = []
+    calls, first_seen = [], []
+    round_ms = {"ours": [5.0, 2.0, 3.0], "floor": [1.0, 7.0, 4.0]}
 
-    def fake_median_ms(step, tensors, device, warmup, reps):
-        calls.append(warmup)
-        return {1: 5.0, 2: 1.0, 3: 2.0, 4: 7.0, 5: 3.0, 6: 4.0}[len(calls)]  # ours, floor alternate
+    def fake_median_ms(step, tensors, device, warmup, reps, settle_s):
+        if step not in first_seen:
+            first_seen.append(step)
+        label = ("ours", "floor")[first_seen.index(step)]
+        calls.append((label, warmup, settle_s))
+        return round_ms[label][sum(call[0] == label for call in calls) - 1]
 
     monkeypatch.setattr(bench, "median_ms", fake_median_ms)
     json_path = tmp_path / "bench.json"
-    code = main(TINY + ["--providers", "ours,floor", "--rounds", "3", "--warmup", "3", "--json", str(json_path)])
+    code = main(TINY + ["--providers", "ours,floor", "--rounds", "3", "--warmup", "3", "--settle-s", "0.25",
+                        "--json", str(json_path)])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert calls == [3, 3, 1, 1, 1, 1]  # the first round warms up with --warmup, later ones with one call
+    # each round starts one provider later; the first warms up with --warmup calls, later ones with one;
+    # every round settles for --settle-s
+    assert calls == [("ours", 3, 0.25), ("floor", 3, 0.25), ("floor", 1, 0.25), ("ours", 1, 0.25),
+                     ("ours", 1, 0.25), ("floor", 1, 0.25)]
     rows = {row["provider"]: row for row in json.loads(json_path.read_text())["rows"]}
     assert rows["ours"]["median_ms"] == 3.0 and rows["floor"]["median_ms"] == 4.0  # medians of (5, 2, 3), (1, 7, 4)
     assert rows["ours"]["ratio_to_floor"] == 0.75
     assert rows["ours"]["round_ms"] == [5.0, 2.0, 3.0] and rows["floor"]["round_ms"] == [1.0, 7.0, 4.0]
-    assert "in each of 3 interleaved rounds" in out
+    assert "warm-up 3 and >= 0.25 s, median of 2 in each of 3 interleaved rounds (order rotated)" in out
+
+
+def test_warm_up_lasts_at_least_settle_s():
+    """The power limiter's settling time is wall time: a fast step gets more warm-up calls, a slow one --warmup."""
+    from cosdistill import bench
+
+    calls = []
+
+    class NoGrads:
+        def clear_grads(self):
+            pass
+
+    def step():
+        calls.append(time.perf_counter())
+        time.sleep(0.01)
+
+    bench.median_ms(step, NoGrads(), torch.device("cpu"), warmup=1, reps=2, settle_s=0.08)
+    warmup_calls = len(calls) - 2
+    assert warmup_calls >= 8 and calls[warmup_calls] - calls[0] >= 0.08
+    calls.clear()
+    bench.median_ms(step, NoGrads(), torch.device("cpu"), warmup=3, reps=2, settle_s=0.0)
+    assert len(calls) == 5
 
 
 @pytest.mark.parametrize("bad", [["--tokens", "12,x"], ["--vocab", "0"], ["--providers", "ours,bogus"], ["--dtype", "fp8"],
@@ -119,11 +150,11 @@ def test_a_provider_out_of_memory_gets_a_note_and_an_empty_row(capsys, monkeypat
 
     real_median_ms, calls = bench.median_ms, []
 
-    def median_ms_failing_naive(step, tensors, device, warmup, reps):
+    def median_ms_failing_naive(step, tensors, device, warmup, reps, settle_s):
         calls.append(step)
-        if len(calls) == 5:  # round 2, naive (order: ours, naive, floor)
+        if len(calls) == 4:  # round 2, naive (order: naive, floor, ours)
             raise torch.OutOfMemoryError("fake")
-        return real_median_ms(step, tensors, device, warmup, reps)
+        return real_median_ms(step, tensors, device, warmup, reps, settle_s)
 
     monkeypatch.setattr(bench, "median_ms", median_ms_failing_naive)
     json_path = tmp_path / "bench.json"

@@ -56,6 +56,10 @@ class Workload:
     warmup: int
     reps: int
     rounds: int = 1  # > 1: providers timed in turn, round after round (time_providers)
+    # Warm-up also lasts until a provider's own calls have kept the GPU busy this long: the H200's
+    # power limiter cuts the SM clock (1980 -> 1500-1620 MHz) within ~0.1 s of sustained load, so
+    # without it a provider timed after a pause runs faster than in a training job (NOTES item 35).
+    settle_s: float = 0.0
 
     def __post_init__(self):
         sizes = dict(vocab=self.vocab, hidden=self.hidden, student_hidden=self.student_hidden, reps=self.reps,
@@ -67,20 +71,25 @@ class Workload:
             raise ValueError(f"tokens must be a non-empty list of positive counts, got {list(self.tokens)}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.settle_s < 0:
+            raise ValueError(f"settle_s must be >= 0, got {self.settle_s}")
 
     def describe(self) -> str:
         return (
             f"V={self.vocab} (student and teacher), teacher H={self.hidden}, student H={self.student_hidden}, "
             f"dtype={DTYPE_NAMES[self.dtype]}, T={','.join(map(str, self.tokens))}, labels uniform in [0, V) "
-            f"(none ignored), warm-up {self.warmup}, median of {self.reps}"
-            + (f" in each of {self.rounds} interleaved rounds, then the median over rounds" if self.rounds > 1 else "")
+            f"(none ignored), warm-up {self.warmup}" + (f" and >= {self.settle_s:g} s" if self.settle_s else "")
+            + f", median of {self.reps}"
+            + (f" in each of {self.rounds} interleaved rounds (order rotated), then the median over rounds"
+               if self.rounds > 1 else "")
             + f", seed {SEED}"
         )
 
 
 CPU_WORKLOAD = Workload(tokens=(256, 512), vocab=8192, hidden=512, student_hidden=256, dtype=torch.float32, warmup=1, reps=5)
 CUDA_WORKLOAD = Workload(
-    tokens=(1024, 2048, 4096, 8192), vocab=128256, hidden=4096, student_hidden=2048, dtype=torch.bfloat16, warmup=3, reps=10
+    tokens=(1024, 2048, 4096, 8192), vocab=128256, hidden=4096, student_hidden=2048, dtype=torch.bfloat16, warmup=3, reps=10,
+    settle_s=0.5,
 )
 
 
@@ -229,11 +238,17 @@ def load_liger(device: torch.device):
     return LigerFusedLinearCosineSimilarityLoss(compiled=device.type == "cuda"), None
 
 
-def median_ms(step, tensors: Tensors, device: torch.device, warmup: int, reps: int) -> float:
-    """Median wall time of ``step`` in ms after ``warmup`` untimed calls; grads cleared before each call."""
-    for _ in range(warmup):
+def median_ms(step, tensors: Tensors, device: torch.device, warmup: int, reps: int, settle_s: float = 0.0) -> float:
+    """Median wall time of ``step`` in ms after at least ``warmup`` untimed calls and at least ``settle_s``
+    seconds of them; grads cleared before each call."""
+    start = time.perf_counter()
+    calls = 0
+    while calls < warmup or time.perf_counter() - start < settle_s:
         tensors.clear_grads()
         step()
+        calls += 1
+        if device.type == "cuda" and settle_s:
+            torch.cuda.synchronize(device)  # the clock measures GPU time, not queueing
     times = []
     for _ in range(reps):
         tensors.clear_grads()
@@ -400,14 +415,18 @@ def time_providers(builders, tensors: Tensors, device, mode, workload: Workload,
     a note for one that runs out of memory.
 
     Each round times every provider in turn (median of ``reps`` calls, after ``warmup`` calls in the
-    first round, one in later rounds); a provider's time is the median over rounds of its round
-    medians. With several rounds, clocks that drift over a run (the floor moved 3.67-3.92 ms at
-    T = 1024 between runs on one H200, BENCHMARKS.md) drift under every provider alike."""
+    first round, one in later rounds, and ``settle_s`` seconds of calls in every round); a provider's
+    time is the median over rounds of its round medians. With several rounds, clocks that drift over
+    a run (the floor moved 3.67-3.92 ms at T = 1024 between runs on one H200, BENCHMARKS.md) drift
+    under every provider alike, and each round starts one provider later in the list, so that no
+    provider is always the one timed first."""
     steps, times = {}, {label: [] for label in builders}
     timings = {label: (None, None, times[label]) for label in builders}
+    order = list(builders.items())
     for round_index in range(workload.rounds):
         last_round = round_index == workload.rounds - 1
-        for label, build in builders.items():
+        shift = round_index % len(order)
+        for label, build in order[shift:] + order[:shift]:
             if bar is not None:
                 bar.update()
             if round_index > 0 and label not in steps:  # it ran out of memory in an earlier round
@@ -417,7 +436,7 @@ def time_providers(builders, tensors: Tensors, device, mode, workload: Workload,
                     step = build(tensors, mode)
                     steps[label] = torch.no_grad()(step) if mode == "forward" else step
                 warmup = workload.warmup if round_index == 0 else min(1, workload.warmup)
-                times[label].append(median_ms(steps[label], tensors, device, warmup, workload.reps))
+                times[label].append(median_ms(steps[label], tensors, device, warmup, workload.reps, workload.settle_s))
                 if last_round:
                     timings[label] = (statistics.median(times[label]), peak_gb_above_inputs(steps[label], tensors, device),
                                       times[label])

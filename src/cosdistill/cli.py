@@ -73,6 +73,9 @@ def build_parser():
     bench_parser.add_argument("--accum-dtypes", type=comma_list(dtype), help="run ours once per grad_weight accumulator dtype")
     bench_parser.add_argument("--warmup", type=int, help="untimed calls before timing")
     bench_parser.add_argument("--reps", type=int, help="timed calls; the median is reported")
+    bench_parser.add_argument("--settle-s", type=float, metavar="SECONDS",
+                              help="warm up each provider for at least this long (CUDA default 0.5: the GPU's "
+                                   "power limiter settles)")
     bench_parser.add_argument("--rounds", type=int, default=1,
                               help="time the providers in turn this many times and report the median over rounds "
                                    "(clock drift then spreads over all providers alike)")
@@ -156,6 +159,7 @@ def run_bench_command(args):
         warmup=args.warmup if args.warmup is not None else default.warmup,
         reps=args.reps if args.reps is not None else default.reps,
         rounds=args.rounds,
+        settle_s=args.settle_s if args.settle_s is not None else default.settle_s,
     )
     settings = bench.ours_settings(args.chunk_sizes, args.accum_dtypes)
     result = bench.run_bench(workload, device, providers=args.providers, mode=args.mode, settings=settings)
