@@ -57,8 +57,9 @@ class Workload:
     reps: int
     rounds: int = 1  # > 1: providers timed in turn, round after round (time_providers)
     # Warm-up also lasts until a provider's own calls have kept the GPU busy this long: the H200's
-    # power limiter cuts the SM clock (1980 -> 1500-1620 MHz) within ~0.1 s of sustained load, so
-    # without it a provider timed after a pause runs faster than in a training job (NOTES item 35).
+    # power limiter cuts the SM clock (1980 -> 1260-1620 MHz) under sustained load, and a provider
+    # timed after a light phase ran up to 12% faster than in a training job; 0.5 s of warm-up was
+    # not enough, 3 s was (NOTES item 35).
     settle_s: float = 0.0
 
     def __post_init__(self):
@@ -89,7 +90,7 @@ class Workload:
 CPU_WORKLOAD = Workload(tokens=(256, 512), vocab=8192, hidden=512, student_hidden=256, dtype=torch.float32, warmup=1, reps=5)
 CUDA_WORKLOAD = Workload(
     tokens=(1024, 2048, 4096, 8192), vocab=128256, hidden=4096, student_hidden=2048, dtype=torch.bfloat16, warmup=3, reps=10,
-    settle_s=0.5,
+    settle_s=3.0,
 )
 
 

@@ -74,7 +74,7 @@ def build_parser():
     bench_parser.add_argument("--warmup", type=int, help="untimed calls before timing")
     bench_parser.add_argument("--reps", type=int, help="timed calls; the median is reported")
     bench_parser.add_argument("--settle-s", type=float, metavar="SECONDS",
-                              help="warm up each provider for at least this long (CUDA default 0.5: the GPU's "
+                              help="warm up each provider for at least this long (CUDA default 3: the GPU's "
                                    "power limiter settles)")
     bench_parser.add_argument("--rounds", type=int, default=1,
                               help="time the providers in turn this many times and report the median over rounds "
