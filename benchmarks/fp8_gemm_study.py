@@ -15,24 +15,11 @@ tensorwise about as fast as rowwise-fast. Speed only: the errors are fp8_study.p
 """
 
 import argparse
-import statistics
 
 import torch
 
 from cosdistill import fp8
-
-
-def median_ms(fn, reps=20, warmup=5):
-    times = []
-    for index in range(warmup + reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if index >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from cosdistill.bench import median_ms
 
 
 def main():
@@ -65,7 +52,7 @@ def main():
         bf16_ms = None
         for name, fn in variants.items():
             try:
-                ms = median_ms(fn)
+                ms = median_ms(fn, None, torch.device("cuda"), warmup=5, reps=20)
             except RuntimeError as error:
                 print(f"M = {rows:5d} {name:22s} failed: {str(error).splitlines()[0]}")
                 continue

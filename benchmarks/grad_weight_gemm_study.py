@@ -14,26 +14,10 @@ could save at most.
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 
-
-def median_ms(fn, reps=20, settle_s=2.0):
-    start = time.perf_counter()
-    while time.perf_counter() - start < settle_s:
-        fn()
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end))
-    return statistics.median(times)
+from cosdistill.bench import median_ms
 
 
 def main():
@@ -55,7 +39,7 @@ def main():
             "fp32 beta=1": lambda: torch.addmm(out_fp32, grad_logits.t(), states, beta=1.0, out_dtype=torch.float32, out=out_fp32),
         }
         for name, fn in settings.items():
-            ms = median_ms(fn)
+            ms = median_ms(fn, None, torch.device("cuda"), warmup=1, reps=20, settle_s=2.0)
             print(f"K = {rows:5d} {name}: {ms:7.3f} ms, {ms * 1024 / rows:6.3f} ms per 1024 rows")
 
 

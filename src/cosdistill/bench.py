@@ -239,20 +239,21 @@ def load_liger(device: torch.device):
     return LigerFusedLinearCosineSimilarityLoss(compiled=device.type == "cuda"), None
 
 
-def median_ms(step, tensors: Tensors, device: torch.device, warmup: int, reps: int, settle_s: float = 0.0) -> float:
+def median_ms(step, tensors: Tensors | None, device: torch.device, warmup: int, reps: int, settle_s: float = 0.0) -> float:
     """Median wall time of ``step`` in ms after at least ``warmup`` untimed calls and at least ``settle_s``
-    seconds of them; grads cleared before each call."""
+    seconds of them; the tensors' grads (if any) cleared before each call."""
+    clear_grads = tensors.clear_grads if tensors is not None else lambda: None
     start = time.perf_counter()
     calls = 0
     while calls < warmup or time.perf_counter() - start < settle_s:
-        tensors.clear_grads()
+        clear_grads()
         step()
         calls += 1
         if device.type == "cuda" and settle_s:
             torch.cuda.synchronize(device)  # the clock measures GPU time, not queueing
     times = []
     for _ in range(reps):
-        tensors.clear_grads()
+        clear_grads()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -4,9 +4,9 @@ The teacher weight is quantized once, one scale per vocabulary row, and the resu
 long as the weight object lives and is not modified in place (its version counter). Each chunk's
 teacher activations are quantized per token. ``torch._scaled_mm`` then computes
     logits[i, v] = (x_q[i] . w_q[v]) * scale_x[i] * scale_w[v]
-on the FP8 tensor cores of Hopper-class GPUs, with fast accumulation (``FAST_ACCUMULATION``). Shapes that the FP8 GEMM cannot take (a vocabulary or
-hidden size not divisible by 16) are zero-padded: a zero weight row adds a zero teacher logit, which
-changes neither |t|^2 nor s.t.
+on the FP8 tensor cores of Hopper-class GPUs, with fast accumulation (``FAST_ACCUMULATION``). Shapes
+that the FP8 GEMM cannot take (a vocabulary or hidden size not divisible by 16) are zero-padded: a
+zero weight row adds a zero teacher logit, which changes neither |t|^2 nor s.t.
 """
 
 import torch
@@ -19,7 +19,7 @@ GEMM_MULTIPLE = 16  # _scaled_mm needs M, K and N divisible by 16
 # faster on the H200 and the soft loss and gradients on real-looking data moved no more than e4m3
 # rounding already moves them (benchmarks/NOTES.md item 33).
 FAST_ACCUMULATION = True
-WEIGHT_ROWS_PER_STEP = 8192  # quantize the weight in slices: bounded fp32 scratch memory
+WEIGHT_ROWS_PER_STEP = 8192  # quantize the weight in slices: bounded temporary memory
 
 _weight_cache = WeakIdKeyDictionary()  # teacher weight -> (version, FP8 weight, row scales)
 
