@@ -129,9 +129,12 @@ def main():
     parser.add_argument("--vocab", type=int, help="both heads' vocabulary (default: the seed's)")
     parser.add_argument("--hidden", type=int, help="the teacher's hidden size, the student's half (default: the seed's)")
     parser.add_argument("--device", default="cuda")  # cpu: a smoke run of the script at a small size
+    parser.add_argument("--settle-s", type=float, help="warm-up seconds per part and round (default: 1 on CUDA, "
+                        "where parts run back to back under the power limiter, NOTES item 35; 0 on the CPU)")
     args = parser.parse_args()
     device = torch.device(args.device)
     workload = CUDA_WORKLOAD if device.type == "cuda" else CPU_WORKLOAD
+    settle_s = args.settle_s if args.settle_s is not None else (1.0 if device.type == "cuda" else 0.0)
     if args.vocab or args.hidden:
         hidden = args.hidden or workload.hidden
         workload = dataclasses.replace(workload, vocab=args.vocab or workload.vocab, hidden=hidden,
@@ -150,7 +153,8 @@ def main():
         times = {}
         for _ in range(3):  # rounds: clocks drift over a run; the median of each round's median
             for label, step in steps.items():
-                times.setdefault(label, []).append(median_ms(step, tensors, device, warmup=3, reps=args.reps))
+                times.setdefault(label, []).append(median_ms(step, tensors, device, warmup=3, reps=args.reps,
+                                                                 settle_s=settle_s))
         medians = {label: statistics.median(values) for label, values in times.items()}
         floor = sum(medians[f"{kind} chunk=all"] for kind in ("student_logits", "teacher_logits", "grad_input", "grad_weight"))
         print(f"\nT={tokens}: floor (sum of the four GEMMs alone) {floor:.3f} ms")
