@@ -82,7 +82,8 @@ def test_warm_up_lasts_at_least_settle_s():
 
 
 @pytest.mark.parametrize("bad", [["--tokens", "12,x"], ["--vocab", "0"], ["--providers", "ours,bogus"], ["--dtype", "fp8"],
-                                 ["--rounds", "0"]])
+                                 ["--rounds", "0"], ["--mode", "backward"], ["--mode", "full,full"], ["--mode", ","],
+                                 ["--settle-s", "-1"]])
 def test_bad_argument_exits_2_with_one_line(capsys, bad):
     with pytest.raises(SystemExit) as exit_info:
         main(TINY + bad)
@@ -100,6 +101,22 @@ def test_failed_check_prints_the_table_and_exits_1(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert code == 1
     assert "| ours | 32 | full |" in out and "check: FAILED" in out
+
+
+def test_both_modes_in_one_run_each_against_its_own_floor(capsys, tmp_path):
+    json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    code = main(TINY + ["--tokens", "16,32", "--providers", "ours,floor", "--mode", "full,forward", "--json", str(json_path),
+                        "--plot", str(png_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "mode full, forward |" in out
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [(row["T"], row["mode"], row["provider"]) for row in rows] == [
+        (tokens, mode, provider) for tokens in (16, 32) for mode in ("full", "forward") for provider in ("ours", "floor")]
+    for row in rows:
+        floor = next(r for r in rows if (r["T"], r["mode"], r["provider"]) == (row["T"], row["mode"], "floor"))
+        assert row["ratio_to_floor"] == row["median_ms"] / floor["median_ms"]
+    assert png_path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_bench_plots_a_png(capsys, tmp_path):

@@ -304,7 +304,7 @@ def small_problem_errors(setting: OursSetting, workload: Workload, device: torch
     return dict(zip(SMALL_ERROR_KEYS, errors))
 
 
-def environment_header(device: torch.device, workload: Workload, mode: str) -> str:
+def environment_header(device: torch.device, workload: Workload, modes: str) -> str:
     try:
         import triton
 
@@ -318,17 +318,18 @@ def environment_header(device: torch.device, workload: Workload, mode: str) -> s
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (
         f"device: {device_name} | torch {torch.__version__} | triton {triton_version} | {date} | "
-        f"mode {mode} | workload: {workload.describe()}"
+        f"mode {modes} | workload: {workload.describe()}"
     )
 
 
-def run_bench(workload: Workload, device: torch.device, providers=PROVIDERS, mode="full", settings=None) -> BenchResult:
-    """Check ours, then time every provider at every T; rows in (T, provider) order."""
+def run_bench(workload: Workload, device: torch.device, providers=PROVIDERS, modes=("full",), settings=None) -> BenchResult:
+    """Check ours, then time every provider in every mode at every T, on the same tensors per T; rows in
+    (T, mode, provider) order."""
     unknown = set(providers) - set(PROVIDERS)
     if unknown:
         raise ValueError(f"unknown providers {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not modes or set(modes) - set(MODES) or len(set(modes)) < len(modes):
+        raise ValueError(f"modes must be one or both of {MODES}, each once, got {list(modes)}")
     settings = settings or ours_settings()
     notes = []
 
@@ -361,36 +362,37 @@ def run_bench(workload: Workload, device: torch.device, providers=PROVIDERS, mod
     ours_errors = [error for errors in small_errors.values() for error in errors.values()]
 
     rows = []
-    with progress_bar(len(workload.tokens) * len(builders) * workload.rounds) as bar:
+    with progress_bar(len(workload.tokens) * len(modes) * len(builders) * workload.rounds) as bar:
         for tokens in workload.tokens:
             tensors = make_tensors(tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype, device)
             loss_errors = bench_size_loss_errors(tensors, settings + fp8_settings, liger_loss)
             ours_errors += [loss_errors[setting.label] for setting in settings]
-            timings = time_providers(builders, tensors, device, mode, workload, notes, bar)
-            for label, (milliseconds, peak_gb, round_ms) in timings.items():
-                rows.append({
-                    "provider": label,
-                    "T": tokens,
-                    "mode": mode,
-                    "median_ms": milliseconds,
-                    "round_ms": round_ms,  # JSON only: each round's median, for the run-to-run spread
-                    "ratio_to_floor": None,
-                    "peak_gb_above_inputs": peak_gb,
-                    "loss_rel_err": loss_errors.get(label),
-                    **small_errors.get(label, dict.fromkeys(SMALL_ERROR_KEYS)),
-                })
+            for mode in modes:
+                timings = time_providers(builders, tensors, device, mode, workload, notes, bar)
+                for label, (milliseconds, peak_gb, round_ms) in timings.items():
+                    rows.append({
+                        "provider": label,
+                        "T": tokens,
+                        "mode": mode,
+                        "median_ms": milliseconds,
+                        "round_ms": round_ms,  # JSON only: each round's median, for the run-to-run spread
+                        "ratio_to_floor": None,
+                        "peak_gb_above_inputs": peak_gb,
+                        "loss_rel_err": loss_errors.get(label),
+                        **small_errors.get(label, dict.fromkeys(SMALL_ERROR_KEYS)),
+                    })
             del tensors
 
-    floor_ms = {row["T"]: row["median_ms"] for row in rows if row["provider"] == "floor"}
+    floor_ms = {(row["T"], row["mode"]): row["median_ms"] for row in rows if row["provider"] == "floor"}
     for row in rows:
-        if floor_ms.get(row["T"]) and row["median_ms"] is not None:
-            row["ratio_to_floor"] = row["median_ms"] / floor_ms[row["T"]]
+        if floor_ms.get((row["T"], row["mode"])) and row["median_ms"] is not None:
+            row["ratio_to_floor"] = row["median_ms"] / floor_ms[row["T"], row["mode"]]
 
     tolerance = TOLERANCE[workload.dtype]
     check_passed = all(error <= tolerance for error in ours_errors)  # False for a NaN too
     if not check_passed:
         notes.append(f"CHECK FAILED: an error of ours exceeds {tolerance:g} ({DTYPE_NAMES[workload.dtype]})")
-    return BenchResult(environment_header(device, workload, mode), rows, check_passed, notes)
+    return BenchResult(environment_header(device, workload, ", ".join(modes)), rows, check_passed, notes)
 
 
 def progress_bar(total: int):
@@ -492,7 +494,8 @@ def write_json(result: BenchResult, path: str):
 
 
 def write_plot(result: BenchResult, path: str):
-    """A PNG: median ms vs T per provider (log-log), and each provider's time as % of the floor's vs T."""
+    """A PNG: median ms vs T per provider (log-log), and each provider's time as % of the floor's vs T; with
+    both modes, the no-grad forward dashed."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -500,9 +503,12 @@ def write_plot(result: BenchResult, path: str):
     FigureCanvasAgg(figure)
     times, percent_of_floor = figure.subplots(1, 2)
     tokens = sorted({row["T"] for row in result.rows})
-    for index, provider in enumerate(dict.fromkeys(row["provider"] for row in result.rows)):
-        style = dict(marker="o", color=f"C{index}", label=provider)  # one colour per provider in both panels
-        timed = [row for row in result.rows if row["provider"] == provider and row["median_ms"] is not None]
+    modes = list(dict.fromkeys(row["mode"] for row in result.rows))
+    for (index, provider), mode in itertools.product(enumerate(dict.fromkeys(row["provider"] for row in result.rows)), modes):
+        style = dict(marker="o", color=f"C{index}", linestyle="--" if mode == "forward" else "-",
+                     label=provider if len(modes) == 1 else f"{provider} ({mode})")  # one colour per provider
+        timed = [row for row in result.rows
+                 if row["provider"] == provider and row["mode"] == mode and row["median_ms"] is not None]
         times.plot([row["T"] for row in timed], [row["median_ms"] for row in timed], **style)
         against_floor = [row for row in timed if row["ratio_to_floor"] is not None]
         if provider != "floor" and against_floor:

@@ -68,7 +68,8 @@ def build_parser():
     bench_parser.add_argument("--dtype", type=dtype, help=f"one of {', '.join(bench.DTYPES)}")
     bench_parser.add_argument("--providers", type=comma_list(str), default=list(bench.PROVIDERS),
                               help=f"comma list of {', '.join(bench.PROVIDERS)} (default all)")
-    bench_parser.add_argument("--mode", choices=bench.MODES, default="full", help="full: forward + backward; forward: no_grad forward")
+    bench_parser.add_argument("--mode", type=comma_list(str), default=["full"],
+                              help="full: forward + backward; forward: no_grad forward; full,forward: both, on the same tensors")
     bench_parser.add_argument("--chunk-sizes", type=comma_list(chunk_size), help="run ours once per chunk size (ints or auto)")
     bench_parser.add_argument("--accum-dtypes", type=comma_list(dtype), help="run ours once per grad_weight accumulator dtype")
     bench_parser.add_argument("--warmup", type=int, help="untimed calls before timing")
@@ -162,7 +163,7 @@ def run_bench_command(args):
         settle_s=args.settle_s if args.settle_s is not None else default.settle_s,
     )
     settings = bench.ours_settings(args.chunk_sizes, args.accum_dtypes)
-    result = bench.run_bench(workload, device, providers=args.providers, mode=args.mode, settings=settings)
+    result = bench.run_bench(workload, device, providers=args.providers, modes=args.mode, settings=settings)
     table = bench.markdown_table(result)
     print(table, end="")
     if args.markdown:
