@@ -15,7 +15,7 @@ from cosdistill import row_step_triton as kernels
 
 HOPPER = GPUTarget("cuda", 90, 32)
 INTS = ("student_row_stride", "teacher_row_stride", "vocab_student", "vocab_teacher", "ignore_index",
-        "vocab_start", "vocab_student_total")
+        "vocab_start", "vocab_student_total", "vocab", "slices")  # the last two: sliced_row_step_study's kernel
 FLOATS = ("student_cap", "teacher_cap", "student_scale", "teacher_scale", "weight_hard", "weight_soft", "beta",
           "inv_temp_sq", "eps")
 
@@ -28,7 +28,8 @@ def compile_for_hopper(kernel, logits_type, constants, aligned=False, num_warps=
     """With ``aligned``, as Triton specialises a launch whose pointers, strides and vocabularies are
     multiples of 16 (e.g. V = 128256): vectorised loads, and the STAGES prefetch through shared memory."""
     types = dict(student_ptr=logits_type, teacher_ptr=logits_type, labels_ptr="*i64", stats_ptr="*fp32",
-                 losses_ptr="*fp32", lifts_ptr="*fp32", **{name: "i32" for name in INTS}, **{name: "fp32" for name in FLOATS})
+                 losses_ptr="*fp32", lifts_ptr="*fp32", partials_ptr="*fp32", counters_ptr="*i32",
+                 **{name: "i32" for name in INTS}, **{name: "fp32" for name in FLOATS})
     signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
