@@ -18,17 +18,12 @@ cores' partial sums to fp32): its errors get a line, and both FP8 settings are t
 import argparse
 import contextlib
 import json
-import statistics
 
 import torch
 
 from cosdistill import fp8, fused_linear_cosine_distill
+from cosdistill.bench import median_ms, rel_err
 from cosdistill.reference import naive_cosine_distill
-
-
-def rel_err(actual, expected):
-    actual, expected = actual.double(), expected.double()
-    return ((actual - expected).norm() / expected.norm()).item()
 
 
 def lm_head(vocab, hidden, generator):
@@ -79,17 +74,7 @@ def other_accumulation():
 
 def step_ms(problem, reps=10, **kwargs):
     """Median ms of the full step (CUDA events), after three warm-up calls."""
-    times = []
-    for index in range(3 + reps):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run(problem, **kwargs)
-        end.record()
-        torch.cuda.synchronize()
-        if index >= 3:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_ms(lambda: run(problem, **kwargs), None, torch.device("cuda"), warmup=3, reps=reps)
 
 
 def float64_reference(problem, teacher_input=None, teacher_weight=None):

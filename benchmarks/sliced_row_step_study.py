@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cosdistill.bench import rel_err
 from cosdistill.row_step import RowStepScales, row_step_torch
 from cosdistill.row_step_triton import (_caps, _loss_args, _overflowed, _row_and_label, _row_losses_and_grad,
                                         _row_stats, row_step_triton)
@@ -147,9 +148,6 @@ def main():
     row_step_torch(want_grad, teacher, labels, scales, want_losses, True)
     scratch, losses = student.clone(), torch.empty(rows, 2, device="cuda")
 
-    def rel(a, b):
-        return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
     def timed(step):
         def call():
             scratch.copy_(student)
@@ -168,7 +166,7 @@ def main():
         scratch.copy_(student)
         losses.fill_(float("nan"))
         step()
-        errors = (rel(losses, want_losses), rel(scratch.float(), want_grad.float()))
+        errors = (rel_err(losses, want_losses), rel_err(scratch, want_grad))
         ms = timed(step) if max(errors) < 1e-2 else float("nan")
         print(f"{name:28s} {ms:7.3f} ms per {rows} rows   rel err {errors[0]:.1e} / {errors[1]:.1e}")
 

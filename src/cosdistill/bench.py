@@ -11,8 +11,9 @@ One process, one workload, every provider on the same tensors:
 
 Mode "full" times forward + ``loss.backward()``; mode "forward" times the forward under ``no_grad``.
 Each provider is timed in steady state: its own calls first run for ``settle_s`` seconds (3 on CUDA),
-so that the GPU's power limiter has cut the clock as it does in a training job. Before timing, ours' loss is checked against the naive loss at every bench size, and ours' loss and
-student gradients against the naive version in float64 on a small problem. The loss errors of liger and
+so that the GPU's power limiter has cut the clock as it does in a training job. Before timing, ours'
+loss is checked against the naive loss at every bench size, and ours' loss and student gradients
+against the naive version in float64 on a small problem. The loss errors of liger and
 ours-fp8 (FP8 quantization: about 1e-3 to 1e-2) are reported for information and are not checked.
 """
 
