@@ -47,7 +47,7 @@ def test_teacher_logits_in_sub_chunks(impl, rows, fp8_like_buffer, monkeypatch):
     """The automatic sizes give the teacher's logits GEMM and the row step fewer rows than the student's
     chunk (seed workload: 1024 of 2048); small sizes here, forced, with odd remainders at both levels.
     ``fp8_like_buffer``: a teacher buffer with more rows than asked for, as the FP8 head's padding."""
-    monkeypatch.setattr(api, "chunk_rows", lambda *args: rows)
+    monkeypatch.setattr(api, "chunk_rows", lambda *args, **kwargs: rows)
     if fp8_like_buffer:
         monkeypatch.setattr(api.TeacherHead, "buffer_rows", lambda self, n: n + 3)
     problem = make_problem(tokens=37, vocab_teacher=131, ignore_every=4)
@@ -66,6 +66,11 @@ def test_automatic_chunk_rows():
     assert chunk_rows(None, 8192, 300000, 300000, 2) == ChunkRows(1152, 1024)  # 2048 / 512 would pass 1.25 GiB
     assert chunk_rows(None, 8192, 600000, 600000, 4) == ChunkRows(256, 256)  # past the 1.25 GiB budget: fewer
     assert chunk_rows(None, 0, **seed) == ChunkRows(1, 1)
+    # without gradients the teacher's sub-chunks grow to the student's chunk where both fit 1.25 GiB
+    assert chunk_rows(None, 8192, **seed, write_grad=False) == ChunkRows(2048, 2048)
+    assert chunk_rows(None, 1024, **seed, write_grad=False) == ChunkRows(1024, 1024)
+    assert chunk_rows(None, 8192, 262144, 262144, 2, write_grad=False) == ChunkRows(2048, 512)  # 2 GiB would not
+    assert chunk_rows(512, 8192, **seed, write_grad=False) == ChunkRows(512, 512)
     assert chunk_rows(512, 8192, **seed) == ChunkRows(512, 512)  # a given chunk_size holds for both
     assert chunk_rows(512, 100, **seed) == ChunkRows(100, 100)
 

@@ -104,15 +104,17 @@ def fused_linear_cosine_distill(
         vocab_student = vocab_teacher = vocab_parallel.vocab_student
         scales = dataclasses.replace(scales, vocab_start=vocab_parallel.start, vocab_student_total=vocab_student)
         row_step, reduce_grad_input = split_row_step(row_step_impl, vocab_parallel), vocab_parallel.all_reduce
-    rows = chunk_rows(chunk_size, num_tokens, vocab_student, vocab_teacher, student_weight.element_size())
-    grad_on = torch.is_grad_enabled()
+    needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
+                       for t in (student_input, student_weight, student_bias))
+    rows = chunk_rows(chunk_size, num_tokens, vocab_student, vocab_teacher, student_weight.element_size(),
+                      write_grad=any(needs_grad))
     options = _Options(
         scales=scales,
         normaliser=LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens),
         row_step=row_step,
         teacher=teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=rows.teacher),
         rows=rows,
-        needs_grad=tuple(grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias)),
+        needs_grad=needs_grad,
         accum_dtype=accum_dtype or default_accum_dtype(student_weight.dtype),
         reduce_grad_input=reduce_grad_input,
     )

@@ -98,9 +98,11 @@ def _budget_rows(row_bytes: int) -> int:
 
 
 def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, vocab_teacher: int,
-               itemsize: int) -> ChunkRows:
+               itemsize: int, write_grad: bool = True) -> ChunkRows:
     """Rows per chunk: ``chunk_size`` for both heads if given, else from T, the vocabularies and the
-    budgets above (see benchmarks/NOTES.md)."""
+    budgets above (see benchmarks/NOTES.md). Without gradients (no grad_weight buffer) the teacher's
+    sub-chunks grow to the student's chunk where both buffers fit the hard budget: fewer teacher
+    GEMMs, each reading the whole teacher weight (NOTES item 39)."""
     if chunk_size is not None:
         rows = max(1, min(chunk_size, num_tokens))
         return ChunkRows(rows, rows)
@@ -114,6 +116,8 @@ def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, voca
         student_cap = (MAX_BUFFER_BYTES - teacher * teacher_row) // student_row
         student = max(teacher, min(MIN_STUDENT_ROWS, student_cap) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
     student = max(1, min(student, num_tokens))
+    if not write_grad and student * (student_row + teacher_row) <= MAX_BUFFER_BYTES:
+        teacher = student
     return ChunkRows(student, min(teacher, student))
 
 
