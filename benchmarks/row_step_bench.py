@@ -30,6 +30,21 @@ def load_other(path):
     return module.row_step_triton
 
 
+def sweep(impls, parameter, label, values):
+    """Each implementation at each value of ``parameter`` (None: its default); one that lacks the
+    parameter runs once, at its own setting."""
+    if values == [None]:
+        return impls
+    swept = []
+    for name, step in impls:
+        if parameter in inspect.signature(step).parameters:
+            swept += [(f"{name} {label}={value}", functools.partial(step, **{parameter: value})) if value else (name, step)
+                      for value in values]
+        else:
+            swept.append((name, step))
+    return swept
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=1024)
@@ -70,12 +85,8 @@ def main():
     copy_ms = timed(lambda: scratch.copy_(student))
     print(f"copy of one buffer: {copy_ms:.3f} ms, {2 * one_pass / copy_ms / 1e9:.2f} TB/s")
     impls = [("this", row_step_triton)] + ([("other", load_other(args.other))] if args.other else [])
-    impls = [(f"{name} stages={stages}", functools.partial(step, num_stages=stages)) if stages else (name, step)
-             for name, step in impls for stages in args.stages
-             if stages is None or "num_stages" in inspect.signature(step).parameters]
-    impls = [(f"{name} slice={cols}", functools.partial(step, slice_cols=cols)) if cols else (name, step)
-             for name, step in impls for cols in args.slice_cols
-             if cols is None or "slice_cols" in inspect.signature(step).parameters]
+    impls = sweep(impls, "num_stages", "stages", args.stages)
+    impls = sweep(impls, "slice_cols", "slice", args.slice_cols)
     grad_configs = ((512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 4))
     loss_configs = ((2048, 4), (2048, 8), (4096, 8), (2048, 16), (4096, 16))
     if args.configs:
