@@ -1,13 +1,12 @@
-"""Time the Triton row step alone on one chunk, for several block sizes, warp counts, prefetch stages
-(``--stages``) and slice widths of the launch with gradients (``--slice-cols``), and (if given)
+"""Time the Triton row step alone on one chunk, for several block sizes, warp counts and prefetch stages
+(``--stages``), and (if given)
 another implementation of row_step_triton with the same signature, e.g. an earlier commit's, for an A/B.
 
 Bytes counted: pass 1 reads s and t, pass 2 reads s and t and writes s: 5 * rows * V * itemsize.
 Compared with a device-to-device copy of the same buffers (read + write counted). Each setting's
 losses and gradient are first checked against the torch row step (relative error printed).
 
-    PYTHONPATH=src python benchmarks/row_step_bench.py [--rows 1024] [--vocab 128256] [--stages 1 3]
-        [--slice-cols 8192 16384] [--configs 1024:4] [--other FILE]
+    PYTHONPATH=src python benchmarks/row_step_bench.py [--rows 1024] [--vocab 128256] [--stages 1 3] [--configs 2048:4] [--other FILE]
 """
 
 import argparse
@@ -53,8 +52,6 @@ def main():
     parser.add_argument("--stages", type=int, nargs="+", default=[None],
                         help="num_stages settings swept (default: each kernel's own); an --other without the "
                              "argument runs once")
-    parser.add_argument("--slice-cols", type=int, nargs="+", default=[None],
-                        help="slice widths of the launch with gradients swept (default: the library's)")
     parser.add_argument("--configs", nargs="+", help="BLOCK:WARPS settings for both modes (default: a sweep each)")
     args = parser.parse_args()
     rows, vocab = args.rows, args.vocab
@@ -86,8 +83,7 @@ def main():
     print(f"copy of one buffer: {copy_ms:.3f} ms, {2 * one_pass / copy_ms / 1e9:.2f} TB/s")
     impls = [("this", row_step_triton)] + ([("other", load_other(args.other))] if args.other else [])
     impls = sweep(impls, "num_stages", "stages", args.stages)
-    impls = sweep(impls, "slice_cols", "slice", args.slice_cols)
-    grad_configs = ((512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 4))
+    grad_configs = ((1024, 4), (2048, 2), (2048, 4), (4096, 4), (2048, 8), (4096, 8))
     loss_configs = ((2048, 4), (2048, 8), (4096, 8), (2048, 16), (4096, 16))
     if args.configs:
         grad_configs = loss_configs = [tuple(int(part) for part in config.split(":")) for config in args.configs]

@@ -15,7 +15,7 @@ from cosdistill import row_step_triton as kernels
 
 HOPPER = GPUTarget("cuda", 90, 32)
 INTS = ("student_row_stride", "teacher_row_stride", "vocab_student", "vocab_teacher", "ignore_index",
-        "vocab_start", "vocab_student_total", "slices")
+        "vocab_start", "vocab_student_total")
 FLOATS = ("student_cap", "teacher_cap", "student_scale", "teacher_scale", "weight_hard", "weight_soft", "beta",
           "inv_temp_sq", "eps")
 
@@ -28,7 +28,7 @@ def compile_for_hopper(kernel, logits_type, constants, aligned=False, num_warps=
     """With ``aligned``, as Triton specialises a launch whose pointers, strides and vocabularies are
     multiples of 16 (e.g. V = 128256): vectorised loads, and the STAGES prefetch through shared memory."""
     types = dict(student_ptr=logits_type, teacher_ptr=logits_type, labels_ptr="*i64", stats_ptr="*fp32",
-                 losses_ptr="*fp32", lifts_ptr="*fp32", partials_ptr="*fp32", counters_ptr="*i32",
+                 losses_ptr="*fp32", lifts_ptr="*fp32",
                  **{name: "i32" for name in INTS}, **{name: "fp32" for name in FLOATS})
     signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
@@ -43,10 +43,8 @@ def variants():
     for logits_type, caps in itertools.product(("*bf16", "*fp16", "*fp32"), ((False, False), (True, True))):
         common = dict(STUDENT_CAP=caps[0], TEACHER_CAP=caps[1], BLOCK=kernels.DEFAULT_BLOCK, STAGES=kernels.DEFAULT_STAGES)
         lift = logits_type == "*fp16"  # the chunk loop lifts fp16 gradients only
-        sliced = dict(common, LIFT=lift, WAIT=True, STATS=True, GRAD=True, SLICE=kernels.SLICE_COLS, SLICES_POW2=8,
-                      BLOCK=kernels.SLICED_BLOCK, STAGES=kernels.SLICED_STAGES)
-        for name in ("sliced", "sliced aligned"):  # aligned: vector loads prefetched through shared memory
-            yield name, kernels._sliced_row_step_kernel, logits_type, sliced
+        for name in ("row step", "row step aligned"):  # aligned: vector loads prefetched through shared memory
+            yield name, kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, RESCUE=False)
         if logits_type != "*fp32":
             yield "rescue", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, RESCUE=True)
             yield "gradient", kernels._row_grad_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, NUM_STATS=8)
@@ -59,13 +57,9 @@ def variants():
 
 def main():
     for name, kernel, logits_type, constants in variants():
-        warps = {"loss only": kernels.LOSS_ONLY_WARPS, "sliced": kernels.SLICED_WARPS}.get(
-            name.removesuffix(" aligned"), kernels.DEFAULT_WARPS)
+        warps = kernels.LOSS_ONLY_WARPS if name.startswith("loss only") else kernels.DEFAULT_WARPS
         compiled = compile_for_hopper(kernel, logits_type, constants, aligned="aligned" in name, num_warps=warps)
         print(f"{name} {logits_type} caps={constants['STUDENT_CAP']}: {len(compiled.asm['cubin'])} bytes of sm_90 cubin")
-        if name == "sliced aligned" and logits_type == "*bf16":  # the wait's ordering, and the prefetch
-            ptx = compiled.asm["ptx"]
-            print("sliced ptx:", *(f"{word}={word in ptx}" for word in ("release", "acquire", "cp.async")))
 
 
 if __name__ == "__main__":

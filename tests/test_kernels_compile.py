@@ -15,4 +15,3 @@ def test_every_kernel_variant_compiles_for_hopper():
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("bytes of sm_90 cubin") == 24, result.stdout  # 2 softcap settings x 12 kernel variants
-    assert result.stdout.count("sliced ptx: release=True acquire=True cp.async=True") == 2, result.stdout

@@ -1,6 +1,5 @@
 """The Triton row step, run by Triton's interpreter, against the torch row step (the spec)."""
 
-import functools
 from dataclasses import replace
 
 import pytest
@@ -44,7 +43,7 @@ def test_triton_row_step_matches_torch(dtype, vocab_student, vocab_teacher, bloc
     expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
     row_step_torch(expected_grad, teacher, labels, scales, expected_losses, write_grad)
     got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_triton(got_grad, teacher, labels, scales, got_losses, write_grad, block_size=block, slice_cols=2 * block)
+    row_step_triton(got_grad, teacher, labels, scales, got_losses, write_grad, block_size=block)
 
     assert not (got_losses == POISON).any()
     torch.testing.assert_close(got_losses, expected_losses, rtol=2e-5, atol=2e-5)
@@ -59,40 +58,6 @@ def test_triton_row_step_matches_torch(dtype, vocab_student, vocab_teacher, bloc
         assert torch.count_nonzero(got_grad[ignored]) == 0
     else:
         assert torch.equal(got_grad, student)  # the logits are left alone when no gradient is wanted
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab_student, vocab_teacher, slice_cols", [(97, 400, 64), (300, 300, 32), (130, 131, 128)])
-def test_sliced_launch_combines_its_slices(dtype, vocab_student, vocab_teacher, slice_cols):
-    """The launch with gradients takes each row in slices and combines their statistics: labels on both
-    sides of every slice boundary and in the last, partial slice; slices past the student's vocabulary
-    (Vt > Vs: only |t|^2); a row whose sums overflow fp32 (left to the per-row RESCUE launch), against
-    the torch row step."""
-    boundaries = [column for edge in range(slice_cols, vocab_student, slice_cols) for column in (edge - 1, edge)]
-    columns = [0, vocab_student - 1, *boundaries]
-    rows = len(columns) + 2
-    student, teacher, _ = random_chunk(rows, vocab_student, vocab_teacher, dtype)
-    labels = torch.tensor([*columns, -7, 1])
-    student[-1] = torch.finfo(torch.bfloat16).max / (1 + torch.arange(vocab_student)) ** 0.5  # |s|^2 overflows fp32
-    scales = RowStepScales(0.37, 0.81, 0.6, 1.7, -7, student_softcap=None, teacher_softcap=6.0,
-                           teacher_logit_scale=0.75)
-    expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
-    got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_triton(got_grad, teacher, labels, scales, got_losses, True, block_size=32, slice_cols=slice_cols)
-    assert torch.isfinite(got_losses).all() and torch.isfinite(got_grad).all()
-    torch.testing.assert_close(got_losses, expected_losses, rtol=2e-5, atol=2e-5)
-    rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (1e-2, 1e-4)
-    error_bound = atol * term_bound(student, scales)[:, None] + rtol * expected_grad.float().abs()
-    assert ((got_grad.float() - expected_grad.float()).abs() <= error_bound).all()
-    assert torch.count_nonzero(got_grad[-2]) == 0
-
-
-def test_slices_must_hold_whole_blocks():
-    student, teacher, labels = random_chunk(3, 100, 100, torch.float32)
-    with pytest.raises(ValueError, match=r"slice_cols \(48\) must be a multiple of the block \(32\)"):
-        row_step_triton(student, teacher, labels, RowStepScales(0.5, 0.5, 0.5, 1.0, -7), torch.empty(3, 2), True,
-                        block_size=32, slice_cols=48)
 
 
 def test_triton_row_step_on_strided_rows():
@@ -187,7 +152,7 @@ def test_fp16_lifts_match_torch_and_keep_gradients_in_fp16_range(weights, softca
     plain_grad, plain_losses = student.float(), torch.empty(rows, 2)
     row_step_torch(plain_grad, teacher.float(), labels, scales, plain_losses, True)  # fp32: all in range
     results = {}
-    for name, step in (("torch", row_step_torch), ("triton", functools.partial(row_step_triton, slice_cols=1024))):
+    for name, step in (("torch", row_step_torch), ("triton", row_step_triton)):
         grad, losses, lifts = student.clone(), torch.empty(rows, 2), torch.full((rows,), POISON)
         step(grad, teacher, labels, scales, losses, True, lifts)
         results[name] = grad, lifts
@@ -222,7 +187,7 @@ def test_label_entry_in_whole_blocks_and_in_the_partial_last_block(vocab, block)
     expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
     row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
     got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_triton(got_grad, teacher, labels, scales, got_losses, True, block_size=block, slice_cols=block)
+    row_step_triton(got_grad, teacher, labels, scales, got_losses, True, block_size=block)
     torch.testing.assert_close(got_losses, expected_losses, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-6)
     assert torch.equal(got_grad[-1], torch.zeros(vocab))

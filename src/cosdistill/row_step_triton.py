@@ -1,18 +1,11 @@
 """The fused row step in Triton: the twin of ``row_step.py`` (read that first).
 
-``_row_stats`` streams a row's student and teacher logits once and keeps per-lane running statistics
-(max and sum of exp for the softmax, s.t, |s|^2, |t|^2); ``_row_losses_and_grad`` turns the row's
-statistics into its losses and, when gradients are wanted, streams the logits again and overwrites
-the student logits with d loss / d s. ``row_step_triton`` runs both in one launch:
-
-* with gradients, ``_sliced_row_step_kernel``: one program per (row, slice of the vocabulary); each
-  publishes its slice's statistics, waits for the rest of its row's, combines them and writes its
-  slice's gradient (the second read then mostly comes from L2: 10% faster, benchmarks/NOTES.md 37);
-* without, ``_row_step_kernel``: one program per row, which reads each logit once.
-
-Rows whose plain sums overflow fp32 are redone by ``_row_step_kernel`` with RESCUE. A vocabulary split
-over ranks runs the two halves as two kernels with the statistics combined across ranks in between
-(``row_stats_triton``, ``row_grad_triton``).
+One program per token row. ``_row_stats`` streams the row's student and teacher logits once and keeps
+per-lane running statistics (max and sum of exp for the softmax, s.t, |s|^2, |t|^2);
+``_row_losses_and_grad`` turns the row's statistics into its losses and, when gradients are wanted,
+streams the logits again and overwrites the student logits with d loss / d s. One process runs both
+in one kernel (``row_step_triton``); a vocabulary split over ranks runs them as two kernels with the
+statistics combined across ranks in between (``row_stats_triton``, ``row_grad_triton``).
 """
 
 import os
@@ -31,12 +24,6 @@ DEFAULT_STAGES = 6  # 0.322 ms per 1024 rows at the seed vocab, 0.349 with plain
 LOSS_ONLY_BLOCK = 2048  # the no-grad launch: 0.142 ms per 1024 rows, 0.163 with plain loads
 LOSS_ONLY_WARPS = 8
 LOSS_ONLY_STAGES = 4
-SLICE_COLS = 8192  # the launch with gradients: 0.285 ms per 1024 rows, per-row 0.322, 16384 0.315 (items 37-38)
-SLICED_BLOCK = 1024
-SLICED_WARPS = 4  # 8 warps: 0.41-0.57 ms (fewer programs resident while they wait)
-SLICED_STAGES = 6
-MAX_SLICES = 64  # per row; wider slices beyond (see _sliced_row_step_kernel on waiting)
-SLICE_STATS: tl.constexpr = tl.constexpr(6)  # max, sum of exp (relative to that max), target logit, s.t, |s|^2, |t|^2
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # a jit global must be a constexpr
 FLOAT32_TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # bound 0 (both weights 0): no log2(0)
 MAX_LIFT: tl.constexpr = tl.constexpr(float(MAX_LIFT_EXPONENT))
@@ -343,76 +330,6 @@ def _row_step_kernel(
 
 
 @triton.jit
-def _sliced_row_step_kernel(
-    student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, losses_ptr, lifts_ptr,
-    partials_ptr, counters_ptr, slices, vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
-    weight_hard, weight_soft, beta, inv_temp_sq, eps, student_cap, teacher_cap, student_scale, teacher_scale,
-    STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, LIFT: tl.constexpr, WAIT: tl.constexpr,
-    STATS: tl.constexpr, GRAD: tl.constexpr, SLICE: tl.constexpr, SLICES_POW2: tl.constexpr, BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """_row_step_kernel's first launch with gradients, one program per (row, slice of SLICE columns).
-
-    With WAIT (a GPU), one launch does both halves: programs take their (row, slice) from a ticket
-    counter in the order they start, publish their slice's statistics, and spin on their row's counter
-    until every slice has. Every ticket below a program's was taken by a running or finished program,
-    so only the row of the newest ticket can be incomplete: the wait cannot deadlock while the GPU holds
-    at least ``slices`` programs at once. Triton's interpreter runs programs one after another, so
-    there the halves (STATS, then GRAD) run as two launches."""
-    if WAIT:
-        ticket = tl.atomic_add(counters_ptr, 1).to(tl.int64)
-    else:
-        ticket = tl.program_id(0).to(tl.int64)
-    row = ticket // slices
-    start = (ticket % slices) * SLICE
-    width_student = tl.minimum(tl.maximum(vocab_student - start, 0), SLICE)  # 0 in a teacher-only slice (Vt > Vs)
-    width_teacher = tl.minimum(vocab_teacher - start, SLICE)
-    student_row, teacher_row, valid, in_shard, column = _row_and_label(
-        row, student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, ignore_index,
-        vocab_start, vocab_student, vocab_student_total,
-    )
-    in_slice = in_shard & (column >= start) & (column < start + width_student)
-    partials_row = partials_ptr + row * slices * SLICE_STATS
-    if STATS:
-        part_max, part_sum_exp, part_target, part_dot, part_ss, part_tt, _, _ = _row_stats(
-            student_row + start, teacher_row + start, in_slice, column - start, width_student, width_teacher,
-            student_scale, teacher_scale, student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, False, BLOCK, STAGES,
-        )
-        mine = partials_row + (start // SLICE) * SLICE_STATS
-        tl.store(mine, part_max)
-        tl.store(mine + 1, part_sum_exp)
-        tl.store(mine + 2, part_target)  # 0 unless the label lies in this slice
-        tl.store(mine + 3, part_dot)
-        tl.store(mine + 4, part_ss)
-        tl.store(mine + 5, part_tt)
-    if WAIT:
-        row_counter = counters_ptr + 1 + row
-        tl.debug_barrier()  # every thread's stores before the release
-        published = tl.atomic_add(row_counter, 1, sem="release") + 1
-        while published < slices:
-            published = tl.atomic_add(row_counter, 0, sem="acquire")
-    if GRAD:
-        at = partials_row + tl.arange(0, SLICES_POW2) * SLICE_STATS
-        present = tl.arange(0, SLICES_POW2) < slices
-        maxes = tl.load(at, mask=present, other=float("-inf"), volatile=True)
-        row_max = tl.max(maxes, axis=0)
-        row_shift = tl.where(row_max != float("-inf"), row_max, 0.0)  # a shard with no student columns
-        sum_exp = tl.sum(tl.load(at + 1, mask=present, other=0.0, volatile=True) * tl.exp(maxes - row_shift), axis=0)
-        target_logit = tl.sum(tl.load(at + 2, mask=present, other=0.0, volatile=True), axis=0)
-        dot = tl.sum(tl.load(at + 3, mask=present, other=0.0, volatile=True), axis=0)
-        sum_sq_student = tl.sum(tl.load(at + 4, mask=present, other=0.0, volatile=True), axis=0)
-        sum_sq_teacher = tl.sum(tl.load(at + 5, mask=present, other=0.0, volatile=True), axis=0)
-        one = tl.full([], 1.0, tl.float32)
-        _row_losses_and_grad(
-            student_row + start, teacher_row + start, losses_ptr + row * 2, valid, in_slice, column - start,
-            width_student, row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, one, one,
-            weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
-            _overflowed(dot, sum_sq_student, sum_sq_teacher) == 0, lifts_ptr + row, STUDENT_CAP, TEACHER_CAP, True,
-            LIFT, BLOCK, STAGES,
-        )
-
-
-@triton.jit
 def _row_stats_kernel(
     student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, stats_ptr,
     vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
@@ -509,49 +426,21 @@ def _lift_args(grad_lifts, token_losses, write_grad):
 
 
 def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
-                    grad_lifts=None, block_size=None, num_warps=None, num_stages=None, slice_cols=None) -> None:
-    """``block_size``, ``num_warps`` and ``num_stages`` default per launch (the constants above);
-    ``slice_cols`` (a multiple of the block) is the sliced launch's slice width."""
+                    grad_lifts=None, block_size=None, num_warps=None, num_stages=None) -> None:
     rows, vocab_student = student_logits.shape
     if rows == 0:
         return
     _check_layout(student_logits, teacher_logits, labels, token_losses, *([] if grad_lifts is None else [grad_lifts]))
     lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
-    if write_grad:
-        _sliced_launch(student_logits, teacher_logits, labels, scales, token_losses, lifts, lift_flag, block_size,
-                       num_warps, num_stages, slice_cols)
     num_warps = num_warps or (DEFAULT_WARPS if write_grad else LOSS_ONLY_WARPS)
     block = _block(vocab_student, block_size, num_warps, DEFAULT_BLOCK if write_grad else LOSS_ONLY_BLOCK)
     stages = num_stages or (DEFAULT_STAGES if write_grad else LOSS_ONLY_STAGES)
-    for rescue in (True,) if write_grad else (False, True):  # with gradients, the sliced launch went first
+    for rescue in (False, True):
         _row_step_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
             lifts, vocab_student, teacher_logits.shape[1], *_common_args(vocab_student, scales), *_loss_args(scales),
             **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue, BLOCK=block,
             STAGES=stages, num_warps=num_warps,
-        )
-
-
-def _sliced_launch(student_logits, teacher_logits, labels, scales, token_losses, lifts, lift_flag, block_size,
-                   num_warps, num_stages, slice_cols):
-    rows, vocab_student = student_logits.shape
-    vocab = teacher_logits.shape[1]  # >= vocab_student
-    num_warps = num_warps or SLICED_WARPS
-    block = _block(vocab, block_size, num_warps, SLICED_BLOCK)
-    slice_cols = slice_cols or max(SLICE_COLS, triton.cdiv(triton.cdiv(vocab, MAX_SLICES), block) * block)
-    if slice_cols % block:
-        raise ValueError(f"slice_cols ({slice_cols}) must be a multiple of the block ({block})")
-    slices = triton.cdiv(vocab, slice_cols)
-    partials = torch.empty(rows, slices, SLICE_STATS.value, dtype=torch.float32, device=student_logits.device)
-    wait = student_logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    counters = torch.zeros(rows + 1, dtype=torch.int32, device=student_logits.device)  # the ticket, then each row's
-    for halves in (dict(STATS=True, GRAD=True),) if wait else (dict(STATS=True, GRAD=False), dict(STATS=False, GRAD=True)):
-        _sliced_row_step_kernel[(rows * slices,)](
-            student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
-            lifts, partials, counters, slices, vocab_student, vocab, *_common_args(vocab_student, scales),
-            *_loss_args(scales), **_caps(scales), **lift_flag, WAIT=wait, **halves, SLICE=slice_cols,
-            SLICES_POW2=triton.next_power_of_2(slices), BLOCK=block, STAGES=num_stages or SLICED_STAGES,
-            num_warps=num_warps,
         )
 
 
