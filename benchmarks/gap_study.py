@@ -34,7 +34,7 @@ from cosdistill import fused_linear_cosine_distill
 from cosdistill.api import pick_row_step, row_step_scales
 from cosdistill.labels import LabelCounts
 from cosdistill.bench import CPU_WORKLOAD, CUDA_WORKLOAD, make_tensors, median_ms
-from cosdistill.chunked import ChunkRows, TeacherHead, chunked_loss_and_grads
+from cosdistill.chunked import ChunkRows, TeacherHead, chunk_rows, chunked_loss_and_grads
 
 SCALES = row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0)
 
@@ -161,12 +161,20 @@ def main():
         for label, value in medians.items():
             print(f"  {label:40s} {value:8.3f} ms  {value / floor:6.3f} x floor   rounds {[round(t, 3) for t in times[label]]}")
         profiles = {}
-        for label in ("library full",) if device.type == "cuda" else ():
+        library_rows = chunk_rows(None, tokens, workload.vocab, workload.vocab, tensors.student_weight.element_size())
+        direct_label = f"direct chunk={library_rows.student} teacher={library_rows.teacher}"
+        for label in ("library full", direct_label) if device.type == "cuda" and direct_label in steps else ():
             sums, busy = kernel_sums(steps[label], tensors)
             profiles[label] = dict(busy_ms=busy, kernels=sums)
             print(f"  profile {label}: GPU busy {busy:.3f} ms per call")
             for name, ms in list(sums.items())[:12]:
                 print(f"    {ms:8.3f} ms  {name}")
+        if len(profiles) == 2:  # what the library runs beyond the same chunk loop called straight (NOTES item 40)
+            library, direct = profiles["library full"]["kernels"], profiles[direct_label]["kernels"]
+            differences = {name: library.get(name, 0.0) - direct.get(name, 0.0) for name in {*library, *direct}}
+            print("  kernels, library full minus direct (ms per call):")
+            for name, ms in sorted(differences.items(), key=lambda item: -abs(item[1]))[:8]:
+                print(f"    {ms:+8.3f} ms  {name}")
         report.append(dict(tokens=tokens, floor_ms=floor, medians=medians, rounds=times, profiles=profiles))
         del tensors, steps
         torch.cuda.empty_cache()
