@@ -9,6 +9,7 @@ import torch._dynamo
 import torch._inductor.config
 
 from cosdistill import fused_linear_cosine_distill
+from cosdistill.chunked import chunk_rows
 from cosdistill.ops import fused_linear_cosine_distill_op
 from conftest import make_problem, rel_err
 
@@ -50,6 +51,24 @@ def test_opcheck(dtype, bias, needs_grad, overrides):
     args = (student[0], student[1], student[2], problem.teacher_input, problem.teacher_weight, problem.teacher_bias,
             problem.labels, None)
     torch.library.opcheck(fused_linear_cosine_distill_op, args, op_kwargs(needs_grad, **overrides))
+
+
+@pytest.mark.parametrize("needs_grad", [(True, True, False), (False, False, False)])
+def test_op_tells_chunk_rows_whether_gradients_are_wanted(needs_grad, monkeypatch):
+    from cosdistill import ops
+
+    seen = []
+
+    def recording_chunk_rows(*args, **kwargs):
+        seen.append(kwargs["write_grad"])
+        return chunk_rows(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "chunk_rows", recording_chunk_rows)
+    problem = make_problem(tokens=12, bias=False)
+    args = (problem.student_input.detach(), problem.student_weight.detach(), None, problem.teacher_input,
+            problem.teacher_weight, None, problem.labels, None)
+    fused_linear_cosine_distill_op(*args, **op_kwargs(needs_grad))
+    assert seen == [any(needs_grad)]
 
 
 def test_opcheck_num_valid_tokens_tensor_and_no_tokens():

@@ -54,6 +54,26 @@ def test_teacher_logits_in_sub_chunks(impl, rows, fp8_like_buffer, monkeypatch):
     assert_matches_reference(problem, torch.float32, impl=impl)
 
 
+@pytest.mark.parametrize("grad_enabled, student_requires_grad, want_write_grad",
+                         [(True, True, True), (False, True, False), (True, False, False)])
+def test_chunk_rows_are_told_whether_gradients_are_wanted(grad_enabled, student_requires_grad, want_write_grad,
+                                                          monkeypatch):
+    """Without gradients the teacher's sub-chunks may be longer (chunk_rows' write_grad)."""
+    seen = []
+
+    def recording_chunk_rows(*args, **kwargs):
+        seen.append(kwargs["write_grad"])
+        return chunk_rows(*args, **kwargs)
+
+    monkeypatch.setattr(api, "chunk_rows", recording_chunk_rows)
+    problem = make_problem(tokens=9)
+    for leaf in problem.student_leaves():
+        leaf.requires_grad_(student_requires_grad)
+    with torch.set_grad_enabled(grad_enabled):
+        fused_linear_cosine_distill(*problem.args())
+    assert seen == [want_write_grad]
+
+
 def test_automatic_chunk_rows():
     seed = dict(vocab_student=128256, vocab_teacher=128256, itemsize=2)
     assert chunk_rows(None, 8192, **seed) == ChunkRows(2048, 1024)  # 0.79 GB of logits buffers

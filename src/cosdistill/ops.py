@@ -70,7 +70,8 @@ def fused_linear_cosine_distill_op(
 
     grad_weight comes in the accum dtype and grad_bias in fp32, cast to their leaves' dtypes in backward."""
     num_tokens, vocab_student = labels.numel(), student_weight.shape[0]
-    rows = chunk_rows(chunk_size, num_tokens, vocab_student, teacher_weight.shape[0], student_weight.element_size())
+    rows = chunk_rows(chunk_size, num_tokens, vocab_student, teacher_weight.shape[0], student_weight.element_size(),
+                      write_grad=any(needs_grad))
     teacher = api.teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=rows.teacher)
     scales = api.row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
                                  teacher_softcap, student_logit_scale, teacher_logit_scale)
