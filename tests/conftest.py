@@ -62,6 +62,20 @@ def reference(problem: Problem, grad_output=1.0, **kwargs):
     return [loss.detach() for loss in losses], [leaf.grad for leaf in leaves]
 
 
+def record_write_grad(monkeypatch, module) -> list:
+    """Replaces ``module.chunk_rows`` with one that records each call's ``write_grad``; the list it fills."""
+    from cosdistill.chunked import chunk_rows
+
+    seen = []
+
+    def recording_chunk_rows(*args, **kwargs):
+        seen.append(kwargs["write_grad"])
+        return chunk_rows(*args, **kwargs)
+
+    monkeypatch.setattr(module, "chunk_rows", recording_chunk_rows)
+    return seen
+
+
 def rel_err(actual, expected):
     actual, expected = actual.detach().double(), expected.detach().double()
     denom = expected.norm()

@@ -9,9 +9,8 @@ import torch._dynamo
 import torch._inductor.config
 
 from cosdistill import fused_linear_cosine_distill
-from cosdistill.chunked import chunk_rows
 from cosdistill.ops import fused_linear_cosine_distill_op
-from conftest import make_problem, rel_err
+from conftest import make_problem, record_write_grad, rel_err
 
 TOL = 1e-5  # fp32, compiled against eager
 
@@ -57,13 +56,7 @@ def test_opcheck(dtype, bias, needs_grad, overrides):
 def test_op_tells_chunk_rows_whether_gradients_are_wanted(needs_grad, monkeypatch):
     from cosdistill import ops
 
-    seen = []
-
-    def recording_chunk_rows(*args, **kwargs):
-        seen.append(kwargs["write_grad"])
-        return chunk_rows(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "chunk_rows", recording_chunk_rows)
+    seen = record_write_grad(monkeypatch, ops)
     problem = make_problem(tokens=12, bias=False)
     args = (problem.student_input.detach(), problem.student_weight.detach(), None, problem.teacher_input,
             problem.teacher_weight, None, problem.labels, None)

@@ -5,7 +5,7 @@ import torch
 
 from cosdistill import FusedLinearCosineDistillLoss, api, fused_linear_cosine_distill
 from cosdistill.chunked import ChunkRows, chunk_rows
-from conftest import TOLERANCE, make_problem, reference, rel_err
+from conftest import TOLERANCE, make_problem, record_write_grad, reference, rel_err
 
 
 def run_fused(problem, grad_output=1.0, **kwargs):
@@ -59,13 +59,7 @@ def test_teacher_logits_in_sub_chunks(impl, rows, fp8_like_buffer, monkeypatch):
 def test_chunk_rows_are_told_whether_gradients_are_wanted(grad_enabled, student_requires_grad, want_write_grad,
                                                           monkeypatch):
     """Without gradients the teacher's sub-chunks may be longer (chunk_rows' write_grad)."""
-    seen = []
-
-    def recording_chunk_rows(*args, **kwargs):
-        seen.append(kwargs["write_grad"])
-        return chunk_rows(*args, **kwargs)
-
-    monkeypatch.setattr(api, "chunk_rows", recording_chunk_rows)
+    seen = record_write_grad(monkeypatch, api)
     problem = make_problem(tokens=9)
     for leaf in problem.student_leaves():
         leaf.requires_grad_(student_requires_grad)
