@@ -7,7 +7,8 @@ Splits the library's time (forward + backward) into parts, each timed in the sam
   chunk): what chunking costs the GEMMs themselves;
 * "direct": ``chunked_loss_and_grads`` plus ``Gradients.finish`` called straight, no argument checks,
   no autograd: the chunk loop's own cost, for each ``--layouts`` student/teacher rows;
-* the library's forward alone (gradients computed, no backward) and its full step;
+* the library's forward alone (gradients computed, no backward), its full step, and its no-grad forward
+  (against the two forward GEMMs);
 * one profile of the library's full step: the summed time of every kernel by name, and the GPU's busy
   time against the call's wall time.
 
@@ -93,9 +94,10 @@ def direct_step(tensors, rows: ChunkRows):
     return step
 
 
-def library_step(tensors, backward):
+def library_step(tensors, backward, grad=True):
     def step():
-        loss = fused_linear_cosine_distill(*tensors.args())
+        with torch.set_grad_enabled(grad):
+            loss = fused_linear_cosine_distill(*tensors.args())
         if backward:
             loss.backward()
 
@@ -150,6 +152,7 @@ def main():
             steps[f"direct chunk={rows.student} teacher={rows.teacher}"] = direct_step(tensors, rows)
         steps["library forward (grads computed)"] = library_step(tensors, backward=False)
         steps["library full"] = library_step(tensors, backward=True)
+        steps["library no-grad forward"] = library_step(tensors, backward=False, grad=False)
         times = {}
         for _ in range(3):  # rounds: clocks drift over a run; the median of each round's median
             for label, step in steps.items():
@@ -157,7 +160,10 @@ def main():
                                                                  settle_s=settle_s))
         medians = {label: statistics.median(values) for label, values in times.items()}
         floor = sum(medians[f"{kind} chunk=all"] for kind in ("student_logits", "teacher_logits", "grad_input", "grad_weight"))
-        print(f"\nT={tokens}: floor (sum of the four GEMMs alone) {floor:.3f} ms")
+        forward_floor = medians["student_logits chunk=all"] + medians["teacher_logits chunk=all"]
+        print(f"\nT={tokens}: floor (sum of the four GEMMs alone) {floor:.3f} ms; the two forward GEMMs "
+              f"{forward_floor:.3f} ms, the library's no-grad forward "
+              f"{medians['library no-grad forward'] / forward_floor:.3f} x that")
         for label, value in medians.items():
             print(f"  {label:40s} {value:8.3f} ms  {value / floor:6.3f} x floor   rounds {[round(t, 3) for t in times[label]]}")
         profiles = {}

@@ -7,7 +7,9 @@ between one kernel's end and the next one's start, naming the host op that launc
 places, not their exact sizes, are the point. Also prints the step's wall time, the kernels' busy
 time, the time from the step's start to its first kernel and the host ops (>= --min-gap-us) before it.
 
-    PYTHONPATH=src python benchmarks/idle_timeline.py [--tokens 1024] [--min-gap-us 5]
+    PYTHONPATH=src python benchmarks/idle_timeline.py [--tokens 1024] [--min-gap-us 5] [--no-grad]
+
+``--no-grad`` profiles the no-grad forward (the call under torch.no_grad(), no backward) instead.
 """
 
 import argparse
@@ -26,6 +28,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--min-gap-us", type=float, default=5.0)
+    parser.add_argument("--no-grad", action="store_true", help="the no-grad forward instead of forward + backward")
     args = parser.parse_args()
     workload = CUDA_WORKLOAD
     tensors = make_tensors(args.tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype,
@@ -33,7 +36,11 @@ def main():
 
     def step():
         tensors.clear_grads()
-        fused_linear_cosine_distill(*tensors.args()).backward()
+        if args.no_grad:
+            with torch.no_grad():
+                fused_linear_cosine_distill(*tensors.args())
+        else:
+            fused_linear_cosine_distill(*tensors.args()).backward()
 
     for _ in range(3):
         step()
@@ -65,7 +72,7 @@ def main():
         return min(holders, key=lambda op: op["dur"])["name"] if holders else launch["name"]
 
     busy = sum(k["dur"] for k in kernels)
-    print(f"T={args.tokens}: step {(stop - start) / 1e3:.3f} ms on the host, kernels busy {busy / 1e3:.3f} ms, "
+    print(f"T={args.tokens}{' no-grad forward' if args.no_grad else ''}: step {(stop - start) / 1e3:.3f} ms on the host, kernels busy {busy / 1e3:.3f} ms, "
           f"{len(kernels)} kernels and copies")
     if not kernels:
         return
