@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cosdistill import FusedLinearCosineDistillLoss, api, fused_linear_cosine_distill
-from cosdistill.chunked import ChunkRows, chunk_rows
+from cosdistill.chunked import ChunkRows, chunk_rows, chunked_loss_and_grads
 from conftest import TOLERANCE, make_problem, record_write_grad, reference, rel_err
 
 
@@ -246,3 +246,33 @@ def test_logit_softcapping_and_scale(impl, dtype, caps, logit_scales):
                    student_logit_scale=logit_scales[0], teacher_logit_scale=logit_scales[1])
     problem = make_problem(dtype=dtype, vocab_teacher=120, ignore_every=4)
     assert_matches_reference(problem, dtype, ref_kwargs=options, impl=impl, chunk_size=10, **options)
+
+
+@pytest.mark.parametrize("dtype, weight_grad, deferred", [
+    (torch.float32, True, True), (torch.bfloat16, True, True),
+    (torch.float32, False, False),  # nothing deferred without grad_weight
+    (torch.float16, True, False),  # fp16: grad_input's rows are written with their lifts in forward
+])
+def test_last_chunk_grad_input_gemm_runs_in_backward(monkeypatch, dtype, weight_grad, deferred):
+    """Where the last grad_weight GEMM waits for backward, the last chunk's grad_input GEMM does too, so the
+    GPU has it to run while the host reads grad_output (NOTES item 41): those rows, poisoned after forward,
+    come out right after a backward with grad_output != 1."""
+    results = []
+
+    def recording(*args, **kwargs):
+        results.append(chunked_loss_and_grads(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(api, "chunked_loss_and_grads", recording)
+    problem = make_problem(tokens=37, dtype=dtype)
+    problem.student_weight.requires_grad_(weight_grad)
+    losses = fused_linear_cosine_distill(*problem.args(), chunk_size=16, return_soft_hard_loss=True)
+    gradients = results[0].gradients
+    assert (gradients.last_grad_input is not None) == deferred
+    if deferred:
+        assert gradients.last_grad_input.data_ptr() == gradients.grad_input[32].data_ptr()
+        assert gradients.last_grad_input.shape == (5, problem.student_input.shape[1])
+        gradients.last_grad_input.fill_(float("nan"))
+    (losses[0] * -1.5).backward()
+    _, ref_grads = reference(problem, -1.5)
+    assert rel_err(problem.student_input.grad, ref_grads[0]) < TOLERANCE[dtype][1]

@@ -5,7 +5,7 @@ chunk of tokens, two cuBLAS GEMMs write the student and teacher logits into reus
 teacher's in sub-chunks), the row step turns the student buffer into d loss / d logits in place, and
 two more GEMMs turn that into grad_input (written straight into its slice) and grad_weight
 (accumulated). Backward applies grad_output, folding it into the last chunk's grad_weight GEMM
-(``Gradients.finish``).
+(``Gradients.finish``), and runs the last chunk's grad_input GEMM while the host reads grad_output.
 """
 
 import functools
@@ -125,7 +125,9 @@ def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, voca
 class Gradients:
     """The student's gradients for grad_output = 1, less the last chunk's grad_weight GEMM, which waits
     for grad_output: scaling by it then rides on that GEMM instead of a pass over grad_weight (measured:
-    1.1 ms at T = 1024 on the H200, see benchmarks/NOTES.md item 13)."""
+    1.1 ms at T = 1024 on the H200, see benchmarks/NOTES.md item 13). The last chunk's grad_input GEMM
+    waits too where it can (``last_grad_input``): queued in backward before the host waits to read
+    grad_output, it keeps the GPU busy while the host launches the grad_weight GEMM (NOTES item 41)."""
 
     grad_input: torch.Tensor | None
     grad_weight: torch.Tensor | None  # in the accum dtype
@@ -139,13 +141,20 @@ class Gradients:
     # fp16: _Unlift.correct_scaled_down for the last chunk, run here, where the host has waited for
     # the forward already (reading grad_output), so that the forward never waits for the host
     correct_last: Callable[..., bool] | None = None
+    last_grad_input: torch.Tensor | None = None  # the last chunk's rows of grad_input, their GEMM not run yet
+    student_weight: torch.Tensor | None = None  # for that GEMM
 
     def finish(self, grad_output: torch.Tensor | None = None):
         """(grad_input, grad_weight, grad_bias) for this grad_output (a 0-d tensor; None: 1)."""
         if self.correct_last is not None and self.correct_last(overwrite=not self.accumulate_last):
             self.accumulate_last = True  # grad_weight holds the correction (or is None)
+        host_grad_output = None
+        if self.last_grad_logits is not None and grad_output is not None and self._scale_on_host():
+            host_grad_output = HostCopy(grad_output)  # queued ahead of the GEMM below, so not waiting for it
+        if self.last_grad_input is not None:
+            self.last_grad_input.addmm_(self.last_grad_logits, self.student_weight, beta=0.0, alpha=self.inv_normaliser)
         if self.last_grad_logits is not None:
-            self._last_grad_weight_gemm(grad_output)
+            self._last_grad_weight_gemm(grad_output, host_grad_output)
         if self.grad_input is not None and self.grad_input_lifts is not None:
             for start in range(0, len(self.grad_input), self.chunk_rows):
                 rows = self.grad_input[start : start + self.chunk_rows]
@@ -157,15 +166,19 @@ class Gradients:
             scale_unless_one_(self.grad_bias, grad_output)
         return self.grad_input, self.grad_weight, self.grad_bias
 
-    def _last_grad_weight_gemm(self, grad_output):
+    def _scale_on_host(self) -> bool:
+        """Whether grad_output goes onto the grad_weight GEMM's alpha and beta, read on the host."""
+        return self.accumulate_last or self.last_hidden.dtype == torch.float16
+
+    def _last_grad_weight_gemm(self, grad_output, host_grad_output):
         """When this GEMM makes the whole of grad_weight, grad_output goes onto its hidden rows on the
         device. Otherwise (earlier chunks' sum in it; or fp16 rows, which a loss scale could overflow)
-        it goes onto the GEMM's alpha and beta, read on the host: the wait costs the GPU ~0.07 ms of
-        idle, a pass over grad_weight (when grad_output != 1, e.g. 1 / gradient accumulation steps)
-        ~0.25 ms (benchmarks/NOTES.md item 27)."""
+        it goes onto the GEMM's alpha and beta, read on the host (``host_grad_output``): a pass over
+        grad_weight instead (when grad_output != 1, e.g. 1 / gradient accumulation steps) would cost
+        ~0.25 ms (benchmarks/NOTES.md item 27), the wait only what the GPU has not queued behind it."""
         hidden, alpha, beta = self.last_hidden, self.inv_normaliser, 1.0 if self.accumulate_last else 0.0
-        if grad_output is not None and (self.accumulate_last or hidden.dtype == torch.float16):
-            scale = float(grad_output)
+        if host_grad_output is not None:
+            scale = float(host_grad_output.get())
             alpha, beta = alpha * scale, beta * scale
         elif grad_output is not None:
             hidden = hidden.clone()
@@ -321,6 +334,9 @@ def chunked_loss_and_grads(
     grad_bias = torch.zeros(vocab_student, dtype=torch.float32, device=device) if needs_grad[2] else None
     lifted = write_grad and student_weight.dtype == torch.float16
     unlift = _Unlift(chunk, hidden_student, num_tokens, device) if lifted else None
+    # The last chunk's grad_input GEMM runs in backward where grad_weight's does (Gradients). Not with
+    # fp16's lifted rows, nor when grad_input is summed over a vocabulary split here in forward.
+    defer_grad_input = grad_input is not None and grad_weight is not None and unlift is None and reduce_grad_input is None
 
     inv_normaliser = None
     weight_started = False  # whether grad_weight holds a sum yet (the first GEMM overwrites it)
@@ -342,7 +358,7 @@ def chunked_loss_and_grads(
         grad_logits = chunk_student  # overwritten in place by the row step
         if grad_input is not None and unlift is not None:
             unlift.grad_input_into(grad_input, start, grad_logits, student_weight, inv_normaliser, reduce_grad_input)
-        elif grad_input is not None:
+        elif grad_input is not None and not (defer_grad_input and stop == num_tokens):
             grad_input[start:stop].addmm_(grad_logits, student_weight, beta=0.0, alpha=inv_normaliser)
         correct = unlift is not None and (grad_weight is not None or grad_bias is not None)
         raw_hidden = hidden
@@ -381,5 +397,7 @@ def chunked_loss_and_grads(
             chunk_rows=chunk,
             correct_last=functools.partial(unlift.correct_scaled_down, grad_weight, grad_bias, grad_logits, raw_hidden,
                                            inv_normaliser) if num_tokens and correct else None,
+            last_grad_input=grad_input[last_start:] if defer and defer_grad_input else None,
+            student_weight=student_weight if defer and defer_grad_input else None,
         )
     return ChunkResult(loss_sums[0], loss_sums[1], gradients)

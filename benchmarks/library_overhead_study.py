@@ -1,0 +1,119 @@
+"""Study: what the library's call adds to the same chunk loop called straight, one layer at a time.
+
+gap_study (s8a, settled) found the library's full step 0.16 ms (T = 1024), 0.18 ms (T = 2048) and
+0.53 ms (T = 8192) slower than ``chunked_loss_and_grads`` + ``finish()`` called directly at the same
+chunk layout. Each step below adds one layer to the one before it, on the same tensors:
+
+* ``direct``: the chunk loop and ``finish()`` with grad_output None (no host read of it);
+* ``+grad_output``: ``finish(ones)``, a 0-d grad_output made on the device as autograd makes it, so
+  several chunks read it on the host (the last grad_weight GEMM's alpha and beta);
+* ``+autograd``: the autograd Function with prebuilt options, then ``loss.backward()``;
+* ``library``: ``fused_linear_cosine_distill`` itself (argument checks, options) and backward;
+* and the no-grad forward: ``direct no-grad`` (the loop without gradients) against ``library no-grad``.
+
+Prediction (written before the run): at T = 8192 most of the 0.53 ms is the host read of
+grad_output, since the GPU idles from the forward's end until the host has launched the last GEMM
+(``+grad_output`` - ``direct`` ~0.2-0.4 ms); at T <= 2048 (one chunk, no host read) the layers add
+~0.03-0.06 ms each (Python before the first GEMM, autograd's engine).
+
+    PYTHONPATH=src python benchmarks/library_overhead_study.py [--tokens 1024 8192] [--rounds 3] [--json out.json]
+"""
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from cosdistill import fused_linear_cosine_distill
+from cosdistill.api import _FusedLinearCosineDistill, _Options, pick_row_step, row_step_scales
+from cosdistill.bench import CPU_WORKLOAD, CUDA_WORKLOAD, make_tensors, median_ms
+from cosdistill.chunked import TeacherHead, chunk_rows, chunked_loss_and_grads
+from cosdistill.labels import LabelCounts
+
+SCALES = row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0)
+LAYER_BELOW = {"+grad_output": "direct", "+autograd": "+grad_output", "library": "+autograd",
+               "library no-grad": "direct no-grad"}
+
+
+def steps(tensors):
+    x_s, w_s = tensors.student_input, tensors.student_weight
+    labels, vocab, device = tensors.labels, w_s.shape[0], x_s.device
+    row_step = pick_row_step("auto", device).step
+    rows = chunk_rows(None, len(labels), vocab, tensors.teacher_weight.shape[0], w_s.element_size())
+    forward_rows = chunk_rows(None, len(labels), vocab, tensors.teacher_weight.shape[0], w_s.element_size(),
+                              write_grad=False)
+
+    def loop(needs_grad, layout):
+        return chunked_loss_and_grads(
+            x_s.detach(), w_s.detach(), None, tensors.teacher_input, TeacherHead(tensors.teacher_weight, None),
+            labels, SCALES, LabelCounts(labels, -100, vocab, None), row_step, layout, needs_grad, w_s.dtype)
+
+    def direct(grad_output):
+        def step():
+            gradients = loop((True, True, False), rows).gradients
+            ones = torch.ones((), device=device) if grad_output else None
+            x_s.grad, w_s.grad, _ = gradients.finish(ones)  # held like backward's
+        return step
+
+    def function():
+        options = _Options(scales=SCALES, normaliser=LabelCounts(labels, -100, vocab, None), row_step=row_step,
+                           teacher=TeacherHead(tensors.teacher_weight, None), rows=rows,
+                           needs_grad=(True, True, False), accum_dtype=w_s.dtype)
+        loss, _, _ = _FusedLinearCosineDistill.apply(x_s, w_s, None, tensors.teacher_input, labels, options)
+        loss.backward()
+
+    def library():
+        fused_linear_cosine_distill(*tensors.args()).backward()
+
+    def direct_no_grad():
+        loop((False, False, False), forward_rows)
+
+    def library_no_grad():
+        with torch.no_grad():
+            fused_linear_cosine_distill(*tensors.args())
+
+    return {"direct": direct(False), "+grad_output": direct(True), "+autograd": function, "library": library,
+            "direct no-grad": direct_no_grad, "library no-grad": library_no_grad}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--settle-s", type=float, help="warm-up seconds per step and round (default: 1 on CUDA)")
+    parser.add_argument("--device", default="cuda")  # cpu: a smoke run at a small size
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    workload = CUDA_WORKLOAD if device.type == "cuda" else CPU_WORKLOAD
+    settle_s = args.settle_s if args.settle_s is not None else (1.0 if device.type == "cuda" else 0.0)
+    report = []
+    for tokens in args.tokens:
+        tensors = make_tensors(tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype, device)
+        timed = steps(tensors)
+        times = {label: [] for label in timed}
+        for round_index in range(args.rounds):  # each round starts one step later in the list
+            labels = list(timed)
+            labels = labels[round_index % len(labels):] + labels[:round_index % len(labels)]
+            for label in labels:
+                times[label].append(median_ms(timed[label], tensors, device, warmup=3, reps=args.reps,
+                                              settle_s=settle_s))
+        medians = {label: statistics.median(values) for label, values in times.items()}
+        print(f"\nT={tokens} (median of {args.rounds} round medians; each layer against the one above it)")
+        for label, value in medians.items():
+            below = LAYER_BELOW.get(label)
+            added = f"{value - medians[below]:+7.3f} ms" if below else ""
+            print(f"  {label:16s} {value:8.3f} ms {added:>12s}   rounds {[round(t, 3) for t in times[label]]}")
+        report.append(dict(tokens=tokens, medians=medians, rounds=times))
+        del tensors, timed
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(report, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
