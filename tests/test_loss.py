@@ -248,15 +248,16 @@ def test_logit_softcapping_and_scale(impl, dtype, caps, logit_scales):
     assert_matches_reference(problem, dtype, ref_kwargs=options, impl=impl, chunk_size=10, **options)
 
 
-@pytest.mark.parametrize("dtype, weight_grad, deferred", [
-    (torch.float32, True, True), (torch.bfloat16, True, True),
-    (torch.float32, False, False),  # nothing deferred without grad_weight
-    (torch.float16, True, False),  # fp16: grad_input's rows are written with their lifts in forward
+@pytest.mark.parametrize("dtype, weight_grad, tokens, deferred", [
+    (torch.float32, True, 37, True), (torch.bfloat16, True, 37, True),
+    (torch.float32, True, 16, False),  # one chunk: backward does not wait for grad_output
+    (torch.float32, False, 37, False),  # nothing deferred without grad_weight
+    (torch.float16, True, 37, False),  # fp16: grad_input's rows are written with their lifts in forward
 ])
-def test_last_chunk_grad_input_gemm_runs_in_backward(monkeypatch, dtype, weight_grad, deferred):
-    """Where the last grad_weight GEMM waits for backward, the last chunk's grad_input GEMM does too, so the
-    GPU has it to run while the host reads grad_output (NOTES item 41): those rows, poisoned after forward,
-    come out right after a backward with grad_output != 1."""
+def test_last_chunk_grad_input_gemm_runs_in_backward(monkeypatch, dtype, weight_grad, tokens, deferred):
+    """Where backward reads grad_output on the host before the last grad_weight GEMM (several chunks), the
+    last chunk's grad_input GEMM waits for backward too, so the GPU has it to run meanwhile (NOTES item
+    41): those rows, poisoned after forward, come out right after a backward with grad_output != 1."""
     results = []
 
     def recording(*args, **kwargs):
@@ -264,7 +265,7 @@ def test_last_chunk_grad_input_gemm_runs_in_backward(monkeypatch, dtype, weight_
         return results[-1]
 
     monkeypatch.setattr(api, "chunked_loss_and_grads", recording)
-    problem = make_problem(tokens=37, dtype=dtype)
+    problem = make_problem(tokens=tokens, dtype=dtype)
     problem.student_weight.requires_grad_(weight_grad)
     losses = fused_linear_cosine_distill(*problem.args(), chunk_size=16, return_soft_hard_loss=True)
     gradients = results[0].gradients

@@ -334,9 +334,12 @@ def chunked_loss_and_grads(
     grad_bias = torch.zeros(vocab_student, dtype=torch.float32, device=device) if needs_grad[2] else None
     lifted = write_grad and student_weight.dtype == torch.float16
     unlift = _Unlift(chunk, hidden_student, num_tokens, device) if lifted else None
-    # The last chunk's grad_input GEMM runs in backward where grad_weight's does (Gradients). Not with
-    # fp16's lifted rows, nor when grad_input is summed over a vocabulary split here in forward.
-    defer_grad_input = grad_input is not None and grad_weight is not None and unlift is None and reduce_grad_input is None
+    # The last chunk's grad_input GEMM runs in backward where backward waits to read grad_output on the
+    # host: several chunks (Gradients). With one chunk nothing waits, and the GPU would idle instead
+    # while the host went from the row step to backward. Not with fp16's lifted rows either, nor when
+    # grad_input is summed over a vocabulary split here in forward.
+    defer_grad_input = (num_tokens > chunk and grad_input is not None and grad_weight is not None and unlift is None
+                        and reduce_grad_input is None)
 
     inv_normaliser = None
     weight_started = False  # whether grad_weight holds a sum yet (the first GEMM overwrites it)
