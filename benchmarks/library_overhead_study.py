@@ -7,7 +7,10 @@ chunk layout. Each step below adds one layer to the one before it, on the same t
 * ``direct``: the chunk loop and ``finish()`` with grad_output None (no host read of it);
 * ``+grad_output``: ``finish(ones)``, a 0-d grad_output made on the device as autograd makes it, so
   several chunks read it on the host (the last grad_weight GEMM's alpha and beta);
-* ``+autograd``: the autograd Function with prebuilt options, then ``loss.backward()``;
+* ``+Function``: the autograd Function with prebuilt options, its backward called on this thread
+  (``loss.grad_fn``);
+* ``+autograd``: the same with ``loss.backward()``: autograd's engine, which runs CUDA backward on its
+  own thread;
 * ``library``: ``fused_linear_cosine_distill`` itself (argument checks, options) and backward;
 * and the no-grad forward: ``direct no-grad`` (the loop without gradients) against ``library no-grad``.
 
@@ -22,6 +25,7 @@ grad_output, since the GPU idles from the forward's end until the host has launc
 import argparse
 import json
 import statistics
+import time
 
 import torch
 
@@ -32,7 +36,7 @@ from cosdistill.chunked import TeacherHead, chunk_rows, chunked_loss_and_grads
 from cosdistill.labels import LabelCounts
 
 SCALES = row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0)
-LAYER_BELOW = {"+grad_output": "direct", "+autograd": "+grad_output", "library": "+autograd",
+LAYER_BELOW = {"+grad_output": "direct", "+Function": "+grad_output", "+autograd": "+Function", "library": "+autograd",
                "library no-grad": "direct no-grad"}
 
 
@@ -50,18 +54,25 @@ def steps(tensors):
             labels, SCALES, LabelCounts(labels, -100, vocab, None), row_step, layout, needs_grad, w_s.dtype)
 
     def direct(grad_output):
-        def step():
+        def step(mark=lambda: None):
             gradients = loop((True, True, False), rows).gradients
+            mark()
             ones = torch.ones((), device=device) if grad_output else None
             x_s.grad, w_s.grad, _ = gradients.finish(ones)  # held like backward's
         return step
 
-    def function():
-        options = _Options(scales=SCALES, normaliser=LabelCounts(labels, -100, vocab, None), row_step=row_step,
-                           teacher=TeacherHead(tensors.teacher_weight, None), rows=rows,
-                           needs_grad=(True, True, False), accum_dtype=w_s.dtype)
-        loss, _, _ = _FusedLinearCosineDistill.apply(x_s, w_s, None, tensors.teacher_input, labels, options)
-        loss.backward()
+    def function(engine):
+        def step(mark=lambda: None):
+            options = _Options(scales=SCALES, normaliser=LabelCounts(labels, -100, vocab, None), row_step=row_step,
+                               teacher=TeacherHead(tensors.teacher_weight, None), rows=rows,
+                               needs_grad=(True, True, False), accum_dtype=w_s.dtype)
+            loss, _, _ = _FusedLinearCosineDistill.apply(x_s, w_s, None, tensors.teacher_input, labels, options)
+            mark()
+            if engine:
+                loss.backward()
+            else:  # the Function's backward called on this thread, the grads held as the engine would
+                x_s.grad, w_s.grad, *_ = loss.grad_fn.apply(torch.ones_like(loss), None, None)
+        return step
 
     def library():
         fused_linear_cosine_distill(*tensors.args()).backward()
@@ -73,8 +84,32 @@ def steps(tensors):
         with torch.no_grad():
             fused_linear_cosine_distill(*tensors.args())
 
-    return {"direct": direct(False), "+grad_output": direct(True), "+autograd": function, "library": library,
+    return {"direct": direct(False), "+grad_output": direct(True), "+Function": function(engine=False),
+            "+autograd": function(engine=True), "library": library,
             "direct no-grad": direct_no_grad, "library no-grad": library_no_grad}
+
+
+def phases(step, device, reps):
+    """Median GPU ms of the forward part and of the backward part (CUDA events around and between them,
+    each reached when the GPU has run what was queued before it) and host ms of each part."""
+    gpu, host = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize(device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        clock = [time.perf_counter()]
+        events[0].record()
+
+        def mark():
+            events[1].record()
+            clock.append(time.perf_counter())
+
+        step(mark)
+        events[2].record()
+        clock.append(time.perf_counter())
+        torch.cuda.synchronize(device)
+        gpu.append((events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])))
+        host.append(((clock[1] - clock[0]) * 1e3, (clock[2] - clock[1]) * 1e3))
+    return [statistics.median(part) for part in zip(*gpu)], [statistics.median(part) for part in zip(*host)]
 
 
 def main():
@@ -106,7 +141,15 @@ def main():
             below = LAYER_BELOW.get(label)
             added = f"{value - medians[below]:+7.3f} ms" if below else ""
             print(f"  {label:16s} {value:8.3f} ms {added:>12s}   rounds {[round(t, 3) for t in times[label]]}")
-        report.append(dict(tokens=tokens, medians=medians, rounds=times))
+        split = {}
+        if device.type == "cuda":  # where the layers' time goes: the forward part or backward
+            for label in ("+grad_output", "+Function", "+autograd"):
+                median_ms(timed[label], tensors, device, warmup=3, reps=1, settle_s=settle_s)
+                split[label] = phases(timed[label], device, args.reps)
+                (gpu_forward, gpu_backward), (host_forward, host_backward) = split[label]
+                print(f"  {label:16s} GPU forward {gpu_forward:7.3f} ms, backward {gpu_backward:6.3f} ms; "
+                      f"host forward {host_forward:7.3f} ms, backward {host_backward:6.3f} ms")
+        report.append(dict(tokens=tokens, medians=medians, rounds=times, phases=split))
         del tensors, timed
         if device.type == "cuda":
             torch.cuda.empty_cache()
