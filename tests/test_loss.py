@@ -277,3 +277,15 @@ def test_last_chunk_grad_input_gemm_runs_in_backward(monkeypatch, dtype, weight_
     (losses[0] * -1.5).backward()
     _, ref_grads = reference(problem, -1.5)
     assert rel_err(problem.student_input.grad, ref_grads[0]) < TOLERANCE[dtype][1]
+
+
+@pytest.mark.parametrize("chunk_size", [16, None])
+def test_backward_with_create_graph(chunk_size):
+    """backward(create_graph=True) (e.g. a gradient penalty elsewhere in the model) runs backward in grad mode:
+    the gradients come out the same (constants: the loss has no second derivative here)."""
+    problem = make_problem(tokens=37)
+    loss = fused_linear_cosine_distill(*problem.args(), chunk_size=chunk_size)
+    (loss * 0.75).backward(create_graph=True)
+    _, ref_grads = reference(problem, 0.75)
+    for leaf, want in zip(problem.student_leaves(), ref_grads):
+        assert rel_err(leaf.grad, want) < TOLERANCE[torch.float32][1]

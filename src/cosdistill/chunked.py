@@ -144,6 +144,7 @@ class Gradients:
     last_grad_input: torch.Tensor | None = None  # the last chunk's rows of grad_input, their GEMM not run yet
     student_weight: torch.Tensor | None = None  # for that GEMM
 
+    @torch.no_grad()  # backward(create_graph=True) runs it in grad mode; the views here were made in no_grad
     def finish(self, grad_output: torch.Tensor | None = None):
         """(grad_input, grad_weight, grad_bias) for this grad_output (a 0-d tensor; None: 1)."""
         if self.correct_last is not None and self.correct_last(overwrite=not self.accumulate_last):
