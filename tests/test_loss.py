@@ -1,5 +1,7 @@
 """The fused loss against the float64 naive reference: losses and every student gradient."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -289,3 +291,31 @@ def test_backward_with_create_graph(chunk_size):
     _, ref_grads = reference(problem, 0.75)
     for leaf, want in zip(problem.student_leaves(), ref_grads):
         assert rel_err(leaf.grad, want) < TOLERANCE[torch.float32][1]
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_host_reads_n_only_where_gradients_need_it(grad):
+    """With gradients the host reads N once the first row step is queued (1/N is the gradient GEMMs'
+    alpha); without, only after every chunk is queued, the loss divided by N on the device (NOTES item 43)."""
+    problem = make_problem(tokens=37, ignore_every=3)
+    row_steps, steps_before_read = [], []
+    row_step = api.pick_row_step("torch", problem.labels.device).step
+
+    def counting_row_step(*args, **kwargs):
+        row_steps.append(1)
+        return row_step(*args, **kwargs)
+
+    class RecordingCounts(api.LabelCounts):
+        def wait(self):
+            steps_before_read.append(len(row_steps))
+            return super().wait()
+
+    labels = problem.labels
+    result = chunked_loss_and_grads(
+        problem.student_input.detach(), problem.student_weight.detach(), None, problem.teacher_input,
+        api.TeacherHead(problem.teacher_weight, None), labels, api.row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0),
+        RecordingCounts(labels, -100, problem.student_weight.shape[0], None), counting_row_step, ChunkRows(16, 8),
+        (grad, grad, False), torch.float32)
+    assert len(row_steps) == 5 and steps_before_read == ([1] if grad else [5])
+    ref_losses, _ = reference(dataclasses.replace(problem, student_bias=None, teacher_bias=None))
+    assert rel_err(0.5 * result.hard_loss + 0.5 * result.soft_loss, ref_losses[0]) < TOLERANCE[torch.float32][0]

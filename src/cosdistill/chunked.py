@@ -21,9 +21,12 @@ RowStep = Callable[..., None]  # (student_logits, teacher_logits, labels, scales
 
 
 class Normaliser(Protocol):
-    """N, counted on the device: ``launch`` queues the count, ``wait`` returns it (and may raise)."""
+    """N, counted on the device: ``launch`` queues the count, ``on_device`` gives it to later kernels
+    without a host read, ``wait`` returns it on the host (and may raise)."""
 
     def launch(self) -> None: ...
+
+    def on_device(self) -> torch.Tensor | float: ...
 
     def wait(self) -> float: ...
 
@@ -317,7 +320,9 @@ def chunked_loss_and_grads(
     reduce_grad_input: Callable[[torch.Tensor], None] | None = None,  # sums it over a vocabulary split
 ) -> ChunkResult:
     """The row step does not need N (1/N is the gradient GEMMs' alpha), so N is counted behind the first
-    chunk's logits GEMMs and waited for once the first row step is queued: the GPU never idles on it."""
+    chunk's logits GEMMs and, with gradients, waited for once the first row step is queued: the GPU
+    never idles on it. The loss is divided by N on the device, so that without gradients the host
+    reads N (to raise on bad labels) only once everything is queued (NOTES item 43)."""
     num_tokens, hidden_student = student_input.shape
     vocab_student = student_weight.shape[0]
     device = student_input.device
@@ -342,7 +347,8 @@ def chunked_loss_and_grads(
     defer_grad_input = (num_tokens > chunk and grad_input is not None and grad_weight is not None and unlift is None
                         and reduce_grad_input is None)
 
-    inv_normaliser = None
+    inv_normaliser = None  # 1 / N on the host, for the gradient GEMMs
+    counting = False  # whether the count is launched
     weight_started = False  # whether grad_weight holds a sum yet (the first GEMM overwrites it)
     for start in range(0, num_tokens, chunk):
         stop = min(start + chunk, num_tokens)
@@ -352,12 +358,13 @@ def chunked_loss_and_grads(
         for part in range(start, stop, rows.teacher):
             part_stop = min(part + rows.teacher, stop)
             teacher.logits_into(teacher_logits, teacher_input[part:part_stop])
-            if inv_normaliser is None:
+            if not counting:
                 normaliser.launch()
+                counting = True
             lifts = () if unlift is None else (unlift.lifts[part - start : part_stop - start],)
             row_step(student_logits[part - start : part_stop - start], teacher_logits[: part_stop - part],
                      labels[part:part_stop], scales, token_losses[part:part_stop], write_grad, *lifts)
-            if inv_normaliser is None:
+            if write_grad and inv_normaliser is None:
                 inv_normaliser = 1.0 / normaliser.wait()
         grad_logits = chunk_student  # overwritten in place by the row step
         if grad_input is not None and unlift is not None:
@@ -381,12 +388,13 @@ def chunked_loss_and_grads(
                 grad_weight, grad_bias, grad_logits, raw_hidden, inv_normaliser, overwrite=not weight_started):
             weight_started = weight_started or grad_weight is not None
 
-    if inv_normaliser is None:  # no tokens
+    if not counting:  # no tokens
         normaliser.launch()
-        inv_normaliser = 1.0 / normaliser.wait()
     if grad_input is not None and reduce_grad_input is not None and unlift is None:
         reduce_grad_input(grad_input)
-    loss_sums = (token_losses * inv_normaliser).sum(0)  # scaled first: per-token losses near fp32 max must not overflow the sum
+    loss_sums = (token_losses / normaliser.on_device()).sum(0)  # divided first: per-token losses near fp32 max must not overflow the sum
+    if inv_normaliser is None:  # no gradients (or no tokens): read now, everything else is queued
+        inv_normaliser = 1.0 / normaliser.wait()
     gradients = None
     if write_grad:
         last_start = (num_tokens - 1) // chunk * chunk if num_tokens else 0

@@ -1,7 +1,8 @@
 """N, the loss's divisor, and the check for labels outside [0, Vs): counted on the device.
 
-The chunk loop launches the count behind the first GEMMs and waits for it only after the first row
-step is queued, so the host read stalls nothing (chunked.Normaliser). On CUDA the count is one Triton
+The chunk loop launches the count behind the first GEMMs, divides the loss by it on the device, and
+reads it on the host only after the first row step is queued (without gradients: after everything),
+so the host read stalls nothing (chunked.Normaliser). On CUDA the count is one Triton
 kernel: as ten small torch kernels it held up the first row step by ~0.03 ms (benchmarks/NOTES.md
 item 26).
 """
@@ -56,7 +57,15 @@ class LabelCounts:
 
     def launch(self):
         count = count_labels_triton if self.labels.is_cuda else count_labels_torch
-        self.counts = HostCopy(count(self.labels, self.ignore_index, self.vocab_student))
+        self.device_counts = count(self.labels, self.ignore_index, self.vocab_student)
+        self.counts = HostCopy(self.device_counts)
+
+    def on_device(self) -> torch.Tensor | float:
+        """N without a host read: the launched count (at least 1), or num_valid_tokens as given."""
+        given = self.num_valid_tokens
+        if given is None:
+            return self.device_counts[0].clamp(min=1)
+        return given.to(self.labels.device, torch.float32).reshape(()) if torch.is_tensor(given) else float(given)
 
     def wait(self) -> float:
         num_valid, num_out_of_range = self.counts.get().tolist()
