@@ -409,7 +409,7 @@ def chunked_loss_and_grads(
             chunk_rows=chunk,
             correct_last=functools.partial(unlift.correct_scaled_down, grad_weight, grad_bias, grad_logits, raw_hidden,
                                            inv_normaliser) if num_tokens and correct else None,
-            last_grad_input=grad_input[last_start:] if defer and defer_grad_input else None,
-            student_weight=student_weight if defer and defer_grad_input else None,
+            last_grad_input=grad_input[last_start:] if defer_grad_input else None,
+            student_weight=student_weight if defer_grad_input else None,
         )
     return ChunkResult(loss_sums[0], loss_sums[1], gradients)
