@@ -319,3 +319,22 @@ def test_host_reads_n_only_where_gradients_need_it(grad):
     assert len(row_steps) == 5 and steps_before_read == ([1] if grad else [5])
     ref_losses, _ = reference(dataclasses.replace(problem, student_bias=None, teacher_bias=None))
     assert rel_err(0.5 * result.hard_loss + 0.5 * result.soft_loss, ref_losses[0]) < TOLERANCE[torch.float32][0]
+
+
+@pytest.mark.parametrize("given", [40, 40.0, torch.tensor(40), torch.tensor(40.0), torch.tensor([40.0])],
+                         ids=["int", "float", "int tensor", "0-d tensor", "1-element tensor"])
+@pytest.mark.parametrize("grad", [True, False])
+def test_num_valid_tokens_forms(given, grad):
+    """N as a number or a one-element tensor divides the loss on the device and the gradients on the host alike."""
+    problem = make_problem(tokens=37, ignore_every=4)
+    with torch.set_grad_enabled(grad):
+        losses = fused_linear_cosine_distill(*problem.args(), chunk_size=16, return_soft_hard_loss=True,
+                                             num_valid_tokens=given)
+    ref_losses, ref_grads = reference(problem, num_valid_tokens=40)
+    for got, want in zip(losses, ref_losses):
+        assert got.dtype == torch.float32 and got.shape == ()
+        assert rel_err(got, want) < TOLERANCE[torch.float32][0]
+    if grad:
+        losses[0].backward()
+        for leaf, want in zip(problem.student_leaves(), ref_grads):
+            assert rel_err(leaf.grad, want) < TOLERANCE[torch.float32][1]
