@@ -1,5 +1,6 @@
 """benchmarks/gpu_fuzz.py and benchmarks/soak.py in their tiny CPU modes (Triton in its interpreter, see
-conftest), and the fuzz's comparison failing on a wrong result, so that the fuzz cannot pass vacuously."""
+conftest), and the fuzz's comparison failing on a wrong result, so that the fuzz cannot pass vacuously;
+benchmarks/ab_study.py's CPU smoke run."""
 
 import importlib.util
 import json
@@ -19,7 +20,7 @@ def load(name):
     return module
 
 
-gpu_fuzz, soak = load("gpu_fuzz"), load("soak")
+gpu_fuzz, soak, ab_study = load("gpu_fuzz"), load("soak"), load("ab_study")
 
 
 def test_fuzz_tiny_cpu_run_passes_and_writes_its_outputs(tmp_path):
@@ -90,3 +91,15 @@ def test_soak_peak_check_fails_past_grad_input_growth():
     assert soak.peak_check(small, large)["passed"] is True
     large["peak_bytes_above_inputs"] += 2 * soak.PER_TOKEN_SLACK * (131072 - 8192)  # e.g. a [T, 16] fp32 buffer
     assert soak.peak_check(small, large)["passed"] is False
+
+
+def test_ab_study_runs_two_versions_side_by_side(tmp_path):
+    """This src loaded a second time as the "old" version: both run, every call is timed and paired."""
+    ab_study.main(["--old", str(BENCHMARKS.parent / "src"), "--device", "cpu", "--tokens", "16", "--pairs", "3",
+                   "--json", str(tmp_path / "ab.json")])
+    report = json.loads((tmp_path / "ab.json").read_text())
+    assert [(entry["tokens"], entry["mode"]) for entry in report] == [(16, "full"), (16, "forward")]
+    for entry in report:
+        assert len(entry["new_calls"]) == len(entry["old_calls"]) == 3
+        low, high = entry["interval_ms"]
+        assert low <= entry["difference_ms"] <= high
