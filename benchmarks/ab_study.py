@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import cosdistill
-from cosdistill.bench import CPU_WORKLOAD, CUDA_WORKLOAD, make_tensors
+from cosdistill.bench import CPU_WORKLOAD, CUDA_WORKLOAD, call_ms, make_tensors
 
 
 def load_old(src: str):
@@ -50,20 +50,6 @@ def step(package, tensors, mode, options):
     return call
 
 
-def timed_ms(call, device) -> float:
-    if device.type != "cuda":
-        start = time.perf_counter()
-        call()
-        return (time.perf_counter() - start) * 1e3
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    call()
-    end.record()
-    torch.cuda.synchronize(device)
-    return start.elapsed_time(end)
-
-
 def bootstrap_median_interval(values, resamples=2000, seed=0):
     rng = random.Random(seed)
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
@@ -80,11 +66,11 @@ def compare(new_call, old_call, device, pairs, settle_s):
     new_ms, old_ms = [], []
     for index in range(pairs):
         if index % 2:
-            old_ms.append(timed_ms(old_call, device))
-            new_ms.append(timed_ms(new_call, device))
+            old_ms.append(call_ms(old_call, device))
+            new_ms.append(call_ms(new_call, device))
         else:
-            new_ms.append(timed_ms(new_call, device))
-            old_ms.append(timed_ms(old_call, device))
+            new_ms.append(call_ms(new_call, device))
+            old_ms.append(call_ms(old_call, device))
     differences = [new - old for new, old in zip(new_ms, old_ms)]
     return dict(new_ms=statistics.median(new_ms), old_ms=statistics.median(old_ms),
                 difference_ms=statistics.median(differences),

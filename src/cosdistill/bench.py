@@ -256,19 +256,23 @@ def median_ms(step, tensors: Tensors | None, device: torch.device, warmup: int, 
     times = []
     for _ in range(reps):
         clear_grads()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            start = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - start) * 1e3)
+        times.append(call_ms(step, device))
     return statistics.median(times)
+
+
+def call_ms(step, device: torch.device) -> float:
+    """Wall time of one call of ``step`` in ms: CUDA events around it, the GPU idle before it."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        step()
+        return (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end)
 
 
 def peak_gb_above_inputs(step, tensors: Tensors, device: torch.device) -> float | None:
