@@ -348,7 +348,6 @@ def chunked_loss_and_grads(
                         and reduce_grad_input is None)
 
     inv_normaliser = None  # 1 / N on the host, for the gradient GEMMs
-    counting = False  # whether the count is launched
     weight_started = False  # whether grad_weight holds a sum yet (the first GEMM overwrites it)
     for start in range(0, num_tokens, chunk):
         stop = min(start + chunk, num_tokens)
@@ -358,9 +357,8 @@ def chunked_loss_and_grads(
         for part in range(start, stop, rows.teacher):
             part_stop = min(part + rows.teacher, stop)
             teacher.logits_into(teacher_logits, teacher_input[part:part_stop])
-            if not counting:
+            if part == 0:  # behind the first GEMMs
                 normaliser.launch()
-                counting = True
             lifts = () if unlift is None else (unlift.lifts[part - start : part_stop - start],)
             row_step(student_logits[part - start : part_stop - start], teacher_logits[: part_stop - part],
                      labels[part:part_stop], scales, token_losses[part:part_stop], write_grad, *lifts)
@@ -388,7 +386,7 @@ def chunked_loss_and_grads(
                 grad_weight, grad_bias, grad_logits, raw_hidden, inv_normaliser, overwrite=not weight_started):
             weight_started = weight_started or grad_weight is not None
 
-    if not counting:  # no tokens
+    if not num_tokens:
         normaliser.launch()
     if grad_input is not None and reduce_grad_input is not None and unlift is None:
         reduce_grad_input(grad_input)
