@@ -106,9 +106,12 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     train(args.steps, args.fsdp2, init_distributed())
-    # Free the models, which hold the process group, before destroying it: FSDP2's outlive train in
-    # reference cycles, and a gloo group freed after destroy_process_group (at exit) now and then
-    # aborted the process or hung it (torch 2.13).
+    # Tear down in order; a gloo group torn down otherwise now and then aborted the process at exit
+    # ("terminate called without an active exception") or hung it (torch 2.13, once in CI with FSDP2).
+    # The barrier waits until neither rank has a collective left on gloo's worker threads (whose work
+    # objects hold tensors); then the models, which hold the group and outlive train in
+    # FSDP2's reference cycles, are freed; then the group is destroyed while Python is fully alive.
+    dist.barrier()
     gc.collect()
     dist.destroy_process_group()
 
