@@ -60,6 +60,25 @@ def test_triton_row_step_matches_torch(dtype, vocab_student, vocab_teacher, bloc
         assert torch.equal(got_grad, student)  # the logits are left alone when no gradient is wanted
 
 
+def test_softcap_of_logits_small_against_the_cap():
+    """fp32 rows whose logits are 1e-5..10 times the cap (Gemma-2's 30): tanh(a) must keep its relative
+    accuracy as a -> 0, where 1 - exp(-2a) would cancel (the Triton kernel's tanh, before its Taylor
+    branch, erred by ~6e-8 / a: 3e-4 in these losses; a property test found 1.3e-5 in a soft loss)."""
+    rows, vocab, cap = 12, 97, 30.0
+    row_scales = cap * torch.logspace(-5, 1, rows)[:, None]
+    student = torch.randn(rows, vocab) * row_scales
+    teacher = torch.randn(rows, vocab) * row_scales.flip(0)
+    labels = torch.randint(0, vocab, (rows,))
+    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.0, ignore_index=-7,
+                           student_softcap=cap, teacher_softcap=cap)
+    expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
+    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
+    got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
+    row_step_triton(got_grad, teacher, labels, scales, got_losses, True, block_size=32)
+    torch.testing.assert_close(got_losses, expected_losses, rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-6 * expected_grad.abs().amax().item())
+
+
 def test_triton_row_step_on_strided_rows():
     """Rows of a larger buffer (row stride > vocab), as the chunk loop's last, short chunk produces."""
     student, teacher, labels = random_chunk(6, 80, 90, torch.float32)

@@ -46,9 +46,14 @@ def _exp(x):
 
 @triton.jit
 def _softcap(x, cap):
-    """cap * tanh(x / cap), with tanh written through exp of a non-positive number (no overflow)."""
-    decay = tl.exp(-2.0 * tl.abs(x) / cap)
-    tanh_abs = (1.0 - decay) / (1.0 + decay)
+    """cap * tanh(x / cap), with tanh(a) written through exp of a non-positive number (no overflow),
+    except below a = 1/8, where 1 - exp(-2a) cancels (relative error ~6e-8 / a: 1e-4 at a = 6e-4, seen
+    by the property test in fp32) and tanh's Taylor series to a^7 is exact to 1.3e-9 instead."""
+    a = tl.abs(x) / cap
+    decay = tl.exp(-2.0 * a)
+    a2 = a * a
+    series = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
+    tanh_abs = tl.where(a < 0.125, series, (1.0 - decay) / (1.0 + decay))
     return cap * tl.where(x >= 0, tanh_abs, -tanh_abs)
 
 
