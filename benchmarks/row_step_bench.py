@@ -6,7 +6,8 @@ Bytes counted: pass 1 reads s and t, pass 2 reads s and t and writes s: 5 * rows
 Compared with a device-to-device copy of the same buffers (read + write counted). Each setting's
 losses and gradient are first checked against the torch row step (relative error printed).
 
-    PYTHONPATH=src python benchmarks/row_step_bench.py [--rows 1024] [--vocab 128256] [--stages 1 3] [--configs 2048:4] [--other FILE]
+    PYTHONPATH=src python benchmarks/row_step_bench.py [--rows 1024] [--vocab 128256] [--softcap 30] [--stages 1 3]
+        [--configs 2048:4] [--other FILE]
 """
 
 import argparse
@@ -48,6 +49,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--softcap", type=float, help="both heads' logit softcap (Gemma-2: 30); default none")
     parser.add_argument("--other", help="a file defining row_step_triton (same signature), timed beside this one")
     parser.add_argument("--stages", type=int, nargs="+", default=[None],
                         help="num_stages settings swept (default: each kernel's own); an --other without the "
@@ -59,7 +61,7 @@ def main():
     teacher = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
     labels = torch.randint(0, vocab, (rows,), device="cuda")
     losses = torch.empty(rows, 2, device="cuda")
-    scales = RowStepScales(0.5, 0.5, 0.5, 1.0, -100)
+    scales = RowStepScales(0.5, 0.5, 0.5, 1.0, -100, student_softcap=args.softcap, teacher_softcap=args.softcap)
     scratch = student.clone()
     one_pass = rows * vocab * student.element_size()
 
