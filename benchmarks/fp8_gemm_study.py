@@ -9,7 +9,8 @@ at the teacher's sub-chunk shapes (M rows x K = hidden, N = vocab), CUDA events,
   rowwise-fast    the same with use_fast_accum=True (no periodic promotion of partial sums to fp32)
   tensorwise      one fp32 scale per operand (cuBLASLt), with and without fast accumulation
 Prediction: rowwise 1.5-1.7x bf16 (item 8's whole-step figure); fast accumulation +10-25% on top;
-tensorwise about as fast as rowwise-fast. Speed only: the errors are fp8_study.py's.
+tensorwise about as fast as rowwise-fast. Speed only: the errors are fp8_study.py's. Then the
+activations' quantization, torch's four kernels against the one Triton kernel (NOTES item 44).
 
     PYTHONPATH=src python benchmarks/fp8_gemm_study.py [--rows 512,1024,2048] [--vocab 128256] [--hidden 4096]
 """
@@ -20,6 +21,7 @@ import torch
 
 from cosdistill import fp8
 from cosdistill.bench import median_ms
+from cosdistill.fp8_triton import quantize_rows_triton
 
 
 def main():
@@ -28,7 +30,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--hidden", type=int, default=4096)
     args = parser.parse_args()
-    vocab, hidden = args.vocab, args.hidden
+    vocab, hidden, device = args.vocab, args.hidden, torch.device("cuda")
     weight = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
     weight_fp8, weight_scales = fp8.quantized_weight(weight)
     one = torch.ones((), device="cuda")
@@ -41,7 +43,6 @@ def main():
         out = torch.empty(rows, vocab, device="cuda", dtype=torch.bfloat16)
         variants = {
             "bf16": lambda: torch.mm(hidden_states, weight.t(), out=out),
-            "quantize activations": lambda: fp8.quantize_rows(hidden_states, hidden_fp8, hidden_scales),
         }
         for name, scale_a, scale_b in (("rowwise", hidden_scales, weight_scales), ("tensorwise", one, one)):
             for fast in (False, True):
@@ -52,13 +53,20 @@ def main():
         bf16_ms = None
         for name, fn in variants.items():
             try:
-                ms = median_ms(fn, None, torch.device("cuda"), warmup=5, reps=20)
+                ms = median_ms(fn, None, device, warmup=5, reps=20)
             except RuntimeError as error:
                 print(f"M = {rows:5d} {name:22s} failed: {str(error).splitlines()[0]}")
                 continue
             bf16_ms = bf16_ms or ms
             tflops = 2 * rows * vocab * hidden / ms / 1e9
             print(f"M = {rows:5d} {name:22s} {ms:7.3f} ms ({tflops:6.0f}) {bf16_ms / ms:5.2f}x")
+        # The activations' quantization: one call from an idle GPU (launches included), and per call
+        # when 20 are queued back to back (the GPU's time, as inside the chunk loop)
+        for name, quantize in (("quantize torch", fp8.quantize_rows), ("quantize Triton", quantize_rows_triton)):
+            alone = median_ms(lambda q=quantize: q(hidden_states, hidden_fp8, hidden_scales), None, device, warmup=5, reps=20)
+            queued = median_ms(lambda q=quantize: [q(hidden_states, hidden_fp8, hidden_scales) for _ in range(20)], None,
+                               device, warmup=5, reps=20) / 20
+            print(f"M = {rows:5d} {name:22s} {alone:7.3f} ms alone, {queued:7.4f} ms per call queued")
 
 
 if __name__ == "__main__":

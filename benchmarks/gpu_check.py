@@ -19,6 +19,7 @@ from dataclasses import asdict
 import torch
 
 from cosdistill import fp8
+from cosdistill.fp8_triton import quantize_rows_triton
 from cosdistill.selfcheck import (
     CheckResult, LossCase, RowStepCase, check_loss, check_row_step, compare, float64_reference, fused_run, random_problem,
     rel_err, results_table,
@@ -71,8 +72,21 @@ def check_fp8_quantization():
     mismatched = (out[:1000, :4099].cpu().view(torch.uint8) != want.view(torch.uint8)).sum().item()
     errors = dict(mismatched_codes=float(mismatched), scale_max_ulps=scale_ulps)
     passed = mismatched == 0 and scale_ulps <= 1.0
-    return [CheckResult("fp8 quantize_rows vs the formula on the CPU", "1000 x 4099 bf16", "codes exact, scales 1 ulp",
-                        errors, passed)]
+    results = [CheckResult("fp8 quantize_rows vs the formula on the CPU", "1000 x 4099 bf16", "codes exact, scales 1 ulp",
+                           errors, passed)]
+    # the Triton twin divides as the CPU does (IEEE division): its scales and codes match exactly
+    triton_out = torch.full_like(out.view(torch.uint8), 0x7F).view(fp8.FP8)  # poisoned: NaN codes
+    triton_scales = torch.full_like(scales, float("nan"))
+    quantize_rows_triton(rows, triton_out[:1000, :4099], triton_scales)
+    want = (rows.cpu().float() / want_scales).to(fp8.FP8)
+    mismatched = (triton_out[:1000, :4099].cpu().view(torch.uint8) != want.view(torch.uint8)).sum().item()
+    untouched = bool((triton_out.view(torch.uint8)[1000:] == 0x7F).all() and (triton_out.view(torch.uint8)[:, 4099:] == 0x7F).all())
+    mismatched_scales = (triton_scales.cpu() != want_scales).sum().item()
+    errors = dict(mismatched_codes=float(mismatched), mismatched_scales=float(mismatched_scales), margins_untouched=float(untouched))
+    passed = mismatched == 0 and mismatched_scales == 0 and untouched
+    results.append(CheckResult("fp8 quantize_rows_triton vs the formula on the CPU", "1000 x 4099 bf16",
+                               "codes and scales exact", errors, passed))
+    return results
 
 
 def check_fp16_zero_head():

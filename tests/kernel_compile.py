@@ -11,6 +11,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from cosdistill import fp8_triton as fp8_kernels
 from cosdistill import row_step_triton as kernels
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -55,11 +56,24 @@ def variants():
             yield "statistics", kernels._row_stats_kernel, logits_type, dict(common, NUM_STATS=8)
 
 
+def compile_fp8_quantization(rows_type):
+    kernel = fp8_kernels._quantize_rows_kernel
+    types = dict(rows=rows_type, out="*fp8e4nv", scales="*fp32", row_stride="i32", out_stride="i32",
+                 scale_stride="i32", hidden="i32")
+    signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
+    constexprs = {(kernel.arg_names.index("BLOCK"),): fp8_kernels.BLOCK}
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER,
+                          options=dict(num_warps=fp8_kernels.WARPS))
+
+
 def main():
     for name, kernel, logits_type, constants in variants():
         warps = kernels.LOSS_ONLY_WARPS if name.startswith("loss only") else kernels.DEFAULT_WARPS
         compiled = compile_for_hopper(kernel, logits_type, constants, aligned="aligned" in name, num_warps=warps)
         print(f"{name} {logits_type} caps={constants['STUDENT_CAP']}: {len(compiled.asm['cubin'])} bytes of sm_90 cubin")
+    for rows_type in ("*bf16", "*fp16", "*fp32"):
+        compiled = compile_fp8_quantization(rows_type)
+        print(f"fp8 quantization {rows_type}: {len(compiled.asm['cubin'])} bytes of sm_90 cubin")
 
 
 if __name__ == "__main__":

@@ -112,7 +112,8 @@ def fused_linear_cosine_distill(
         scales=scales,
         normaliser=LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens),
         row_step=row_step,
-        teacher=teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=rows.teacher),
+        teacher=teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=rows.teacher,
+                             row_step_impl=row_step_impl),
         rows=rows,
         needs_grad=needs_grad,
         accum_dtype=accum_dtype or default_accum_dtype(student_weight.dtype),
@@ -250,12 +251,15 @@ def row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignor
     )
 
 
-def teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows) -> TeacherHead:
+def teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows, row_step_impl) -> TeacherHead:
     teacher_bias = None if teacher_bias is None else teacher_bias.detach()
     if teacher_precision == "fp8":
         fp8.check_supported(teacher_weight.device)
+        quantize = fp8.quantize_rows
+        if row_step_impl is not TORCH_ROW_STEP:  # the Triton kernels: the quantization's twin too
+            from .fp8_triton import quantize_rows_triton as quantize
         # the weight itself, not a detached alias: the FP8 cache is keyed on this object
-        return fp8.Fp8TeacherHead(teacher_weight, teacher_bias, max_rows=max_rows)
+        return fp8.Fp8TeacherHead(teacher_weight, teacher_bias, max_rows=max_rows, quantize=quantize)
     return TeacherHead(teacher_weight.detach(), teacher_bias)
 
 

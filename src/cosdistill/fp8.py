@@ -78,7 +78,9 @@ def quantized_weight(weight: torch.Tensor):
 class Fp8TeacherHead:
     """Teacher logits through the FP8 GEMM; the same interface as chunked.TeacherHead."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int, quantize=quantize_rows):
+        """quantize: quantize_rows, or its Triton twin fp8_triton.quantize_rows_triton (one launch)."""
+        self.quantize = quantize
         self.weight_fp8, self.weight_scales = quantized_weight(weight)
         self.bias, self.logits_dtype = bias, weight.dtype
         self.hidden = weight.shape[1]
@@ -96,7 +98,7 @@ class Fp8TeacherHead:
         padded = self.buffer_rows(rows)
         # Rows rows..padded hold whatever an earlier, longer chunk left: their logits land in buffer
         # rows the row step never reads.
-        quantize_rows(hidden, self.hidden_fp8[:rows, : self.hidden], self.hidden_scales[:rows])
+        self.quantize(hidden, self.hidden_fp8[:rows, : self.hidden], self.hidden_scales[:rows])
         torch._scaled_mm(
             self.hidden_fp8[:padded], self.weight_fp8.t(), scale_a=self.hidden_scales[:padded],
             scale_b=self.weight_scales, out_dtype=self.logits_dtype, out=out[:padded], use_fast_accum=FAST_ACCUMULATION,

@@ -72,14 +72,16 @@ def fused_linear_cosine_distill_op(
     num_tokens, vocab_student = labels.numel(), student_weight.shape[0]
     rows = chunk_rows(chunk_size, num_tokens, vocab_student, teacher_weight.shape[0], student_weight.element_size(),
                       write_grad=any(needs_grad))
-    teacher = api.teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=rows.teacher)
+    row_step_impl = api.pick_row_step(impl, student_input.device)
+    teacher = api.teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=rows.teacher,
+                               row_step_impl=row_step_impl)
     scales = api.row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
                                  teacher_softcap, student_logit_scale, teacher_logit_scale)
     given = num_valid_tokens if num_valid_tokens is not None else num_valid_count
     normaliser = LabelCounts(labels, ignore_index, vocab_student, given)  # raises on bad labels
     result = chunked_loss_and_grads(
         student_input, student_weight, student_bias, teacher_input, teacher, labels, scales, normaliser,
-        api.pick_row_step(impl, student_input.device).step, rows, tuple(needs_grad), accum_dtype or api.default_accum_dtype(student_weight.dtype),
+        row_step_impl.step, rows, tuple(needs_grad), accum_dtype or api.default_accum_dtype(student_weight.dtype),
     )
     loss = weight_hard_loss * result.hard_loss + weight_soft_loss * result.soft_loss
     grads = result.gradients.finish() if result.gradients is not None else (None, None, None)
