@@ -48,8 +48,10 @@ def _exp(x):
 def _softcap(x, cap):
     """cap * tanh(x / cap), with tanh(a) written through exp of a non-positive number (no overflow),
     except below a = 1/8, where 1 - exp(-2a) cancels (relative error ~6e-8 / a: 1e-4 at a = 6e-4, seen
-    by the property test in fp32) and tanh's Taylor series to a^7 is exact to 1.3e-9 instead."""
-    a = tl.abs(x) / cap
+    by the property test in fp32) and tanh's Taylor series to a^7 is exact to 1.3e-9 instead. x / cap is
+    taken as x times 1 / cap: one multiply per logit instead of a division (the division of the scalar is
+    hoisted out of the loop)."""
+    a = tl.abs(x) * (1.0 / cap)
     decay = tl.exp(-2.0 * a)
     a2 = a * a
     series = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
@@ -291,7 +293,8 @@ def _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coe
         grad = prob_coef * _exp((s - row_max) - log_sum_exp)
     grad += teacher_coef * t + student_coef * s
     if STUDENT_CAP:
-        grad *= 1.0 - (s / student_cap) * (s / student_cap)  # d(c tanh(z / c)) / dz
+        tanh_z = s * (1.0 / student_cap)
+        grad *= 1.0 - tanh_z * tanh_z  # d(c tanh(z / c)) / dz
     return grad
 
 
