@@ -76,7 +76,9 @@ def test_automatic_chunk_rows():
     assert chunk_rows(None, 3000, **seed) == ChunkRows(2048, 1024)
     assert chunk_rows(None, 1024, **seed) == ChunkRows(1024, 1024)
     assert chunk_rows(None, 100, **seed) == ChunkRows(100, 100)
-    assert chunk_rows(None, 8192, 32000, 32000, 2) == ChunkRows(2048, 2048)  # the budget gives both 2048
+    assert chunk_rows(None, 8192, 32000, 32000, 2) == ChunkRows(4160, 4160)  # 512 MiB of buffers for both
+    assert chunk_rows(None, 4096, 32000, 32000, 2) == ChunkRows(4096, 4096)
+    assert chunk_rows(None, 8192, 50257, 50257, 2) == ChunkRows(2624, 2624)
     assert chunk_rows(None, 8192, 262144, 262144, 2) == ChunkRows(2048, 512)  # the teacher's rows shrink first
     assert chunk_rows(None, 8192, 151936, 151936, 2) == ChunkRows(2048, 1024)
     assert chunk_rows(None, 8192, 300000, 300000, 2) == ChunkRows(1152, 1024)  # 2048 / 512 would pass 1.25 GiB
