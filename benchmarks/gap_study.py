@@ -23,7 +23,6 @@ profile shows the same kernels with the same sums, i.e. the difference is GPU id
 """
 
 import argparse
-import dataclasses
 import collections
 import json
 import statistics
@@ -137,10 +136,7 @@ def main():
     device = torch.device(args.device)
     workload = CUDA_WORKLOAD if device.type == "cuda" else CPU_WORKLOAD
     settle_s = args.settle_s if args.settle_s is not None else (1.0 if device.type == "cuda" else 0.0)
-    if args.vocab or args.hidden:
-        hidden = args.hidden or workload.hidden
-        workload = dataclasses.replace(workload, vocab=args.vocab or workload.vocab, hidden=hidden,
-                                       student_hidden=hidden // 2)
+    workload = workload.resized(args.vocab, args.hidden)
     report = []
     for tokens in args.tokens:
         tensors = make_tensors(tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype, device)

@@ -19,7 +19,8 @@ grad_output, since the GPU idles from the forward's end until the host has launc
 (``+grad_output`` - ``direct`` ~0.2-0.4 ms); at T <= 2048 (one chunk, no host read) the layers add
 ~0.03-0.06 ms each (Python before the first GEMM, autograd's engine).
 
-    PYTHONPATH=src python benchmarks/library_overhead_study.py [--tokens 1024 8192] [--rounds 3] [--json out.json]
+    PYTHONPATH=src python benchmarks/library_overhead_study.py [--tokens 1024 8192] [--vocab V --hidden H] [--rounds 3]
+        [--json out.json]
 """
 
 import argparse
@@ -118,11 +119,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--settle-s", type=float, help="warm-up seconds per step and round (default: 1 on CUDA)")
+    parser.add_argument("--vocab", type=int, help="both heads' vocabulary (default: the seed's)")
+    parser.add_argument("--hidden", type=int, help="the teacher's hidden size, the student's half (default: the seed's)")
     parser.add_argument("--device", default="cuda")  # cpu: a smoke run at a small size
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device(args.device)
-    workload = CUDA_WORKLOAD if device.type == "cuda" else CPU_WORKLOAD
+    workload = (CUDA_WORKLOAD if device.type == "cuda" else CPU_WORKLOAD).resized(args.vocab, args.hidden)
     settle_s = args.settle_s if args.settle_s is not None else (1.0 if device.type == "cuda" else 0.0)
     report = []
     for tokens in args.tokens:

@@ -24,7 +24,7 @@ import statistics
 import sys
 import textwrap
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 
 import torch
@@ -76,6 +76,11 @@ class Workload:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.settle_s < 0:
             raise ValueError(f"settle_s must be >= 0, got {self.settle_s}")
+
+    def resized(self, vocab: int | None = None, hidden: int | None = None) -> "Workload":
+        """The same workload with another vocabulary and teacher hidden size (the student's half of it)."""
+        hidden = hidden or self.hidden
+        return replace(self, vocab=vocab or self.vocab, hidden=hidden, student_hidden=hidden // 2)
 
     def describe(self) -> str:
         return (
