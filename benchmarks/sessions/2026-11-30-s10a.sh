@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 10 GPU call A: session 9's s9a (limits cut to fit one 600 s call), then one check for a lever.
+# Session 10 GPU call A (prepared in session 9, which had no device time), then one check for a lever.
 # The FP8 activations quantized by one Triton kernel (NOTES item 44). Correctness first (gpu_check, with the Triton quantization's bit check), then the quantization alone
 # (fp8_gemm_study), then the FP8 step against 2c11870 (before the change) call by call in one process
 # (ab_study, its first GPU run), and the bf16 step, which the change leaves alone, as ab_study's A/A check;
