@@ -75,7 +75,7 @@ def split_row_step(impl: RowStepImpl, vocab_parallel: VocabParallel) -> RowStep:
 # At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole grad_weight,
 # and below ~1024 rows that traffic shows (V = 262144 at 512 rows: 1.34x the floor, at 1024: 1.25x).
 # More rows while the two logits buffers stay small (small vocabularies: V = 32000's bare chunk loop
-# ran 1.02x the floor at 4096 rows, 1.05x at 2048, NOTES item 48), and fewer than 1024 only past a
+# ran 1.02x the floor at 4096 rows, 1.05x at 2048, NOTES items 47-48), and fewer than 1024 only past a
 # hard budget. The seed vocabulary's chunks are set by the rules below, not by this one.
 MIN_PREFERRED_ROWS = 1024
 SMALL_BUFFER_BYTES = 512 * 2**20  # grow the chunk up to this...
