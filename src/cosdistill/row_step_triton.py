@@ -195,16 +195,10 @@ def _overflowed(dot, sum_sq_student, sum_sq_teacher):
 
 
 @triton.jit
-def _row_losses_and_grad(
-    student_row, teacher_row, losses_row, valid, in_shard, column, vocab_student,
-    row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
-    weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
-    usable, lift_row, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    LIFT: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-):
-    """Losses and (if WRITE_GRAD) d L / d s from the row's statistics (row_step.cosine_terms, row_grad_torch);
-    with LIFT, times the row's power of two, stored at ``lift_row`` (row_step.row_lift_bound, lift_for).
-    If not ``usable`` the losses become NaN and the logits are left alone, for the RESCUE launch."""
+def _row_losses(losses_row, valid, row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit,
+                teacher_unit, beta, inv_temp_sq, eps, usable):
+    """Stores the row's hard and soft losses (NaN if not ``usable``: the RESCUE launch redoes the row) and
+    returns what the gradient's coefficients need (row_step.cosine_terms)."""
     log_sum_exp = tl.log(sum_exp)  # kept apart from row_max, see row_step.row_grad_torch
     norm_student = tl.sqrt(sum_sq_student * inv_temp_sq)
     norm_teacher = tl.sqrt(sum_sq_teacher * inv_temp_sq)
@@ -216,34 +210,58 @@ def _row_losses_and_grad(
     hard_loss = tl.where(valid, (row_max - target_logit) + log_sum_exp, 0.0)
     tl.store(losses_row, tl.where(usable, hard_loss, float("nan")))
     tl.store(losses_row + 1, tl.where(usable, tl.where(valid, beta * (1.0 - cos), 0.0), float("nan")))
+    return log_sum_exp, norm_student, student_eps, clamped_student, clamped_teacher, cos
 
+
+@triton.jit
+def _grad_coefficients(sum_sq_student, sum_sq_teacher, student_unit, teacher_unit, norm_student, student_eps,
+                       clamped_student, clamped_teacher, cos, weight_hard, weight_soft, beta, inv_temp_sq,
+                       student_scale, lift_row, LIFT: tl.constexpr):
+    """The row's d L / d s per logit is prob_coef * softmax + teacher_coef * t + student_coef * s, less
+    prob_coef at the label (row_grad_torch); with LIFT, times the row's power of two, stored at
+    ``lift_row`` (row_step.row_lift_bound, lift_for)."""
+    # d L / d s = weight_hard * (softmax - onehot) - weight_soft * beta * d cos / d s, and
+    # d cos / d s = coef_teacher * t - coef_student * s.
+    coef_teacher = inv_temp_sq / (clamped_student * clamped_teacher) / student_unit / teacher_unit
+    coef_student = tl.where(
+        norm_student >= student_eps,
+        cos * inv_temp_sq / (clamped_student * clamped_student) / student_unit / student_unit,
+        0.0,
+    )
+    soft_scale = weight_soft * beta
+    grad_factor = _one_if_none(student_scale)
+    if LIFT:
+        bound = tl.abs(weight_hard) + tl.abs(soft_scale) * (
+            coef_teacher * teacher_unit * tl.sqrt(sum_sq_teacher)
+            + tl.abs(coef_student) * student_unit * tl.sqrt(sum_sq_student))
+        bound = tl.maximum(bound * tl.abs(grad_factor), FLOAT32_TINY, propagate_nan=tl.PropagateNan.ALL)
+        exponent = tl.floor(-tl.log2(bound))
+        exponent = tl.where(exponent > 0, tl.minimum(exponent, MAX_LIFT),
+                            tl.where(exponent < -MAX_STORED, exponent + MAX_STORED, 0.0))  # NaN -> 0
+        lift = ((exponent.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # exactly 2^exponent
+        tl.store(lift_row, lift)
+        grad_factor *= lift
+    return weight_hard * grad_factor, -soft_scale * coef_teacher * grad_factor, soft_scale * coef_student * grad_factor
+
+
+@triton.jit
+def _row_losses_and_grad(
+    student_row, teacher_row, losses_row, valid, in_shard, column, vocab_student,
+    row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
+    weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
+    usable, lift_row, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    LIFT: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Losses and (if WRITE_GRAD) d L / d s from the row's statistics, the label's entry stored apart after
+    the loop, times the softcap's derivative. If not ``usable`` the losses become NaN and the logits are
+    left alone, for the RESCUE launch."""
+    log_sum_exp, norm_student, student_eps, clamped_student, clamped_teacher, cos = _row_losses(
+        losses_row, valid, row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit,
+        teacher_unit, beta, inv_temp_sq, eps, usable)
     if WRITE_GRAD:
-        # d L / d s = weight_hard * (softmax - onehot) - weight_soft * beta * d cos / d s, and
-        # d cos / d s = coef_teacher * t - coef_student * s.
-        coef_teacher = inv_temp_sq / (clamped_student * clamped_teacher) / student_unit / teacher_unit
-        coef_student = tl.where(
-            norm_student >= student_eps,
-            cos * inv_temp_sq / (clamped_student * clamped_student) / student_unit / student_unit,
-            0.0,
-        )
-        soft_scale = weight_soft * beta
-        grad_factor = _one_if_none(student_scale)
-        if LIFT:
-            bound = tl.abs(weight_hard) + tl.abs(soft_scale) * (
-                coef_teacher * teacher_unit * tl.sqrt(sum_sq_teacher)
-                + tl.abs(coef_student) * student_unit * tl.sqrt(sum_sq_student))
-            bound = tl.maximum(bound * tl.abs(grad_factor), FLOAT32_TINY, propagate_nan=tl.PropagateNan.ALL)
-            exponent = tl.floor(-tl.log2(bound))
-            exponent = tl.where(exponent > 0, tl.minimum(exponent, MAX_LIFT),
-                                tl.where(exponent < -MAX_STORED, exponent + MAX_STORED, 0.0))  # NaN -> 0
-            lift = ((exponent.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # exactly 2^exponent
-            tl.store(lift_row, lift)
-            grad_factor *= lift
-        # Per logit: d L / d s = prob_coef * softmax + teacher_coef * t + student_coef * s, the label's
-        # entry less prob_coef (the one-hot, stored apart after the loop), times the softcap's derivative.
-        prob_coef = weight_hard * grad_factor
-        teacher_coef = -soft_scale * coef_teacher * grad_factor
-        student_coef = soft_scale * coef_student * grad_factor
+        prob_coef, teacher_coef, student_coef = _grad_coefficients(
+            sum_sq_student, sum_sq_teacher, student_unit, teacher_unit, norm_student, student_eps, clamped_student,
+            clamped_teacher, cos, weight_hard, weight_soft, beta, inv_temp_sq, student_scale, lift_row, LIFT)
         offsets = tl.arange(0, BLOCK)
         whole_blocks_stop = vocab_student - vocab_student % BLOCK
         if usable & valid:
