@@ -20,6 +20,9 @@ load, its reductions (cluster barriers) and its store run one after another with
 them, and ~16 rows are in flight machine-wide (128 of 132 SMs in clusters of 8). Expected 0.2-0.4 ms:
 a gain only if the barriers cost less than the bytes saved.
 
+Outcome (H200, s10j): Triton 3.6 cannot compile it (its cluster layout planning refuses reductions
+across CTAs); Triton 3.9 can. Kept for a GPU machine with a newer Triton.
+
     PYTHONPATH=src python benchmarks/cluster_row_step_study.py [--rows 1024] [--vocab 128256] [--configs 8:16 8:8 4:16]
 """
 
