@@ -1,0 +1,196 @@
+"""Study: the row step with each row split into slices held in registers, so every logit is read once.
+
+Item 50's cluster kernel (one program's tensors over 8 CTAs) does not compile with Triton 3.6, the GPU
+machine's. This is the same idea by hand: one program per (row, slice of SLICE columns) loads its
+slice of s and t into registers in one go, computes the slice's partial statistics, publishes them,
+waits until every slice of its row has, combines them, and writes its slice's gradient from the
+registers: 6 bytes per bf16 logit pair against the library's 10. Item 38's sliced kernel did the same
+but read its slice a second time (from L2, it hoped) and spun hot on the row's counter; here nothing
+is read twice, and a waiting program sleeps between polls (``nanosleep``), so that it draws less of
+the power the capped GEMMs need.
+
+Programs take their (row, slice) from a ticket counter in the order they start (item 38's scheme):
+every ticket below a program's was taken by a program that is running or done, so only the newest
+row can be incomplete and the wait cannot deadlock while the GPU holds a row's slices at once.
+Triton's interpreter runs programs one after another, so there the halves run as two launches (the
+second reloads its slice). The math is the library's jit functions; plain case only: both heads over
+the same vocabulary, no softcap or logit scale. A row whose sums overflow fp32 gets NaN losses and
+keeps its logits, as in the library's first launch. Every slice program stores the row's losses
+(the same values, from the same partials in the same order).
+
+Prediction (NOTES item 51): 0.19 ms per 1024 rows at the copy rate for 6 bytes per pair; the phases
+of one program (load, publish and wait, combine and store) do not overlap, so with 1-2 programs per
+SM expected 0.22-0.32 ms against the library's 0.30 (s10j). Adopt only if clearly below, and only
+after an A/B inside the settled step (item 38's standalone -11% was 0 there).
+
+    PYTHONPATH=src python benchmarks/held_slice_row_step_study.py [--rows 2048] [--vocab 128256]
+        [--configs 8192:8 16384:16 4096:4]
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from cosdistill.api import row_step_scales
+from cosdistill.row_step import row_step_torch
+from cosdistill.row_step_triton import (
+    _grad_block, _grad_coefficients, _load_logits, _loss_args, _overflowed, _row_and_label, _row_losses,
+    row_step_triton,
+)
+
+SCALES = row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+PARTIAL_STATS = tl.constexpr(6)  # max, sum of exp (against that max), the label's logit (0 if not in the slice), s.t, |s|^2, |t|^2
+
+
+@triton.jit
+def _sleep_a_little(x):
+    """Returns x after a short nanosleep: the wait polls without spinning hot."""
+    return tl.inline_asm_elementwise("nanosleep.u32 200;\n mov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _held_slice_row_step_kernel(
+    student_ptr, teacher_ptr, row_stride, labels_ptr, losses_ptr, partials_ptr, counters_ptr, slices, vocab,
+    ignore_index, weight_hard, weight_soft, beta, inv_temp_sq, eps,
+    SLICE: tl.constexpr, SLICES_POW2: tl.constexpr, WAIT: tl.constexpr, STATS: tl.constexpr, GRAD: tl.constexpr,
+):
+    if WAIT:
+        ticket = tl.atomic_add(counters_ptr, 1).to(tl.int64)
+    else:
+        ticket = tl.program_id(0).to(tl.int64)
+    row = ticket // slices
+    index = ticket % slices
+    start = index * SLICE
+    student_row, teacher_row, valid, in_shard, column = _row_and_label(
+        row, student_ptr, row_stride, teacher_ptr, row_stride, labels_ptr, ignore_index, 0, vocab, vocab)
+    cols = start + tl.arange(0, SLICE)
+    in_row = cols < vocab
+    in_slice = in_shard & (column >= start) & (column < start + SLICE)
+    s = _load_logits(student_row, cols, in_row, None, 1.0, False)  # the slice, once; 0 past the vocabulary
+    t = _load_logits(teacher_row, cols, in_row, None, 1.0, False)
+    partials_row = partials_ptr + row * slices * PARTIAL_STATS
+    if STATS:
+        part_max = tl.max(tl.where(in_row, s, float("-inf")), axis=0)
+        mine = partials_row + index * PARTIAL_STATS
+        tl.store(mine, part_max)
+        tl.store(mine + 1, tl.sum(tl.where(in_row, tl.exp(s - part_max), 0.0), axis=0))
+        tl.store(mine + 2, tl.sum(tl.where(cols == column, s, 0.0), axis=0))
+        tl.store(mine + 3, tl.sum(s * t, axis=0))
+        tl.store(mine + 4, tl.sum(s * s, axis=0))
+        tl.store(mine + 5, tl.sum(t * t, axis=0))
+    if WAIT:
+        row_counter = counters_ptr + 1 + row
+        tl.debug_barrier()  # every thread's stores before the release
+        published = tl.atomic_add(row_counter, 1, sem="release") + 1
+        while published < slices:
+            published = tl.atomic_add(row_counter, _sleep_a_little(tl.full([], 0, tl.int32)), sem="acquire")
+    if GRAD:
+        at = partials_row + tl.arange(0, SLICES_POW2) * PARTIAL_STATS
+        present = tl.arange(0, SLICES_POW2) < slices
+        maxes = tl.load(at, mask=present, other=float("-inf"), volatile=True)
+        row_max = tl.max(maxes, axis=0)
+        sum_exp = tl.sum(tl.load(at + 1, mask=present, other=0.0, volatile=True) * tl.exp(maxes - row_max), axis=0)
+        target_logit = tl.sum(tl.load(at + 2, mask=present, other=0.0, volatile=True), axis=0)
+        dot = tl.sum(tl.load(at + 3, mask=present, other=0.0, volatile=True), axis=0)
+        sum_sq_student = tl.sum(tl.load(at + 4, mask=present, other=0.0, volatile=True), axis=0)
+        sum_sq_teacher = tl.sum(tl.load(at + 5, mask=present, other=0.0, volatile=True), axis=0)
+        usable = _overflowed(dot, sum_sq_student, sum_sq_teacher) == 0
+        one = tl.full([], 1.0, tl.float32)
+        log_sum_exp, norm_student, student_eps, clamped_student, clamped_teacher, cos = _row_losses(
+            losses_ptr + row * 2, valid, row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, one,
+            one, beta, inv_temp_sq, eps, usable)
+        prob_coef, teacher_coef, student_coef = _grad_coefficients(
+            sum_sq_student, sum_sq_teacher, one, one, norm_student, student_eps, clamped_student, clamped_teacher,
+            cos, weight_hard, weight_soft, beta, inv_temp_sq, None, losses_ptr, False)
+        grad = _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coef, 1.0, False)
+        t_label = _load_logits(teacher_row, column, in_slice, None, 1.0, False)
+        label_grad = _grad_block(target_logit, t_label, row_max, log_sum_exp, prob_coef, teacher_coef, student_coef,
+                                 1.0, False, ONE_HOT=True)
+        grad = tl.where(cols == column, label_grad, grad)
+        grad = tl.where(valid, grad, 0.0)  # an ignored token: no gradient
+        grad = tl.where(usable, grad, s)  # an overflowed row keeps its logits (s converts back exactly)
+        tl.store(student_row + cols, grad.to(student_ptr.dtype.element_ty), mask=in_row)
+
+
+def row_step_held_slices(student_logits, teacher_logits, labels, token_losses, slice_cols=8192, num_warps=8):
+    """The plain case's row step (see the module docstring), overwriting student_logits with d L / d s."""
+    rows, vocab = student_logits.shape
+    slices = triton.cdiv(vocab, slice_cols)
+    device = student_logits.device
+    partials = torch.empty(rows * slices * PARTIAL_STATS.value, dtype=torch.float32, device=device)
+    counters = torch.zeros(rows + 1, dtype=torch.int32, device=device)  # the ticket, then each row's
+    args = (student_logits, teacher_logits, student_logits.stride(0), labels, token_losses, partials, counters, slices,
+            vocab, SCALES.ignore_index, *_loss_args(SCALES)[:5])
+    common = dict(SLICE=slice_cols, SLICES_POW2=triton.next_power_of_2(slices), num_warps=num_warps)
+    if INTERPRET:
+        for halves in (dict(STATS=True, GRAD=False), dict(STATS=False, GRAD=True)):
+            _held_slice_row_step_kernel[(rows * slices,)](*args, WAIT=False, **halves, **common)
+    else:
+        _held_slice_row_step_kernel[(rows * slices,)](*args, WAIT=True, STATS=True, GRAD=True, **common)
+
+
+def rel_err(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def make_inputs(rows, vocab, device, ignored_every=7):
+    student = torch.randn(rows, vocab, device=device, dtype=torch.bfloat16) * 3
+    teacher = torch.randn(rows, vocab, device=device, dtype=torch.bfloat16) * 3
+    labels = torch.randint(0, vocab, (rows,), device=device)
+    labels[::ignored_every] = SCALES.ignore_index
+    return student, teacher, labels
+
+
+def check(step, student, teacher, labels):
+    """(losses error, gradient error) of a row step against the torch step on the same logits."""
+    want_grad, want_losses = student.clone(), torch.empty(len(labels), 2, device=student.device)
+    row_step_torch(want_grad, teacher, labels, SCALES, want_losses, True)
+    got_grad, got_losses = student.clone(), torch.full_like(want_losses, float("nan"))  # poisoned
+    step(got_grad, teacher, labels, got_losses)
+    return rel_err(got_losses, want_losses), rel_err(got_grad, want_grad)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--configs", nargs="+", default=["8192:8", "16384:16", "4096:4"], help="SLICE:WARPS")
+    parser.add_argument("--device", default="cuda")  # cpu: a check of the math in Triton's interpreter
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    student, teacher, labels = make_inputs(args.rows, args.vocab, device)
+
+    def library(grad, teacher, labels, losses):
+        row_step_triton(grad, teacher, labels, SCALES, losses, True)
+
+    steps = {"library": library}
+    for config in args.configs:
+        slice_cols, warps = (int(part) for part in config.split(":"))
+        steps[f"held slices of {slice_cols} x {warps} warps"] = (
+            lambda grad, teacher, labels, losses, slice_cols=slice_cols, warps=warps:
+            row_step_held_slices(grad, teacher, labels, losses, slice_cols, warps))
+    scratch, losses = student.clone(), torch.empty(args.rows, 2, device=device)
+    copy_ms = triton.testing.do_bench(lambda: scratch.copy_(student), warmup=50, rep=300) if device.type == "cuda" else 0
+    for name, step in steps.items():
+        start = time.perf_counter()
+        try:
+            errors = check(step, student, teacher, labels)
+        except Exception as error:  # a config the compiler or the launch refuses: say so, go on
+            print(f"{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+            continue
+        line = f"{name}: losses err {errors[0]:.1e}, grad err {errors[1]:.1e}, first call {time.perf_counter() - start:.1f} s"
+        if device.type == "cuda":
+            ms = triton.testing.do_bench(lambda: (scratch.copy_(student), step(scratch, teacher, labels, losses)),
+                                         warmup=50, rep=300, return_mode="median") - copy_ms
+            line += f"; {ms:.3f} ms per {args.rows} rows ({ms * 1024 / args.rows:.3f} per 1024)"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
