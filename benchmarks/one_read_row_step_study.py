@@ -1,30 +1,32 @@
-"""Study: the row step with each row split into slices held in registers, so every logit is read once.
+"""Study: the row step reading every logit once, the row held on chip between its statistics and its gradient.
 
-Item 50's cluster kernel (one program's tensors over 8 CTAs) does not compile with Triton 3.6, the GPU
-machine's. This is the same idea by hand: one program per (row, slice of SLICE columns) loads its
-slice of s and t into registers in one go, computes the slice's partial statistics, publishes them,
-waits until every slice of its row has, combines them, and writes its slice's gradient from the
-registers: 6 bytes per bf16 logit pair against the library's 10. Item 38's sliced kernel did the same
-but read its slice a second time (from L2, it hoped) and spun hot on the row's counter; here nothing
-is read twice, and a waiting program sleeps between polls (``nanosleep``), so that it draws less of
-the power the capped GEMMs need.
+The library's row step (row_step_triton) reads each row's student and teacher logits twice, once for
+the statistics and once for the gradient, and writes the gradient: 10 bytes per bf16 logit pair, at
+the copy rate already (NOTES items 28, 47). Held on chip, a row costs 6. Two ways, both reusing the
+library's jit functions for the label, the logits, the losses, the gradient's coefficients and the
+gradient (no math of their own), for the plain case only: both heads over the same vocabulary, no
+softcap or logit scale. A row whose sums overflow fp32 gets NaN losses and keeps its logits, as in the
+library's first launch.
 
-Programs take their (row, slice) from a ticket counter in the order they start (item 38's scheme):
-every ticket below a program's was taken by a program that is running or done, so only the newest
-row can be incomplete and the wait cannot deadlock while the GPU holds a row's slices at once.
-Triton's interpreter runs programs one after another, so there the halves run as two launches (the
-second reloads its slice). The math is the library's jit functions; plain case only: both heads over
-the same vocabulary, no softcap or logit scale. A row whose sums overflow fp32 gets NaN losses and
-keeps its logits, as in the library's first launch. Every slice program stores the row's losses
-(the same values, from the same partials in the same order).
+* ``cluster:CTAS:WARPS`` (NOTES item 50): one program per row whose tensors Triton splits over a
+  cluster of CTAS CTAs (``num_ctas``), the reductions through distributed shared memory. Triton 3.9
+  compiles it; Triton 3.6, the GPU machine's, refuses reductions across a cluster (s10j).
+* ``slices:SLICE:WARPS`` (NOTES item 51): one program per (row, slice of SLICE columns) loads its slice
+  in one go into registers, publishes the slice's partial statistics, waits until every slice of its
+  row has, combines them and writes its slice's gradient from the registers. Item 38's sliced kernel
+  read its slice a second time and spun hot on the row's counter; here nothing is read twice and a
+  waiting program sleeps between polls (``nanosleep``). Programs take their (row, slice) from a ticket
+  counter in the order they start (item 38's scheme): every ticket below a program's was taken by a
+  program that is running or done, so only the newest row can be incomplete and the wait cannot
+  deadlock while the GPU holds a row's slices at once. Triton's interpreter runs programs one after
+  another, so there the halves run as two launches (the second reloads its slice). Every slice
+  program stores the row's losses (the same values, from the same partials in the same order).
 
-Prediction (NOTES item 51): 0.19 ms per 1024 rows at the copy rate for 6 bytes per pair; the phases
-of one program (load, publish and wait, combine and store) do not overlap, so with 1-2 programs per
-SM expected 0.22-0.32 ms against the library's 0.30 (s10j). Adopt only if clearly below, and only
-after an A/B inside the settled step (item 38's standalone -11% was 0 there).
+Predictions: NOTES items 50 and 51 (0.19 ms per 1024 rows at the copy rate; expected 0.22-0.32
+against the library's 0.30).
 
-    PYTHONPATH=src python benchmarks/held_slice_row_step_study.py [--rows 2048] [--vocab 128256]
-        [--configs 8192:8 16384:16 4096:4]
+    PYTHONPATH=src python benchmarks/one_read_row_step_study.py [--rows 2048] [--vocab 128256]
+        [--configs slices:4096:4 slices:8192:8 cluster:8:16]
 """
 
 import argparse
@@ -100,22 +102,53 @@ def _held_slice_row_step_kernel(
         dot = tl.sum(tl.load(at + 3, mask=present, other=0.0, volatile=True), axis=0)
         sum_sq_student = tl.sum(tl.load(at + 4, mask=present, other=0.0, volatile=True), axis=0)
         sum_sq_teacher = tl.sum(tl.load(at + 5, mask=present, other=0.0, volatile=True), axis=0)
-        usable = _overflowed(dot, sum_sq_student, sum_sq_teacher) == 0
-        one = tl.full([], 1.0, tl.float32)
-        log_sum_exp, norm_student, student_eps, clamped_student, clamped_teacher, cos = _row_losses(
-            losses_ptr + row * 2, valid, row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, one,
-            one, beta, inv_temp_sq, eps, usable)
-        prob_coef, teacher_coef, student_coef = _grad_coefficients(
-            sum_sq_student, sum_sq_teacher, one, one, norm_student, student_eps, clamped_student, clamped_teacher,
-            cos, weight_hard, weight_soft, beta, inv_temp_sq, None, losses_ptr, False)
-        grad = _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coef, 1.0, False)
-        t_label = _load_logits(teacher_row, column, in_slice, None, 1.0, False)
-        label_grad = _grad_block(target_logit, t_label, row_max, log_sum_exp, prob_coef, teacher_coef, student_coef,
-                                 1.0, False, ONE_HOT=True)
-        grad = tl.where(cols == column, label_grad, grad)
-        grad = tl.where(valid, grad, 0.0)  # an ignored token: no gradient
-        grad = tl.where(usable, grad, s)  # an overflowed row keeps its logits (s converts back exactly)
-        tl.store(student_row + cols, grad.to(student_ptr.dtype.element_ty), mask=in_row)
+        _finish_row(student_row, teacher_row, losses_ptr + row * 2, s, t, cols, in_row, valid, in_slice, column,
+                    row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, weight_hard, weight_soft,
+                    beta, inv_temp_sq, eps)
+
+
+@triton.jit
+def _row_step_on_chip_kernel(
+    student_ptr, teacher_ptr, row_stride, labels_ptr, losses_ptr, vocab, ignore_index,
+    weight_hard, weight_soft, beta, inv_temp_sq, eps, VOCAB_PAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    student_row, teacher_row, valid, in_shard, column = _row_and_label(
+        row, student_ptr, row_stride, teacher_ptr, row_stride, labels_ptr, ignore_index, 0, vocab, vocab)
+    cols = tl.arange(0, VOCAB_PAD)
+    in_row = cols < vocab
+    s = _load_logits(student_row, cols, in_row, None, 1.0, False)  # the whole row, once; 0 past the vocabulary
+    t = _load_logits(teacher_row, cols, in_row, None, 1.0, False)
+    row_max = tl.max(tl.where(in_row, s, float("-inf")), axis=0)
+    sum_exp = tl.sum(tl.where(in_row, tl.exp(s - row_max), 0.0), axis=0)
+    target_logit = _load_logits(student_row, column, in_shard, None, 1.0, False)
+    _finish_row(student_row, teacher_row, losses_ptr + row * 2, s, t, cols, in_row, valid, in_shard, column,
+                row_max, sum_exp, target_logit, tl.sum(s * t, axis=0), tl.sum(s * s, axis=0), tl.sum(t * t, axis=0),
+                weight_hard, weight_soft, beta, inv_temp_sq, eps)
+
+
+@triton.jit
+def _finish_row(student_row, teacher_row, losses_row, s, t, cols, in_row, valid, in_label_part, column, row_max,
+                sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, weight_hard, weight_soft, beta,
+                inv_temp_sq, eps):
+    """From the row's statistics: its losses, and the gradient of the held part ``s`` / ``t`` at ``cols``
+    (the label's entry if ``in_label_part``), stored over the student logits."""
+    usable = _overflowed(dot, sum_sq_student, sum_sq_teacher) == 0
+    one = tl.full([], 1.0, tl.float32)
+    log_sum_exp, norm_student, student_eps, clamped_student, clamped_teacher, cos = _row_losses(
+        losses_row, valid, row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, one, one, beta,
+        inv_temp_sq, eps, usable)
+    prob_coef, teacher_coef, student_coef = _grad_coefficients(
+        sum_sq_student, sum_sq_teacher, one, one, norm_student, student_eps, clamped_student, clamped_teacher, cos,
+        weight_hard, weight_soft, beta, inv_temp_sq, None, losses_row, False)
+    grad = _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coef, 1.0, False)
+    t_label = _load_logits(teacher_row, column, in_label_part, None, 1.0, False)
+    label_grad = _grad_block(target_logit, t_label, row_max, log_sum_exp, prob_coef, teacher_coef, student_coef, 1.0,
+                             False, ONE_HOT=True)
+    grad = tl.where(cols == column, label_grad, grad)
+    grad = tl.where(valid, grad, 0.0)  # an ignored token: no gradient
+    grad = tl.where(usable, grad, s)  # an overflowed row keeps its logits (s converts back exactly)
+    tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_row)
 
 
 def row_step_held_slices(student_logits, teacher_logits, labels, token_losses, slice_cols=8192, num_warps=8):
@@ -134,6 +167,14 @@ def row_step_held_slices(student_logits, teacher_logits, labels, token_losses, s
     else:
         _held_slice_row_step_kernel[(rows * slices,)](*args, WAIT=True, STATS=True, GRAD=True, **common)
 
+
+
+def row_step_on_chip(student_logits, teacher_logits, labels, token_losses, num_ctas=8, num_warps=16):
+    """The cluster's row step (see the module docstring), overwriting student_logits with d L / d s."""
+    rows, vocab = student_logits.shape
+    _row_step_on_chip_kernel[(rows,)](
+        student_logits, teacher_logits, student_logits.stride(0), labels, token_losses, vocab, SCALES.ignore_index,
+        *_loss_args(SCALES)[:5], VOCAB_PAD=triton.next_power_of_2(vocab), num_ctas=num_ctas, num_warps=num_warps)
 
 def rel_err(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
@@ -160,7 +201,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--configs", nargs="+", default=["8192:8", "16384:16", "4096:4"], help="SLICE:WARPS")
+    parser.add_argument("--configs", nargs="+", default=["slices:4096:4", "slices:8192:8", "cluster:8:16"],
+                        help="slices:SLICE:WARPS or cluster:CTAS:WARPS")
     parser.add_argument("--device", default="cuda")  # cpu: a check of the math in Triton's interpreter
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -170,11 +212,12 @@ def main():
         row_step_triton(grad, teacher, labels, SCALES, losses, True)
 
     steps = {"library": library}
+    launchers = dict(slices=row_step_held_slices, cluster=row_step_on_chip)
     for config in args.configs:
-        slice_cols, warps = (int(part) for part in config.split(":"))
-        steps[f"held slices of {slice_cols} x {warps} warps"] = (
-            lambda grad, teacher, labels, losses, slice_cols=slice_cols, warps=warps:
-            row_step_held_slices(grad, teacher, labels, losses, slice_cols, warps))
+        kind, size, warps = config.split(":")
+        steps[f"{kind} {size} x {warps} warps"] = (
+            lambda grad, teacher, labels, losses, launch=launchers[kind], size=int(size), warps=int(warps):
+            launch(grad, teacher, labels, losses, size, warps))
     scratch, losses = student.clone(), torch.empty(args.rows, 2, device=device)
     copy_ms = triton.testing.do_bench(lambda: scratch.copy_(student), warmup=50, rep=300) if device.type == "cuda" else 0
     for name, step in steps.items():
