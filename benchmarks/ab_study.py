@@ -11,7 +11,7 @@ The other version is loaded from ``--old`` (a ``src`` folder, e.g. from ``git ar
 name ``cosdistill_old``.
 
     PYTHONPATH=src python benchmarks/ab_study.py --old /tmp/old/src [--tokens 1024 2048] [--modes full forward]
-        [--pairs 200] [--settle-s 3] [--fp8] [--json out.json]
+        [--pairs 200] [--settle-s 3] [--fp8] [--vocab V --hidden H] [--json out.json]
 """
 
 import argparse
@@ -85,11 +85,13 @@ def main(argv=None):
     parser.add_argument("--pairs", type=int, default=200)
     parser.add_argument("--settle-s", type=float, help="alternating warm-up per size and mode (default: 3 on CUDA)")
     parser.add_argument("--fp8", action="store_true", help="both versions with teacher_precision='fp8'")
+    parser.add_argument("--vocab", type=int, help="both heads' vocabulary (default: the seed's)")
+    parser.add_argument("--hidden", type=int, help="the teacher's hidden size, the student's half (default: the seed's)")
     parser.add_argument("--device", default="cuda")  # cpu: a smoke run at a small size
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    workload = CUDA_WORKLOAD if device.type == "cuda" else CPU_WORKLOAD
+    workload = (CUDA_WORKLOAD if device.type == "cuda" else CPU_WORKLOAD).resized(args.vocab, args.hidden)
     settle_s = args.settle_s if args.settle_s is not None else (3.0 if device.type == "cuda" else 0.0)
     old = load_old(args.old)
     options = dict(teacher_precision="fp8") if args.fp8 else {}
@@ -104,7 +106,7 @@ def main(argv=None):
             print(f"T={tokens} {mode:7s} new {result['new_ms']:8.3f} ms  old {result['old_ms']:8.3f} ms  "
                   f"new - old {result['difference_ms']:+7.3f} ms ({100 * result['difference_ms'] / result['old_ms']:+.2f}%), "
                   f"95% interval [{low:+.3f}, {high:+.3f}]")
-            report.append(dict(tokens=tokens, mode=mode, fp8=args.fp8, **result))
+            report.append(dict(tokens=tokens, vocab=workload.vocab, mode=mode, fp8=args.fp8, **result))
         del tensors
         if device.type == "cuda":
             torch.cuda.empty_cache()

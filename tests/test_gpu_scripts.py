@@ -96,9 +96,10 @@ def test_soak_peak_check_fails_past_grad_input_growth():
 def test_ab_study_runs_two_versions_side_by_side(tmp_path):
     """This src loaded a second time as the "old" version: both run, every call is timed and paired."""
     ab_study.main(["--old", str(BENCHMARKS.parent / "src"), "--device", "cpu", "--tokens", "16", "--pairs", "3",
-                   "--json", str(tmp_path / "ab.json")])
+                   "--vocab", "1000", "--hidden", "64", "--json", str(tmp_path / "ab.json")])
     report = json.loads((tmp_path / "ab.json").read_text())
-    assert [(entry["tokens"], entry["mode"]) for entry in report] == [(16, "full"), (16, "forward")]
+    assert [(entry["tokens"], entry["vocab"], entry["mode"]) for entry in report] == [(16, 1000, "full"),
+                                                                                        (16, 1000, "forward")]
     for entry in report:
         assert len(entry["new_calls"]) == len(entry["old_calls"]) == 3
         low, high = entry["interval_ms"]
