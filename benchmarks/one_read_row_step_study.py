@@ -30,7 +30,6 @@ against the library's 0.30).
 """
 
 import argparse
-import os
 import time
 
 import torch
@@ -38,14 +37,14 @@ import triton
 import triton.language as tl
 
 from cosdistill.api import row_step_scales
+from cosdistill.bench import rel_err
 from cosdistill.row_step import row_step_torch
 from cosdistill.row_step_triton import (
-    _grad_block, _grad_coefficients, _load_logits, _loss_args, _overflowed, _row_and_label, _row_losses,
+    INTERPRET, _grad_block, _grad_coefficients, _load_logits, _loss_args, _overflowed, _row_and_label, _row_losses,
     row_step_triton,
 )
 
 SCALES = row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 PARTIAL_STATS = tl.constexpr(6)  # max, sum of exp (against that max), the label's logit (0 if not in the slice), s.t, |s|^2, |t|^2
 
 
@@ -175,10 +174,6 @@ def row_step_on_chip(student_logits, teacher_logits, labels, token_losses, num_c
     _row_step_on_chip_kernel[(rows,)](
         student_logits, teacher_logits, student_logits.stride(0), labels, token_losses, vocab, SCALES.ignore_index,
         *_loss_args(SCALES)[:5], VOCAB_PAD=triton.next_power_of_2(vocab), num_ctas=num_ctas, num_warps=num_warps)
-
-def rel_err(got, want):
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
 
 def make_inputs(rows, vocab, device, ignored_every=7):
     student = torch.randn(rows, vocab, device=device, dtype=torch.bfloat16) * 3

@@ -5,17 +5,14 @@ division); this one reads each row, keeps its max in registers, writes the scale
 again (from L1/L2: a row is a few KB) to store the FP8 codes. Same formula, same codes
 (benchmarks/NOTES.md item 44)."""
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .fp8 import FP8_MAX
+from .row_step_triton import FLOAT32_TINY, INTERPRET
 
 FP8_MAX_CONST: tl.constexpr = tl.constexpr(FP8_MAX)  # a jit global must be a constexpr
-FLOAT32_TINY: tl.constexpr = tl.constexpr(torch.finfo(torch.float32).tiny)
-INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # read when Triton reads it
 BLOCK = 1024  # columns per step: a 4096-wide row in four
 WARPS = 4
 
