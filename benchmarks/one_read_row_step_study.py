@@ -60,6 +60,7 @@ def _held_slice_row_step_kernel(
     student_ptr, teacher_ptr, row_stride, labels_ptr, losses_ptr, partials_ptr, counters_ptr, slices, vocab,
     ignore_index, weight_hard, weight_soft, beta, inv_temp_sq, eps,
     SLICE: tl.constexpr, SLICES_POW2: tl.constexpr, WAIT: tl.constexpr, STATS: tl.constexpr, GRAD: tl.constexpr,
+    SLEEP: tl.constexpr,
 ):
     if WAIT:
         ticket = tl.atomic_add(counters_ptr, 1).to(tl.int64)
@@ -90,7 +91,10 @@ def _held_slice_row_step_kernel(
         tl.debug_barrier()  # every thread's stores before the release
         published = tl.atomic_add(row_counter, 1, sem="release") + 1
         while published < slices:
-            published = tl.atomic_add(row_counter, _sleep_a_little(tl.full([], 0, tl.int32)), sem="acquire")
+            if SLEEP:
+                published = tl.atomic_add(row_counter, _sleep_a_little(tl.full([], 0, tl.int32)), sem="acquire")
+            else:
+                published = tl.atomic_add(row_counter, 0, sem="acquire")
     if GRAD:
         at = partials_row + tl.arange(0, SLICES_POW2) * PARTIAL_STATS
         present = tl.arange(0, SLICES_POW2) < slices
@@ -150,8 +154,16 @@ def _finish_row(student_row, teacher_row, losses_row, s, t, cols, in_row, valid,
     tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_row)
 
 
-def row_step_held_slices(student_logits, teacher_logits, labels, token_losses, slice_cols=8192, num_warps=8):
-    """The plain case's row step (see the module docstring), overwriting student_logits with d L / d s."""
+def row_step_held_slices(student_logits, teacher_logits, labels, token_losses, slice_cols=8192, num_warps=8,
+                         mode="wait"):
+    """The plain case's row step (see the module docstring), overwriting student_logits with d L / d s.
+
+    ``mode`` takes the kernel apart for timing (NOTES item 53): "wait" is the kernel itself; "spin" polls
+    the row's counter without sleeping; "halves" runs the statistics and the gradient as two launches
+    (the second reloads its slice: 10 bytes per logit pair, as the library's per-row kernel); "nowait"
+    runs one launch that neither takes tickets nor waits, so its gradient reads partial statistics that
+    may not be there yet: wrong results, timed only, the cost of the held data path without the wait.
+    """
     rows, vocab = student_logits.shape
     slices = triton.cdiv(vocab, slice_cols)
     device = student_logits.device
@@ -160,11 +172,12 @@ def row_step_held_slices(student_logits, teacher_logits, labels, token_losses, s
     args = (student_logits, teacher_logits, student_logits.stride(0), labels, token_losses, partials, counters, slices,
             vocab, SCALES.ignore_index, *_loss_args(SCALES)[:5])
     common = dict(SLICE=slice_cols, SLICES_POW2=triton.next_power_of_2(slices), num_warps=num_warps)
-    if INTERPRET:
+    if INTERPRET or mode == "halves":
         for halves in (dict(STATS=True, GRAD=False), dict(STATS=False, GRAD=True)):
-            _held_slice_row_step_kernel[(rows * slices,)](*args, WAIT=False, **halves, **common)
+            _held_slice_row_step_kernel[(rows * slices,)](*args, WAIT=False, **halves, SLEEP=False, **common)
     else:
-        _held_slice_row_step_kernel[(rows * slices,)](*args, WAIT=True, STATS=True, GRAD=True, **common)
+        _held_slice_row_step_kernel[(rows * slices,)](
+            *args, WAIT=mode != "nowait", STATS=True, GRAD=True, SLEEP=mode == "wait", **common)
 
 
 
@@ -197,7 +210,7 @@ def main():
     parser.add_argument("--rows", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--configs", nargs="+", default=["slices:4096:4", "slices:8192:8", "cluster:8:16"],
-                        help="slices:SLICE:WARPS or cluster:CTAS:WARPS")
+                        help="slices:SLICE:WARPS[:MODE] (MODE: wait, spin, halves, nowait) or cluster:CTAS:WARPS")
     parser.add_argument("--device", default="cuda")  # cpu: a check of the math in Triton's interpreter
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -209,10 +222,10 @@ def main():
     steps = {"library": library}
     launchers = dict(slices=row_step_held_slices, cluster=row_step_on_chip)
     for config in args.configs:
-        kind, size, warps = config.split(":")
-        steps[f"{kind} {size} x {warps} warps"] = (
-            lambda grad, teacher, labels, losses, launch=launchers[kind], size=int(size), warps=int(warps):
-            launch(grad, teacher, labels, losses, size, warps))
+        kind, size, warps, *mode = config.split(":")
+        steps[f"{kind} {size} x {warps} warps{''.join(' ' + m for m in mode)}"] = (
+            lambda grad, teacher, labels, losses, launch=launchers[kind], size=int(size), warps=int(warps), mode=mode:
+            launch(grad, teacher, labels, losses, size, warps, *mode))
     scratch, losses = student.clone(), torch.empty(args.rows, 2, device=device)
     copy_ms = triton.testing.do_bench(lambda: scratch.copy_(student), warmup=50, rep=300) if device.type == "cuda" else 0
     for name, step in steps.items():

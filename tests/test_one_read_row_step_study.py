@@ -64,11 +64,12 @@ def ptx(kernel, constants, **options):
                           options=options).asm["ptx"]
 
 
-held = ptx(study._held_slice_row_step_kernel, dict(SLICE=4096, SLICES_POW2=32, WAIT=True, STATS=True, GRAD=True),
-           num_warps=4)
+slices = dict(SLICE=4096, SLICES_POW2=32, WAIT=True, STATS=True, GRAD=True)
+held = ptx(study._held_slice_row_step_kernel, dict(slices, SLEEP=True), num_warps=4)
+spin = ptx(study._held_slice_row_step_kernel, dict(slices, SLEEP=False), num_warps=4)  # item 53's "spin"
 cluster = ptx(study._row_step_on_chip_kernel, dict(VOCAB_PAD=131072), num_warps=16, num_ctas=8)
 print("nanosleep" in held, "atom.global.gpu.acquire" in held, "atom.global.gpu.release" in held,
-      "barrier.cluster" in cluster, "mapa" in cluster)
+      "nanosleep" not in spin and "gpu.acquire" in spin, "barrier.cluster" in cluster, "mapa" in cluster)
 """
 
 
@@ -78,4 +79,4 @@ def test_one_read_row_steps_compile_for_hopper():
     result = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split()[-5:] == ["True"] * 5, result.stdout
+    assert result.stdout.split()[-6:] == ["True"] * 6, result.stdout
