@@ -283,6 +283,9 @@ def row_step_held_slices(student_logits, teacher_logits, labels, token_losses, s
 
 
 
+_STREAM_GRIDS = {}  # row_step_streamed's grid for each config
+
+
 def row_step_streamed(student_logits, teacher_logits, labels, token_losses, slice_cols=2048, num_warps=8, stages=4,
                       per_sm=4, mode="wait"):
     """Item 54's row step, overwriting student_logits with d L / d s. ``mode`` as in row_step_held_slices
@@ -298,23 +301,34 @@ def row_step_streamed(student_logits, teacher_logits, labels, token_losses, slic
     args = (student_logits, teacher_logits, student_logits.stride(0), labels, token_losses, partials, counters, slices,
             vocab, rows * slices, SCALES.ignore_index, *_loss_args(SCALES)[:5])
     common = dict(SLICE=slice_cols, SLICES_POW2=triton.next_power_of_2(slices), STAGES=stages, num_warps=num_warps)
-    if INTERPRET or mode == "halves":
-        for halves in (dict(STATS=True, GRAD=False), dict(STATS=False, GRAD=True)):
-            _streamed_slices_kernel[(min(rows * slices, 7 if INTERPRET else 10**9),)](
-                *args, WAIT=False, **halves, **common)
-        return
-    wait = mode != "nowait"
-    compiled = _streamed_slices_kernel.warmup(*args, WAIT=wait, STATS=True, GRAD=True, grid=(1,), **common)
-    compiled._init_handles()  # loads the binary: its register count
-    properties = torch.cuda.get_device_properties(device)
-    fit = min(65536 // (-(-compiled.n_regs // 8) * 8 * 32 * num_warps),  # registers per SM
-              properties.max_shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024),  # + the system's 1 KB
-              2048 // (32 * num_warps))
-    programs = min(per_sm, fit) * properties.multi_processor_count
+    wait = mode not in ("nowait", "halves") and not INTERPRET
+    if INTERPRET:
+        programs = min(rows * slices, 7)
+    else:
+        key = (slice_cols, num_warps, stages, per_sm, wait, vocab % 16, device)
+        if key not in _STREAM_GRIDS:  # once per config: the timed calls launch only the kernel
+            compiled = _streamed_slices_kernel.warmup(*args, WAIT=wait, STATS=True, GRAD=True, grid=(1,), **common)
+            compiled._init_handles()  # loads the binary: its register count
+            _STREAM_GRIDS[key] = min(per_sm, _fit_per_sm(compiled, num_warps, device)) * (
+                torch.cuda.get_device_properties(device).multi_processor_count)
+        programs = _STREAM_GRIDS[key]
     if wait and programs < slices:
         raise ValueError(f"{programs} resident programs cannot hold a row's {slices} slices at once")
-    _streamed_slices_kernel[(programs,)](*args, WAIT=wait, STATS=True, GRAD=True, **common)
+    if INTERPRET or mode == "halves":
+        for halves in (dict(STATS=True, GRAD=False), dict(STATS=False, GRAD=True)):
+            _streamed_slices_kernel[(programs,)](*args, WAIT=False, **halves, **common)
+    else:
+        _streamed_slices_kernel[(programs,)](*args, WAIT=wait, STATS=True, GRAD=True, **common)
 
+
+def _fit_per_sm(compiled, num_warps, device):
+    """How many programs of a compiled kernel one SM holds at once (registers, shared memory, threads)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    limits = triton.runtime.driver.active.utils.get_device_properties(index)
+    per_warp_regs = -(-compiled.n_regs // 8) * 8 * 32
+    return min(65536 // (per_warp_regs * num_warps),
+               (limits["max_shared_mem"] + 1024) // (compiled.metadata.shared + 1024),  # + the system's 1 KB a block
+               2048 // (32 * num_warps))
 
 def row_step_on_chip(student_logits, teacher_logits, labels, token_losses, num_ctas=8, num_warps=16):
     """The cluster's row step (see the module docstring), overwriting student_logits with d L / d s."""
