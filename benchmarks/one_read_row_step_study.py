@@ -56,49 +56,6 @@ def _sleep_a_little(x):
 
 
 @triton.jit
-def _publish_slice(partials_slot, s, t, cols, in_row, column, present=True):
-    """Stores one slice's PARTIAL_STATS at ``partials_slot`` (if ``present``)."""
-    part_max = tl.max(tl.where(in_row, s, float("-inf")), axis=0)
-    tl.store(partials_slot, part_max, mask=present)
-    tl.store(partials_slot + 1, tl.sum(tl.where(in_row, tl.exp(s - part_max), 0.0), axis=0), mask=present)
-    tl.store(partials_slot + 2, tl.sum(tl.where(cols == column, s, 0.0), axis=0), mask=present)
-    tl.store(partials_slot + 3, tl.sum(s * t, axis=0), mask=present)
-    tl.store(partials_slot + 4, tl.sum(s * s, axis=0), mask=present)
-    tl.store(partials_slot + 5, tl.sum(t * t, axis=0), mask=present)
-
-
-@triton.jit
-def _release_slice(row_counter):
-    tl.debug_barrier()  # every thread's stores before the release
-    return tl.atomic_add(row_counter, 1, sem="release") + 1
-
-
-@triton.jit
-def _wait_for_row(row_counter, published, slices, SLEEP: tl.constexpr):
-    """Polls the row's counter until every slice has published (``published``: the count last seen)."""
-    while published < slices:
-        if SLEEP:
-            published = tl.atomic_add(row_counter, _sleep_a_little(tl.full([], 0, tl.int32)), sem="acquire")
-        else:
-            published = tl.atomic_add(row_counter, 0, sem="acquire")
-
-
-@triton.jit
-def _combine_slices(partials_row, slices, SLICES_POW2: tl.constexpr):
-    """The row's statistics from its slices' partials: max, sum of exp, the label's logit, s.t, |s|^2, |t|^2."""
-    at = partials_row + tl.arange(0, SLICES_POW2) * PARTIAL_STATS
-    present = tl.arange(0, SLICES_POW2) < slices
-    maxes = tl.load(at, mask=present, other=float("-inf"), volatile=True)
-    row_max = tl.max(maxes, axis=0)
-    sum_exp = tl.sum(tl.load(at + 1, mask=present, other=0.0, volatile=True) * tl.exp(maxes - row_max), axis=0)
-    target_logit = tl.sum(tl.load(at + 2, mask=present, other=0.0, volatile=True), axis=0)
-    dot = tl.sum(tl.load(at + 3, mask=present, other=0.0, volatile=True), axis=0)
-    sum_sq_student = tl.sum(tl.load(at + 4, mask=present, other=0.0, volatile=True), axis=0)
-    sum_sq_teacher = tl.sum(tl.load(at + 5, mask=present, other=0.0, volatile=True), axis=0)
-    return row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher
-
-
-@triton.jit
 def _held_slice_row_step_kernel(
     student_ptr, teacher_ptr, row_stride, labels_ptr, losses_ptr, partials_ptr, counters_ptr, slices, vocab,
     ignore_index, weight_hard, weight_soft, beta, inv_temp_sq, eps,
@@ -121,95 +78,36 @@ def _held_slice_row_step_kernel(
     t = _load_logits(teacher_row, cols, in_row, None, 1.0, False)
     partials_row = partials_ptr + row * slices * PARTIAL_STATS
     if STATS:
-        _publish_slice(partials_row + index * PARTIAL_STATS, s, t, cols, in_row, column)
+        part_max = tl.max(tl.where(in_row, s, float("-inf")), axis=0)
+        mine = partials_row + index * PARTIAL_STATS
+        tl.store(mine, part_max)
+        tl.store(mine + 1, tl.sum(tl.where(in_row, tl.exp(s - part_max), 0.0), axis=0))
+        tl.store(mine + 2, tl.sum(tl.where(cols == column, s, 0.0), axis=0))
+        tl.store(mine + 3, tl.sum(s * t, axis=0))
+        tl.store(mine + 4, tl.sum(s * s, axis=0))
+        tl.store(mine + 5, tl.sum(t * t, axis=0))
     if WAIT:
         row_counter = counters_ptr + 1 + row
-        _wait_for_row(row_counter, _release_slice(row_counter), slices, SLEEP)
+        tl.debug_barrier()  # every thread's stores before the release
+        published = tl.atomic_add(row_counter, 1, sem="release") + 1
+        while published < slices:
+            if SLEEP:
+                published = tl.atomic_add(row_counter, _sleep_a_little(tl.full([], 0, tl.int32)), sem="acquire")
+            else:
+                published = tl.atomic_add(row_counter, 0, sem="acquire")
     if GRAD:
-        row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher = _combine_slices(
-            partials_row, slices, SLICES_POW2)
+        at = partials_row + tl.arange(0, SLICES_POW2) * PARTIAL_STATS
+        present = tl.arange(0, SLICES_POW2) < slices
+        maxes = tl.load(at, mask=present, other=float("-inf"), volatile=True)
+        row_max = tl.max(maxes, axis=0)
+        sum_exp = tl.sum(tl.load(at + 1, mask=present, other=0.0, volatile=True) * tl.exp(maxes - row_max), axis=0)
+        target_logit = tl.sum(tl.load(at + 2, mask=present, other=0.0, volatile=True), axis=0)
+        dot = tl.sum(tl.load(at + 3, mask=present, other=0.0, volatile=True), axis=0)
+        sum_sq_student = tl.sum(tl.load(at + 4, mask=present, other=0.0, volatile=True), axis=0)
+        sum_sq_teacher = tl.sum(tl.load(at + 5, mask=present, other=0.0, volatile=True), axis=0)
         _finish_row(student_row, teacher_row, losses_ptr + row * 2, s, t, cols, in_row, valid, in_slice, column,
                     row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, weight_hard, weight_soft,
                     beta, inv_temp_sq, eps)
-
-
-@triton.jit
-def _release_count(counter, present):
-    """Adds 1 to the row's counter with release semantics, if ``present``, after every thread's stores
-    (each thread fences, the block meets at a barrier, then thread 0 adds: CUDA's threadfence pattern).
-    In PTX because Triton's pipeliner prefetches no load in a loop that holds a tl.atomic_*, a
-    tl.debug_barrier or a branch (seen in the sm_90 PTX of Triton 3.6)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 tid; fence.acq_rel.gpu; bar.sync 0; mov.u32 tid, %tid.x; "
-        "setp.eq.u32 p, tid, 0; setp.ne.and.u32 p, $2, 0, p; @p red.release.gpu.global.add.u32 [$1], 1; "
-        "mov.u32 $0, 0; }",
-        "=r,l,r", [counter, present.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _wait_count(counter, target, after):
-    """Polls the counter (acquire) until it reaches ``target``; a loop inside the PTX, as _release_count.
-    ``after``: a value this wait must come after (the step's own release), added as 0."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; row_wait_${:uid}: ld.acquire.gpu.global.u32 $0, [$1]; setp.lt.u32 p, $0, $2; "
-        "@p nanosleep.u32 64; @p bra row_wait_${:uid}; }",
-        "=r,l,r", [counter, target + after], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _streamed_slices_kernel(
-    student_ptr, teacher_ptr, row_stride, labels_ptr, losses_ptr, partials_ptr, counters_ptr, slices, vocab, items,
-    ignore_index, weight_hard, weight_soft, beta, inv_temp_sq, eps,
-    SLICE: tl.constexpr, SLICES_POW2: tl.constexpr, STAGES: tl.constexpr, WAIT: tl.constexpr, STATS: tl.constexpr,
-    GRAD: tl.constexpr,
-):
-    """Item 54: program p takes items p, p + P, p + 2P, ... (item = row * slices + slice); in step i it
-    publishes item i's partials and writes item i - 1's gradient from the slice it held since step i - 1.
-    The loads of the steps ahead stream through shared memory (STAGES). The loop has no branch, atomic
-    or barrier (they stop the prefetch): items past the last are masked, or write to the scratch slot
-    ``items`` of the partials, and the count and wait are inline PTX."""
-    programs = tl.num_programs(0)
-    offsets = tl.arange(0, SLICE)
-    scratch = partials_ptr + items * PARTIAL_STATS  # for items past the last
-    # the held slice as raw bits: a loaded value carried as it is to the next step keeps the pipeliner
-    # from prefetching that load (no cp.async in the PTX); through a bitcast it does
-    held_s = tl.zeros([SLICE], tl.int16)
-    held_t = tl.zeros([SLICE], tl.int16)
-    held_item = tl.program_id(0).to(tl.int64) - programs  # nothing held before step 0
-    for step in tl.range(0, tl.cdiv(items, programs) + 1, num_stages=STAGES):
-        item = held_item + programs
-        present = item < items
-        row = tl.minimum(item, items - 1) // slices
-        cols = (item % slices) * SLICE + offsets
-        in_row = cols < tl.where(present, vocab, 0)
-        s_raw = tl.load(student_ptr + row * row_stride + cols, mask=in_row, other=0.0)
-        t_raw = tl.load(teacher_ptr + row * row_stride + cols, mask=in_row, other=0.0)
-        released = tl.full([], 0, tl.int32)
-        if STATS:
-            column = tl.load(labels_ptr + row).to(tl.int64)
-            _publish_slice(tl.where(present, partials_ptr + item * PARTIAL_STATS, scratch), s_raw.to(tl.float32),
-                           t_raw.to(tl.float32), cols, in_row, column)
-            if WAIT:
-                released = _release_count(counters_ptr + row, present)
-        if GRAD:
-            held = (held_item >= 0) & (held_item < items)
-            held_row = tl.minimum(tl.maximum(held_item, 0), items - 1) // slices
-            start = (tl.maximum(held_item, 0) % slices) * SLICE
-            waited = tl.full([], 0, tl.int32)
-            if WAIT:
-                waited = _wait_count(counters_ptr + held_row, tl.where(held, slices, 0), released) * 0
-            student_row, teacher_row, valid, in_shard, column = _row_and_label(
-                held_row, student_ptr, row_stride, teacher_ptr, row_stride, labels_ptr, ignore_index, 0, vocab, vocab)
-            row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher = _combine_slices(
-                partials_ptr + (held_row * slices + waited) * PARTIAL_STATS, slices, SLICES_POW2)
-            _finish_row(student_row, teacher_row, tl.where(held, losses_ptr + held_row * 2, scratch),
-                        held_s.to(student_ptr.dtype.element_ty, bitcast=True).to(tl.float32),
-                        held_t.to(teacher_ptr.dtype.element_ty, bitcast=True).to(tl.float32), start + offsets,
-                        start + offsets < tl.where(held, vocab, 0), valid,
-                        held & in_shard & (column >= start) & (column < start + SLICE), column, row_max, sum_exp,
-                        target_logit, dot, sum_sq_student, sum_sq_teacher, weight_hard, weight_soft, beta,
-                        inv_temp_sq, eps)
-        held_s, held_t, held_item = s_raw.to(tl.int16, bitcast=True), t_raw.to(tl.int16, bitcast=True), item
 
 
 @triton.jit
@@ -283,53 +181,6 @@ def row_step_held_slices(student_logits, teacher_logits, labels, token_losses, s
 
 
 
-_STREAM_GRIDS = {}  # row_step_streamed's grid for each config
-
-
-def row_step_streamed(student_logits, teacher_logits, labels, token_losses, slice_cols=2048, num_warps=8, stages=4,
-                      per_sm=4, mode="wait"):
-    """Item 54's row step, overwriting student_logits with d L / d s. ``mode`` as in row_step_held_slices
-    ("spin" is "wait": this kernel's wait never sleeps). The grid is ``per_sm`` programs per SM, fewer if
-    fewer fit (the waits need every program resident), and at least one program per slice of a row."""
-    rows, vocab = student_logits.shape
-    if student_logits.element_size() != 2 or teacher_logits.element_size() != 2:
-        raise TypeError(f"the streamed slices hold 16-bit logits, got {student_logits.dtype} and {teacher_logits.dtype}")
-    slices = triton.cdiv(vocab, slice_cols)
-    device = student_logits.device
-    partials = torch.empty((rows * slices + 1) * PARTIAL_STATS.value, dtype=torch.float32, device=device)  # + scratch
-    counters = torch.zeros(rows, dtype=torch.int32, device=device)
-    args = (student_logits, teacher_logits, student_logits.stride(0), labels, token_losses, partials, counters, slices,
-            vocab, rows * slices, SCALES.ignore_index, *_loss_args(SCALES)[:5])
-    common = dict(SLICE=slice_cols, SLICES_POW2=triton.next_power_of_2(slices), STAGES=stages, num_warps=num_warps)
-    wait = mode not in ("nowait", "halves") and not INTERPRET
-    if INTERPRET:
-        programs = min(rows * slices, 7)
-    else:
-        key = (slice_cols, num_warps, stages, per_sm, wait, vocab % 16, device)
-        if key not in _STREAM_GRIDS:  # once per config: the timed calls launch only the kernel
-            compiled = _streamed_slices_kernel.warmup(*args, WAIT=wait, STATS=True, GRAD=True, grid=(1,), **common)
-            compiled._init_handles()  # loads the binary: its register count
-            _STREAM_GRIDS[key] = min(per_sm, _fit_per_sm(compiled, num_warps, device)) * (
-                torch.cuda.get_device_properties(device).multi_processor_count)
-        programs = _STREAM_GRIDS[key]
-    if wait and programs < slices:
-        raise ValueError(f"{programs} resident programs cannot hold a row's {slices} slices at once")
-    if INTERPRET or mode == "halves":
-        for halves in (dict(STATS=True, GRAD=False), dict(STATS=False, GRAD=True)):
-            _streamed_slices_kernel[(programs,)](*args, WAIT=False, **halves, **common)
-    else:
-        _streamed_slices_kernel[(programs,)](*args, WAIT=wait, STATS=True, GRAD=True, **common)
-
-
-def _fit_per_sm(compiled, num_warps, device):
-    """How many programs of a compiled kernel one SM holds at once (registers, shared memory, threads)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    limits = triton.runtime.driver.active.utils.get_device_properties(index)
-    per_warp_regs = -(-compiled.n_regs // 8) * 8 * 32
-    return min(65536 // (per_warp_regs * num_warps),
-               (limits["max_shared_mem"] + 1024) // (compiled.metadata.shared + 1024),  # + the system's 1 KB a block
-               2048 // (32 * num_warps))
-
 def row_step_on_chip(student_logits, teacher_logits, labels, token_losses, num_ctas=8, num_warps=16):
     """The cluster's row step (see the module docstring), overwriting student_logits with d L / d s."""
     rows, vocab = student_logits.shape
@@ -359,8 +210,7 @@ def main():
     parser.add_argument("--rows", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--configs", nargs="+", default=["slices:4096:4", "slices:8192:8", "cluster:8:16"],
-                        help="slices:SLICE:WARPS[:MODE] (MODE: wait, spin, halves, nowait), "
-                             "stream:SLICE:WARPS:STAGES:PER_SM[:MODE] or cluster:CTAS:WARPS")
+                        help="slices:SLICE:WARPS[:MODE] (MODE: wait, spin, halves, nowait) or cluster:CTAS:WARPS")
     parser.add_argument("--device", default="cuda")  # cpu: a check of the math in Triton's interpreter
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -370,14 +220,12 @@ def main():
         row_step_triton(grad, teacher, labels, SCALES, losses, True)
 
     steps = {"library": library}
-    launchers = dict(slices=row_step_held_slices, cluster=row_step_on_chip, stream=row_step_streamed)
+    launchers = dict(slices=row_step_held_slices, cluster=row_step_on_chip)
     for config in args.configs:
-        kind, *fields = config.split(":")
-        numbers = [int(field) for field in fields if field.isdigit()]
-        modes = [field for field in fields if not field.isdigit()]
-        steps[f"{kind} {' x '.join(fields)}"] = (
-            lambda grad, teacher, labels, losses, launch=launchers[kind], numbers=numbers, modes=modes:
-            launch(grad, teacher, labels, losses, *numbers, *modes))
+        kind, size, warps, *mode = config.split(":")
+        steps[f"{kind} {size} x {warps} warps{''.join(' ' + m for m in mode)}"] = (
+            lambda grad, teacher, labels, losses, launch=launchers[kind], size=int(size), warps=int(warps), mode=mode:
+            launch(grad, teacher, labels, losses, size, warps, *mode))
     scratch, losses = student.clone(), torch.empty(args.rows, 2, device=device)
     copy_ms = triton.testing.do_bench(lambda: scratch.copy_(student), warmup=50, rep=300) if device.type == "cuda" else 0
     for name, step in steps.items():

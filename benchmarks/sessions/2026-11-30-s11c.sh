@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 11 GPU call C: NOTES item 54, the streamed one-read row step (persistent programs, prefetched slices, the
 # wait in PTX). Each config in its own process under a timeout: a wait that hangs loses one line, not the call.
+# Ran on commit 0f10d3b: the stream kernel was removed from the study after this run (NOTES item 54).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 R=$OUT/r; mkdir -p $R
