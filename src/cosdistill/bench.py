@@ -385,18 +385,24 @@ def run_bench(workload: Workload, device: torch.device, providers=PROVIDERS, mod
                         "T": tokens,
                         "mode": mode,
                         "median_ms": milliseconds,
-                        "round_ms": round_ms,  # JSON only: each round's median, for the run-to-run spread
+                        "round_ms": round_ms,  # JSON only: each round's median
                         "ratio_to_floor": None,
+                        "ratio_to_floor_by_round": None,  # with --rounds > 1
                         "peak_gb_above_inputs": peak_gb,
                         "loss_rel_err": loss_errors.get(label),
                         **small_errors.get(label, dict.fromkeys(SMALL_ERROR_KEYS)),
                     })
             del tensors
 
-    floor_ms = {(row["T"], row["mode"]): row["median_ms"] for row in rows if row["provider"] == "floor"}
+    floors = {(row["T"], row["mode"]): row for row in rows if row["provider"] == "floor"}
     for row in rows:
-        if floor_ms.get((row["T"], row["mode"])) and row["median_ms"] is not None:
-            row["ratio_to_floor"] = row["median_ms"] / floor_ms[row["T"], row["mode"]]
+        floor = floors.get((row["T"], row["mode"]))
+        if floor and floor["median_ms"] and row["median_ms"] is not None:
+            row["ratio_to_floor"] = row["median_ms"] / floor["median_ms"]
+        # each round against the floor's same round (the clock drifts between rounds): the spread of the ratio
+        if floor and len(row["round_ms"] or ()) > 1 and len(floor["round_ms"] or ()) == len(row["round_ms"]):
+            if all(mine is not None and theirs for mine, theirs in zip(row["round_ms"], floor["round_ms"])):
+                row["ratio_to_floor_by_round"] = [mine / theirs for mine, theirs in zip(row["round_ms"], floor["round_ms"])]
 
     tolerance = TOLERANCE[workload.dtype]
     check_passed = all(error <= tolerance for error in ours_errors)  # False for a NaN too
@@ -463,12 +469,13 @@ def time_providers(builders, tensors: Tensors, device, mode, workload: Workload,
     return timings
 
 
-TABLE_COLUMNS = (  # (row key, heading, format)
+TABLE_COLUMNS = (  # (row key, heading, format string or function)
     ("provider", "provider", "{}"),
     ("T", "T", "{}"),
     ("mode", "mode", "{}"),
     ("median_ms", "median ms", "{:.2f}"),
     ("ratio_to_floor", "x floor", "{:.2f}"),
+    ("ratio_to_floor_by_round", "x floor by round", lambda ratios: " / ".join(f"{ratio:.2f}" for ratio in ratios)),
     ("peak_gb_above_inputs", "peak GB above inputs", "{:.2f}"),
     ("loss_rel_err", "loss err vs naive", "{:.1e}"),
     ("small_loss_rel_err", "small: loss err", "{:.1e}"),
@@ -486,7 +493,8 @@ def markdown_table(result: BenchResult) -> str:
         "|" + "|".join("---" if key in ("provider", "mode") else "---:" for key, _, _ in TABLE_COLUMNS) + "|",
     ]
     for row in result.rows:
-        cells = ("-" if row[key] is None else fmt.format(row[key]) for key, _, fmt in TABLE_COLUMNS)
+        cells = ("-" if row[key] is None else fmt(row[key]) if callable(fmt) else fmt.format(row[key])
+                 for key, _, fmt in TABLE_COLUMNS)
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",

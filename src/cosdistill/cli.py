@@ -79,7 +79,8 @@ def build_parser():
                                    "power limiter settles)")
     bench_parser.add_argument("--rounds", type=int, default=1,
                               help="time the providers in turn this many times and report the median over rounds "
-                                   "(clock drift then spreads over all providers alike)")
+                                   "(clock drift then spreads over all providers alike), and each round's ratio "
+                                   "to the floor's same round")
     bench_parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     bench_parser.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
     bench_parser.add_argument("--plot", metavar="PATH", help="also plot time and %% of the floor vs T as a PNG (needs matplotlib)")
