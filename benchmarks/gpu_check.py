@@ -66,9 +66,10 @@ def check_fp8_quantization():
     out = torch.empty(1008, 4112, dtype=fp8.FP8, device="cuda")
     scales = torch.empty(1000, 1, device="cuda")
     fp8.quantize_rows(rows, out[:1000, :4099], scales)
-    want_scales = (rows.cpu().float().abs().amax(1, keepdim=True) / fp8.FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    host_rows = rows.cpu().float()
+    want_scales = (host_rows.abs().amax(1, keepdim=True) / fp8.FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     scale_ulps = ((scales.cpu() - want_scales).abs() / torch.finfo(torch.float32).eps / want_scales).max().item()
-    want = (rows.cpu().float() / scales.cpu()).to(fp8.FP8)
+    want = (host_rows / scales.cpu()).to(fp8.FP8)
     mismatched = (out[:1000, :4099].cpu().view(torch.uint8) != want.view(torch.uint8)).sum().item()
     errors = dict(mismatched_codes=float(mismatched), scale_max_ulps=scale_ulps)
     passed = mismatched == 0 and scale_ulps <= 1.0
@@ -78,7 +79,7 @@ def check_fp8_quantization():
     triton_out = torch.full_like(out.view(torch.uint8), 0x7F).view(fp8.FP8)  # poisoned: NaN codes
     triton_scales = torch.full_like(scales, float("nan"))
     quantize_rows_triton(rows, triton_out[:1000, :4099], triton_scales)
-    want = (rows.cpu().float() / want_scales).to(fp8.FP8)
+    want = (host_rows / want_scales).to(fp8.FP8)
     mismatched = (triton_out[:1000, :4099].cpu().view(torch.uint8) != want.view(torch.uint8)).sum().item()
     untouched = bool((triton_out.view(torch.uint8)[1000:] == 0x7F).all() and (triton_out.view(torch.uint8)[:, 4099:] == 0x7F).all())
     mismatched_scales = (triton_scales.cpu() != want_scales).sum().item()

@@ -1,11 +1,12 @@
 """Whether two source trees' Triton kernels compile to the same sm_90 machine code (no GPU needed).
 
-For each variant of tests/kernel_compile.py in the tree given, prints its name, a hash of its SASS
-(cuobjdump --dump-sass, addresses dropped) and its instruction count. Run it once per tree and diff
-the outputs: a change that is pure code motion leaves the hashes alone, so timings taken before it
-still describe the code after it.
+For each variant of this repository's tests/kernel_compile.py, compiled from the ``cosdistill`` on
+PYTHONPATH, prints its name, a hash of its SASS (cuobjdump --dump-sass, addresses dropped) and its
+instruction count. Run it once per tree and diff the outputs: a change that is pure code motion
+leaves the hashes alone, so timings taken before it still describe the code after it. An older tree
+must have the kernels (and fp8_triton) that kernel_compile names.
 
-    PYTHONPATH=<tree>/src python benchmarks/sass_compare.py <tree> > a.txt   (the tree's own tests/)
+    PYTHONPATH=<tree>/src python benchmarks/sass_compare.py > a.txt
 
 cuobjdump comes from Triton's wheel (triton/backends/nvidia/bin).
 """
@@ -21,15 +22,11 @@ import triton
 
 
 def main():
-    sys.path.insert(0, str(Path(sys.argv[1]) / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import kernel_compile
-    from cosdistill import row_step_triton as kernels
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    for name, kernel, logits_type, constants in kernel_compile.variants():
-        warps = kernels.LOSS_ONLY_WARPS if name.startswith("loss only") else kernels.DEFAULT_WARPS
-        compiled = kernel_compile.compile_for_hopper(kernel, logits_type, constants, aligned="aligned" in name,
-                                                     num_warps=warps)
+    for name, logits_type, constants, compiled in kernel_compile.compiled_variants():
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
             cubin.write(compiled.asm["cubin"])
             cubin.flush()

@@ -66,10 +66,16 @@ def compile_fp8_quantization(rows_type):
                           options=dict(num_warps=fp8_kernels.WARPS))
 
 
-def main():
+def compiled_variants():
+    """(name, logits type, constants, compiled kernel) for each of ``variants``, with its launch's warps."""
     for name, kernel, logits_type, constants in variants():
         warps = kernels.LOSS_ONLY_WARPS if name.startswith("loss only") else kernels.DEFAULT_WARPS
         compiled = compile_for_hopper(kernel, logits_type, constants, aligned="aligned" in name, num_warps=warps)
+        yield name, logits_type, constants, compiled
+
+
+def main():
+    for name, logits_type, constants, compiled in compiled_variants():
         print(f"{name} {logits_type} caps={constants['STUDENT_CAP']}: {len(compiled.asm['cubin'])} bytes of sm_90 cubin")
     for rows_type in ("*bf16", "*fp16", "*fp32"):
         compiled = compile_fp8_quantization(rows_type)

@@ -8,10 +8,15 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 
 
-def test_every_kernel_variant_compiles_for_hopper():
+def compiler_env():
+    """The environment for a script that compiles with Triton's real compiler: no interpreter, this src."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent / "src"), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, str(TESTS / "kernel_compile.py")], env=env, capture_output=True,
+    return env
+
+
+def test_every_kernel_variant_compiles_for_hopper():
+    result = subprocess.run([sys.executable, str(TESTS / "kernel_compile.py")], env=compiler_env(), capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     # 2 softcap settings x 12 row-step variants, and the FP8 quantization for 3 input types
@@ -21,10 +26,8 @@ def test_every_kernel_variant_compiles_for_hopper():
 def test_sass_compare_hashes_every_variant():
     """benchmarks/sass_compare.py (the check that two trees' kernels are the same machine code): one line
     per row-step variant with a SASS hash; the prefetching (aligned) variants differ from the plain ones."""
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent / "src"), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, str(TESTS.parent / "benchmarks" / "sass_compare.py"), str(TESTS.parent)],
-                            env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, str(TESTS.parent / "benchmarks" / "sass_compare.py")], env=compiler_env(),
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split() for line in result.stdout.splitlines()]
     assert len(lines) == 24 and all(line[-1] == "instructions" and int(line[-2]) > 100 for line in lines), result.stdout
