@@ -1,7 +1,7 @@
 """Correctness on a CUDA GPU before any timing is trusted.
 
 1. The Triton row step against the torch row step (the spec) at odd and LLM-sized vocabularies, poisoned outputs.
-2. The whole loss (impl="triton" and "torch") against the float64 naive reference at a few odd shapes.
+2. The whole loss (impl="cuda", "triton" and "torch") against the float64 naive reference at a few odd shapes.
 3. The FP8 teacher path against float64 fed the dequantized teacher; fp16 with a zero student head.
 4. At the seed workload (V = 128256, H = 4096, student H/2, bf16, T = 8192 by default): the error of
    losses and gradients against float64 for each grad_weight accumulator dtype, and the peak memory
@@ -32,6 +32,7 @@ ROW_STEP_CASES = [
     RowStepCase(3, 2, 2, FP32), RowStepCase(4, 2, 3, FP32), RowStepCase(4, 17, 17, BF16), RowStepCase(4, 1000, 1000, FP32),
     RowStepCase(37, 128256, 128320, BF16, softcap=30.0), RowStepCase(5, 32001, 32001, FP32, softcap=5.0, logit_scale=0.5),
     RowStepCase(9, 50000, 128256, BF16),  # split in two: the upper half holds no student columns
+    RowStepCase(9, 262144, 262144, BF16), RowStepCase(11, 32000, 32000, BF16), RowStepCase(5, 8, 8, BF16),  # CUDA
 ]
 LOSS_CASES = [
     LossCase(300, 32011, 32011, 256, FP32, True, 7, 128),
@@ -43,7 +44,7 @@ LOSS_CASES = [
     LossCase(2500, 128256, 128256, 256, BF16, False, 7, None),  # automatic rows: chunks 2048 + 452, teacher 1024
 ]
 FP8_CASES = [LossCase(300, 32011, 32011, 256, BF16, True, 7, 128), LossCase(1000, 128256, 128320, 512, BF16, True, 7, None),
-             LossCase(2500, 128256, 128320, 256, BF16, False, 7, None)]
+             LossCase(2500, 128256, 128320, 256, BF16, False, 7, None), LossCase(2500, 128256, 128256, 256, BF16, False, 7, None)]
 
 
 def check_fp8():
@@ -140,7 +141,7 @@ def main():
     args = parser.parse_args()
     print(torch.__version__, torch.cuda.get_device_name())
     torch.manual_seed(0)
-    checks = (check_row_step("cuda", ROW_STEP_CASES) + check_loss(("triton", "torch"), "cuda", LOSS_CASES) + check_fp8_quantization() + check_fp8()
+    checks = (check_row_step("cuda", ROW_STEP_CASES) + check_loss(("cuda", "triton", "torch"), "cuda", LOSS_CASES) + check_fp8_quantization() + check_fp8()
               + check_fp16_zero_head())
     print(results_table(checks), end="")
     failures = [asdict(result) for result in checks if not result.passed]

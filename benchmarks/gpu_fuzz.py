@@ -1,4 +1,4 @@
-"""GPU fuzz: random problems through impl="triton" and impl="torch", each against float64 and against each other.
+"""GPU fuzz: random problems through impl="auto" (on the CPU "triton") and "torch", each against float64 and each other.
 
 Each case draws sizes (T 0..3000, 2-D or 3-D inputs, student and teacher hidden sizes, Vs 1..140000
 with tiny, prime and LLM vocabularies, Vt >= Vs), dtype, biases, ignore pattern, loss weights and beta
@@ -20,6 +20,7 @@ Exit code 1 if any case fails.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -41,7 +42,7 @@ from cosdistill.selfcheck import (accumulation_floor, float64_reference, ignore_
 TOLERANCE = {"fp32": (1e-5, 1e-4), "bf16": (5e-3, 2e-2), "fp16": (2e-3, 5e-3)}
 FLOAT64_ZERO = 1e-12  # a float64 norm below this is zero up to rounding
 QUANTITIES = ("loss", "soft", "hard", "grad_input", "grad_weight", "grad_bias")
-COMPARISONS = ("triton vs float64", "torch vs float64", "triton vs torch")
+COMPARISONS = ("fast vs float64", "torch vs float64", "fast vs torch")
 PRIMES = (2, 3, 5, 7, 31, 97, 127, 257, 1021, 4093, 4999, 32003, 65521, 131071)
 LLM_VOCABS = (32000, 32001, 50257, 65536, 128256)
 COVERAGE = (  # (label, test on a case's parameters): how many cases exercised what, in the summary
@@ -58,6 +59,7 @@ COVERAGE = (  # (label, test on a case's parameters): how many cases exercised w
     ("num_valid_tokens", lambda c: c["num_valid_tokens"] is not None),
     ("grad_output != 1", lambda c: c["grad_output"] != 1),
     ("fp32 accumulator", lambda c: c["accum_dtype"] == "fp32"),
+    ("cluster row step applies", lambda c: cluster_eligible(Case(**c))),
     ("given chunk size", lambda c: c["chunk_size"] is not None),
 )
 
@@ -175,7 +177,7 @@ def draw_case(rng: random.Random, index: int, limits: Limits) -> Case:
     divisors = [b for b in range(1, tokens + 1) if tokens % b == 0] if tokens else [1, 2, 3]
     softcap = lambda: rng.uniform(1.0, 30.0) if rng.random() < 0.25 else None  # noqa: E731
     logit_scale = lambda: rng.uniform(0.25, 2.0) if rng.random() < 0.25 else 1.0  # noqa: E731
-    return Case(
+    case = Case(
         index=index,
         seed=rng.randrange(2**31),
         tokens=tokens,
@@ -200,6 +202,24 @@ def draw_case(rng: random.Random, index: int, limits: Limits) -> Case:
         accum_dtype=rng.choice([None, "fp32"]),
         grad_output=rng.choice([1.0, 1.0, 1.0, -2.5, 0.3]),
     )
+    if rng.random() < 0.25:  # one case in four where the CUDA cluster row step applies (row_step_cuda.py)
+        vocab = max(8, vocab_student // 8 * 8)
+        case = dataclasses.replace(case, dtype="bf16", vocab_student=vocab, vocab_teacher=vocab, student_softcap=None,
+                                   teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0)
+    return case
+
+
+def cluster_eligible(case: Case) -> bool:
+    """Whether impl="auto" runs the case's row steps in the CUDA cluster kernel (on Hopper; row_step_cuda.py)."""
+    return (case.dtype == "bf16" and case.vocab_student == case.vocab_teacher and case.vocab_student % 8 == 0
+            and not (case.student_softcap or case.teacher_softcap)
+            and case.student_logit_scale == case.teacher_logit_scale == 1.0)
+
+
+def fast_impl(device) -> str:
+    """What users get on the device ("auto": the CUDA cluster kernel where it applies, else Triton); on the
+    CPU, Triton in its interpreter."""
+    return "auto" if device.type == "cuda" else "triton"
 
 
 def draw_cases(seed: int, count: int, limits: Limits) -> list[Case]:
@@ -239,7 +259,7 @@ def reference_result(args, case: Case):
 
 def measure(got, want, reference, tolerance, exact_zero, floor, design_floor=0.0, accumulation=0.0) -> dict:
     """{error, bound, kind, floor, passed} of got against want; it passes when error <= bound. ``reference`` is
-    the float64 result, whose norm scales the error, so that triton vs torch is held to the same scale as
+    the float64 result, whose norm scales the error, so that fast vs torch is held to the same scale as
     each vs float64.
 
     * "exact zero": the result is zero by construction (no valid token; for gradients also both terms
@@ -309,11 +329,11 @@ def check_case(case: Case, device) -> dict:
     args = build_problem(case, device)
     reference = reference_result(args, case)
     floors = dtype_floors(args, case, reference)
-    triton, torch_ = fused_result(args, case, "triton"), fused_result(args, case, "torch")
+    fast, torch_ = fused_result(args, case, fast_impl(device)), fused_result(args, case, "torch")
     labels = args[4]
     no_valid_token = not bool((labels != case.ignore_index).any())
     weighted_out = case.weight_hard_loss == 0 and case.weight_soft_loss * case.beta == 0
-    pairs = dict(zip(COMPARISONS, [(triton, reference), (torch_, reference), (triton, torch_)]))
+    pairs = dict(zip(COMPARISONS, [(fast, reference), (torch_, reference), (fast, torch_)]))
     dtype = DTYPES[case.dtype]
     design = logits_rounding_floors(args, dtype, case.grad_output, **case.options()) if case.tokens else [0.0] * 3
     accumulation = accumulation_floor(dtype, case.accum_dtype and DTYPES[case.accum_dtype], case.chunk_size,
@@ -413,7 +433,8 @@ def main(argv=None) -> int:
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     header = (f"cosdistill GPU fuzz on {name}, torch {torch.__version__}, triton {triton.__version__}; seed {args.seed}"
-              f"{', tiny shapes' if args.tiny else ''}; impl='triton' and 'torch' against float64 and each other")
+              f"{', tiny shapes' if args.tiny else ''}; impl={fast_impl(device)!r} (fast) and 'torch' against float64 "
+              f"and each other")
     reproduce = (f"PYTHONPATH=src python benchmarks/gpu_fuzz.py --seed {args.seed} --device {args.device}"
                  f"{' --tiny' if args.tiny else ''} --out DIR")
     print(header, flush=True)

@@ -105,6 +105,8 @@ def test_bad_scalars_and_options():
     with pytest.raises(ValueError, match="num_valid_tokens must be > 0"):
         call(problem, num_valid_tokens=0)
     with pytest.raises(ValueError, match="impl must be one of"):
+        call(problem, impl="fast")
+    with pytest.raises(ValueError, match="impl='cuda' needs a CUDA GPU with thread block clusters"):
         call(problem, impl="cuda")
     with pytest.raises(TypeError, match="accum_dtype"):
         call(problem, accum_dtype=torch.float16)

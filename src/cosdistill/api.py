@@ -13,7 +13,7 @@ from .chunked import (ChunkRows, Normaliser, RowStep, TeacherHead, VocabParallel
 from .labels import LabelCounts
 from .row_step import TORCH_ROW_STEP, RowStepImpl, RowStepScales
 
-IMPLS = ("auto", "torch", "triton")
+IMPLS = ("auto", "torch", "triton", "cuda")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -63,8 +63,10 @@ def fused_linear_cosine_distill(
 
     Extra keywords: ``num_valid_tokens`` (a positive number or 0-d tensor, e.g. a count all-reduced
     across ranks), ``accum_dtype`` (dtype of the grad_weight accumulator: None, the weight's dtype
-    but fp32 for fp16 weights; the weight's dtype; or torch.float32), ``impl`` ("auto": Triton on
-    CUDA, torch elsewhere; "torch"; "triton"),
+    but fp32 for fp16 weights; the weight's dtype; or torch.float32), ``impl`` ("auto": on Hopper or
+    newer the CUDA cluster row step (row_step_cuda.py) where it applies and Triton elsewhere, Triton
+    on older GPUs, torch on the CPU; "torch"; "triton": the Triton kernels only; "cuda": as "auto",
+    but an error where clusters are unavailable),
     ``teacher_precision`` (None: the teacher GEMM in the teacher's dtype; "fp8": in FP8 e4m3 with
     row-wise scales, on GPUs with FP8 tensor cores; the quantized weight is cached while unchanged),
     ``student_softcap`` / ``teacher_softcap`` (Gemma-2 style final logit softcapping c: each head's
@@ -268,6 +270,13 @@ def pick_row_step(impl: str, device: torch.device) -> RowStepImpl:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "torch" or (impl == "auto" and device.type != "cuda"):
         return TORCH_ROW_STEP
+    from . import row_step_cuda
+
+    if impl == "cuda" and not row_step_cuda.available(device):
+        raise ValueError(f"impl='cuda' needs a CUDA GPU with thread block clusters (compute capability 9.0 or "
+                         f"newer) and torch.cuda._compile_kernel (NVRTC); tensors are on {device}")
+    if impl in ("cuda", "auto") and row_step_cuda.available(device):
+        return row_step_cuda.CUDA_ROW_STEP
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU); tensors are on {device}")
     from .row_step_triton import TRITON_ROW_STEP

@@ -452,7 +452,9 @@ def _lift_args(grad_lifts, token_losses, write_grad):
 
 
 def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
-                    grad_lifts=None, block_size=None, num_warps=None, num_stages=None) -> None:
+                    grad_lifts=None, block_size=None, num_warps=None, num_stages=None, rescue_only=False) -> None:
+    """``rescue_only``: only the RESCUE launch, for the rows another kernel left with NaN losses
+    (row_step_cuda)."""
     rows, vocab_student = student_logits.shape
     if rows == 0:
         return
@@ -461,7 +463,7 @@ def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepScale
     num_warps = num_warps or (DEFAULT_WARPS if write_grad else LOSS_ONLY_WARPS)
     block = _block(vocab_student, block_size, num_warps, DEFAULT_BLOCK if write_grad else LOSS_ONLY_BLOCK)
     stages = num_stages or (DEFAULT_STAGES if write_grad else LOSS_ONLY_STAGES)
-    for rescue in (False, True):
+    for rescue in (True,) if rescue_only else (False, True):
         _row_step_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
             lifts, vocab_student, teacher_logits.shape[1], *_common_args(vocab_student, scales), *_loss_args(scales),

@@ -79,6 +79,7 @@ LOSS_CASES = (
     LossCase(50, 1500, 1531, 64, torch.float32, True, 7, None),
     LossCase(29, 257, 300, 32, torch.bfloat16, True, 3, 8),
     LossCase(33, 211, 240, 32, torch.float32, True, 4, 7, softcap=3.0, logit_scale=0.5),
+    LossCase(41, 1000, 1000, 32, torch.bfloat16, True, 5, 16),  # the CUDA cluster row step applies
 )
 ROW_STEP_CASES = (
     RowStepCase(5, 1, 1, torch.float32),
@@ -88,6 +89,8 @@ ROW_STEP_CASES = (
     RowStepCase(6, 1000, 1100, torch.float32, softcap=4.0, logit_scale=0.5),
     RowStepCase(6, 40, 130, torch.bfloat16),  # split in two, the upper half holds no student columns
     RowStepCase(6, 2000, 2001, torch.float16),  # with the per-row lifts of fp16 gradients
+    RowStepCase(9, 2504, 2504, torch.bfloat16),  # the CUDA cluster row step applies: 8 blocks per row
+    RowStepCase(3, 100008, 100008, torch.bfloat16),  # 16 blocks per row
 )
 
 
@@ -259,13 +262,21 @@ def split_in_two(impl: RowStepImpl, student, teacher, labels, scales, token_loss
 def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
     from .row_step_triton import TRITON_ROW_STEP  # imports triton: only on CUDA or under the interpreter
 
+    from . import row_step_cuda
+
     runs = {
         "row step triton vs torch": TRITON_ROW_STEP.step,
         "row step triton split in two vs torch": lambda *args: split_in_two(TRITON_ROW_STEP, *args),
     }
+    if row_step_cuda.available(torch.device(device)):
+        runs["row step cuda vs torch"] = row_step_cuda.CUDA_ROW_STEP.step
     results = []
     for (name, run), case in ((run, case) for run in runs.items() for case in cases):
         if "split" in name and case.vocab_teacher < 2:
+            continue
+        cluster_case = (case.dtype == torch.bfloat16 and case.vocab_student == case.vocab_teacher
+                        and case.vocab_student % 8 == 0 and case.softcap is None and case.logit_scale == 1.0)
+        if "cuda" in name and not cluster_case:  # elsewhere it runs the Triton kernel, checked above
             continue
         scales = RowStepScales(
             weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100,
@@ -307,15 +318,22 @@ def failed(name, case, error) -> CheckResult:
     return CheckResult(name, case, "-", failure=f"{type(error).__name__}: {message}")
 
 
+def _cuda_row_step_available(device) -> bool:
+    from . import row_step_cuda  # imports triton: only on CUDA or under the interpreter
+
+    return row_step_cuda.available(torch.device(device))
+
+
 def run_selfcheck(device) -> tuple[str, list[CheckResult]]:
     """(a header naming the device and the paths checked, the results) with a fixed seed."""
     torch.manual_seed(0)
     triton_too = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    impls = ("torch", "triton") if triton_too else ("torch",)
+    from_cuda = ("cuda",) if device.type == "cuda" and _cuda_row_step_available(device) else ()
+    impls = ("torch", "triton", *from_cuda) if triton_too else ("torch",)
     results = check_loss(impls, device) + (check_row_step(device) if triton_too else [])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if device.type == "cuda":
-        paths = "torch and triton"
+        paths = f"torch, triton{' and the CUDA cluster row step' if from_cuda else ''}"
     elif triton_too:
         paths = "torch and triton (in Triton's interpreter, TRITON_INTERPRET=1)"
     else:

@@ -1,0 +1,148 @@
+"""The CUDA cluster row step (``row_step_cuda.py``, NOTES item 56) against the Triton row step: checked
+against the torch spec, then timed alone per chunk.
+
+Prediction (item 56): it moves 3 bytes per logit pair per row instead of 5, so at the copy rate 0.19 ms
+per 1024 rows at the seed vocab against the Triton kernel's 0.32 (range 0.19-0.30: each block idles
+between its copy, the cluster's exchange and its writes; 3 blocks share an SM to cover it); V = 262144
+0.40 against 0.64 (range 0.40-0.60: 128 KB of shared memory per block leaves one block per SM).
+
+    PYTHONPATH=src python benchmarks/cluster_row_step_study.py [--clusters 8 16] [--threads 128 256] [--vocabs V ...]
+"""
+
+import argparse
+import statistics
+
+import torch
+import triton.testing
+
+from cosdistill import row_step_cuda
+from cosdistill.bench import rel_err
+from cosdistill.row_step import RowStepScales, row_step_torch
+from cosdistill.row_step_triton import row_step_triton
+
+SCALES = RowStepScales(weight_hard=0.3, weight_soft=0.7, beta=0.9, temperature=2.0, ignore_index=-100)
+
+
+def inputs(rows, vocab, pad=0, label_dtype=torch.int64, seed=0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    student = torch.randn(rows, vocab + pad, device="cuda", generator=generator).mul_(3).bfloat16()[:, :vocab]
+    teacher = torch.randn(rows, vocab + pad, device="cuda", generator=generator).mul_(3).bfloat16()[:, :vocab]
+    labels = torch.randint(0, vocab, (rows,), device="cuda", generator=generator)
+    labels[torch.rand(rows, device="cuda", generator=generator) < 0.1] = SCALES.ignore_index
+    return student, teacher, labels.to(label_dtype)
+
+
+def cuda_step(cluster, threads):
+    """The kernel at (cluster, threads) (None: launch_config's) and the Triton RESCUE launch."""
+    def step(student, teacher, labels, scales, losses, write_grad=True):
+        row_step_cuda.cluster_kernel(student, teacher, labels, scales, losses, cluster, threads)
+        row_step_triton(student, teacher, labels, scales, losses, True, rescue_only=True)
+    return step
+
+
+def check(name, student, teacher, labels, step):
+    """The CUDA step and Triton against the torch spec (fp32 math), losses poisoned first."""
+    assert row_step_cuda.supported(student, teacher, labels, SCALES, True, None), name
+    want_grad, want_losses = student.clone(), torch.empty(len(student), 2, device="cuda")
+    row_step_torch(want_grad, teacher, labels, SCALES, want_losses, True)
+    results = {}
+    for impl, impl_step in (("cuda", step), ("triton", row_step_triton)):
+        grad, losses = student.clone(), torch.full((len(student), 2), float("nan"), device="cuda")
+        impl_step(grad, teacher, labels, SCALES, losses, True)
+        results[impl] = grad
+        finite = want_losses.isfinite()
+        same_nan = bool((losses.isnan() == want_losses.isnan()).all())
+        print(f"{name} {impl}: loss rel err {rel_err(losses[finite], want_losses[finite]):.2e}, grad rel err "
+              f"{rel_err(grad.float().nan_to_num(), want_grad.float().nan_to_num()):.2e}, NaN rows as spec {same_nan}",
+              flush=True)
+    print(f"{name}: cuda vs triton grad {rel_err(results['cuda'].float().nan_to_num(), results['triton'].float().nan_to_num()):.2e}")
+
+
+def correctness(step):
+    for rows, vocab, pad in ((1024, 128256, 0), (256, 262144, 0), (300, 32000, 0), (100, 1000, 8), (33, 8, 0),
+                             (64, 151936, 0)):
+        check(f"rows={rows} vocab={vocab} pad={pad}", *inputs(rows, vocab, pad), step)
+    student, teacher, labels = inputs(64, 128256, label_dtype=torch.int32, seed=1)
+    check("int32 labels", student, teacher, labels, step)
+    student[3, :300] = 3e38  # overflows |s|^2 in fp32: the RESCUE launch redoes the row
+    student[5, 7] = float("inf")  # NaN loss and gradient, as the spec
+    labels[3] = 11
+    check("overflow rows", student, teacher, labels, step)
+
+
+def settings(clusters, threads_list):
+    """The (cluster, threads) pairs asked for; None: launch_config's."""
+    return [(cluster, threads) for cluster in clusters or [None] for threads in threads_list or [None]]
+
+
+def timing(vocabs, configs):
+    for vocab in vocabs:
+        student, teacher, labels = inputs(1024, vocab)
+        labels[labels == SCALES.ignore_index] = 5  # every row counts, as in a dense batch
+        scratch, losses = student.clone(), torch.empty(1024, 2, device="cuda")
+
+        def timed(fn):
+            return triton.testing.do_bench(fn, warmup=50, rep=400, return_mode="median")
+
+        copy_ms = timed(lambda: scratch.copy_(student))
+        one_pass = student.numel() * 2
+        print(f"vocab={vocab}: copy {copy_ms:.3f} ms ({2 * one_pass / copy_ms / 1e9:.2f} TB/s); launch_config "
+              f"{row_step_cuda.launch_config(vocab)}", flush=True)
+        ms = timed(lambda: (scratch.copy_(student), row_step_triton(scratch, teacher, labels, SCALES, losses, True))) - copy_ms
+        print(f"vocab={vocab}: triton {ms:.3f} ms, {5 * one_pass / ms / 1e9:.2f} TB/s of its 5 passes", flush=True)
+        for cluster, threads in configs:
+            step = cuda_step(cluster, threads)
+            ms = timed(lambda: (scratch.copy_(student), step(scratch, teacher, labels, SCALES, losses))) - copy_ms
+            print(f"vocab={vocab}: cuda step cluster={cluster or 'auto'} threads={threads or 'auto'} {ms:.3f} ms, "
+                  f"{3 * one_pass / ms / 1e9:.2f} TB/s of its 3 passes", flush=True)
+
+
+def in_step_timing(vocabs, configs, hidden=4096, calls=60):
+    """Each step timed by CUDA events right after a teacher-sized logits GEMM into its teacher buffer, as in
+    the chunk loop: the GPU at the clocks and the L2 state the step meets there (the power cap, item 40)."""
+    for vocab in vocabs:
+        student, teacher, labels = inputs(1024, vocab)
+        labels[labels == SCALES.ignore_index] = 5
+        hidden_rows = torch.randn(1024, hidden, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
+        scratch, losses = student.clone(), torch.empty(1024, 2, device="cuda")
+        steps = [("triton", lambda: row_step_triton(scratch, teacher, labels, SCALES, losses, True))]
+        for cluster, threads in configs:
+            step = cuda_step(cluster, threads)
+            steps.append((f"cuda cluster={cluster or 'auto'} threads={threads or 'auto'}",
+                          lambda step=step: step(scratch, teacher, labels, SCALES, losses)))
+        times = {name: [] for name, _ in steps}
+        for call in range(calls + 5):
+            for name, step in steps:
+                scratch.copy_(student)
+                torch.mm(hidden_rows, weight.T, out=teacher)  # the teacher GEMM before the step, as in the loop
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                stop.record()
+                torch.cuda.synchronize()
+                if call >= 5:
+                    times[name].append(start.elapsed_time(stop))
+        for name, values in times.items():
+            print(f"in step, vocab={vocab}: {name} {statistics.median(values):.3f} ms (median of {calls})", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--clusters", type=int, nargs="+", help="cluster sizes swept (default: launch_config's)")
+    parser.add_argument("--threads", type=int, nargs="+", help="threads per block swept (default: launch_config's)")
+    parser.add_argument("--in-step", action="store_true", help="also time each step right after a logits GEMM")
+    parser.add_argument("--vocabs", type=int, nargs="+", default=[128256, 262144, 151936, 32000])
+    args = parser.parse_args()
+    print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), flush=True)
+    configs = settings(args.clusters, args.threads)
+    for cluster, threads in configs:
+        print(f"correctness, cluster={cluster or 'auto'} threads={threads or 'auto'}")
+        correctness(cuda_step(cluster, threads))
+    timing(args.vocabs, configs)
+    if args.in_step:
+        in_step_timing(args.vocabs, configs)
+
+
+if __name__ == "__main__":
+    main()

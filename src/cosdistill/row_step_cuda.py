@@ -1,0 +1,322 @@
+"""The row step with each logit read once: a CUDA kernel for Hopper, compiled at run time by NVRTC.
+
+The Triton row step (``row_step_triton.py``) reads every student and teacher logit twice, once for the
+row's statistics and once for its gradient, because a row (0.5 MB at V = 128256) does not fit on one
+SM. Here a cluster of 8 or 16 thread blocks on as many SMs holds one row in their shared memory: each
+block copies its slice of the row in (cp.async), reduces its partial statistics, the blocks exchange
+them through distributed shared memory, and each writes its slice's d loss / d s from shared memory.
+HBM moves two reads and one write per logit pair instead of four reads and one write
+(benchmarks/NOTES.md item 56). Triton 3.6 cannot express clusters (item 50); NVRTC ships with torch's
+CUDA build (``torch.cuda._compile_kernel``), so users need no compiler.
+
+Only the common case takes this path (``supported``): bf16 logits of one vocabulary size V (a multiple
+of 8), gradients wanted, no softcap, logit scale, fp16 lifts or vocabulary split. Everything else, and
+rows whose sums overflow fp32 (left untouched with NaN losses, as the Triton kernel's first launch
+leaves them), goes through the Triton kernels. The math is row_step.py's, as in the Triton twin.
+"""
+
+import functools
+
+import torch
+
+from .row_step import COSINE_EPS, RowStepImpl, RowStepScales
+from .row_step_triton import row_grad_triton, row_stats_triton, row_step_triton
+
+MAX_SHARED_BYTES = 200 * 1024  # beside the static shared memory, under the H200's 227 KB per block
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute
+_LABEL_TYPES = {torch.int64: "long long", torch.int32: "int"}
+
+_SOURCE = r"""
+typedef unsigned short bf16_t;
+#define NUM_WARPS (THREADS / 32)
+#define ITERS ((SLICE_VECS + THREADS - 1) / THREADS)
+#define NUM_PARTS 5  // max, sum of exp, s.t, |s|^2, |t|^2
+#define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h
+#define QUIET_NAN __int_as_float(0x7fc00000)
+
+__device__ __forceinline__ float exp_fast(float x) {  // ex2.approx.ftz, as the Triton kernel's _exp
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  unsigned long long a;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+  return (unsigned)a;
+}
+__device__ __forceinline__ void copy_async(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(shared_address(shared)), "l"(global) : "memory");
+}
+__device__ __forceinline__ void wait_copies(int pending) {  // at most `pending` of this thread's groups in flight
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+  }
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ float peer_load(const float* local, unsigned rank) {  // the same address in block `rank`
+  unsigned remote;
+  float value;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
+  return value;
+}
+__device__ __forceinline__ void unpack(uint4 v, float* x) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    x[2 * j] = __uint_as_float(w[j] << 16);
+    x[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ unsigned pack(float lo, float hi) {  // round to nearest even, as .to(bf16)
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// Merges running (max, sum of exp(x - max)) pairs; a pair that has seen nothing is (-inf, 0).
+__device__ __forceinline__ void merge_softmax(float& run_max, float& run_sum, float other_max, float other_sum) {
+  const float new_max = fmaxf(run_max, other_max);
+  run_sum = new_max == NEG_INF ? 0.f : run_sum * exp_fast(run_max - new_max) + other_sum * exp_fast(other_max - new_max);
+  run_max = new_max;
+}
+__device__ __forceinline__ void reduce_warp(float* part) {
+  #pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other_max = __shfl_xor_sync(0xffffffffu, part[0], offset);
+    const float other_sum = __shfl_xor_sync(0xffffffffu, part[1], offset);
+    merge_softmax(part[0], part[1], other_max, other_sum);
+    #pragma unroll
+    for (int k = 2; k < NUM_PARTS; ++k) part[k] += __shfl_xor_sync(0xffffffffu, part[k], offset);
+  }
+}
+
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS)
+cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, float* losses,
+                 int student_stride, int teacher_stride, int ignore_index,
+                 double weight_hard, double weight_soft, double beta, double inv_temp_sq) {
+  extern __shared__ uint4 tiles[];  // this block's slice: SLICE_VECS student vectors, then the teacher's
+  __shared__ float warp_parts[NUM_WARPS][NUM_PARTS];
+  __shared__ float block_parts[NUM_PARTS];  // read by the cluster's other blocks
+  __shared__ float row_coefs[6];  // row max, log sum exp, the three gradient coefficients, usable
+  const int rank = blockIdx.x % CLUSTER;  // == %cluster_ctarank: clusters are consecutive blocks along x
+  const long long row = blockIdx.x / CLUSTER;
+  const int tid = threadIdx.x;
+  const long long label = (long long)labels[row];
+  const bool valid = label != ignore_index && label >= 0 && label < VOCAB;
+  bf16_t* student_row = student + row * student_stride;
+  const int first_vec = rank * SLICE_VECS;
+  const int slice_vecs = min(SLICE_VECS, VOCAB / 8 - first_vec);  // <= 0 for blocks past a short row
+  uint4* grad_out = reinterpret_cast<uint4*>(student_row) + first_vec;
+  if (!valid) {  // an ignored token: no gradient, zero losses (the whole cluster leaves here)
+    for (int i = tid; i < slice_vecs; i += THREADS) grad_out[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (rank == 0 && tid == 0) losses[2 * row] = losses[2 * row + 1] = 0.f;
+    return;
+  }
+  const float target = (rank == 0 && tid == 0) ? __uint_as_float((unsigned)student_row[label] << 16) : 0.f;
+  const uint4* student_src = reinterpret_cast<const uint4*>(student_row) + first_vec;
+  const uint4* teacher_src = reinterpret_cast<const uint4*>(teacher + row * teacher_stride) + first_vec;
+  uint4* student_tile = tiles;
+  uint4* teacher_tile = tiles + SLICE_VECS;
+  #pragma unroll
+  for (int k = 0; k < ITERS; ++k) {  // one copy group per k, so the reduction starts on group 0 early
+    const int i = tid + k * THREADS;
+    if (i < slice_vecs) {
+      copy_async(student_tile + i, student_src + i);
+      copy_async(teacher_tile + i, teacher_src + i);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+
+  // Each thread reduces the vectors it copied itself: no block barrier before the reduction.
+  float part[NUM_PARTS] = {NEG_INF, 0.f, 0.f, 0.f, 0.f};
+  #pragma unroll
+  for (int k = 0; k < ITERS; ++k) {
+    wait_copies(ITERS - 1 - k);
+    const int i = tid + k * THREADS;
+    if (i < slice_vecs) {
+      float s[8], t[8];
+      unpack(student_tile[i], s);
+      unpack(teacher_tile[i], t);
+      float vec_max = s[0];
+      #pragma unroll
+      for (int j = 1; j < 8; ++j) vec_max = fmaxf(vec_max, s[j]);
+      const float new_max = fmaxf(part[0], vec_max);  // an inf or NaN logit overflows the sums below
+      float vec_sum = 0.f;
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        vec_sum += exp_fast(s[j] - new_max);
+        part[2] += s[j] * t[j];
+        part[3] += s[j] * s[j];
+        part[4] += t[j] * t[j];
+      }
+      part[1] = part[1] * exp_fast(part[0] - new_max) + vec_sum;
+      part[0] = new_max;
+    }
+  }
+  reduce_warp(part);
+  const int warp = tid / 32, lane = tid % 32;
+  if (lane == 0)
+    #pragma unroll
+    for (int k = 0; k < NUM_PARTS; ++k) warp_parts[warp][k] = part[k];
+  __syncthreads();
+  if (warp == 0) {
+    #pragma unroll
+    for (int k = 0; k < NUM_PARTS; ++k) part[k] = lane < NUM_WARPS ? warp_parts[lane][k] : (k == 0 ? NEG_INF : 0.f);
+    reduce_warp(part);
+    if (lane == 0)
+      #pragma unroll
+      for (int k = 0; k < NUM_PARTS; ++k) block_parts[k] = part[k];
+  }
+  cluster_arrive();  // block_parts written
+  cluster_wait();
+  if (warp == 0) {  // lane r reads block r's parts
+    #pragma unroll
+    for (int k = 0; k < NUM_PARTS; ++k)
+      part[k] = lane < CLUSTER ? peer_load(&block_parts[k], lane) : (k == 0 ? NEG_INF : 0.f);
+    reduce_warp(part);
+    if (lane == 0) {  // row_step.py's losses and gradient coefficients (Triton: _row_losses, _grad_coefficients)
+      const float eps = COSINE_EPS;
+      const float inv_t2 = (float)inv_temp_sq;
+      const float total = part[3] + part[4] + fabsf(part[2]);
+      const bool usable = !(total > 3.4028234663852886e38f || total != total);
+      const float log_sum_exp = logf(part[1]);
+      const float norm_student = sqrtf(part[3] * inv_t2);
+      const float clamped_student = fmaxf(norm_student, eps);
+      const float clamped_teacher = fmaxf(sqrtf(part[4] * inv_t2), eps);
+      const float cos = part[2] * inv_t2 / clamped_student / clamped_teacher;
+      if (rank == 0) {
+        losses[2 * row] = usable ? (part[0] - target) + log_sum_exp : QUIET_NAN;
+        losses[2 * row + 1] = usable ? (float)beta * (1.f - cos) : QUIET_NAN;
+      }
+      const float soft_scale = (float)weight_soft * (float)beta;
+      const float coef_teacher = inv_t2 / (clamped_student * clamped_teacher);
+      const float coef_student = norm_student >= eps ? cos * inv_t2 / (clamped_student * clamped_student) : 0.f;
+      row_coefs[0] = part[0];
+      row_coefs[1] = log_sum_exp;
+      row_coefs[2] = (float)weight_hard;
+      row_coefs[3] = -soft_scale * coef_teacher;
+      row_coefs[4] = soft_scale * coef_student;
+      row_coefs[5] = usable ? 1.f : 0.f;
+    }
+  }
+  cluster_arrive();  // done reading the other blocks' parts: they may exit once all have arrived
+  __syncthreads();
+  const float row_max = row_coefs[0], log_sum_exp = row_coefs[1];
+  const float prob_coef = row_coefs[2], teacher_coef = row_coefs[3], student_coef = row_coefs[4];
+  if (row_coefs[5] != 0.f) {  // else the row keeps its logits for the Triton RESCUE launch
+    const long long label_vec = label / 8 - first_vec;
+    #pragma unroll
+    for (int k = 0; k < ITERS; ++k) {
+      const int i = tid + k * THREADS;
+      if (i < slice_vecs) {
+        float s[8], t[8], g[8];
+        unpack(student_tile[i], s);
+        unpack(teacher_tile[i], t);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j)
+          g[j] = prob_coef * exp_fast((s[j] - row_max) - log_sum_exp) + teacher_coef * t[j] + student_coef * s[j];
+        if (i == label_vec) {  // the label's entry at full precision, as the Triton kernel's
+          #pragma unroll
+          for (int j = 0; j < 8; ++j)  // a constant index keeps g in registers
+            if (j == label % 8)
+              g[j] = prob_coef * (expf((s[j] - row_max) - log_sum_exp) - 1.f) + teacher_coef * t[j] + student_coef * s[j];
+        }
+        grad_out[i] = make_uint4(pack(g[0], g[1]), pack(g[2], g[3]), pack(g[4], g[5]), pack(g[6], g[7]));
+      }
+    }
+  }
+  cluster_wait();  // no block leaves while another may still read its parts
+}
+"""
+
+
+def launch_config(vocab: int) -> tuple[int, int]:
+    """(blocks per cluster, threads per block), from the H200 sweep of item 56: about 32 KB of shared
+    memory per block (several blocks share an SM and cover each other's idle phases) and about eight
+    vectors per thread. 16 blocks is past the portable cluster size; Hopper allows it."""
+    cluster = 8 if _shared_bytes(vocab, 8) <= 48 * 1024 else 16
+    return cluster, 128 if _slice_vecs(vocab, cluster) <= 1024 else 256
+
+
+def _slice_vecs(vocab: int, cluster: int) -> int:
+    """16-byte vectors (8 logits) of the row per block."""
+    return -(-vocab // (8 * cluster))
+
+
+def _shared_bytes(vocab: int, cluster: int) -> int:
+    return 2 * 16 * _slice_vecs(vocab, cluster)
+
+
+def source(vocab: int, label_dtype: torch.dtype, cluster: int, threads: int) -> str:
+    defines = dict(CLUSTER=cluster, THREADS=threads, VOCAB=vocab, SLICE_VECS=_slice_vecs(vocab, cluster),
+                   LABEL_T=_LABEL_TYPES[label_dtype], COSINE_EPS=f"{COSINE_EPS!r}f")
+    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _SOURCE
+
+
+def available(device: torch.device) -> bool:
+    """NVRTC through torch, and a GPU with thread block clusters (Hopper or newer)."""
+    return (device.type == "cuda" and hasattr(torch.cuda, "_compile_kernel") and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def supported(student_logits, teacher_logits, labels, scales: RowStepScales, write_grad, grad_lifts) -> bool:
+    """Whether this kernel computes exactly what row_step.py asks for these arguments."""
+    rows, vocab = student_logits.shape
+    plain = (scales.student_softcap is None and scales.teacher_softcap is None and scales.student_logit_scale == 1.0
+             and scales.teacher_logit_scale == 1.0 and scales.vocab_start == 0
+             and scales.vocab_student_total in (None, vocab) and -2**31 <= scales.ignore_index < 2**31)
+    return (plain and write_grad and grad_lifts is None and rows > 0
+            and student_logits.dtype == teacher_logits.dtype == torch.bfloat16 and teacher_logits.shape == (rows, vocab)
+            and vocab % 8 == 0 and _shared_bytes(vocab, launch_config(vocab)[0]) <= MAX_SHARED_BYTES
+            and labels.dtype in _LABEL_TYPES and labels.is_contiguous()
+            and student_logits.stride(1) == teacher_logits.stride(1) == 1
+            and student_logits.stride(0) % 8 == 0 and teacher_logits.stride(0) % 8 == 0
+            and student_logits.data_ptr() % 16 == 0 and teacher_logits.data_ptr() % 16 == 0
+            and available(student_logits.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, cluster: int, threads: int):
+    with torch.cuda.device(device_index):
+        kernel = torch.cuda._compile_kernel(source(vocab, label_dtype, cluster, threads), "cluster_row_step",
+                                            nvcc_options=["-std=c++17"])
+        kernel.set_shared_memory_config(_shared_bytes(vocab, cluster))
+        if cluster > 8:  # past the portable size the launch must opt in
+            torch.cuda._utils._check_cuda(torch.cuda._utils._get_gpu_runtime_library().cuFuncSetAttribute(
+                kernel.func, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
+    return kernel
+
+
+def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, cluster=None,
+                   threads=None) -> None:
+    """The kernel alone, for ``supported`` arguments (cluster, threads: launch_config's unless given):
+    rows whose sums overflow fp32 are left with NaN losses and their logits."""
+    rows, vocab = student_logits.shape
+    default_cluster, default_threads = launch_config(vocab)
+    cluster, threads = cluster or default_cluster, threads or default_threads
+    kernel = _kernel(vocab, labels.dtype, student_logits.device.index, cluster, threads)
+    kernel(grid=(rows * cluster, 1, 1), block=(threads, 1, 1), shared_mem=_shared_bytes(vocab, cluster),
+           args=[student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
+                 teacher_logits.stride(0), scales.ignore_index, float(scales.weight_hard),
+                 float(scales.weight_soft), float(scales.beta), 1.0 / (scales.temperature * scales.temperature)])
+
+
+def row_step_cuda(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
+                  grad_lifts=None) -> None:
+    """row_step.row_step_torch: this kernel and the Triton RESCUE launch where ``supported``, else Triton."""
+    if not supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts):
+        row_step_triton(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts)
+        return
+    cluster_kernel(student_logits, teacher_logits, labels, scales, token_losses)
+    row_step_triton(student_logits, teacher_logits, labels, scales, token_losses, write_grad, rescue_only=True)
+
+
+CUDA_ROW_STEP = RowStepImpl(row_step_cuda, row_stats_triton, row_grad_triton)

@@ -1,0 +1,114 @@
+"""The CUDA cluster row step (row_step_cuda.py) on the CPU: its source compiles for Hopper with NVRTC (the
+pip wheel, as torch's CUDA build ships it) without local memory, and it is dispatched only where it
+computes exactly the spec. Its results are checked on the H200 (benchmarks/gpu_check.py, gpu_fuzz.py,
+cluster_row_step_study.py)."""
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from cosdistill import api, row_step_cuda
+from cosdistill.row_step import RowStepScales, row_step_torch
+
+PLAIN = RowStepScales(weight_hard=0.4, weight_soft=0.6, beta=0.9, temperature=1.5, ignore_index=-100)
+
+
+def nvrtc_compile(source: str) -> str:
+    """PTX for sm_90; raises with NVRTC's log on an error or a warning."""
+    import nvidia.cuda_nvrtc
+
+    lib = ctypes.CDLL(str(Path(list(nvidia.cuda_nvrtc.__path__)[0]) / "lib" / "libnvrtc.so.12"))
+    program = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"row_step.cu", 0, None, None) == 0
+    options = [b"--gpu-architecture=sm_90", b"-std=c++17"]
+    result = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(program, log)
+    if result != 0 or log.value.strip():
+        raise AssertionError(f"NVRTC result {result}:\n{log.value.decode()}")
+    lib.nvrtcGetPTXSize(program, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(program, ptx)
+    lib.nvrtcDestroyProgram(ctypes.byref(program))
+    return ptx.value.decode()
+
+
+@pytest.mark.parametrize("vocab", [8, 1000, 32000, 128256, 151936, 262144])
+@pytest.mark.parametrize("label_dtype", [torch.int64, torch.int32])
+def test_source_compiles_for_hopper_without_local_memory(vocab, label_dtype):
+    cluster, threads = row_step_cuda.launch_config(vocab)
+    ptx = nvrtc_compile(row_step_cuda.source(vocab, label_dtype, cluster, threads))
+    assert f".reqnctapercluster {cluster}, 1, 1" in ptx
+    assert ".local" not in ptx  # g[j] at a run-time index once put the gradient on the stack
+    assert ptx.count("cp.async.cg.shared.global") >= 2 and "ld.shared::cluster" in ptx
+
+
+def test_launch_config_follows_the_sweep():
+    # item 56: 32 KB-ish of shared memory per block, ~8 vectors per thread
+    assert row_step_cuda.launch_config(128256) == (16, 128)
+    assert row_step_cuda.launch_config(151936) == (16, 256)
+    assert row_step_cuda.launch_config(262144) == (16, 256)
+    assert row_step_cuda.launch_config(32000) == (8, 128)
+    for vocab in (8, 32000, 128256, 262144):
+        cluster, _ = row_step_cuda.launch_config(vocab)
+        assert 16 * 8 * cluster * row_step_cuda._slice_vecs(vocab, cluster) >= 2 * vocab  # the slices cover the row
+
+
+def plain_case(rows=6, vocab=1024, dtype=torch.bfloat16):
+    student = torch.randn(rows, vocab).to(dtype)
+    teacher = torch.randn(rows, vocab).to(dtype)
+    labels = torch.randint(0, vocab, (rows,))
+    return student, teacher, labels
+
+
+def test_supported_only_where_the_kernel_is_the_spec(monkeypatch):
+    monkeypatch.setattr(row_step_cuda, "available", lambda device: True)  # as on an H200
+    student, teacher, labels = plain_case()
+    assert row_step_cuda.supported(student, teacher, labels, PLAIN, True, None)
+    assert row_step_cuda.supported(student, teacher, labels.int(), PLAIN, True, None)
+    rejected = {
+        "no gradient": (student, teacher, labels, PLAIN, False, None),
+        "fp16 lifts": (student, teacher, labels, PLAIN, True, torch.ones(6)),
+        "fp16": (student.half(), teacher.half(), labels, PLAIN, True, None),
+        "fp32": (student.float(), teacher.float(), labels, PLAIN, True, None),
+        "teacher vocabulary larger": (student, torch.randn(6, 1032).bfloat16(), labels, PLAIN, True, None),
+        "vocabulary not a multiple of 8": (student[:, :1020], teacher[:, :1020], labels % 1020, PLAIN, True, None),
+        "misaligned rows": (student[:, 1:1017], teacher[:, 1:1017], labels % 1016, PLAIN, True, None),
+        "student softcap": (student, teacher, labels, RowStepScales(0.4, 0.6, 0.9, 1.5, -100, student_softcap=30.0),
+                            True, None),
+        "logit scale": (student, teacher, labels, RowStepScales(0.4, 0.6, 0.9, 1.5, -100, teacher_logit_scale=2.0),
+                        True, None),
+        "vocabulary shard": (student, teacher, labels, RowStepScales(0.4, 0.6, 0.9, 1.5, -100, vocab_start=1024,
+                                                                     vocab_student_total=2048), True, None),
+        "uint8 labels": (student, teacher, labels.to(torch.uint8), PLAIN, True, None),
+        "no rows": (student[:0], teacher[:0], labels[:0], PLAIN, True, None),
+        "row too long for shared memory": (torch.empty(1, 2**22, dtype=torch.bfloat16),
+                                           torch.empty(1, 2**22, dtype=torch.bfloat16), labels[:1], PLAIN, True, None),
+    }
+    for reason, args in rejected.items():
+        assert not row_step_cuda.supported(*args), reason
+    monkeypatch.setattr(row_step_cuda, "available", lambda device: False)
+    assert not row_step_cuda.supported(student, teacher, labels, PLAIN, True, None)
+
+
+def test_not_available_on_the_cpu():
+    assert not row_step_cuda.available(torch.device("cpu"))
+    with pytest.raises(ValueError, match="thread block clusters"):
+        api.pick_row_step("cuda", torch.device("cpu"))
+    assert api.pick_row_step("auto", torch.device("cpu")) is api.TORCH_ROW_STEP
+
+
+def test_falls_back_to_triton_where_unsupported():
+    """Off Hopper (here: the CPU, Triton in its interpreter) the step is the Triton step, equal to the spec."""
+    student, teacher, labels = plain_case(rows=5, vocab=300)
+    labels[1] = PLAIN.ignore_index
+    want_grad, want_losses = student.clone(), torch.full((5, 2), float("nan"))
+    row_step_torch(want_grad, teacher, labels, PLAIN, want_losses, True)
+    got_grad, got_losses = student.clone(), torch.full((5, 2), float("nan"))
+    row_step_cuda.CUDA_ROW_STEP.step(got_grad, teacher, labels, PLAIN, got_losses, True)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2e-2, atol=1e-4)
