@@ -6,11 +6,14 @@ per 1024 rows at the seed vocab against the Triton kernel's 0.32 (range 0.19-0.3
 between its copy, the cluster's exchange and its writes; 3 blocks share an SM to cover it); V = 262144
 0.40 against 0.64 (range 0.40-0.60: 128 KB of shared memory per block leaves one block per SM).
 
-    PYTHONPATH=src python benchmarks/cluster_row_step_study.py [--clusters 8 16] [--threads 128 256] [--vocabs V ...]
+    PYTHONPATH=src python benchmarks/cluster_row_step_study.py [--launches 16:256 8:128 ...] [--vocabs V ...] [--in-step]
 """
 
 import argparse
+import importlib
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import triton.testing
@@ -20,6 +23,7 @@ from cosdistill.bench import rel_err
 from cosdistill.row_step import RowStepScales, row_step_torch
 from cosdistill.row_step_triton import row_step_triton
 
+OLD_STEP = None  # --old
 SCALES = RowStepScales(weight_hard=0.3, weight_soft=0.7, beta=0.9, temperature=2.0, ignore_index=-100)
 
 
@@ -32,17 +36,24 @@ def inputs(rows, vocab, pad=0, label_dtype=torch.int64, seed=0):
     return student, teacher, labels.to(label_dtype)
 
 
-def cuda_step(cluster, threads):
-    """The kernel at (cluster, threads) (None: launch_config's) and the Triton RESCUE launch."""
+def fits(vocab, launch):
+    return launch is None or row_step_cuda._shared_bytes(vocab, launch[0]) <= row_step_cuda.MAX_SHARED_BYTES
+
+
+def cuda_step(launch):
+    """The kernel at launch = (cluster, threads) (None: launch_config's) and the Triton RESCUE launch."""
     def step(student, teacher, labels, scales, losses, write_grad=True):
-        row_step_cuda.cluster_kernel(student, teacher, labels, scales, losses, cluster, threads)
+        row_step_cuda.cluster_kernel(student, teacher, labels, scales, losses, *(launch or ()))
         row_step_triton(student, teacher, labels, scales, losses, True, rescue_only=True)
+    step.launch = launch
     return step
 
 
 def check(name, student, teacher, labels, step):
     """The CUDA step and Triton against the torch spec (fp32 math), losses poisoned first."""
     assert row_step_cuda.supported(student, teacher, labels, SCALES, True, None), name
+    if not fits(student.shape[1], getattr(step, "launch", None)):
+        return
     want_grad, want_losses = student.clone(), torch.empty(len(student), 2, device="cuda")
     row_step_torch(want_grad, teacher, labels, SCALES, want_losses, True)
     results = {}
@@ -70,11 +81,6 @@ def correctness(step):
     check("overflow rows", student, teacher, labels, step)
 
 
-def settings(clusters, threads_list):
-    """The (cluster, threads) pairs asked for; None: launch_config's."""
-    return [(cluster, threads) for cluster in clusters or [None] for threads in threads_list or [None]]
-
-
 def timing(vocabs, configs):
     for vocab in vocabs:
         student, teacher, labels = inputs(1024, vocab)
@@ -87,13 +93,16 @@ def timing(vocabs, configs):
         copy_ms = timed(lambda: scratch.copy_(student))
         one_pass = student.numel() * 2
         print(f"vocab={vocab}: copy {copy_ms:.3f} ms ({2 * one_pass / copy_ms / 1e9:.2f} TB/s); launch_config "
-              f"{row_step_cuda.launch_config(vocab)}", flush=True)
+              f"(cluster, threads) {row_step_cuda.launch_config(vocab)}", flush=True)
         ms = timed(lambda: (scratch.copy_(student), row_step_triton(scratch, teacher, labels, SCALES, losses, True))) - copy_ms
         print(f"vocab={vocab}: triton {ms:.3f} ms, {5 * one_pass / ms / 1e9:.2f} TB/s of its 5 passes", flush=True)
-        for cluster, threads in configs:
-            step = cuda_step(cluster, threads)
+        if OLD_STEP:
+            ms = timed(lambda: (scratch.copy_(student), OLD_STEP(scratch, teacher, labels, SCALES, losses, True))) - copy_ms
+            print(f"vocab={vocab}: --old cuda step {ms:.3f} ms, {3 * one_pass / ms / 1e9:.2f} TB/s of its 3 passes")
+        for launch in filter(lambda launch: fits(vocab, launch), configs):
+            step = cuda_step(launch)
             ms = timed(lambda: (scratch.copy_(student), step(scratch, teacher, labels, SCALES, losses))) - copy_ms
-            print(f"vocab={vocab}: cuda step cluster={cluster or 'auto'} threads={threads or 'auto'} {ms:.3f} ms, "
+            print(f"vocab={vocab}: cuda step {launch or 'launch_config'} {ms:.3f} ms, "
                   f"{3 * one_pass / ms / 1e9:.2f} TB/s of its 3 passes", flush=True)
 
 
@@ -107,10 +116,11 @@ def in_step_timing(vocabs, configs, hidden=4096, calls=60):
         weight = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
         scratch, losses = student.clone(), torch.empty(1024, 2, device="cuda")
         steps = [("triton", lambda: row_step_triton(scratch, teacher, labels, SCALES, losses, True))]
-        for cluster, threads in configs:
-            step = cuda_step(cluster, threads)
-            steps.append((f"cuda cluster={cluster or 'auto'} threads={threads or 'auto'}",
-                          lambda step=step: step(scratch, teacher, labels, SCALES, losses)))
+        if OLD_STEP:
+            steps.append(("--old cuda", lambda: OLD_STEP(scratch, teacher, labels, SCALES, losses, True)))
+        for launch in filter(lambda launch: fits(vocab, launch), configs):
+            steps.append((f"cuda {launch or 'launch_config'}",
+                          lambda step=cuda_step(launch): step(scratch, teacher, labels, SCALES, losses)))
         times = {name: [] for name, _ in steps}
         for call in range(calls + 5):
             for name, step in steps:
@@ -129,16 +139,22 @@ def in_step_timing(vocabs, configs, hidden=4096, calls=60):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--clusters", type=int, nargs="+", help="cluster sizes swept (default: launch_config's)")
-    parser.add_argument("--threads", type=int, nargs="+", help="threads per block swept (default: launch_config's)")
+    parser.add_argument("--launches", nargs="+", help="CLUSTER:THREADS settings timed beside launch_config's")
     parser.add_argument("--in-step", action="store_true", help="also time each step right after a logits GEMM")
     parser.add_argument("--vocabs", type=int, nargs="+", default=[128256, 262144, 151936, 32000])
+    parser.add_argument("--old", help="a src folder whose cosdistill.row_step_cuda is timed beside this one")
     args = parser.parse_args()
+    if args.old:
+        global OLD_STEP
+        sys.path.insert(0, str(Path(__file__).parent))
+        from ab_study import load_old
+        load_old(args.old)
+        OLD_STEP = importlib.import_module("cosdistill_old.row_step_cuda").row_step_cuda
     print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), flush=True)
-    configs = settings(args.clusters, args.threads)
-    for cluster, threads in configs:
-        print(f"correctness, cluster={cluster or 'auto'} threads={threads or 'auto'}")
-        correctness(cuda_step(cluster, threads))
+    configs = [None] + [tuple(map(int, text.split(":"))) for text in args.launches or []]
+    for launch in configs:
+        print(f"correctness, {launch or 'launch_config'}")
+        correctness(cuda_step(launch))
     timing(args.vocabs, configs)
     if args.in_step:
         in_step_timing(args.vocabs, configs)

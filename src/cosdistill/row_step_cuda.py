@@ -15,9 +15,7 @@ rows whose sums overflow fp32 (left untouched with NaN losses, as the Triton ker
 leaves them), goes through the Triton kernels. The math is row_step.py's, as in the Triton twin.
 """
 
-import ctypes
 import functools
-from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +29,7 @@ _LABEL_TYPES = {torch.int64: "long long", torch.int32: "int"}
 _SOURCE = r"""
 typedef unsigned short bf16_t;
 #define NUM_WARPS (THREADS / 32)
+#define ITERS ((SLICE_VECS + THREADS - 1) / THREADS)
 #define NUM_PARTS 5  // max, sum of exp, s.t, |s|^2, |t|^2
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h
 #define QUIET_NAN __int_as_float(0x7fc00000)
@@ -47,6 +46,18 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
 }
 __device__ __forceinline__ void copy_async(void* shared, const void* global) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(shared_address(shared)), "l"(global) : "memory");
+}
+__device__ __forceinline__ void wait_copies(int pending) {  // at most `pending` of this thread's groups in flight
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+  }
 }
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
@@ -87,18 +98,8 @@ __device__ __forceinline__ void reduce_warp(float* part) {
   }
 }
 
-// Whether row `row` counts (else it gets a zero gradient and zero losses and needs no logits).
-__device__ __forceinline__ bool counts(const LABEL_T* labels, long long row, int rows, int ignore_index) {
-  if (row >= rows) return false;
-  const long long label = (long long)labels[row];
-  return label != ignore_index && label >= 0 && label < VOCAB;
-}
-
-// Persistent: cluster c takes rows c, c + clusters, ...; as each thread writes a vector's gradient it
-// starts copying the next row's vector into the same place, so the next row's logits stream in while
-// this row's gradient streams out (NOTES item 57).
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS)
-cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, float* losses, int rows,
+cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, float* losses,
                  int student_stride, int teacher_stride, int ignore_index,
                  double weight_hard, double weight_soft, double beta, double inv_temp_sq) {
   extern __shared__ uint4 tiles[];  // this block's slice: SLICE_VECS student vectors, then the teacher's
@@ -106,39 +107,41 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
   __shared__ float block_parts[NUM_PARTS];  // read by the cluster's other blocks
   __shared__ float row_coefs[6];  // row max, log sum exp, the three gradient coefficients, usable
   const int rank = blockIdx.x % CLUSTER;  // == %cluster_ctarank: clusters are consecutive blocks along x
-  const int clusters = gridDim.x / CLUSTER;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const long long row = blockIdx.x / CLUSTER;
+  const int tid = threadIdx.x;
+  const long long label = (long long)labels[row];
+  const bool valid = label != ignore_index && label >= 0 && label < VOCAB;
+  bf16_t* student_row = student + row * student_stride;
   const int first_vec = rank * SLICE_VECS;
   const int slice_vecs = min(SLICE_VECS, VOCAB / 8 - first_vec);  // <= 0 for blocks past a short row
+  uint4* grad_out = reinterpret_cast<uint4*>(student_row) + first_vec;
+  if (!valid) {  // an ignored token: no gradient, zero losses (the whole cluster leaves here)
+    for (int i = tid; i < slice_vecs; i += THREADS) grad_out[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (rank == 0 && tid == 0) losses[2 * row] = losses[2 * row + 1] = 0.f;
+    return;
+  }
+  const float target = (rank == 0 && tid == 0) ? __uint_as_float((unsigned)student_row[label] << 16) : 0.f;
+  const uint4* student_src = reinterpret_cast<const uint4*>(student_row) + first_vec;
+  const uint4* teacher_src = reinterpret_cast<const uint4*>(teacher + row * teacher_stride) + first_vec;
   uint4* student_tile = tiles;
   uint4* teacher_tile = tiles + SLICE_VECS;
-  // Each thread copies, reads and refills only its own vectors: no block barrier guards the tiles.
-  auto copy_vec = [&](long long row, int i) {
-    copy_async(student_tile + i, reinterpret_cast<const uint4*>(student + row * student_stride) + first_vec + i);
-    copy_async(teacher_tile + i, reinterpret_cast<const uint4*>(teacher + row * teacher_stride) + first_vec + i);
-  };
-  long long row = blockIdx.x / CLUSTER;
-  if (counts(labels, row, rows, ignore_index))
-    for (int i = tid; i < slice_vecs; i += THREADS) copy_vec(row, i);
-  for (; row < rows; row += clusters) {
-    const long long next = row + clusters;
-    const bool next_counts = counts(labels, next, rows, ignore_index);
-    asm volatile("cp.async.wait_all;" ::: "memory");  // this row's vectors have landed
-    bf16_t* student_row = student + row * student_stride;
-    uint4* grad_out = reinterpret_cast<uint4*>(student_row) + first_vec;
-    const long long label = (long long)labels[row];
-    if (!counts(labels, row, rows, ignore_index)) {  // ignored: zero gradient and losses
-      for (int i = tid; i < slice_vecs; i += THREADS) {
-        grad_out[i] = make_uint4(0u, 0u, 0u, 0u);
-        if (next_counts) copy_vec(next, i);
-      }
-      if (rank == 0 && tid == 0) losses[2 * row] = losses[2 * row + 1] = 0.f;
-      continue;  // the whole cluster skips the row: its barriers stay matched
+  #pragma unroll
+  for (int k = 0; k < ITERS; ++k) {  // one copy group per k, so the reduction starts on group 0 early
+    const int i = tid + k * THREADS;
+    if (i < slice_vecs) {
+      copy_async(student_tile + i, student_src + i);
+      copy_async(teacher_tile + i, teacher_src + i);
     }
-    const float target = (rank == 0 && tid == 0) ? __uint_as_float((unsigned)student_row[label] << 16) : 0.f;
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
 
-    float part[NUM_PARTS] = {NEG_INF, 0.f, 0.f, 0.f, 0.f};
-    for (int i = tid; i < slice_vecs; i += THREADS) {
+  // Each thread reduces the vectors it copied itself: no block barrier before the reduction.
+  float part[NUM_PARTS] = {NEG_INF, 0.f, 0.f, 0.f, 0.f};
+  #pragma unroll
+  for (int k = 0; k < ITERS; ++k) {
+    wait_copies(ITERS - 1 - k);
+    const int i = tid + k * THREADS;
+    if (i < slice_vecs) {
       float s[8], t[8];
       unpack(student_tile[i], s);
       unpack(teacher_tile[i], t);
@@ -157,59 +160,63 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
       part[1] = part[1] * exp_fast(part[0] - new_max) + vec_sum;
       part[0] = new_max;
     }
+  }
+  reduce_warp(part);
+  const int warp = tid / 32, lane = tid % 32;
+  if (lane == 0)
+    #pragma unroll
+    for (int k = 0; k < NUM_PARTS; ++k) warp_parts[warp][k] = part[k];
+  __syncthreads();
+  if (warp == 0) {
+    #pragma unroll
+    for (int k = 0; k < NUM_PARTS; ++k) part[k] = lane < NUM_WARPS ? warp_parts[lane][k] : (k == 0 ? NEG_INF : 0.f);
     reduce_warp(part);
     if (lane == 0)
       #pragma unroll
-      for (int k = 0; k < NUM_PARTS; ++k) warp_parts[warp][k] = part[k];
-    __syncthreads();
-    if (warp == 0) {
-      #pragma unroll
-      for (int k = 0; k < NUM_PARTS; ++k) part[k] = lane < NUM_WARPS ? warp_parts[lane][k] : (k == 0 ? NEG_INF : 0.f);
-      reduce_warp(part);
-      if (lane == 0)
-        #pragma unroll
-        for (int k = 0; k < NUM_PARTS; ++k) block_parts[k] = part[k];
-    }
-    cluster_arrive();  // block_parts written
-    cluster_wait();
-    if (warp == 0) {  // lane r reads block r's parts
-      #pragma unroll
-      for (int k = 0; k < NUM_PARTS; ++k)
-        part[k] = lane < CLUSTER ? peer_load(&block_parts[k], lane) : (k == 0 ? NEG_INF : 0.f);
-      reduce_warp(part);
-      if (lane == 0) {  // row_step.py's losses and gradient coefficients (Triton: _row_losses, _grad_coefficients)
-        const float eps = COSINE_EPS;
-        const float inv_t2 = (float)inv_temp_sq;
-        const float total = part[3] + part[4] + fabsf(part[2]);
-        const bool usable = !(total > 3.4028234663852886e38f || total != total);
-        const float log_sum_exp = logf(part[1]);
-        const float norm_student = sqrtf(part[3] * inv_t2);
-        const float clamped_student = fmaxf(norm_student, eps);
-        const float clamped_teacher = fmaxf(sqrtf(part[4] * inv_t2), eps);
-        const float cos = part[2] * inv_t2 / clamped_student / clamped_teacher;
-        if (rank == 0) {
-          losses[2 * row] = usable ? (part[0] - target) + log_sum_exp : QUIET_NAN;
-          losses[2 * row + 1] = usable ? (float)beta * (1.f - cos) : QUIET_NAN;
-        }
-        const float soft_scale = (float)weight_soft * (float)beta;
-        const float coef_teacher = inv_t2 / (clamped_student * clamped_teacher);
-        const float coef_student = norm_student >= eps ? cos * inv_t2 / (clamped_student * clamped_student) : 0.f;
-        row_coefs[0] = part[0];
-        row_coefs[1] = log_sum_exp;
-        row_coefs[2] = (float)weight_hard;
-        row_coefs[3] = -soft_scale * coef_teacher;
-        row_coefs[4] = soft_scale * coef_student;
-        row_coefs[5] = usable ? 1.f : 0.f;
+      for (int k = 0; k < NUM_PARTS; ++k) block_parts[k] = part[k];
+  }
+  cluster_arrive();  // block_parts written
+  cluster_wait();
+  if (warp == 0) {  // lane r reads block r's parts
+    #pragma unroll
+    for (int k = 0; k < NUM_PARTS; ++k)
+      part[k] = lane < CLUSTER ? peer_load(&block_parts[k], lane) : (k == 0 ? NEG_INF : 0.f);
+    reduce_warp(part);
+    if (lane == 0) {  // row_step.py's losses and gradient coefficients (Triton: _row_losses, _grad_coefficients)
+      const float eps = COSINE_EPS;
+      const float inv_t2 = (float)inv_temp_sq;
+      const float total = part[3] + part[4] + fabsf(part[2]);
+      const bool usable = !(total > 3.4028234663852886e38f || total != total);
+      const float log_sum_exp = logf(part[1]);
+      const float norm_student = sqrtf(part[3] * inv_t2);
+      const float clamped_student = fmaxf(norm_student, eps);
+      const float clamped_teacher = fmaxf(sqrtf(part[4] * inv_t2), eps);
+      const float cos = part[2] * inv_t2 / clamped_student / clamped_teacher;
+      if (rank == 0) {
+        losses[2 * row] = usable ? (part[0] - target) + log_sum_exp : QUIET_NAN;
+        losses[2 * row + 1] = usable ? (float)beta * (1.f - cos) : QUIET_NAN;
       }
+      const float soft_scale = (float)weight_soft * (float)beta;
+      const float coef_teacher = inv_t2 / (clamped_student * clamped_teacher);
+      const float coef_student = norm_student >= eps ? cos * inv_t2 / (clamped_student * clamped_student) : 0.f;
+      row_coefs[0] = part[0];
+      row_coefs[1] = log_sum_exp;
+      row_coefs[2] = (float)weight_hard;
+      row_coefs[3] = -soft_scale * coef_teacher;
+      row_coefs[4] = soft_scale * coef_student;
+      row_coefs[5] = usable ? 1.f : 0.f;
     }
-    cluster_arrive();  // done reading the other blocks' parts: they may overwrite them or exit
-    __syncthreads();
-    const float row_max = row_coefs[0], log_sum_exp = row_coefs[1];
-    const float prob_coef = row_coefs[2], teacher_coef = row_coefs[3], student_coef = row_coefs[4];
-    const bool usable = row_coefs[5] != 0.f;  // else the row keeps its logits for the Triton RESCUE launch
+  }
+  cluster_arrive();  // done reading the other blocks' parts: they may exit once all have arrived
+  __syncthreads();
+  const float row_max = row_coefs[0], log_sum_exp = row_coefs[1];
+  const float prob_coef = row_coefs[2], teacher_coef = row_coefs[3], student_coef = row_coefs[4];
+  if (row_coefs[5] != 0.f) {  // else the row keeps its logits for the Triton RESCUE launch
     const long long label_vec = label / 8 - first_vec;
-    for (int i = tid; i < slice_vecs; i += THREADS) {
-      if (usable) {
+    #pragma unroll
+    for (int k = 0; k < ITERS; ++k) {
+      const int i = tid + k * THREADS;
+      if (i < slice_vecs) {
         float s[8], t[8], g[8];
         unpack(student_tile[i], s);
         unpack(teacher_tile[i], t);
@@ -222,28 +229,21 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
             if (j == label % 8)
               g[j] = prob_coef * (expf((s[j] - row_max) - log_sum_exp) - 1.f) + teacher_coef * t[j] + student_coef * s[j];
         }
-        // stored from registers, so the tile's vector has been read: refill it with the next row's
         grad_out[i] = make_uint4(pack(g[0], g[1]), pack(g[2], g[3]), pack(g[4], g[5]), pack(g[6], g[7]));
       }
-      if (next_counts) copy_vec(next, i);
     }
-    cluster_wait();  // every block has read this row's parts before any writes the next row's
   }
+  cluster_wait();  // no block leaves while another may still read its parts
 }
 """
 
 
-@dataclass(frozen=True)
-class Launch:
-    cluster: int  # blocks per row (past 8 is past the portable cluster size; Hopper allows 16)
-    threads: int  # per block
-
-
-def launch_config(vocab: int) -> Launch:
-    """From the H200 sweeps of items 56-57: about 32 KB of shared memory per block and about eight
-    vectors per thread."""
-    cluster = 8 if _slice_vecs(vocab, 8) * 32 <= 48 * 1024 else 16
-    return Launch(cluster, 128 if _slice_vecs(vocab, cluster) <= 1024 else 256)
+def launch_config(vocab: int) -> tuple[int, int]:
+    """(blocks per cluster, threads per block), from the H200 sweep of item 56: about 32 KB of shared
+    memory per block (several blocks share an SM and cover each other's idle phases) and about eight
+    vectors per thread. 16 blocks is past the portable cluster size; Hopper allows it."""
+    cluster = 8 if _shared_bytes(vocab, 8) <= 48 * 1024 else 16
+    return cluster, 128 if _slice_vecs(vocab, cluster) <= 1024 else 256
 
 
 def _slice_vecs(vocab: int, cluster: int) -> int:
@@ -251,14 +251,13 @@ def _slice_vecs(vocab: int, cluster: int) -> int:
     return -(-vocab // (8 * cluster))
 
 
-def _shared_bytes(vocab: int, launch: Launch) -> int:
-    return 2 * 16 * _slice_vecs(vocab, launch.cluster)
+def _shared_bytes(vocab: int, cluster: int) -> int:
+    return 2 * 16 * _slice_vecs(vocab, cluster)
 
 
-def source(vocab: int, label_dtype: torch.dtype, launch: Launch) -> str:
-    defines = dict(CLUSTER=launch.cluster, THREADS=launch.threads, VOCAB=vocab,
-                   SLICE_VECS=_slice_vecs(vocab, launch.cluster), LABEL_T=_LABEL_TYPES[label_dtype],
-                   COSINE_EPS=f"{COSINE_EPS!r}f")
+def source(vocab: int, label_dtype: torch.dtype, cluster: int, threads: int) -> str:
+    defines = dict(CLUSTER=cluster, THREADS=threads, VOCAB=vocab, SLICE_VECS=_slice_vecs(vocab, cluster),
+                   LABEL_T=_LABEL_TYPES[label_dtype], COSINE_EPS=f"{COSINE_EPS!r}f")
     return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _SOURCE
 
 
@@ -274,9 +273,9 @@ def supported(student_logits, teacher_logits, labels, scales: RowStepScales, wri
     plain = (scales.student_softcap is None and scales.teacher_softcap is None and scales.student_logit_scale == 1.0
              and scales.teacher_logit_scale == 1.0 and scales.vocab_start == 0
              and scales.vocab_student_total in (None, vocab) and -2**31 <= scales.ignore_index < 2**31)
-    return (plain and write_grad and grad_lifts is None and 0 < rows < 2**31
+    return (plain and write_grad and grad_lifts is None and rows > 0
             and student_logits.dtype == teacher_logits.dtype == torch.bfloat16 and teacher_logits.shape == (rows, vocab)
-            and vocab % 8 == 0 and _shared_bytes(vocab, launch_config(vocab)) <= MAX_SHARED_BYTES
+            and vocab % 8 == 0 and _shared_bytes(vocab, launch_config(vocab)[0]) <= MAX_SHARED_BYTES
             and labels.dtype in _LABEL_TYPES and labels.is_contiguous()
             and student_logits.stride(1) == teacher_logits.stride(1) == 1
             and student_logits.stride(0) % 8 == 0 and teacher_logits.stride(0) % 8 == 0
@@ -284,40 +283,28 @@ def supported(student_logits, teacher_logits, labels, scales: RowStepScales, wri
             and available(student_logits.device))
 
 
-class _CuLaunchConfig(ctypes.Structure):  # the driver's CUlaunchConfig, for the occupancy query
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
-
-
 @functools.lru_cache(maxsize=None)
-def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, launch: Launch):
-    """(the compiled kernel, how many of its clusters fit on the GPU at once: the persistent grid)."""
-    driver, check = torch.cuda._utils._get_gpu_runtime_library(), torch.cuda._utils._check_cuda
-    shared = _shared_bytes(vocab, launch)
+def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, cluster: int, threads: int):
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(source(vocab, label_dtype, launch), "cluster_row_step",
+        kernel = torch.cuda._compile_kernel(source(vocab, label_dtype, cluster, threads), "cluster_row_step",
                                             nvcc_options=["-std=c++17"])
-        kernel.set_shared_memory_config(shared)
-        if launch.cluster > 8:  # past the portable size the launch must opt in
-            check(driver.cuFuncSetAttribute(kernel.func, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
-        config = _CuLaunchConfig((launch.cluster, 1, 1), (launch.threads, 1, 1), shared, None, None, 0)
-        clusters = ctypes.c_int()
-        check(driver.cuOccupancyMaxActiveClusters(ctypes.byref(clusters), kernel.func, ctypes.byref(config)))
-    if clusters.value < 1:
-        raise RuntimeError(f"no cluster of {launch} fits on device {device_index}; impl='triton' avoids this kernel")
-    return kernel, clusters.value
+        kernel.set_shared_memory_config(_shared_bytes(vocab, cluster))
+        if cluster > 8:  # past the portable size the launch must opt in
+            torch.cuda._utils._check_cuda(torch.cuda._utils._get_gpu_runtime_library().cuFuncSetAttribute(
+                kernel.func, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
+    return kernel
 
 
-def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses,
-                   launch: Launch | None = None) -> None:
-    """The kernel alone, for ``supported`` arguments (launch: launch_config's unless given): rows whose
-    sums overflow fp32 are left with NaN losses and their logits."""
+def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, cluster=None,
+                   threads=None) -> None:
+    """The kernel alone, for ``supported`` arguments (cluster, threads: launch_config's unless given):
+    rows whose sums overflow fp32 are left with NaN losses and their logits."""
     rows, vocab = student_logits.shape
-    launch = launch or launch_config(vocab)
-    kernel, resident_clusters = _kernel(vocab, labels.dtype, student_logits.device.index, launch)
-    kernel(grid=(min(rows, resident_clusters) * launch.cluster, 1, 1), block=(launch.threads, 1, 1),
-           shared_mem=_shared_bytes(vocab, launch),
-           args=[student_logits, teacher_logits, labels, token_losses, rows, student_logits.stride(0),
+    default_cluster, default_threads = launch_config(vocab)
+    cluster, threads = cluster or default_cluster, threads or default_threads
+    kernel = _kernel(vocab, labels.dtype, student_logits.device.index, cluster, threads)
+    kernel(grid=(rows * cluster, 1, 1), block=(threads, 1, 1), shared_mem=_shared_bytes(vocab, cluster),
+           args=[student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
                  teacher_logits.stride(0), scales.ignore_index, float(scales.weight_hard),
                  float(scales.weight_soft), float(scales.beta), 1.0 / (scales.temperature * scales.temperature)])
 
