@@ -2,7 +2,8 @@
 
 1. The Triton row step against the torch row step (the spec) at odd and LLM-sized vocabularies, poisoned outputs.
 2. The whole loss (impl="cuda", "triton" and "torch") against the float64 naive reference at a few odd shapes.
-3. The FP8 teacher path against float64 fed the dequantized teacher; fp16 with a zero student head.
+3. The FP8 teacher path against float64 fed the dequantized teacher; fp16 with a zero student head; with
+   two GPUs, the loss on the second while the first is current.
 4. At the seed workload (V = 128256, H = 4096, student H/2, bf16, T = 8192 by default): the error of
    losses and gradients against float64 for each grad_weight accumulator dtype, and the peak memory
    above the inputs, to pick the default accum_dtype.
@@ -134,6 +135,18 @@ def seed_accum_study(tokens):
     return rows
 
 
+def check_second_device():
+    """With two GPUs: the loss on cuda:1 while cuda:0 is current (a process that never called set_device),
+    impl="auto" (the cluster kernel is launched on the tensors' device and stream) against float64."""
+    if torch.cuda.device_count() < 2:
+        return []
+    case = LossCase(2500, 128256, 128256, 256, BF16, False, 7, None)
+    args = random_problem(case, "cuda:1")
+    torch.cuda.set_device(0)
+    got = fused_run(args)
+    return [compare("loss auto on cuda:1, cuda:0 current, vs float64", case.describe(), BF16, got, float64_reference(args))]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed-tokens", type=int, default=8192)
@@ -142,7 +155,7 @@ def main():
     print(torch.__version__, torch.cuda.get_device_name())
     torch.manual_seed(0)
     checks = (check_row_step("cuda", ROW_STEP_CASES) + check_loss(("cuda", "triton", "torch"), "cuda", LOSS_CASES) + check_fp8_quantization() + check_fp8()
-              + check_fp16_zero_head())
+              + check_fp16_zero_head() + check_second_device())
     print(results_table(checks), end="")
     failures = [asdict(result) for result in checks if not result.passed]
     study = seed_accum_study(args.seed_tokens)

@@ -9,7 +9,7 @@ import torch
 
 from . import fp8
 from .chunked import (ChunkRows, Normaliser, RowStep, TeacherHead, VocabParallel, chunk_rows, chunked_loss_and_grads,
-                      split_row_step)
+                      on_device_of, split_row_step)
 from .labels import LabelCounts
 from .row_step import TORCH_ROW_STEP, RowStepImpl, RowStepScales
 
@@ -197,11 +197,12 @@ class _FusedLinearCosineDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student_input, student_weight, student_bias, teacher_input, labels, options):
-        result = chunked_loss_and_grads(
-            student_input, student_weight, student_bias, teacher_input, options.teacher, labels,
-            options.scales, options.normaliser, options.row_step, options.rows, options.needs_grad,
-            options.accum_dtype, options.reduce_grad_input,
-        )
+        with on_device_of(student_input):
+            result = chunked_loss_and_grads(
+                student_input, student_weight, student_bias, teacher_input, options.teacher, labels,
+                options.scales, options.normaliser, options.row_step, options.rows, options.needs_grad,
+                options.accum_dtype, options.reduce_grad_input,
+            )
         loss = options.scales.weight_hard * result.hard_loss + options.scales.weight_soft * result.soft_loss
         ctx.gradients = result.gradients
         ctx.grad_dtypes = tuple(None if t is None else t.dtype for t in (student_input, student_weight, student_bias))
@@ -213,7 +214,8 @@ class _FusedLinearCosineDistill(torch.autograd.Function):
         if ctx.gradients is None:
             raise RuntimeError("cosdistill computes gradients in forward and can run backward only once per call")
         gradients, ctx.gradients = ctx.gradients, None
-        grads = gradients.finish(grad_loss.detach())
+        with on_device_of(grad_loss):
+            grads = gradients.finish(grad_loss.detach())
         cast = [None if grad is None else grad.to(dtype) for grad, dtype in zip(grads, ctx.grad_dtypes)]
         return (*cast, None, None, None)
 

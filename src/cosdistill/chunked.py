@@ -8,6 +8,7 @@ two more GEMMs turn that into grad_input (written straight into its slice) and g
 (``Gradients.finish``), and runs the last chunk's grad_input GEMM while the host reads grad_output.
 """
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -303,6 +304,12 @@ class _Unlift:
     def add_grad_bias(self, grad_bias, grad_logits, inv_normaliser):
         unlift = (1.0 / self.up_lifts(len(grad_logits))).to(grad_logits.dtype)
         _addmm_into(grad_bias[None], unlift[None], grad_logits, alpha=inv_normaliser, beta=1.0)
+
+
+def on_device_of(tensor: torch.Tensor):
+    """The tensor's CUDA device made current: Triton's kernels and the CUDA row step launch on the current
+    device, which a process that never called torch.cuda.set_device may not have set to its tensors'."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
 def chunked_loss_and_grads(

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from . import api
-from .chunked import chunk_rows, chunked_loss_and_grads
+from .chunked import chunk_rows, chunked_loss_and_grads, on_device_of
 from .labels import LabelCounts
 
 
@@ -79,12 +79,13 @@ def fused_linear_cosine_distill_op(
                                  teacher_softcap, student_logit_scale, teacher_logit_scale)
     given = num_valid_tokens if num_valid_tokens is not None else num_valid_count
     normaliser = LabelCounts(labels, ignore_index, vocab_student, given)  # raises on bad labels
-    result = chunked_loss_and_grads(
-        student_input, student_weight, student_bias, teacher_input, teacher, labels, scales, normaliser,
-        row_step_impl.step, rows, tuple(needs_grad), accum_dtype or api.default_accum_dtype(student_weight.dtype),
-    )
+    with on_device_of(student_input):
+        result = chunked_loss_and_grads(
+            student_input, student_weight, student_bias, teacher_input, teacher, labels, scales, normaliser,
+            row_step_impl.step, rows, tuple(needs_grad), accum_dtype or api.default_accum_dtype(student_weight.dtype),
+        )
+        grads = result.gradients.finish() if result.gradients is not None else (None, None, None)
     loss = weight_hard_loss * result.hard_loss + weight_soft_loss * result.soft_loss
-    grads = result.gradients.finish() if result.gradients is not None else (None, None, None)
     grads = [student_weight.new_empty(0) if grad is None else grad for grad in grads]
     return loss, result.soft_loss.clone(), result.hard_loss.clone(), *grads  # outputs may not alias
 

@@ -302,11 +302,14 @@ def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales
     rows, vocab = student_logits.shape
     default_cluster, default_threads = launch_config(vocab)
     cluster, threads = cluster or default_cluster, threads or default_threads
-    kernel = _kernel(vocab, labels.dtype, student_logits.device.index, cluster, threads)
-    kernel(grid=(rows * cluster, 1, 1), block=(threads, 1, 1), shared_mem=_shared_bytes(vocab, cluster),
-           args=[student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
-                 teacher_logits.stride(0), scales.ignore_index, float(scales.weight_hard),
-                 float(scales.weight_soft), float(scales.beta), 1.0 / (scales.temperature * scales.temperature)])
+    device = student_logits.device
+    kernel = _kernel(vocab, labels.dtype, device.index, cluster, threads)
+    with torch.cuda.device(device):  # the tensors' device and stream, whichever device is current
+        kernel(grid=(rows * cluster, 1, 1), block=(threads, 1, 1), shared_mem=_shared_bytes(vocab, cluster),
+               args=[student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
+                     teacher_logits.stride(0), scales.ignore_index, float(scales.weight_hard),
+                     float(scales.weight_soft), float(scales.beta), 1.0 / (scales.temperature * scales.temperature)],
+               stream=torch.cuda.current_stream(device))
 
 
 def row_step_cuda(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
