@@ -1,4 +1,5 @@
-"""Session 12's BENCHMARKS.md section, pasted from the result files (run from the repository root)."""
+"""Session 12's BENCHMARKS.md section, pasted from the result files (run from the repository root; then
+`--s12j` adds s12j's lines)."""
 import re
 from pathlib import Path
 
@@ -13,8 +14,10 @@ def block(*groups):
     return "```\n" + "\n".join(line for group in groups for line in group) + "\n```\n"
 
 
-stages_block = block(lines('2026-11-30-s12e/persistent_stages.log', r'^(vocab=|in step)'))
-section = f"""## 2026-11-30 session 12, NVIDIA H200 (single; x2 for one check), torch 2.11.0+cu130, Triton 3.6.0 — current code
+def paste_main():
+    """The section from s12a-s12i (the first paste)."""
+    stages_block = block(lines('2026-11-30-s12e/persistent_stages.log', r'^(vocab=|in step)'))
+    section = f"""## 2026-11-30 session 12, NVIDIA H200 (single; x2 for one check), torch 2.11.0+cu130, Triton 3.6.0 — current code
 
 Changes: the row step reads each logit once, in a CUDA kernel compiled at run time by NVRTC through
 torch (`row_step_cuda.py`, NOTES item 56): impl="auto" takes it on Hopper for bf16 logits of one
@@ -67,9 +70,27 @@ so its loss error is not comparable across the two sessions; within one run the 
 {(R / '2026-11-30-s12b/fuzz/fuzz.md').read_text()}
 """
 
-path = Path("BENCHMARKS.md")
-text = path.read_text()
-marker = "## 2026-11-30 session 11, NVIDIA H200 (single), torch 2.11.0+cu130, Triton 3.6.0 — current code"
-assert marker in text and "session 12" not in text
-text = text.replace(marker, section + "\n" + marker.replace("current code", "before session 12"))
-path.write_text(text)
+    path = Path("BENCHMARKS.md")
+    text = path.read_text()
+    marker = "## 2026-11-30 session 11, NVIDIA H200 (single), torch 2.11.0+cu130, Triton 3.6.0 — current code"
+    assert marker in text and "session 12" not in text
+    text = text.replace(marker, section + "\n" + marker.replace("current code", "before session 12"))
+    path.write_text(text)
+
+
+def paste_s12j():
+    """The label count's A/B (s12j), added to the session-12 section after the first paste."""
+    path = Path("BENCHMARKS.md")
+    text = path.read_text()
+    heading = ("### The label count behind the first student GEMM against d770e4f, call by call (NOTES item 59; s12j: "
+               "`benchmarks/ab_study.py --old <d770e4f's src> --tokens 1024 2048 --modes full forward --pairs 150`)")
+    assert heading not in text
+    marker = "## 2026-11-30 session 11, NVIDIA H200 (single), torch 2.11.0+cu130, Triton 3.6.0 — before session 12"
+    section = heading + "\n\n" + block(lines("2026-11-30-s12j/ab_count.log", r"^T=")) + "\n"
+    path.write_text(text.replace(marker, section + marker))
+
+
+if __name__ == "__main__":
+    import sys
+
+    paste_s12j() if sys.argv[1:] == ["--s12j"] else paste_main()

@@ -328,8 +328,8 @@ def chunked_loss_and_grads(
     reduce_grad_input: Callable[[torch.Tensor], None] | None = None,  # sums it over a vocabulary split
 ) -> ChunkResult:
     """The row step does not need N (1/N is the gradient GEMMs' alpha), so N is counted behind the first
-    chunk's logits GEMMs and, with gradients, waited for once the first row step is queued: the GPU
-    never idles on it. The loss is divided by N on the device, so that without gradients the host
+    chunk's student logits GEMM and, with gradients, waited for once the first row step is queued: the
+    GPU never idles on it. The loss is divided by N on the device, so that without gradients the host
     reads N (to raise on bad labels) only once everything is queued (NOTES item 43)."""
     num_tokens, hidden_student = student_input.shape
     vocab_student = student_weight.shape[0]
@@ -362,11 +362,11 @@ def chunked_loss_and_grads(
         hidden = student_input[start:stop]
         chunk_student = student_logits[: stop - start]
         _logits_into(chunk_student, hidden, student_weight, student_bias)
+        if start == 0:  # behind the first GEMM (NOTES item 59)
+            normaliser.launch()
         for part in range(start, stop, rows.teacher):
             part_stop = min(part + rows.teacher, stop)
             teacher.logits_into(teacher_logits, teacher_input[part:part_stop])
-            if part == 0:  # behind the first GEMMs
-                normaliser.launch()
             lifts = () if unlift is None else (unlift.lifts[part - start : part_stop - start],)
             row_step(student_logits[part - start : part_stop - start], teacher_logits[: part_stop - part],
                      labels[part:part_stop], scales, token_losses[part:part_stop], write_grad, *lifts)

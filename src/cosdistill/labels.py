@@ -1,6 +1,6 @@
 """N, the loss's divisor, and the check for labels outside [0, Vs): counted on the device.
 
-The chunk loop launches the count behind the first GEMMs, divides the loss by it on the device, and
+The chunk loop launches the count behind the first student GEMM, divides the loss by it on the device, and
 reads it on the host only after the first row step is queued (without gradients: after everything),
 so the host read stalls nothing (chunked.Normaliser). On CUDA the count is one Triton
 kernel: as ten small torch kernels it held up the first row step by ~0.03 ms (benchmarks/NOTES.md
