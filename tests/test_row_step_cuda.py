@@ -112,3 +112,23 @@ def test_falls_back_to_triton_where_unsupported():
     row_step_cuda.CUDA_ROW_STEP.step(got_grad, teacher, labels, PLAIN, got_losses, True)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2e-2, atol=1e-4)
+
+
+def test_falls_back_to_8_blocks_where_16_do_not_fit(monkeypatch):
+    """A GPU (or MIG slice) without 16 free SMs in a GPC: 8 blocks of 256 threads, else no kernel."""
+    compiled = []
+
+    def fake_kernel(vocab, label_dtype, device_index, cluster, threads):
+        compiled.append((cluster, threads))
+        return None if cluster > fits_up_to else f"kernel {cluster}x{threads}"
+
+    monkeypatch.setattr(row_step_cuda, "_kernel", fake_kernel)
+    launch = row_step_cuda._launch.__wrapped__
+    fits_up_to = 16
+    assert launch(128256, torch.int64, 0) == ("kernel 16x128", 16, 128)
+    fits_up_to = 8
+    assert launch(128256, torch.int64, 0) == ("kernel 8x256", 8, 256)
+    assert launch(32000, torch.int64, 0) == ("kernel 8x128", 8, 128)  # 8 blocks already
+    fits_up_to = 4
+    assert launch(128256, torch.int64, 0) is None
+    assert compiled[-2:] == [(16, 128), (8, 256)]

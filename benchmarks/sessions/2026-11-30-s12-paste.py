@@ -1,5 +1,5 @@
 """Session 12's BENCHMARKS.md section, pasted from the result files (run from the repository root; then
-`--s12j` adds s12j's lines)."""
+`--s12j` and `--s12k` add those calls' lines)."""
 import re
 from pathlib import Path
 
@@ -90,7 +90,23 @@ def paste_s12j():
     path.write_text(text.replace(marker, section + marker))
 
 
+def paste_s12k():
+    """The final tip's checks (s12k), added after s12j's lines."""
+    path = Path("BENCHMARKS.md")
+    text = path.read_text()
+    heading = ("### Correctness of the final tip (s12k: `python3 benchmarks/gpu_check.py --seed-tokens 4096`, "
+               "`benchmarks/cluster_row_step_study.py --launches 8:256 --vocabs 128256`, "
+               "`python3 benchmarks/gpu_fuzz.py --seed 13 --cases 80`)")
+    assert heading not in text
+    marker = "## 2026-11-30 session 11, NVIDIA H200 (single), torch 2.11.0+cu130, Triton 3.6.0 — before session 12"
+    checks = block(lines("2026-11-30-s12k/gpu_check.log", r"row step cuda|loss cuda|PASSED|FAILED|seed accum"),
+                   lines("2026-11-30-s12k/cluster_study.log", r"^vocab="))
+    section = heading + "\n\n" + checks + "\n" + (R / "2026-11-30-s12k/fuzz/fuzz.md").read_text() + "\n"
+    path.write_text(text.replace(marker, section + marker))
+
+
 if __name__ == "__main__":
     import sys
 
-    paste_s12j() if sys.argv[1:] == ["--s12j"] else paste_main()
+    steps = {"--s12j": paste_s12j, "--s12k": paste_s12k}
+    steps[sys.argv[1]]() if sys.argv[1:] else paste_main()

@@ -15,6 +15,7 @@ rows whose sums overflow fp32 (left untouched with NaN losses, as the Triton ker
 leaves them), goes through the Triton kernels. The math is row_step.py's, as in the Triton twin.
 """
 
+import ctypes
 import functools
 
 import torch
@@ -275,7 +276,7 @@ def supported(student_logits, teacher_logits, labels, scales: RowStepScales, wri
              and scales.vocab_student_total in (None, vocab) and -2**31 <= scales.ignore_index < 2**31)
     return (plain and write_grad and grad_lifts is None and rows > 0
             and student_logits.dtype == teacher_logits.dtype == torch.bfloat16 and teacher_logits.shape == (rows, vocab)
-            and vocab % 8 == 0 and _shared_bytes(vocab, launch_config(vocab)[0]) <= MAX_SHARED_BYTES
+            and vocab % 8 == 0 and _shared_bytes(vocab, 16) <= MAX_SHARED_BYTES
             and labels.dtype in _LABEL_TYPES and labels.is_contiguous()
             and student_logits.stride(1) == teacher_logits.stride(1) == 1
             and student_logits.stride(0) % 8 == 0 and teacher_logits.stride(0) % 8 == 0
@@ -283,27 +284,58 @@ def supported(student_logits, teacher_logits, labels, scales: RowStepScales, wri
             and available(student_logits.device))
 
 
+class _CuLaunchConfig(ctypes.Structure):  # the driver's CUlaunchConfig, for the occupancy query
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, cluster: int, threads: int):
+    """The compiled kernel, or None where not one cluster of it fits on the device (16 blocks need a GPC
+    with 16 free SMs, which a MIG slice may not have)."""
+    driver, check = torch.cuda._utils._get_gpu_runtime_library(), torch.cuda._utils._check_cuda
+    shared = _shared_bytes(vocab, cluster)
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(source(vocab, label_dtype, cluster, threads), "cluster_row_step",
-                                            nvcc_options=["-std=c++17"])
-        kernel.set_shared_memory_config(_shared_bytes(vocab, cluster))
+        try:
+            kernel = torch.cuda._compile_kernel(source(vocab, label_dtype, cluster, threads), "cluster_row_step",
+                                                nvcc_options=["-std=c++17"])
+        except RuntimeError as error:
+            raise RuntimeError(f"compiling the CUDA row step (row_step_cuda.py) failed; impl='triton' runs "
+                               f"without it: {error}") from error
+        kernel.set_shared_memory_config(shared)
         if cluster > 8:  # past the portable size the launch must opt in
-            torch.cuda._utils._check_cuda(torch.cuda._utils._get_gpu_runtime_library().cuFuncSetAttribute(
-                kernel.func, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
-    return kernel
+            check(driver.cuFuncSetAttribute(kernel.func, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
+        config = _CuLaunchConfig((cluster, 1, 1), (threads, 1, 1), shared, None, None, 0)
+        clusters = ctypes.c_int()
+        check(driver.cuOccupancyMaxActiveClusters(ctypes.byref(clusters), kernel.func, ctypes.byref(config)))
+    return kernel if clusters.value > 0 else None
+
+
+@functools.lru_cache(maxsize=None)
+def _launch(vocab: int, label_dtype: torch.dtype, device_index: int):
+    """(kernel, cluster, threads) at launch_config's settings, or at 8 blocks of 256 threads where 16
+    blocks do not fit; None where neither does (the Triton step runs instead)."""
+    cluster, threads = launch_config(vocab)
+    for cluster, threads in ((cluster, threads), (8, 256)) if cluster > 8 else ((cluster, threads),):
+        if _shared_bytes(vocab, cluster) <= MAX_SHARED_BYTES:
+            kernel = _kernel(vocab, label_dtype, device_index, cluster, threads)
+            if kernel is not None:
+                return kernel, cluster, threads
+    return None
 
 
 def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, cluster=None,
                    threads=None) -> None:
-    """The kernel alone, for ``supported`` arguments (cluster, threads: launch_config's unless given):
+    """The kernel alone, for ``supported`` arguments (cluster and threads: _launch's unless both given):
     rows whose sums overflow fp32 are left with NaN losses and their logits."""
     rows, vocab = student_logits.shape
-    default_cluster, default_threads = launch_config(vocab)
-    cluster, threads = cluster or default_cluster, threads or default_threads
     device = student_logits.device
-    kernel = _kernel(vocab, labels.dtype, device.index, cluster, threads)
+    if cluster and threads:
+        kernel = _kernel(vocab, labels.dtype, device.index, cluster, threads)
+        if kernel is None:
+            raise ValueError(f"no cluster of {cluster} blocks of {threads} threads fits on {device}")
+    else:
+        kernel, cluster, threads = _launch(vocab, labels.dtype, device.index)
     with torch.cuda.device(device):  # the tensors' device and stream, whichever device is current
         kernel(grid=(rows * cluster, 1, 1), block=(threads, 1, 1), shared_mem=_shared_bytes(vocab, cluster),
                args=[student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
@@ -315,7 +347,9 @@ def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales
 def row_step_cuda(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
                   grad_lifts=None) -> None:
     """row_step.row_step_torch: this kernel and the Triton RESCUE launch where ``supported``, else Triton."""
-    if not supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts):
+    if not (supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts)
+            and token_losses.is_contiguous() and _launch(student_logits.shape[1], labels.dtype,
+                                                          student_logits.device.index) is not None):
         row_step_triton(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts)
         return
     cluster_kernel(student_logits, teacher_logits, labels, scales, token_losses)
