@@ -132,3 +132,17 @@ def test_falls_back_to_8_blocks_where_16_do_not_fit(monkeypatch):
     fits_up_to = 4
     assert launch(128256, torch.int64, 0) is None
     assert compiled[-2:] == [(16, 128), (8, 256)]
+
+
+def test_auto_picks_the_cluster_step_where_available(monkeypatch):
+    from cosdistill.row_step_triton import TRITON_ROW_STEP
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(row_step_cuda, "available", lambda device: True)
+    assert api.pick_row_step("auto", cuda) is row_step_cuda.CUDA_ROW_STEP
+    assert api.pick_row_step("cuda", cuda) is row_step_cuda.CUDA_ROW_STEP
+    assert api.pick_row_step("triton", cuda) is TRITON_ROW_STEP
+    monkeypatch.setattr(row_step_cuda, "available", lambda device: False)  # before Hopper
+    assert api.pick_row_step("auto", cuda) is TRITON_ROW_STEP
+    with pytest.raises(ValueError, match="thread block clusters"):
+        api.pick_row_step("cuda", cuda)
