@@ -45,15 +45,15 @@ def cuda_step(launch):
     def step(student, teacher, labels, scales, losses, write_grad=True):
         row_step_cuda.cluster_kernel(student, teacher, labels, scales, losses, *(launch or ()))
         row_step_triton(student, teacher, labels, scales, losses, True, rescue_only=True)
-    step.launch = launch
     return step
 
 
-def check(name, student, teacher, labels, step):
-    """The CUDA step and Triton against the torch spec (fp32 math), losses poisoned first."""
+def check(name, student, teacher, labels, launch):
+    """The CUDA step at ``launch`` and Triton against the torch spec (fp32 math), losses poisoned first."""
     assert row_step_cuda.supported(student, teacher, labels, SCALES, True, None), name
-    if not fits(student.shape[1], getattr(step, "launch", None)):
+    if not fits(student.shape[1], launch):
         return
+    step = cuda_step(launch)
     want_grad, want_losses = student.clone(), torch.empty(len(student), 2, device="cuda")
     row_step_torch(want_grad, teacher, labels, SCALES, want_losses, True)
     results = {}
@@ -69,16 +69,16 @@ def check(name, student, teacher, labels, step):
     print(f"{name}: cuda vs triton grad {rel_err(results['cuda'].float().nan_to_num(), results['triton'].float().nan_to_num()):.2e}")
 
 
-def correctness(step):
+def correctness(launch):
     for rows, vocab, pad in ((1024, 128256, 0), (256, 262144, 0), (300, 32000, 0), (100, 1000, 8), (33, 8, 0),
                              (64, 151936, 0)):
-        check(f"rows={rows} vocab={vocab} pad={pad}", *inputs(rows, vocab, pad), step)
+        check(f"rows={rows} vocab={vocab} pad={pad}", *inputs(rows, vocab, pad), launch)
     student, teacher, labels = inputs(64, 128256, label_dtype=torch.int32, seed=1)
-    check("int32 labels", student, teacher, labels, step)
+    check("int32 labels", student, teacher, labels, launch)
     student[3, :300] = 3e38  # overflows |s|^2 in fp32: the RESCUE launch redoes the row
     student[5, 7] = float("inf")  # NaN loss and gradient, as the spec
     labels[3] = 11
-    check("overflow rows", student, teacher, labels, step)
+    check("overflow rows", student, teacher, labels, launch)
 
 
 def timing(vocabs, configs):
@@ -154,7 +154,7 @@ def main():
     configs = [None] + [tuple(map(int, text.split(":"))) for text in args.launches or []]
     for launch in configs:
         print(f"correctness, {launch or 'launch_config'}")
-        correctness(cuda_step(launch))
+        correctness(launch)
     timing(args.vocabs, configs)
     if args.in_step:
         in_step_timing(args.vocabs, configs)

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from cosdistill import fused_linear_cosine_distill
+from cosdistill import fused_linear_cosine_distill, row_step_cuda
+from cosdistill.api import row_step_scales
 from cosdistill.bench import DTYPES
 from cosdistill.reference import naive_cosine_distill
 from cosdistill.selfcheck import (accumulation_floor, float64_reference, ignore_some_labels, logits_rounding_floors,
@@ -211,9 +212,10 @@ def draw_case(rng: random.Random, index: int, limits: Limits) -> Case:
 
 def cluster_eligible(case: Case) -> bool:
     """Whether impl="auto" runs the case's row steps in the CUDA cluster kernel (on Hopper; row_step_cuda.py)."""
-    return (case.dtype == "bf16" and case.vocab_student == case.vocab_teacher and case.vocab_student % 8 == 0
-            and not (case.student_softcap or case.teacher_softcap)
-            and case.student_logit_scale == case.teacher_logit_scale == 1.0)
+    options = case.options()
+    del options["num_valid_tokens"]  # the rest are row_step_scales' arguments
+    scales = row_step_scales(**options)
+    return row_step_cuda.applies(DTYPES[case.dtype], case.vocab_student, case.vocab_teacher, scales)
 
 
 def fast_impl(device) -> str:

@@ -274,10 +274,11 @@ def pick_row_step(impl: str, device: torch.device) -> RowStepImpl:
         return TORCH_ROW_STEP
     from . import row_step_cuda
 
-    if impl == "cuda" and not row_step_cuda.available(device):
+    clusters = row_step_cuda.available(device)
+    if impl == "cuda" and not clusters:
         raise ValueError(f"impl='cuda' needs a CUDA GPU with thread block clusters (compute capability 9.0 or "
                          f"newer) and torch.cuda._compile_kernel (NVRTC); tensors are on {device}")
-    if impl in ("cuda", "auto") and row_step_cuda.available(device):
+    if impl in ("cuda", "auto") and clusters:
         return row_step_cuda.CUDA_ROW_STEP
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU); tensors are on {device}")

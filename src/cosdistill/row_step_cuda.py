@@ -268,15 +268,20 @@ def available(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+def applies(dtype: torch.dtype, vocab_student: int, vocab_teacher: int, scales: RowStepScales) -> bool:
+    """Whether the kernel computes row_step.py's step for logits of this kind (layout and device aside)."""
+    plain = (scales.student_softcap is None and scales.teacher_softcap is None and scales.student_logit_scale == 1.0
+             and scales.teacher_logit_scale == 1.0 and scales.vocab_start == 0
+             and scales.vocab_student_total in (None, vocab_student) and -2**31 <= scales.ignore_index < 2**31)
+    return (plain and dtype == torch.bfloat16 and vocab_student == vocab_teacher and vocab_student % 8 == 0
+            and _shared_bytes(vocab_student, 16) <= MAX_SHARED_BYTES)
+
+
 def supported(student_logits, teacher_logits, labels, scales: RowStepScales, write_grad, grad_lifts) -> bool:
     """Whether this kernel computes exactly what row_step.py asks for these arguments."""
     rows, vocab = student_logits.shape
-    plain = (scales.student_softcap is None and scales.teacher_softcap is None and scales.student_logit_scale == 1.0
-             and scales.teacher_logit_scale == 1.0 and scales.vocab_start == 0
-             and scales.vocab_student_total in (None, vocab) and -2**31 <= scales.ignore_index < 2**31)
-    return (plain and write_grad and grad_lifts is None and rows > 0
-            and student_logits.dtype == teacher_logits.dtype == torch.bfloat16 and teacher_logits.shape == (rows, vocab)
-            and vocab % 8 == 0 and _shared_bytes(vocab, 16) <= MAX_SHARED_BYTES
+    return (write_grad and grad_lifts is None and rows > 0 and teacher_logits.dtype == student_logits.dtype
+            and teacher_logits.shape[0] == rows and applies(student_logits.dtype, vocab, teacher_logits.shape[1], scales)
             and labels.dtype in _LABEL_TYPES and labels.is_contiguous()
             and student_logits.stride(1) == teacher_logits.stride(1) == 1
             and student_logits.stride(0) % 8 == 0 and teacher_logits.stride(0) % 8 == 0

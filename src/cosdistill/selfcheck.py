@@ -274,15 +274,13 @@ def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
     for (name, run), case in ((run, case) for run in runs.items() for case in cases):
         if "split" in name and case.vocab_teacher < 2:
             continue
-        cluster_case = (case.dtype == torch.bfloat16 and case.vocab_student == case.vocab_teacher
-                        and case.vocab_student % 8 == 0 and case.softcap is None and case.logit_scale == 1.0)
-        if "cuda" in name and not cluster_case:  # elsewhere it runs the Triton kernel, checked above
-            continue
         scales = RowStepScales(
             weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100,
             student_softcap=case.softcap, teacher_softcap=case.softcap and 1.5 * case.softcap,
             student_logit_scale=case.logit_scale, teacher_logit_scale=2 * case.logit_scale,
         )
+        if "cuda" in name and not row_step_cuda.applies(case.dtype, case.vocab_student, case.vocab_teacher, scales):
+            continue  # elsewhere it runs the Triton kernel, checked above
         tol_loss, tol_grad = ROW_STEP_TOLERANCE[case.dtype]
         student = (torch.randn(case.rows, case.vocab_student, device=device) * 3).to(case.dtype)
         teacher = (torch.randn(case.rows, case.vocab_teacher, device=device) * 3).to(case.dtype)
