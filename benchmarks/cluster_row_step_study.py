@@ -7,6 +7,11 @@ between its copy, the cluster's exchange and its writes; 3 blocks share an SM to
 0.40 against 0.64 (range 0.40-0.60: 128 KB of shared memory per block leaves one block per SM).
 
     PYTHONPATH=src python benchmarks/cluster_row_step_study.py [--launches 16:256 8:128 ...] [--vocabs V ...] [--in-step]
+        [--old SRC] [--stagger VOCAB:ROWS:NS ...]
+
+``--stagger`` (item 60) times a variant whose first ROWS rows (one wave of clusters) sleep row * NS
+nanoseconds before they start, so that the blocks sharing an SM stop moving through their phases
+together; later clusters take the freed slots and keep the offsets.
 """
 
 import argparse
@@ -14,6 +19,7 @@ import importlib
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton.testing
@@ -24,6 +30,7 @@ from cosdistill.row_step import RowStepScales, row_step_torch
 from cosdistill.row_step_triton import row_step_triton
 
 OLD_STEP = None  # --old
+STAGGERS = {}  # --stagger: vocab -> (rows, ns)
 SCALES = RowStepScales(weight_hard=0.3, weight_soft=0.7, beta=0.9, temperature=2.0, ignore_index=-100)
 
 
@@ -44,6 +51,21 @@ def cuda_step(launch):
     """The kernel at launch = (cluster, threads) (None: launch_config's) and the Triton RESCUE launch."""
     def step(student, teacher, labels, scales, losses, write_grad=True):
         row_step_cuda.cluster_kernel(student, teacher, labels, scales, losses, *(launch or ()))
+        row_step_triton(student, teacher, labels, scales, losses, True, rescue_only=True)
+    return step
+
+
+def staggered_step(vocab):
+    """launch_config's kernel with item 60's sleep for the first wave, and the Triton RESCUE launch."""
+    rows, ns = STAGGERS[vocab]
+    cluster, threads = row_step_cuda.launch_config(vocab)
+    sleep = f"\n  if (row < {rows}) __nanosleep((unsigned)row * {ns}u);"
+    source = row_step_cuda._SOURCE.replace("const int tid = threadIdx.x;", "const int tid = threadIdx.x;" + sleep, 1)
+    with mock.patch.object(row_step_cuda, "_SOURCE", source):
+        kernel = row_step_cuda._kernel.__wrapped__(vocab, torch.int64, torch.cuda.current_device(), cluster, threads)
+
+    def step(student, teacher, labels, scales, losses, write_grad=True):
+        row_step_cuda.launch(kernel, cluster, threads, student, teacher, labels, scales, losses)
         row_step_triton(student, teacher, labels, scales, losses, True, rescue_only=True)
     return step
 
@@ -99,6 +121,14 @@ def timing(vocabs, configs):
         if OLD_STEP:
             ms = timed(lambda: (scratch.copy_(student), OLD_STEP(scratch, teacher, labels, SCALES, losses, True))) - copy_ms
             print(f"vocab={vocab}: --old cuda step {ms:.3f} ms, {3 * one_pass / ms / 1e9:.2f} TB/s of its 3 passes")
+        if vocab in STAGGERS:
+            step = staggered_step(vocab)
+            grad, plain_grad = student.clone(), student.clone()
+            step(grad, teacher, labels, SCALES, losses)
+            cuda_step(None)(plain_grad, teacher, labels, SCALES, losses)
+            ms = timed(lambda: (scratch.copy_(student), step(scratch, teacher, labels, SCALES, losses))) - copy_ms
+            print(f"vocab={vocab}: cuda step staggered {STAGGERS[vocab]} {ms:.3f} ms (grad as unstaggered: "
+                  f"{bool(torch.equal(grad, plain_grad))})", flush=True)
         for launch in filter(lambda launch: fits(vocab, launch), configs):
             step = cuda_step(launch)
             ms = timed(lambda: (scratch.copy_(student), step(scratch, teacher, labels, SCALES, losses))) - copy_ms
@@ -121,6 +151,9 @@ def in_step_timing(vocabs, configs, hidden=4096, calls=60):
         for launch in filter(lambda launch: fits(vocab, launch), configs):
             steps.append((f"cuda {launch or 'launch_config'}",
                           lambda step=cuda_step(launch): step(scratch, teacher, labels, SCALES, losses)))
+        if vocab in STAGGERS:
+            steps.append((f"cuda staggered {STAGGERS[vocab]}",
+                          lambda step=staggered_step(vocab): step(scratch, teacher, labels, SCALES, losses)))
         times = {name: [] for name, _ in steps}
         for call in range(calls + 5):
             for name, step in steps:
@@ -143,7 +176,11 @@ def main():
     parser.add_argument("--in-step", action="store_true", help="also time each step right after a logits GEMM")
     parser.add_argument("--vocabs", type=int, nargs="+", default=[128256, 262144, 151936, 32000])
     parser.add_argument("--old", help="a src folder whose cosdistill.row_step_cuda is timed beside this one")
+    parser.add_argument("--stagger", nargs="+", default=[], help="VOCAB:ROWS:NS variants to time (item 60)")
     args = parser.parse_args()
+    for text in args.stagger:
+        vocab, rows, ns = map(int, text.split(":"))
+        STAGGERS[vocab] = rows, ns
     if args.old:
         global OLD_STEP
         sys.path.insert(0, str(Path(__file__).parent))

@@ -35,11 +35,13 @@ typedef unsigned short bf16_t;
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h
 #define QUIET_NAN __int_as_float(0x7fc00000)
 
-__device__ __forceinline__ float exp_fast(float x) {  // ex2.approx.ftz, as the Triton kernel's _exp
+#define LOG2E 1.4426950408889634f
+__device__ __forceinline__ float exp2_fast(float x) {  // ex2.approx.ftz, as the Triton kernel's _exp
   float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+__device__ __forceinline__ float exp_fast(float x) { return exp2_fast(x * LOG2E); }
 __device__ __forceinline__ unsigned shared_address(const void* p) {
   unsigned long long a;
   asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
@@ -61,6 +63,9 @@ __device__ __forceinline__ void wait_copies(int pending) {  // at most `pending`
   }
 }
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+// Orders nothing: ptxas makes a release arrive a MEMBAR.ALL.GPU, which would wait for this block's
+// outstanding global stores (the losses), not only for the shared memory the other blocks read.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 __device__ __forceinline__ float peer_load(const float* local, unsigned rank) {  // the same address in block `rank`
   unsigned remote;
@@ -150,10 +155,11 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
       #pragma unroll
       for (int j = 1; j < 8; ++j) vec_max = fmaxf(vec_max, s[j]);
       const float new_max = fmaxf(part[0], vec_max);  // an inf or NaN logit overflows the sums below
+      const float scaled_max = new_max * LOG2E;  // exp(s - max) as one FFMA and ex2
       float vec_sum = 0.f;
       #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        vec_sum += exp_fast(s[j] - new_max);
+        vec_sum += exp2_fast(fmaf(s[j], LOG2E, -scaled_max));
         part[2] += s[j] * t[j];
         part[3] += s[j] * s[j];
         part[4] += t[j] * t[j];
@@ -208,10 +214,12 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
       row_coefs[5] = usable ? 1.f : 0.f;
     }
   }
-  cluster_arrive();  // done reading the other blocks' parts: they may exit once all have arrived
+  // Done reading the other blocks' parts (their values are in registers): they may exit once all arrived.
+  cluster_arrive_relaxed();
   __syncthreads();
   const float row_max = row_coefs[0], log_sum_exp = row_coefs[1];
   const float prob_coef = row_coefs[2], teacher_coef = row_coefs[3], student_coef = row_coefs[4];
+  const float scaled_shift = (row_max + log_sum_exp) * LOG2E;  // softmax as one FFMA and ex2 per logit
   if (row_coefs[5] != 0.f) {  // else the row keeps its logits for the Triton RESCUE launch
     const long long label_vec = label / 8 - first_vec;
     #pragma unroll
@@ -223,7 +231,7 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
         unpack(teacher_tile[i], t);
         #pragma unroll
         for (int j = 0; j < 8; ++j)
-          g[j] = prob_coef * exp_fast((s[j] - row_max) - log_sum_exp) + teacher_coef * t[j] + student_coef * s[j];
+          g[j] = fmaf(prob_coef, exp2_fast(fmaf(s[j], LOG2E, -scaled_shift)), fmaf(teacher_coef, t[j], student_coef * s[j]));
         if (i == label_vec) {  // the label's entry at full precision, as the Triton kernel's
           #pragma unroll
           for (int j = 0; j < 8; ++j)  // a constant index keeps g in registers
@@ -341,6 +349,13 @@ def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales
             raise ValueError(f"no cluster of {cluster} blocks of {threads} threads fits on {device}")
     else:
         kernel, cluster, threads = _launch(vocab, labels.dtype, device.index)
+    launch(kernel, cluster, threads, student_logits, teacher_logits, labels, scales, token_losses)
+
+
+def launch(kernel, cluster, threads, student_logits, teacher_logits, labels, scales, token_losses) -> None:
+    """One launch of a compiled kernel of this source (benchmarks/cluster_row_step_study.py times variants)."""
+    rows, vocab = student_logits.shape
+    device = student_logits.device
     with torch.cuda.device(device):  # the tensors' device and stream, whichever device is current
         kernel(grid=(rows * cluster, 1, 1), block=(threads, 1, 1), shared_mem=_shared_bytes(vocab, cluster),
                args=[student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
