@@ -1,12 +1,13 @@
-"""The two small device kernels around the chunk loop: grad_output's in-place scale, skipped when it is
-1 (grad_output.py), and the label count (labels.py), each against plain torch, through Triton's
-interpreter."""
+"""The small device kernels around the chunk loop: grad_output's in-place scale, skipped when it is 1
+(grad_output.py), the label count and the losses' sums divided by N (labels.py), each against plain
+torch, through Triton's interpreter."""
 
 import pytest
 import torch
 
 from cosdistill.grad_output import BLOCK, scale_unless_one_, scale_unless_one_triton
-from cosdistill.labels import LabelCounts, count_labels_torch, count_labels_triton
+from cosdistill.labels import (LabelCounts, count_labels_torch, count_labels_triton, mean_losses_torch,
+                               mean_losses_triton)
 
 SIZES = (1, 37, 3 * BLOCK + 17)  # the last needs the grid-stride loop: the interpreter runs two programs
 
@@ -79,3 +80,27 @@ def test_label_counts_normaliser_and_error():
     bad.launch()
     with pytest.raises(ValueError, match=r"2 labels outside \[0, 10\).*\[12, -1\]"):
         bad.wait()
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 37, 3 * 1024 + 5])
+@pytest.mark.parametrize("given", [None, 29, 0.5, torch.tensor(29), torch.tensor([29.0])],
+                         ids=["counted", "int", "float", "int tensor", "1-element tensor"])
+def test_mean_losses_match_torch(num_tokens, given):
+    token_losses = torch.rand(num_tokens, 2) * 10 + 0.1
+    for counted in (0, 3):  # the count is at least 1
+        counts = torch.tensor([counted, 0], dtype=torch.int32)
+        got = mean_losses_triton(token_losses, counts, given, 0.3, 0.7)
+        want = mean_losses_torch(token_losses, counts, given, 0.3, 0.7)
+        for got_value, want_value in zip(got, want):
+            assert got_value.shape == () and got_value.dtype == torch.float32
+            torch.testing.assert_close(got_value, want_value, rtol=2e-6, atol=1e-7)
+    assert len({value.data_ptr() for value in got}) == 3  # three tensors, none a view of another
+
+
+def test_mean_losses_divide_before_summing():
+    """Per-token losses near fp32's max sum to a finite mean, as the torch twin's."""
+    token_losses = torch.full((4, 2), 3e38)
+    counts = torch.tensor([4, 0], dtype=torch.int32)
+    loss, soft, hard = mean_losses_triton(token_losses, counts, None, 0.5, 0.5)
+    assert torch.isfinite(loss) and torch.isfinite(soft) and torch.isfinite(hard)
+    torch.testing.assert_close(hard, torch.tensor(3e38), rtol=1e-6, atol=0)

@@ -203,17 +203,19 @@ class _FusedLinearCosineDistill(torch.autograd.Function):
                 options.scales, options.normaliser, options.row_step, options.rows, options.needs_grad,
                 options.accum_dtype, options.reduce_grad_input,
             )
-        loss = options.scales.weight_hard * result.hard_loss + options.scales.weight_soft * result.soft_loss
         ctx.gradients = result.gradients
+        ctx.set_materialize_grads(False)  # soft and hard get no gradient: no zero tensors made for them
         ctx.grad_dtypes = tuple(None if t is None else t.dtype for t in (student_input, student_weight, student_bias))
         ctx.mark_non_differentiable(result.soft_loss, result.hard_loss)
-        return loss, result.soft_loss, result.hard_loss
+        return result.loss, result.soft_loss, result.hard_loss
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_soft, _grad_hard):
         if ctx.gradients is None:
             raise RuntimeError("cosdistill computes gradients in forward and can run backward only once per call")
         gradients, ctx.gradients = ctx.gradients, None
+        if grad_loss is None:  # not materialized: no gradient reached the loss
+            return None, None, None, None, None, None
         with on_device_of(grad_loss):
             grads = gradients.finish(grad_loss.detach())
         cast = [None if grad is None else grad.to(dtype) for grad, dtype in zip(grads, ctx.grad_dtypes)]

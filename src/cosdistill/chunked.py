@@ -22,12 +22,13 @@ RowStep = Callable[..., None]  # (student_logits, teacher_logits, labels, scales
 
 
 class Normaliser(Protocol):
-    """N, counted on the device: ``launch`` queues the count, ``on_device`` gives it to later kernels
-    without a host read, ``wait`` returns it on the host (and may raise)."""
+    """N, counted on the device: ``launch`` queues the count, ``mean_losses`` divides the per-token losses'
+    sums by it without a host read, ``wait`` returns it on the host (and may raise)."""
 
     def launch(self) -> None: ...
 
-    def on_device(self) -> torch.Tensor | float: ...
+    def mean_losses(self, token_losses: torch.Tensor, weight_hard: float, weight_soft: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # loss, soft, hard
 
     def wait(self) -> float: ...
 
@@ -194,8 +195,9 @@ class Gradients:
 
 @dataclass
 class ChunkResult:
-    hard_loss: torch.Tensor  # fp32 scalars, divided by N
+    loss: torch.Tensor  # fp32 scalars, divided by N; loss = weight_hard * hard + weight_soft * soft
     soft_loss: torch.Tensor
+    hard_loss: torch.Tensor
     gradients: Gradients | None  # None when no gradient was asked for
 
 
@@ -398,7 +400,7 @@ def chunked_loss_and_grads(
         normaliser.launch()
     if grad_input is not None and reduce_grad_input is not None and unlift is None:
         reduce_grad_input(grad_input)
-    loss_sums = (token_losses / normaliser.on_device()).sum(0)  # divided first: per-token losses near fp32 max must not overflow the sum
+    loss, soft_loss, hard_loss = normaliser.mean_losses(token_losses, scales.weight_hard, scales.weight_soft)
     if inv_normaliser is None:  # no gradients (or no tokens): read now, everything else is queued
         inv_normaliser = 1.0 / normaliser.wait()
     gradients = None
@@ -418,4 +420,4 @@ def chunked_loss_and_grads(
             last_grad_input=grad_input[last_start:] if defer_grad_input else None,
             student_weight=student_weight if defer_grad_input else None,
         )
-    return ChunkResult(loss_sums[0], loss_sums[1], gradients)
+    return ChunkResult(loss, soft_loss, hard_loss, gradients)

@@ -4,7 +4,7 @@ The chunk loop launches the count behind the first student GEMM, divides the los
 reads it on the host only after the first row step is queued (without gradients: after everything),
 so the host read stalls nothing (chunked.Normaliser). On CUDA the count is one Triton
 kernel: as ten small torch kernels it held up the first row step by ~0.03 ms (benchmarks/NOTES.md
-item 26).
+item 26). So are the losses' sums divided by N and weighted (six torch kernels, item 61).
 """
 
 import torch
@@ -32,11 +32,63 @@ def _count_labels_kernel(labels_ptr, num_tokens, ignore_index, vocab_student, co
     tl.store(counts_ptr + 1, tl.sum(out_of_range, axis=0))
 
 
+# Where _mean_losses_kernel takes N from
+N_COUNTED, N_GIVEN_TENSOR, N_GIVEN_NUMBER = 0, 1, 2
+
+
+@triton.jit
+def _mean_losses_kernel(token_losses_ptr, num_tokens, normaliser_ptr, normaliser, weight_hard, weight_soft, loss_ptr,
+                        soft_ptr, hard_ptr, N_FROM: tl.constexpr, BLOCK: tl.constexpr):
+    """hard, soft = the columns of token_losses [T, 2] summed, each term divided by N first (terms near
+    fp32's max must not overflow the sum); loss = weight_hard * hard + weight_soft * soft. One program."""
+    if N_FROM == N_COUNTED:
+        normaliser = tl.maximum(tl.load(normaliser_ptr).to(tl.float32), 1.0)
+    elif N_FROM == N_GIVEN_TENSOR:
+        normaliser = tl.load(normaliser_ptr).to(tl.float32)
+    offsets = tl.arange(0, BLOCK)
+    hard = tl.zeros([BLOCK], tl.float32)
+    soft = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, num_tokens, BLOCK):
+        rows = (start + offsets).to(tl.int64)
+        in_range = rows < num_tokens
+        hard += tl.load(token_losses_ptr + 2 * rows, mask=in_range, other=0.0) / normaliser
+        soft += tl.load(token_losses_ptr + 2 * rows + 1, mask=in_range, other=0.0) / normaliser
+    hard_sum = tl.sum(hard, axis=0)
+    soft_sum = tl.sum(soft, axis=0)
+    tl.store(hard_ptr, hard_sum)
+    tl.store(soft_ptr, soft_sum)
+    tl.store(loss_ptr, weight_hard * hard_sum + weight_soft * soft_sum)
+
+
 def count_labels_triton(labels: torch.Tensor, ignore_index: int, vocab_student: int) -> torch.Tensor:
     """[counted, out of range] as int32 on labels' device (contiguous 1-D labels)."""
     counts = torch.empty(2, dtype=torch.int32, device=labels.device)
     _count_labels_kernel[(1,)](labels, labels.numel(), ignore_index, vocab_student, counts, BLOCK=BLOCK)
     return counts
+
+
+def mean_losses_triton(token_losses, counts, given, weight_hard: float, weight_soft: float):
+    """mean_losses_torch in one kernel: (loss, soft, hard), three fp32 scalars."""
+    if given is None:
+        n_from, normaliser_tensor, normaliser = N_COUNTED, counts, 0.0
+    elif torch.is_tensor(given):
+        n_from, normaliser_tensor, normaliser = N_GIVEN_TENSOR, given.to(token_losses.device).reshape(()), 0.0
+    else:
+        n_from, normaliser_tensor, normaliser = N_GIVEN_NUMBER, counts, float(given)
+    loss, soft, hard = (torch.empty((), dtype=torch.float32, device=token_losses.device) for _ in range(3))
+    _mean_losses_kernel[(1,)](token_losses, len(token_losses), normaliser_tensor, normaliser, weight_hard, weight_soft,
+                              loss, soft, hard, N_FROM=n_from, BLOCK=BLOCK)
+    return loss, soft, hard
+
+
+def mean_losses_torch(token_losses, counts, given, weight_hard: float, weight_soft: float):
+    """(loss, soft, hard) from token_losses [T, 2]: each column's sum divided by N, N the counted labels
+    (counts[0], at least 1) or ``given`` (a number or a one-element tensor)."""
+    normaliser = (counts[0].clamp(min=1) if given is None
+                  else given.to(torch.float32).reshape(()) if torch.is_tensor(given) else float(given))
+    # divided first: terms near fp32's max must not overflow the sum
+    hard, soft = ((token_losses[:, column] / normaliser).sum() for column in (0, 1))
+    return weight_hard * hard + weight_soft * soft, soft, hard
 
 
 def _out_of_range(labels: torch.Tensor, ignore_index: int, vocab_student: int) -> torch.Tensor:
@@ -60,12 +112,11 @@ class LabelCounts:
         self.device_counts = count(self.labels, self.ignore_index, self.vocab_student)
         self.counts = HostCopy(self.device_counts)
 
-    def on_device(self) -> torch.Tensor | float:
-        """N without a host read: the launched count (at least 1), or num_valid_tokens as given."""
-        given = self.num_valid_tokens
-        if given is None:
-            return self.device_counts[0].clamp(min=1)
-        return given.to(self.labels.device, torch.float32).reshape(()) if torch.is_tensor(given) else float(given)
+    def mean_losses(self, token_losses: torch.Tensor, weight_hard: float, weight_soft: float):
+        """(loss, soft, hard) without a host read: the per-token losses' column sums divided by N (the
+        launched count, at least 1, or num_valid_tokens as given), the loss weighted."""
+        mean_losses = mean_losses_triton if token_losses.is_cuda else mean_losses_torch
+        return mean_losses(token_losses, self.device_counts, self.num_valid_tokens, weight_hard, weight_soft)
 
     def wait(self) -> float:
         num_valid, num_out_of_range = self.counts.get().tolist()

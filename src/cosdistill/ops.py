@@ -85,9 +85,8 @@ def fused_linear_cosine_distill_op(
             row_step_impl.step, rows, tuple(needs_grad), accum_dtype or api.default_accum_dtype(student_weight.dtype),
         )
         grads = result.gradients.finish() if result.gradients is not None else (None, None, None)
-    loss = weight_hard_loss * result.hard_loss + weight_soft_loss * result.soft_loss
     grads = [student_weight.new_empty(0) if grad is None else grad for grad in grads]
-    return loss, result.soft_loss.clone(), result.hard_loss.clone(), *grads  # outputs may not alias
+    return result.loss, result.soft_loss, result.hard_loss, *grads
 
 
 @fused_linear_cosine_distill_op.register_fake
