@@ -12,6 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from cosdistill import fp8_triton as fp8_kernels
+from cosdistill import grad_output, labels
 from cosdistill import row_step_triton as kernels
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -66,6 +67,26 @@ def compile_fp8_quantization(rows_type):
                           options=dict(num_warps=fp8_kernels.WARPS))
 
 
+def compile_small_kernels():
+    """(name, compiled) for the one-program kernels around the chunk loop (labels.py, grad_output.py)."""
+    def compile_one(kernel, types, constants):
+        signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
+        constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
+        return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER, options=dict(num_warps=4))
+
+    yield "label count", compile_one(labels._count_labels_kernel, dict(
+        labels_ptr="*i64", num_tokens="i32", ignore_index="i32", vocab_student="i32", counts_ptr="*i32"),
+        dict(BLOCK=labels.BLOCK))
+    yield "scale unless one", compile_one(grad_output._scale_unless_one_kernel, dict(
+        values_ptr="*bf16", numel="i32", factor_ptr="*fp32"), dict(BLOCK=grad_output.BLOCK))
+    for n_from, normaliser_type in ((labels.N_COUNTED, "*i32"), (labels.N_GIVEN_TENSOR, "*i64"),
+                                    (labels.N_GIVEN_NUMBER, "*i32")):
+        yield f"mean losses N_FROM={n_from}", compile_one(labels._mean_losses_kernel, dict(
+            token_losses_ptr="*fp32", num_tokens="i32", normaliser_ptr=normaliser_type, normaliser="fp32",
+            weight_hard="fp32", weight_soft="fp32", loss_ptr="*fp32", soft_ptr="*fp32", hard_ptr="*fp32"),
+            dict(N_FROM=n_from, BLOCK=labels.BLOCK))
+
+
 def compiled_variants():
     """(name, logits type, constants, compiled kernel) for each of ``variants``, with its launch's warps."""
     for name, kernel, logits_type, constants in variants():
@@ -80,6 +101,8 @@ def main():
     for rows_type in ("*bf16", "*fp16", "*fp32"):
         compiled = compile_fp8_quantization(rows_type)
         print(f"fp8 quantization {rows_type}: {len(compiled.asm['cubin'])} bytes of sm_90 cubin")
+    for name, compiled in compile_small_kernels():
+        print(f"{name}: {len(compiled.asm['cubin'])} bytes of sm_90 cubin")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ def _count_labels_kernel(labels_ptr, num_tokens, ignore_index, vocab_student, co
     tl.store(counts_ptr + 1, tl.sum(out_of_range, axis=0))
 
 
-# Where _mean_losses_kernel takes N from
-N_COUNTED, N_GIVEN_TENSOR, N_GIVEN_NUMBER = 0, 1, 2
+# Where _mean_losses_kernel takes N from (constexpr: the kernel reads them)
+N_COUNTED, N_GIVEN_TENSOR, N_GIVEN_NUMBER = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
