@@ -340,6 +340,11 @@ def chunked_loss_and_grads(
     chunk = rows.student
 
     student_logits = torch.empty(chunk, vocab_student, dtype=student_weight.dtype, device=device)
+    # The first chunk's student GEMM and the label count are queued before the other buffers exist: the
+    # GPU starts while the host allocates them (NOTES items 59, 62).
+    first_rows = min(chunk, num_tokens)
+    _logits_into(student_logits[:first_rows], student_input[:first_rows], student_weight, student_bias)
+    normaliser.launch()
     teacher_logits = torch.empty(teacher.buffer_rows(rows.teacher), teacher.vocab, dtype=teacher.logits_dtype, device=device)
     token_losses = torch.empty(num_tokens, 2, dtype=torch.float32, device=device)
     grad_input = torch.empty(num_tokens, hidden_student, dtype=student_input.dtype, device=device) if needs_grad[0] else None
@@ -363,9 +368,8 @@ def chunked_loss_and_grads(
         stop = min(start + chunk, num_tokens)
         hidden = student_input[start:stop]
         chunk_student = student_logits[: stop - start]
-        _logits_into(chunk_student, hidden, student_weight, student_bias)
-        if start == 0:  # behind the first GEMM (NOTES item 59)
-            normaliser.launch()
+        if start:  # the first chunk's is queued above
+            _logits_into(chunk_student, hidden, student_weight, student_bias)
         for part in range(start, stop, rows.teacher):
             part_stop = min(part + rows.teacher, stop)
             teacher.logits_into(teacher_logits, teacher_input[part:part_stop])
@@ -396,8 +400,6 @@ def chunked_loss_and_grads(
                 grad_weight, grad_bias, grad_logits, raw_hidden, inv_normaliser, overwrite=not weight_started):
             weight_started = weight_started or grad_weight is not None
 
-    if not num_tokens:
-        normaliser.launch()
     if grad_input is not None and reduce_grad_input is not None and unlift is None:
         reduce_grad_input(grad_input)
     loss, soft_loss, hard_loss = normaliser.mean_losses(token_losses, scales.weight_hard, scales.weight_soft)
