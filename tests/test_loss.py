@@ -161,13 +161,21 @@ def test_no_grad_does_no_gradient_work(impl, monkeypatch):
     assert rel_err(loss, ref_losses[0]) < 1e-5
 
 
-def test_nothing_requires_grad_gives_plain_loss(impl):
+def test_nothing_requires_grad_gives_plain_loss(impl, monkeypatch):
+    """Also without the autograd Function (NOTES item 63), under no_grad or with frozen leaves alike."""
     problem = make_problem()
+    with_grad = fused_linear_cosine_distill(*problem.args(), impl=impl, return_soft_hard_loss=True)
+    monkeypatch.setattr(api._FusedLinearCosineDistill, "apply", None)  # a call would raise
+    with torch.no_grad():
+        no_grad = fused_linear_cosine_distill(*problem.args(), impl=impl, return_soft_hard_loss=True)
     for leaf in problem.student_leaves():
         leaf.requires_grad_(False)
-    loss = fused_linear_cosine_distill(*problem.args(), impl=impl)
-    assert not loss.requires_grad
-    assert rel_err(loss, reference(problem)[0][0]) < 1e-5
+    frozen = fused_linear_cosine_distill(*problem.args(), impl=impl, return_soft_hard_loss=True)
+    for losses in (no_grad, frozen):
+        assert not any(value.requires_grad for value in losses)
+        torch.testing.assert_close(losses, tuple(value.detach() for value in with_grad), rtol=1e-6, atol=0)
+    assert all(torch.equal(a, b) for a, b in zip(no_grad, frozen))
+    assert rel_err(frozen[0], reference(problem)[0][0]) < 1e-5
 
 
 def test_only_weight_requires_grad(impl):

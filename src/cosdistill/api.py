@@ -121,14 +121,13 @@ def fused_linear_cosine_distill(
         accum_dtype=accum_dtype or default_accum_dtype(student_weight.dtype),
         reduce_grad_input=reduce_grad_input,
     )
-    loss, soft, hard = _FusedLinearCosineDistill.apply(
-        student_input.reshape(num_tokens, student_input.shape[-1]),
-        student_weight,
-        student_bias,
-        teacher_input.reshape(num_tokens, teacher_input.shape[-1]).detach(),
-        labels,
-        options,
-    )
+    args = (student_input.reshape(num_tokens, student_input.shape[-1]), student_weight, student_bias,
+            teacher_input.reshape(num_tokens, teacher_input.shape[-1]).detach(), labels, options)
+    if any(needs_grad):
+        loss, soft, hard = _FusedLinearCosineDistill.apply(*args)
+    else:  # nothing to differentiate: no autograd Function, whose call costs host time (NOTES item 63)
+        result = _run_chunk_loop(*args)
+        loss, soft, hard = result.loss, result.soft_loss, result.hard_loss
     return (loss, soft, hard) if return_soft_hard_loss else loss
 
 
@@ -192,17 +191,21 @@ class _Options:
     reduce_grad_input: Callable[[torch.Tensor], None] | None = None
 
 
+def _run_chunk_loop(student_input, student_weight, student_bias, teacher_input, labels, options: _Options):
+    with on_device_of(student_input):
+        return chunked_loss_and_grads(
+            student_input, student_weight, student_bias, teacher_input, options.teacher, labels, options.scales,
+            options.normaliser, options.row_step, options.rows, options.needs_grad, options.accum_dtype,
+            options.reduce_grad_input,
+        )
+
+
 class _FusedLinearCosineDistill(torch.autograd.Function):
     """Gradients are computed in forward (one pass over the logits); backward applies grad_output."""
 
     @staticmethod
     def forward(ctx, student_input, student_weight, student_bias, teacher_input, labels, options):
-        with on_device_of(student_input):
-            result = chunked_loss_and_grads(
-                student_input, student_weight, student_bias, teacher_input, options.teacher, labels,
-                options.scales, options.normaliser, options.row_step, options.rows, options.needs_grad,
-                options.accum_dtype, options.reduce_grad_input,
-            )
+        result = _run_chunk_loop(student_input, student_weight, student_bias, teacher_input, labels, options)
         ctx.gradients = result.gradients
         ctx.set_materialize_grads(False)  # soft and hard get no gradient: no zero tensors made for them
         ctx.grad_dtypes = tuple(None if t is None else t.dtype for t in (student_input, student_weight, student_bias))
