@@ -146,3 +146,24 @@ def test_auto_picks_the_cluster_step_where_available(monkeypatch):
     assert api.pick_row_step("auto", cuda) is TRITON_ROW_STEP
     with pytest.raises(ValueError, match="thread block clusters"):
         api.pick_row_step("cuda", cuda)
+
+
+def test_selfcheck_runs_the_cluster_kernel_where_it_applies(monkeypatch):
+    """gpu_check's "row step cuda vs torch" rows: the kernel gets plain scales and is called (its Triton
+    fallback would pass vacuously); a case it does not apply to is left to the Triton rows."""
+    from cosdistill import selfcheck
+    from cosdistill.row_step import RowStepImpl
+
+    calls = []
+
+    def recording_step(student, teacher, labels, scales, losses, write_grad, *lifts):
+        assert row_step_cuda.supported(student, teacher, labels, scales, write_grad, None)
+        calls.append(student.shape)
+        row_step_torch(student, teacher, labels, scales, losses, write_grad, *lifts)
+
+    monkeypatch.setattr(row_step_cuda, "available", lambda device: True)
+    monkeypatch.setattr(row_step_cuda, "CUDA_ROW_STEP", RowStepImpl(recording_step, None, None))
+    cases = (selfcheck.RowStepCase(4, 64, 64, torch.bfloat16), selfcheck.RowStepCase(3, 40, 41, torch.bfloat16))
+    results = [result for result in selfcheck.check_row_step("cpu", cases) if "cuda" in result.name]
+    assert [result.case for result in results] == [cases[0].describe()] and results[0].passed
+    assert calls == [(4, 64)]
