@@ -74,7 +74,7 @@ def mean_losses_triton(token_losses, counts, given, weight_hard: float, weight_s
     elif torch.is_tensor(given):
         n_from, normaliser_tensor, normaliser = N_GIVEN_TENSOR, given.to(token_losses.device).reshape(()), 0.0
     else:
-        n_from, normaliser_tensor, normaliser = N_GIVEN_NUMBER, counts, float(given)
+        n_from, normaliser_tensor, normaliser = N_GIVEN_NUMBER, counts, float(given)  # counts: not read
     loss, soft, hard = (torch.empty((), dtype=torch.float32, device=token_losses.device) for _ in range(3))
     _mean_losses_kernel[(1,)](token_losses, len(token_losses), normaliser_tensor, normaliser, weight_hard, weight_soft,
                               loss, soft, hard, N_FROM=n_from, BLOCK=BLOCK)
