@@ -268,7 +268,7 @@ def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
         "row step triton vs torch": TRITON_ROW_STEP.step,
         "row step triton split in two vs torch": lambda *args: split_in_two(TRITON_ROW_STEP, *args),
     }
-    if row_step_cuda.available(torch.device(device)):
+    if _cuda_row_step_available(device):
         runs["row step cuda vs torch"] = row_step_cuda.CUDA_ROW_STEP.step
     results = []
     for (name, run), case in ((run, case) for run in runs.items() for case in cases):
