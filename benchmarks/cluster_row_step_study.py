@@ -44,13 +44,13 @@ def inputs(rows, vocab, pad=0, label_dtype=torch.int64, seed=0):
 
 
 def fits(vocab, launch):
-    return launch is None or row_step_cuda._shared_bytes(vocab, launch[0]) <= row_step_cuda.MAX_SHARED_BYTES
+    return launch is None or 0 <= row_step_cuda._shared_bytes(vocab, *launch) <= row_step_cuda.MAX_SHARED_BYTES
 
 
 def cuda_step(launch):
-    """The kernel at launch = (cluster, threads) (None: launch_config's) and the Triton RESCUE launch."""
+    """The kernel at launch, a row_step_cuda.Layout (None: launch_config's), and the Triton RESCUE launch."""
     def step(student, teacher, labels, scales, losses, write_grad=True):
-        row_step_cuda.cluster_kernel(student, teacher, labels, scales, losses, *(launch or ()))
+        row_step_cuda.cluster_kernel(student, teacher, labels, scales, losses, launch)
         row_step_triton(student, teacher, labels, scales, losses, True, rescue_only=True)
     return step
 
@@ -58,14 +58,14 @@ def cuda_step(launch):
 def staggered_step(vocab):
     """launch_config's kernel with item 60's sleep for the first wave, and the Triton RESCUE launch."""
     rows, ns = STAGGERS[vocab]
-    cluster, threads = row_step_cuda.launch_config(vocab)
+    layout = row_step_cuda.launch_config(vocab)
     sleep = f"\n  if (row < {rows}) __nanosleep((unsigned)row * {ns}u);"
     source = row_step_cuda._SOURCE.replace("const int tid = threadIdx.x;", "const int tid = threadIdx.x;" + sleep, 1)
     with mock.patch.object(row_step_cuda, "_SOURCE", source):
-        kernel = row_step_cuda._kernel.__wrapped__(vocab, torch.int64, torch.cuda.current_device(), cluster, threads)
+        kernel = row_step_cuda._kernel.__wrapped__(vocab, torch.int64, torch.cuda.current_device(), layout)
 
     def step(student, teacher, labels, scales, losses, write_grad=True):
-        row_step_cuda.launch(kernel, cluster, threads, student, teacher, labels, scales, losses)
+        row_step_cuda.launch(kernel, layout, student, teacher, labels, scales, losses)
         row_step_triton(student, teacher, labels, scales, losses, True, rescue_only=True)
     return step
 
@@ -93,7 +93,7 @@ def check(name, student, teacher, labels, launch):
 
 def correctness(launch):
     for rows, vocab, pad in ((1024, 128256, 0), (256, 262144, 0), (300, 32000, 0), (100, 1000, 8), (33, 8, 0),
-                             (64, 151936, 0)):
+                             (64, 151936, 0), (200, 98304, 0), (64, 200064, 0), (300, 49152, 8)):
         check(f"rows={rows} vocab={vocab} pad={pad}", *inputs(rows, vocab, pad), launch)
     student, teacher, labels = inputs(64, 128256, label_dtype=torch.int32, seed=1)
     check("int32 labels", student, teacher, labels, launch)
@@ -115,7 +115,7 @@ def timing(vocabs, configs):
         copy_ms = timed(lambda: scratch.copy_(student))
         one_pass = student.numel() * 2
         print(f"vocab={vocab}: copy {copy_ms:.3f} ms ({2 * one_pass / copy_ms / 1e9:.2f} TB/s); launch_config "
-              f"(cluster, threads) {row_step_cuda.launch_config(vocab)}", flush=True)
+              f"{row_step_cuda.launch_config(vocab)}", flush=True)
         ms = timed(lambda: (scratch.copy_(student), row_step_triton(scratch, teacher, labels, SCALES, losses, True))) - copy_ms
         print(f"vocab={vocab}: triton {ms:.3f} ms, {5 * one_pass / ms / 1e9:.2f} TB/s of its 5 passes", flush=True)
         if OLD_STEP:
@@ -132,8 +132,11 @@ def timing(vocabs, configs):
         for launch in filter(lambda launch: fits(vocab, launch), configs):
             step = cuda_step(launch)
             ms = timed(lambda: (scratch.copy_(student), step(scratch, teacher, labels, SCALES, losses))) - copy_ms
+            layout = launch or row_step_cuda.launch_config(vocab)
+            kernel = row_step_cuda._kernel(vocab, labels.dtype, torch.cuda.current_device(), layout)
+            clusters = row_step_cuda.max_active_clusters(kernel, layout, row_step_cuda._shared_bytes(vocab, *layout))
             print(f"vocab={vocab}: cuda step {launch or 'launch_config'} {ms:.3f} ms, "
-                  f"{3 * one_pass / ms / 1e9:.2f} TB/s of its 3 passes", flush=True)
+                  f"{3 * one_pass / ms / 1e9:.2f} TB/s of its 3 passes, {clusters} clusters at once", flush=True)
 
 
 def in_step_timing(vocabs, configs, hidden=4096, calls=60):
@@ -172,7 +175,8 @@ def in_step_timing(vocabs, configs, hidden=4096, calls=60):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--launches", nargs="+", help="CLUSTER:THREADS settings timed beside launch_config's")
+    parser.add_argument("--launches", nargs="+",
+                        help="CLUSTER:THREADS[:REGISTER_COLS] layouts timed beside launch_config's")
     parser.add_argument("--in-step", action="store_true", help="also time each step right after a logits GEMM")
     parser.add_argument("--vocabs", type=int, nargs="+", default=[128256, 262144, 151936, 32000])
     parser.add_argument("--old", help="a src folder whose cosdistill.row_step_cuda is timed beside this one")
@@ -188,7 +192,7 @@ def main():
         load_old(args.old)
         OLD_STEP = importlib.import_module("cosdistill_old.row_step_cuda").row_step_cuda
     print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), flush=True)
-    configs = [None] + [tuple(map(int, text.split(":"))) for text in args.launches or []]
+    configs = [None] + [row_step_cuda.Layout(*map(int, text.split(":"))) for text in args.launches or []]
     for launch in configs:
         print(f"correctness, {launch or 'launch_config'}")
         correctness(launch)

@@ -4,6 +4,7 @@ computes exactly the spec. Its results are checked on the H200 (benchmarks/gpu_c
 cluster_row_step_study.py)."""
 
 import ctypes
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -40,21 +41,57 @@ def nvrtc_compile(source: str) -> str:
 @pytest.mark.parametrize("vocab", [8, 1000, 32000, 128256, 151936, 262144])
 @pytest.mark.parametrize("label_dtype", [torch.int64, torch.int32])
 def test_source_compiles_for_hopper_without_local_memory(vocab, label_dtype):
-    cluster, threads = row_step_cuda.launch_config(vocab)
-    ptx = nvrtc_compile(row_step_cuda.source(vocab, label_dtype, cluster, threads))
-    assert f".reqnctapercluster {cluster}, 1, 1" in ptx
+    layout = row_step_cuda.launch_config(vocab)
+    ptx = nvrtc_compile(row_step_cuda.source(vocab, label_dtype, layout))
+    assert f".reqnctapercluster {layout.cluster}, 1, 1" in ptx
     assert ".local" not in ptx  # g[j] at a run-time index once put the gradient on the stack
     assert ptx.count("cp.async.cg.shared.global") >= 2 and "ld.shared::cluster" in ptx
 
 
+@pytest.mark.parametrize("vocab, layout", [(262144, (16, 256, 2)), (262144, (16, 128, 5)), (128256, (16, 128, 1)),
+                                           (32000, (8, 128, 3)), (8000, (8, 32, 3))])
+def test_register_layouts_compile_without_local_memory(vocab, layout):
+    """Item 65: vectors held in registers must stay there (a run-time index would put them on the stack)."""
+    layout = row_step_cuda.Layout(*layout)
+    ptx = nvrtc_compile(row_step_cuda.source(vocab, torch.int64, layout))
+    assert ".local" not in ptx
+    copies = row_step_cuda._slice_vecs(vocab, layout.cluster) > layout.register_cols * layout.threads
+    assert ptx.count("ld.global.cg.v4") >= 2 * layout.register_cols and copies == ("cp.async.cg.shared.global" in ptx)
+    assert f".maxntid {layout.threads}, 1, 1" in ptx and ".minnctapersm" in ptx
+
+
+@pytest.mark.parametrize("vocab", [1000, 32000, 49152, 65536, 98304, 100352, 128256, 151936, 200064, 256000, 262144,
+                                   400000, 819200])
+def test_launch_config_spills_no_registers(vocab, tmp_path):
+    """ptxas (Triton's, for sm_90) within the registers __launch_bounds__ leaves at launch_config's layout."""
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    (tmp_path / "row_step.ptx").write_text(nvrtc_compile(row_step_cuda.source(vocab, torch.int64,
+                                                                             row_step_cuda.launch_config(vocab))))
+    result = subprocess.run([str(ptxas), "-arch=sm_90", "-v", str(tmp_path / "row_step.ptx"), "-o",
+                             str(tmp_path / "row_step.cubin")], capture_output=True, text=True, check=True)
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in result.stderr, result.stderr
+
+
+def test_register_columns_shrink_the_shared_slice():
+    # V = 262144 on 16 blocks: 2048 vectors per model per block; 2 of 8 per thread in registers at 256 threads
+    assert row_step_cuda._shared_bytes(262144, 16) == 64 * 1024
+    assert row_step_cuda._shared_bytes(262144, 16, 256, 2) == 48 * 1024
+    assert row_step_cuda._blocks_per_sm(64 * 1024, 256) == 3 and row_step_cuda._blocks_per_sm(48 * 1024, 256) == 4
+    assert row_step_cuda._blocks_per_sm(row_step_cuda._shared_bytes(128256, 16), 128) == 7  # item 56: 49 clusters
+    with pytest.raises(ValueError, match="than the 16 of a vocab-1000 slice"):
+        row_step_cuda.source(1000, torch.int64, row_step_cuda.Layout(8, 32, 1))
+
+
 def test_launch_config_follows_the_sweep():
-    # item 56: 32 KB-ish of shared memory per block, ~8 vectors per thread
-    assert row_step_cuda.launch_config(128256) == (16, 128)
-    assert row_step_cuda.launch_config(151936) == (16, 256)
-    assert row_step_cuda.launch_config(262144) == (16, 256)
-    assert row_step_cuda.launch_config(32000) == (8, 128)
+    # items 56 and 65: 32 KB-ish of shared memory per block, ~8 vectors per thread, a few in registers
+    assert row_step_cuda.launch_config(128256) == (16, 128, 2)
+    assert row_step_cuda.launch_config(151936) == (16, 256, 0)
+    assert row_step_cuda.launch_config(262144) == (16, 256, 2)
+    assert row_step_cuda.launch_config(32000) == (8, 128, 0)
     for vocab in (8, 32000, 128256, 262144):
-        cluster, _ = row_step_cuda.launch_config(vocab)
+        cluster = row_step_cuda.launch_config(vocab).cluster
         assert 16 * 8 * cluster * row_step_cuda._slice_vecs(vocab, cluster) >= 2 * vocab  # the slices cover the row
 
 
@@ -118,17 +155,17 @@ def test_falls_back_to_8_blocks_where_16_do_not_fit(monkeypatch):
     """A GPU (or MIG slice) without 16 free SMs in a GPC: 8 blocks of 256 threads, else no kernel."""
     compiled = []
 
-    def fake_kernel(vocab, label_dtype, device_index, cluster, threads):
-        compiled.append((cluster, threads))
-        return None if cluster > fits_up_to else f"kernel {cluster}x{threads}"
+    def fake_kernel(vocab, label_dtype, device_index, layout):
+        compiled.append(layout[:2])
+        return None if layout.cluster > fits_up_to else f"kernel {layout.cluster}x{layout.threads}"
 
     monkeypatch.setattr(row_step_cuda, "_kernel", fake_kernel)
     launch = row_step_cuda._launch.__wrapped__
     fits_up_to = 16
-    assert launch(128256, torch.int64, 0) == ("kernel 16x128", 16, 128)
+    assert launch(128256, torch.int64, 0) == ("kernel 16x128", (16, 128, 2))
     fits_up_to = 8
-    assert launch(128256, torch.int64, 0) == ("kernel 8x256", 8, 256)
-    assert launch(32000, torch.int64, 0) == ("kernel 8x128", 8, 128)  # 8 blocks already
+    assert launch(128256, torch.int64, 0) == ("kernel 8x256", (8, 256, 0))
+    assert launch(32000, torch.int64, 0) == ("kernel 8x128", (8, 128, 0))  # 8 blocks already
     fits_up_to = 4
     assert launch(128256, torch.int64, 0) is None
     assert compiled[-2:] == [(16, 128), (8, 256)]

@@ -17,6 +17,7 @@ leaves them), goes through the Triton kernels. The math is row_step.py's, as in 
 
 import ctypes
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -30,7 +31,11 @@ _LABEL_TYPES = {torch.int64: "long long", torch.int32: "int"}
 _SOURCE = r"""
 typedef unsigned short bf16_t;
 #define NUM_WARPS (THREADS / 32)
-#define ITERS ((SLICE_VECS + THREADS - 1) / THREADS)
+#define ITERS ((SLICE_VECS + THREADS - 1) / THREADS)  // vectors per thread: i = tid + k * THREADS, k < ITERS
+// Vector k < REGISTER_COLS of each thread stays in its registers, the others in shared memory: less shared
+// memory per block, so more blocks share an SM (NOTES item 65).
+#define TILE_VECS (SLICE_VECS - REGISTER_COLS * THREADS)  // per model, in shared memory
+#define TILE_INDEX(i) ((i) - REGISTER_COLS * THREADS)  // of vector i, k >= REGISTER_COLS
 #define NUM_PARTS 5  // max, sum of exp, s.t, |s|^2, |t|^2
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h
 #define QUIET_NAN __int_as_float(0x7fc00000)
@@ -50,16 +55,12 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
 __device__ __forceinline__ void copy_async(void* shared, const void* global) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(shared_address(shared)), "l"(global) : "memory");
 }
+#define WAIT_CASE(n) case n: asm volatile("cp.async.wait_group " #n ";" ::: "memory"); break;
 __device__ __forceinline__ void wait_copies(int pending) {  // at most `pending` of this thread's groups in flight
-  switch (pending) {
-    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
-    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
-    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
-    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
-    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+  switch (pending) {  // the count is an immediate; `pending` is a constant in the unrolled loops
+    WAIT_CASE(0) WAIT_CASE(1) WAIT_CASE(2) WAIT_CASE(3) WAIT_CASE(4) WAIT_CASE(5) WAIT_CASE(6) WAIT_CASE(7)
+    WAIT_CASE(8) WAIT_CASE(9) WAIT_CASE(10) WAIT_CASE(11) WAIT_CASE(12) WAIT_CASE(13) WAIT_CASE(14)
+    default: asm volatile("cp.async.wait_group 15;" ::: "memory"); break;
   }
 }
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
@@ -104,11 +105,16 @@ __device__ __forceinline__ void reduce_warp(float* part) {
   }
 }
 
-extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS)
+#if REGISTER_COLS  // cap the registers at what MIN_BLOCKS blocks per SM leave each thread
+#define LAUNCH_BOUNDS __launch_bounds__(THREADS, MIN_BLOCKS)
+#else  // ptxas's own choice (even a minimum of 1 block changes it)
+#define LAUNCH_BOUNDS __launch_bounds__(THREADS)
+#endif
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) LAUNCH_BOUNDS
 cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, float* losses,
                  int student_stride, int teacher_stride, int ignore_index,
                  double weight_hard, double weight_soft, double beta, double inv_temp_sq) {
-  extern __shared__ uint4 tiles[];  // this block's slice: SLICE_VECS student vectors, then the teacher's
+  extern __shared__ uint4 tiles[];  // this block's slice but its register vectors: TILE_VECS student vectors, then the teacher's
   __shared__ float warp_parts[NUM_WARPS][NUM_PARTS];
   __shared__ float block_parts[NUM_PARTS];  // read by the cluster's other blocks
   __shared__ float row_coefs[6];  // row max, log sum exp, the three gradient coefficients, usable
@@ -130,13 +136,22 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
   const uint4* student_src = reinterpret_cast<const uint4*>(student_row) + first_vec;
   const uint4* teacher_src = reinterpret_cast<const uint4*>(teacher + row * teacher_stride) + first_vec;
   uint4* student_tile = tiles;
-  uint4* teacher_tile = tiles + SLICE_VECS;
+  uint4* teacher_tile = tiles + TILE_VECS;
+  uint4 student_regs[REGISTER_COLS + 1], teacher_regs[REGISTER_COLS + 1];  // + 1: no zero-length arrays
   #pragma unroll
-  for (int k = 0; k < ITERS; ++k) {  // one copy group per k, so the reduction starts on group 0 early
+  for (int k = 0; k < REGISTER_COLS; ++k) {
     const int i = tid + k * THREADS;
     if (i < slice_vecs) {
-      copy_async(student_tile + i, student_src + i);
-      copy_async(teacher_tile + i, teacher_src + i);
+      student_regs[k] = __ldcg(student_src + i);
+      teacher_regs[k] = __ldcg(teacher_src + i);
+    }
+  }
+  #pragma unroll
+  for (int k = REGISTER_COLS; k < ITERS; ++k) {  // one copy group per k, so the reduction starts on the first early
+    const int i = tid + k * THREADS;
+    if (i < slice_vecs) {
+      copy_async(student_tile + TILE_INDEX(i), student_src + i);
+      copy_async(teacher_tile + TILE_INDEX(i), teacher_src + i);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
@@ -145,12 +160,12 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
   float part[NUM_PARTS] = {NEG_INF, 0.f, 0.f, 0.f, 0.f};
   #pragma unroll
   for (int k = 0; k < ITERS; ++k) {
-    wait_copies(ITERS - 1 - k);
+    if (k >= REGISTER_COLS) wait_copies(ITERS - 1 - k);
     const int i = tid + k * THREADS;
     if (i < slice_vecs) {
       float s[8], t[8];
-      unpack(student_tile[i], s);
-      unpack(teacher_tile[i], t);
+      unpack(k < REGISTER_COLS ? student_regs[k] : student_tile[TILE_INDEX(i)], s);
+      unpack(k < REGISTER_COLS ? teacher_regs[k] : teacher_tile[TILE_INDEX(i)], t);
       float vec_max = s[0];
       #pragma unroll
       for (int j = 1; j < 8; ++j) vec_max = fmaxf(vec_max, s[j]);
@@ -227,8 +242,8 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
       const int i = tid + k * THREADS;
       if (i < slice_vecs) {
         float s[8], t[8], g[8];
-        unpack(student_tile[i], s);
-        unpack(teacher_tile[i], t);
+        unpack(k < REGISTER_COLS ? student_regs[k] : student_tile[TILE_INDEX(i)], s);
+        unpack(k < REGISTER_COLS ? teacher_regs[k] : teacher_tile[TILE_INDEX(i)], t);
         #pragma unroll
         for (int j = 0; j < 8; ++j)
           g[j] = fmaf(prob_coef, exp2_fast(fmaf(s[j], LOG2E, -scaled_shift)), fmaf(teacher_coef, t[j], student_coef * s[j]));
@@ -247,12 +262,37 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
 """
 
 
-def launch_config(vocab: int) -> tuple[int, int]:
-    """(blocks per cluster, threads per block), from the H200 sweep of item 56: about 32 KB of shared
-    memory per block (several blocks share an SM and cover each other's idle phases) and about eight
-    vectors per thread. 16 blocks is past the portable cluster size; Hopper allows it."""
+class Layout(NamedTuple):
+    """How one row spreads over a cluster: blocks, threads per block, and how many of each thread's
+    vectors stay in its registers instead of shared memory."""
+    cluster: int
+    threads: int
+    register_cols: int = 0
+
+
+def launch_config(vocab: int) -> Layout:
+    """From the H200 sweeps of items 56 and 65: about 32 KB of shared memory per block (several blocks
+    share an SM and cover each other's idle phases), about eight vectors per thread, and a few of them
+    in registers where that lets more blocks share an SM. 16 blocks is past the portable cluster size;
+    Hopper allows it."""
     cluster = 8 if _shared_bytes(vocab, 8) <= 48 * 1024 else 16
-    return cluster, 128 if _slice_vecs(vocab, cluster) <= 1024 else 256
+    threads = 128 if _slice_vecs(vocab, cluster) <= 1024 else 256
+    return Layout(cluster, threads, _register_cols(vocab, cluster, threads))
+
+
+def _register_cols(vocab: int, cluster: int, threads: int) -> int:
+    """The fewest vectors per thread in registers (at most a quarter of them, as far as item 65 measured)
+    that give the most blocks per SM, while the registers allow that many blocks: the kernel then needs
+    about 40 + 8 per register vector (ptxas spills none, tests/test_row_step_cuda.py)."""
+    def blocks(register_cols):
+        return _blocks_per_sm(_shared_bytes(vocab, cluster, threads, register_cols), threads)
+
+    best = 0
+    for register_cols in range(1, -(-_slice_vecs(vocab, cluster) // threads) // 4 + 1):
+        registers_fit = (40 + 8 * register_cols) * threads * blocks(register_cols) <= 65536
+        if registers_fit and blocks(register_cols) > blocks(best):
+            best = register_cols
+    return best
 
 
 def _slice_vecs(vocab: int, cluster: int) -> int:
@@ -260,13 +300,28 @@ def _slice_vecs(vocab: int, cluster: int) -> int:
     return -(-vocab // (8 * cluster))
 
 
-def _shared_bytes(vocab: int, cluster: int) -> int:
-    return 2 * 16 * _slice_vecs(vocab, cluster)
+def _shared_bytes(vocab: int, cluster: int, threads: int = 0, register_cols: int = 0) -> int:
+    """Dynamic shared memory per block: both models' slices but the vectors held in registers."""
+    return 2 * 16 * (_slice_vecs(vocab, cluster) - register_cols * threads)
 
 
-def source(vocab: int, label_dtype: torch.dtype, cluster: int, threads: int) -> str:
-    defines = dict(CLUSTER=cluster, THREADS=threads, VOCAB=vocab, SLICE_VECS=_slice_vecs(vocab, cluster),
-                   LABEL_T=_LABEL_TYPES[label_dtype], COSINE_EPS=f"{COSINE_EPS!r}f")
+def _blocks_per_sm(shared_bytes: int, threads: int) -> int:
+    """Blocks an SM holds by shared memory (Hopper: 228 KB per SM, 1 KB reserved per block), threads (2048)
+    and blocks (32). With vectors in registers, __launch_bounds__ caps the registers so that they allow
+    as many; without, ptxas takes what it likes (fewer than the blocks' share: tested)."""
+    static_bytes = -(-(threads // 32 * 5 + 5 + 6) * 4 // 16) * 16  # warp_parts, block_parts, row_coefs
+    return max(1, min((228 * 1024) // (shared_bytes + 1024 + static_bytes), 2048 // threads, 32))
+
+
+def source(vocab: int, label_dtype: torch.dtype, layout: Layout) -> str:
+    shared = _shared_bytes(vocab, *layout)
+    if shared < 0 or layout.register_cols < 0:
+        raise ValueError(f"{layout} holds more vectors per block in registers than the {_slice_vecs(vocab, layout.cluster)} "
+                         f"of a vocab-{vocab} slice")
+    defines = dict(CLUSTER=layout.cluster, THREADS=layout.threads, REGISTER_COLS=layout.register_cols,
+                   MIN_BLOCKS=_blocks_per_sm(shared, layout.threads), VOCAB=vocab,
+                   SLICE_VECS=_slice_vecs(vocab, layout.cluster), LABEL_T=_LABEL_TYPES[label_dtype],
+                   COSINE_EPS=f"{COSINE_EPS!r}f")
     return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _SOURCE
 
 
@@ -303,61 +358,69 @@ class _CuLaunchConfig(ctypes.Structure):  # the driver's CUlaunchConfig, for the
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, cluster: int, threads: int):
+def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, layout: Layout):
     """The compiled kernel, or None where not one cluster of it fits on the device (16 blocks need a GPC
     with 16 free SMs, which a MIG slice may not have)."""
     driver, check = torch.cuda._utils._get_gpu_runtime_library(), torch.cuda._utils._check_cuda
-    shared = _shared_bytes(vocab, cluster)
+    shared = _shared_bytes(vocab, *layout)
     with torch.cuda.device(device_index):
         try:
-            kernel = torch.cuda._compile_kernel(source(vocab, label_dtype, cluster, threads), "cluster_row_step",
+            kernel = torch.cuda._compile_kernel(source(vocab, label_dtype, layout), "cluster_row_step",
                                                 nvcc_options=["-std=c++17"])
         except RuntimeError as error:
             raise RuntimeError(f"compiling the CUDA row step (row_step_cuda.py) failed; impl='triton' runs "
                                f"without it: {error}") from error
         kernel.set_shared_memory_config(shared)
-        if cluster > 8:  # past the portable size the launch must opt in
+        if layout.cluster > 8:  # past the portable size the launch must opt in
             check(driver.cuFuncSetAttribute(kernel.func, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
-        config = _CuLaunchConfig((cluster, 1, 1), (threads, 1, 1), shared, None, None, 0)
-        clusters = ctypes.c_int()
-        check(driver.cuOccupancyMaxActiveClusters(ctypes.byref(clusters), kernel.func, ctypes.byref(config)))
-    return kernel if clusters.value > 0 else None
+        fits = max_active_clusters(kernel, layout, shared) > 0
+    return kernel if fits else None
+
+
+def max_active_clusters(kernel, layout: Layout, shared_bytes: int) -> int:
+    """Clusters of this compiled kernel the current device holds at once (the driver's occupancy query)."""
+    driver, check = torch.cuda._utils._get_gpu_runtime_library(), torch.cuda._utils._check_cuda
+    config = _CuLaunchConfig((layout.cluster, 1, 1), (layout.threads, 1, 1), shared_bytes, None, None, 0)
+    clusters = ctypes.c_int()
+    check(driver.cuOccupancyMaxActiveClusters(ctypes.byref(clusters), kernel.func, ctypes.byref(config)))
+    return clusters.value
 
 
 @functools.lru_cache(maxsize=None)
 def _launch(vocab: int, label_dtype: torch.dtype, device_index: int):
-    """(kernel, cluster, threads) at launch_config's settings, or at 8 blocks of 256 threads where 16
-    blocks do not fit; None where neither does (the Triton step runs instead)."""
-    cluster, threads = launch_config(vocab)
-    for cluster, threads in ((cluster, threads), (8, 256)) if cluster > 8 else ((cluster, threads),):
-        if _shared_bytes(vocab, cluster) <= MAX_SHARED_BYTES:
-            kernel = _kernel(vocab, label_dtype, device_index, cluster, threads)
+    """(kernel, layout) at launch_config's layout, or at 8 blocks of 256 threads where 16 blocks do not
+    fit; None where neither does (the Triton step runs instead)."""
+    layout = launch_config(vocab)
+    for layout in (layout, Layout(8, 256)) if layout.cluster > 8 else (layout,):
+        if _shared_bytes(vocab, *layout) <= MAX_SHARED_BYTES:
+            kernel = _kernel(vocab, label_dtype, device_index, layout)
             if kernel is not None:
-                return kernel, cluster, threads
+                return kernel, layout
     return None
 
 
-def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, cluster=None,
-                   threads=None) -> None:
-    """The kernel alone, for ``supported`` arguments (cluster and threads: _launch's unless both given):
-    rows whose sums overflow fp32 are left with NaN losses and their logits."""
+def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses,
+                   layout: Layout | None = None) -> None:
+    """The kernel alone, for ``supported`` arguments (layout: _launch's unless given): rows whose sums
+    overflow fp32 are left with NaN losses and their logits."""
     rows, vocab = student_logits.shape
     device = student_logits.device
-    if cluster and threads:
-        kernel = _kernel(vocab, labels.dtype, device.index, cluster, threads)
+    if layout:
+        kernel = _kernel(vocab, labels.dtype, device.index, layout)
         if kernel is None:
-            raise ValueError(f"no cluster of {cluster} blocks of {threads} threads fits on {device}")
+            raise ValueError(f"no cluster of {layout} fits on {device}")
     else:
-        kernel, cluster, threads = _launch(vocab, labels.dtype, device.index)
-    launch(kernel, cluster, threads, student_logits, teacher_logits, labels, scales, token_losses)
+        kernel, layout = _launch(vocab, labels.dtype, device.index)
+    launch(kernel, layout, student_logits, teacher_logits, labels, scales, token_losses)
 
 
-def launch(kernel, cluster, threads, student_logits, teacher_logits, labels, scales, token_losses) -> None:
+def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scales, token_losses) -> None:
     """One launch of a compiled kernel of this source (benchmarks/cluster_row_step_study.py times variants)."""
     rows, vocab = student_logits.shape
     device = student_logits.device
     with torch.cuda.device(device):  # the tensors' device and stream, whichever device is current
-        kernel(grid=(rows * cluster, 1, 1), block=(threads, 1, 1), shared_mem=_shared_bytes(vocab, cluster),
+        kernel(grid=(rows * layout.cluster, 1, 1), block=(layout.threads, 1, 1),
+               shared_mem=_shared_bytes(vocab, *layout),
                args=[student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
                      teacher_logits.stride(0), scales.ignore_index, float(scales.weight_hard),
                      float(scales.weight_soft), float(scales.beta), 1.0 / (scales.temperature * scales.temperature)],
