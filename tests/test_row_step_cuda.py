@@ -90,6 +90,8 @@ def test_launch_config_follows_the_sweep():
     assert row_step_cuda.launch_config(151936) == (16, 256, 0)
     assert row_step_cuda.launch_config(262144) == (16, 256, 2)
     assert row_step_cuda.launch_config(32000) == (8, 128, 0)
+    assert row_step_cuda.launch_config(49152) == (8, 128, 0)  # 9 blocks per SM without registers
+    assert row_step_cuda.launch_config(65536) == (8, 128, 2)  # 6 -> 9 blocks per SM
     for vocab in (8, 32000, 128256, 262144):
         cluster = row_step_cuda.launch_config(vocab).cluster
         assert 16 * 8 * cluster * row_step_cuda._slice_vecs(vocab, cluster) >= 2 * vocab  # the slices cover the row

@@ -283,10 +283,14 @@ def launch_config(vocab: int) -> Layout:
 def _register_cols(vocab: int, cluster: int, threads: int) -> int:
     """The fewest vectors per thread in registers (at most a quarter of them, as far as item 65 measured)
     that give the most blocks per SM, while the registers allow that many blocks: the kernel then needs
-    about 40 + 8 per register vector (ptxas spills none, tests/test_row_step_cuda.py)."""
+    about 40 + 8 per register vector (ptxas spills none, tests/test_row_step_cuda.py). None where the
+    shared memory alone lets 8 blocks share an SM: there the synchronous register loads cost more than a
+    ninth or tenth block gains (item 65, V = 49152)."""
     def blocks(register_cols):
         return _blocks_per_sm(_shared_bytes(vocab, cluster, threads, register_cols), threads)
 
+    if blocks(0) >= 8:
+        return 0
     best = 0
     for register_cols in range(1, -(-_slice_vecs(vocab, cluster) // threads) // 4 + 1):
         registers_fit = (40 + 8 * register_cols) * threads * blocks(register_cols) <= 65536
