@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Session 14 GPU call F: issue 3's other shapes on the final code (ours, Liger, floor); V = 262144 three rounds.
+set -u
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+R=$OUT/r; mkdir -p $R
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:src
+run() { name=$1; limit=$2; shift 2; echo "== $name"; timeout $limit "$@" > $R/$name.log 2>&1; echo "rc=$?" >> $R/$name.log; tail -${TAIL:-2} $R/$name.log; }
+run v262144 180 python3 -m cosdistill bench --device cuda --providers ours,liger,floor --rounds 3 --tokens 4096 --vocab 262144 --hidden 2048 --markdown $R/v262144.md --json $R/v262144.json
+run v32000 80 python3 -m cosdistill bench --device cuda --providers ours,liger,floor --tokens 4096 --vocab 32000 --hidden 4096 --markdown $R/v32000.md --json $R/v32000.json
+run v151936 100 python3 -m cosdistill bench --device cuda --providers ours,liger,floor --tokens 4096 --vocab 151936 --hidden 3584 --markdown $R/v151936.md --json $R/v151936.json
+run t3000 80 python3 -m cosdistill bench --device cuda --providers ours,liger,floor --tokens 3000 --markdown $R/t3000.md --json $R/t3000.json
+grep -hE "^\| (ours|liger|floor) " $R/v*.md $R/t3000.md
+tar czf $OUT/results.tgz -C $R . && rm -rf $R
