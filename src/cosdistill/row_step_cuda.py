@@ -5,6 +5,8 @@ row's statistics and once for its gradient, because a row (0.5 MB at V = 128256)
 SM. Here a cluster of 8 or 16 thread blocks on as many SMs holds one row in their shared memory: each
 block copies its slice of the row in (cp.async), reduces its partial statistics, the blocks exchange
 them through distributed shared memory, and each writes its slice's d loss / d s from shared memory.
+Where it lets more blocks share an SM, part of each slice stays in the threads' registers instead
+(``Layout.register_cols``, item 65).
 HBM moves two reads and one write per logit pair instead of four reads and one write
 (benchmarks/NOTES.md item 56). Triton 3.6 cannot express clusters (item 50); NVRTC ships with torch's
 CUDA build (``torch.cuda._compile_kernel``), so users need no compiler.
