@@ -6,11 +6,8 @@ per 1024 rows at the seed vocab against the Triton kernel's 0.32 (range 0.19-0.3
 between its copy, the cluster's exchange and its writes; 3 blocks share an SM to cover it); V = 262144
 0.40 against 0.64 (range 0.40-0.60: 128 KB of shared memory per block leaves one block per SM).
 
-    PYTHONPATH=src python benchmarks/cluster_row_step_study.py [--launches 16:256:2 8:128 ...] [--vocabs V ...] [--in-step]
-        [--old SRC] [--stagger VOCAB:ROWS:NS ...] [--softcap C] [--logit-scale A]
-
-``--softcap`` / ``--logit-scale`` run everything with both heads' logits scaled by A (the teacher's by
-2A) and softcapped at C (the teacher's at 1.5C), as Gemma-2 / Cohere heads are (item 66).
+    PYTHONPATH=src python benchmarks/cluster_row_step_study.py [--launches 16:256 8:128 ...] [--vocabs V ...] [--in-step]
+        [--old SRC] [--stagger VOCAB:ROWS:NS ...]
 
 ``--stagger`` (item 60) times a variant whose first ROWS rows (one wave of clusters) sleep row * NS
 nanoseconds before they start, so that the blocks sharing an SM stop moving through their phases
@@ -18,7 +15,6 @@ together; later clusters take the freed slots and keep the offsets.
 """
 
 import argparse
-import dataclasses
 import importlib
 import statistics
 import sys
@@ -66,8 +62,7 @@ def staggered_step(vocab):
     sleep = f"\n  if (row < {rows}) __nanosleep((unsigned)row * {ns}u);"
     source = row_step_cuda._SOURCE.replace("const int tid = threadIdx.x;", "const int tid = threadIdx.x;" + sleep, 1)
     with mock.patch.object(row_step_cuda, "_SOURCE", source):
-        kernel = row_step_cuda._kernel.__wrapped__(vocab, torch.int64, torch.cuda.current_device(), layout,
-                                                   row_step_cuda.logit_transform(SCALES))
+        kernel = row_step_cuda._kernel.__wrapped__(vocab, torch.int64, torch.cuda.current_device(), layout)
 
     def step(student, teacher, labels, scales, losses, write_grad=True):
         row_step_cuda.launch(kernel, layout, student, teacher, labels, scales, losses)
@@ -138,8 +133,7 @@ def timing(vocabs, configs):
             step = cuda_step(launch)
             ms = timed(lambda: (scratch.copy_(student), step(scratch, teacher, labels, SCALES, losses))) - copy_ms
             layout = launch or row_step_cuda.launch_config(vocab)
-            kernel = row_step_cuda._kernel(vocab, labels.dtype, torch.cuda.current_device(), layout,
-                                           row_step_cuda.logit_transform(SCALES))
+            kernel = row_step_cuda._kernel(vocab, labels.dtype, torch.cuda.current_device(), layout)
             clusters = row_step_cuda.max_active_clusters(kernel, layout, row_step_cuda._shared_bytes(vocab, *layout))
             print(f"vocab={vocab}: cuda step {launch or 'launch_config'} {ms:.3f} ms, "
                   f"{3 * one_pass / ms / 1e9:.2f} TB/s of its 3 passes, {clusters} clusters at once", flush=True)
@@ -187,12 +181,7 @@ def main():
     parser.add_argument("--vocabs", type=int, nargs="+", default=[128256, 262144, 151936, 32000])
     parser.add_argument("--old", help="a src folder whose cosdistill.row_step_cuda is timed beside this one")
     parser.add_argument("--stagger", nargs="+", default=[], help="VOCAB:ROWS:NS variants to time (item 60)")
-    parser.add_argument("--softcap", type=float, help="the student's softcap (the teacher's: 1.5 times it)")
-    parser.add_argument("--logit-scale", type=float, default=1.0, help="the student's logit scale (the teacher's: twice it)")
     args = parser.parse_args()
-    global SCALES
-    SCALES = dataclasses.replace(SCALES, student_softcap=args.softcap, teacher_softcap=args.softcap and 1.5 * args.softcap,
-                                 student_logit_scale=args.logit_scale, teacher_logit_scale=2 * args.logit_scale)
     for text in args.stagger:
         vocab, rows, ns = map(int, text.split(":"))
         STAGGERS[vocab] = rows, ns
@@ -202,7 +191,7 @@ def main():
         from ab_study import load_old
         load_old(args.old)
         OLD_STEP = importlib.import_module("cosdistill_old.row_step_cuda").row_step_cuda
-    print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), SCALES, flush=True)
+    print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), flush=True)
     configs = [None] + [row_step_cuda.Layout(*map(int, text.split(":"))) for text in args.launches or []]
     for launch in configs:
         print(f"correctness, {launch or 'launch_config'}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 14 GPU call I: item 66, the CUDA row step with softcaps and logit scales compiled in: the study's
-# checks and timings with Gemma-2 style caps (student 30, teacher 45) and logit scales (0.5 / 1.0) against
-# the Triton step (435ab5f's "cuda" falls back to it there); gpu_check; GPU fuzz.
+# Session 14 GPU call I (ran on commit a916c42, since reverted): item 66, the CUDA row step with softcaps and
+# logit scales compiled in: the study's checks and timings with Gemma-2 style caps (student 30, teacher 45)
+# and logit scales (0.5 / 1.0) against the Triton step (the kernel's fallback there); gpu_check; GPU fuzz.
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 R=$OUT/r; mkdir -p $R

@@ -12,15 +12,13 @@ HBM moves two reads and one write per logit pair instead of four reads and one w
 CUDA build (``torch.cuda._compile_kernel``), so users need no compiler.
 
 Only the common case takes this path (``supported``): bf16 logits of one vocabulary size V (a multiple
-of 8), gradients wanted, no fp16 lifts or vocabulary split; softcaps and logit scales are compiled in as
-constants. Everything else, and
+of 8), gradients wanted, no softcap, logit scale, fp16 lifts or vocabulary split. Everything else, and
 rows whose sums overflow fp32 (left untouched with NaN losses, as the Triton kernel's first launch
 leaves them), goes through the Triton kernels. The math is row_step.py's, as in the Triton twin.
 """
 
 import ctypes
 import functools
-import math
 from typing import NamedTuple
 
 import torch
@@ -87,19 +85,6 @@ __device__ __forceinline__ void unpack(uint4 v, float* x) {
     x[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
   }
 }
-// Logits as the loss sees them (row_step.py's scale_and_softcap): times the logit scale, then softcapped.
-// The scales and caps are compile-time constants (a cap of 0: none), so the plain kernel has no trace of it.
-__device__ __forceinline__ float transformed(float x, float scale, float cap) {
-  x *= scale;
-  return cap != 0.f ? cap * tanhf(x / cap) : x;
-}
-__device__ __forceinline__ void transform(float* x, float scale, float cap) {
-  #pragma unroll
-  for (int j = 0; j < 8; ++j) x[j] = transformed(x[j], scale, cap);
-}
-__device__ __forceinline__ float softcap_slope(float capped, float cap) {  // d(c tanh(z / c)) / dz
-  return cap != 0.f ? 1.f - (capped / cap) * (capped / cap) : 1.f;
-}
 __device__ __forceinline__ unsigned pack(float lo, float hi) {  // round to nearest even, as .to(bf16)
   unsigned r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -149,8 +134,7 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
     if (rank == 0 && tid == 0) losses[2 * row] = losses[2 * row + 1] = 0.f;
     return;
   }
-  const float target = (rank == 0 && tid == 0) ?
-      transformed(__uint_as_float((unsigned)student_row[label] << 16), STUDENT_SCALE, STUDENT_CAP) : 0.f;
+  const float target = (rank == 0 && tid == 0) ? __uint_as_float((unsigned)student_row[label] << 16) : 0.f;
   const uint4* student_src = reinterpret_cast<const uint4*>(student_row) + first_vec;
   const uint4* teacher_src = reinterpret_cast<const uint4*>(teacher + row * teacher_stride) + first_vec;
   uint4* student_tile = tiles;
@@ -184,8 +168,6 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
       float s[8], t[8];
       unpack(k < REGISTER_COLS ? student_regs[k] : student_tile[TILE_INDEX(i)], s);
       unpack(k < REGISTER_COLS ? teacher_regs[k] : teacher_tile[TILE_INDEX(i)], t);
-      transform(s, STUDENT_SCALE, STUDENT_CAP);
-      transform(t, TEACHER_SCALE, TEACHER_CAP);
       float vec_max = s[0];
       #pragma unroll
       for (int j = 1; j < 8; ++j) vec_max = fmaxf(vec_max, s[j]);
@@ -264,8 +246,6 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
         float s[8], t[8], g[8];
         unpack(k < REGISTER_COLS ? student_regs[k] : student_tile[TILE_INDEX(i)], s);
         unpack(k < REGISTER_COLS ? teacher_regs[k] : teacher_tile[TILE_INDEX(i)], t);
-        transform(s, STUDENT_SCALE, STUDENT_CAP);
-        transform(t, TEACHER_SCALE, TEACHER_CAP);
         #pragma unroll
         for (int j = 0; j < 8; ++j)
           g[j] = fmaf(prob_coef, exp2_fast(fmaf(s[j], LOG2E, -scaled_shift)), fmaf(teacher_coef, t[j], student_coef * s[j]));
@@ -275,11 +255,6 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
             if (j == label % 8)
               g[j] = prob_coef * (expf((s[j] - row_max) - log_sum_exp) - 1.f) + teacher_coef * t[j] + student_coef * s[j];
         }
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {  // back through the softcap and the logit scale
-          g[j] *= softcap_slope(s[j], STUDENT_CAP);
-          g[j] *= STUDENT_SCALE;
-        }
         grad_out[i] = make_uint4(pack(g[0], g[1]), pack(g[2], g[3]), pack(g[4], g[5]), pack(g[6], g[7]));
       }
     }
@@ -287,16 +262,6 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
   cluster_wait();  // no block leaves while another may still read its parts
 }
 """
-
-
-PLAIN_LOGITS = (1.0, 0.0, 1.0, 0.0)
-
-
-def logit_transform(scales: RowStepScales) -> tuple[float, float, float, float]:
-    """(student logit scale, student softcap, teacher logit scale, teacher softcap), 0.0 for no softcap:
-    compiled into the kernel as constants."""
-    return (scales.student_logit_scale, scales.student_softcap or 0.0, scales.teacher_logit_scale,
-            scales.teacher_softcap or 0.0)
 
 
 class Layout(NamedTuple):
@@ -354,8 +319,7 @@ def _blocks_per_sm(shared_bytes: int, threads: int) -> int:
     return max(1, min((228 * 1024) // (shared_bytes + 1024 + static_bytes), 2048 // threads, 32))
 
 
-def source(vocab: int, label_dtype: torch.dtype, layout: Layout, logit_transform=PLAIN_LOGITS) -> str:
-    """The kernel for one vocabulary size, label dtype, layout and logit transform (see logit_transform)."""
+def source(vocab: int, label_dtype: torch.dtype, layout: Layout) -> str:
     shared = _shared_bytes(vocab, *layout)
     if shared < 0 or layout.register_cols < 0:
         raise ValueError(f"{layout} holds more vectors per block in registers than the {_slice_vecs(vocab, layout.cluster)} "
@@ -363,9 +327,7 @@ def source(vocab: int, label_dtype: torch.dtype, layout: Layout, logit_transform
     defines = dict(CLUSTER=layout.cluster, THREADS=layout.threads, REGISTER_COLS=layout.register_cols,
                    MIN_BLOCKS=_blocks_per_sm(shared, layout.threads), VOCAB=vocab,
                    SLICE_VECS=_slice_vecs(vocab, layout.cluster), LABEL_T=_LABEL_TYPES[label_dtype],
-                   COSINE_EPS=f"{COSINE_EPS!r}f", **{name: f"{value!r}f" for name, value in
-                                                    zip(("STUDENT_SCALE", "STUDENT_CAP", "TEACHER_SCALE", "TEACHER_CAP"),
-                                                        logit_transform)})
+                   COSINE_EPS=f"{COSINE_EPS!r}f")
     return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _SOURCE
 
 
@@ -377,8 +339,9 @@ def available(device: torch.device) -> bool:
 
 def applies(dtype: torch.dtype, vocab_student: int, vocab_teacher: int, scales: RowStepScales) -> bool:
     """Whether the kernel computes row_step.py's step for logits of this kind (layout and device aside)."""
-    plain = (scales.vocab_start == 0 and scales.vocab_student_total in (None, vocab_student)
-             and -2**31 <= scales.ignore_index < 2**31 and all(map(math.isfinite, logit_transform(scales))))
+    plain = (scales.student_softcap is None and scales.teacher_softcap is None and scales.student_logit_scale == 1.0
+             and scales.teacher_logit_scale == 1.0 and scales.vocab_start == 0
+             and scales.vocab_student_total in (None, vocab_student) and -2**31 <= scales.ignore_index < 2**31)
     return (plain and dtype == torch.bfloat16 and vocab_student == vocab_teacher and vocab_student % 8 == 0
             and _shared_bytes(vocab_student, 16) <= MAX_SHARED_BYTES)
 
@@ -401,14 +364,14 @@ class _CuLaunchConfig(ctypes.Structure):  # the driver's CUlaunchConfig, for the
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, layout: Layout, transform=PLAIN_LOGITS):
+def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, layout: Layout):
     """The compiled kernel, or None where not one cluster of it fits on the device (16 blocks need a GPC
     with 16 free SMs, which a MIG slice may not have)."""
     driver, check = torch.cuda._utils._get_gpu_runtime_library(), torch.cuda._utils._check_cuda
     shared = _shared_bytes(vocab, *layout)
     with torch.cuda.device(device_index):
         try:
-            kernel = torch.cuda._compile_kernel(source(vocab, label_dtype, layout, transform), "cluster_row_step",
+            kernel = torch.cuda._compile_kernel(source(vocab, label_dtype, layout), "cluster_row_step",
                                                 nvcc_options=["-std=c++17"])
         except RuntimeError as error:
             raise RuntimeError(f"compiling the CUDA row step (row_step_cuda.py) failed; impl='triton' runs "
@@ -430,13 +393,13 @@ def max_active_clusters(kernel, layout: Layout, shared_bytes: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _launch(vocab: int, label_dtype: torch.dtype, device_index: int, transform=PLAIN_LOGITS):
+def _launch(vocab: int, label_dtype: torch.dtype, device_index: int):
     """(kernel, layout) at launch_config's layout, or at 8 blocks of 256 threads where 16 blocks do not
     fit; None where neither does (the Triton step runs instead)."""
     layout = launch_config(vocab)
     for layout in (layout, Layout(8, 256)) if layout.cluster > 8 else (layout,):
         if _shared_bytes(vocab, *layout) <= MAX_SHARED_BYTES:
-            kernel = _kernel(vocab, label_dtype, device_index, layout, transform)
+            kernel = _kernel(vocab, label_dtype, device_index, layout)
             if kernel is not None:
                 return kernel, layout
     return None
@@ -449,11 +412,11 @@ def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales
     rows, vocab = student_logits.shape
     device = student_logits.device
     if layout:
-        kernel = _kernel(vocab, labels.dtype, device.index, layout, logit_transform(scales))
+        kernel = _kernel(vocab, labels.dtype, device.index, layout)
         if kernel is None:
             raise ValueError(f"no cluster of {layout} fits on {device}")
     else:
-        kernel, layout = _launch(vocab, labels.dtype, device.index, logit_transform(scales))
+        kernel, layout = _launch(vocab, labels.dtype, device.index)
     launch(kernel, layout, student_logits, teacher_logits, labels, scales, token_losses)
 
 
@@ -474,8 +437,8 @@ def row_step_cuda(student_logits, teacher_logits, labels, scales: RowStepScales,
                   grad_lifts=None) -> None:
     """row_step.row_step_torch: this kernel and the Triton RESCUE launch where ``supported``, else Triton."""
     if not (supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts)
-            and token_losses.is_contiguous() and _launch(student_logits.shape[1], labels.dtype, student_logits.device.index,
-                                                          logit_transform(scales)) is not None):
+            and token_losses.is_contiguous() and _launch(student_logits.shape[1], labels.dtype,
+                                                          student_logits.device.index) is not None):
         row_step_triton(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts)
         return
     cluster_kernel(student_logits, teacher_logits, labels, scales, token_losses)
