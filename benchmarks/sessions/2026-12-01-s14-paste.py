@@ -1,4 +1,5 @@
-"""Session 14's BENCHMARKS.md section, pasted from the result files (run once from the repository root)."""
+"""Session 14's BENCHMARKS.md section, pasted from the result files (from the repository root; a second run
+replaces the section it pasted)."""
 import re
 from pathlib import Path
 
@@ -21,8 +22,8 @@ def main():
 
 Change (NOTES item 65): the CUDA row step holds part of each block's row slice in registers where that
 lets more blocks share an SM (`row_step_cuda.Layout.register_cols`, chosen by `launch_config`).
-Scripts: `benchmarks/sessions/2026-12-01-s14a.sh` .. `-s14h.sh`; raw outputs:
-`benchmarks/results/2026-12-01-s14{{a..h}}/`.
+Scripts: `benchmarks/sessions/2026-12-01-s14a.sh` .. `-s14i.sh`; raw outputs:
+`benchmarks/results/2026-12-01-s14{{a..i}}/`.
 
 ### Final bench, full step and no-grad forward on the same tensors, three settled rounds (s14g: `python3 -m cosdistill bench --device cuda --rounds 3 --mode full,forward --json .. --markdown .. --plot ..`)
 
@@ -62,11 +63,23 @@ gpu_check's "row step cuda vs torch" rows run the CUDA kernel for the first time
 {block(['s14a (the new source, no register vectors yet):'], lines('2026-12-01-s14a/gpu_check.log', r'row step cuda|PASSED|FAILED|seed accum'),
        ['s14b (the adopted layouts):'], lines('2026-12-01-s14b/gpu_check.log', r'row step cuda|PASSED|FAILED'))}
 {(R / '2026-12-01-s14b/fuzz/fuzz.md').read_text()}
+### Tried and reverted: the CUDA row step with softcaps and logit scales compiled in (NOTES item 66; s14i, commit a916c42: {study} `--in-step --softcap 30 --logit-scale 0.5 --vocabs 256000 128256 262144`, "triton" is the step the library keeps there)
+
+{block(lines('2026-12-01-s14i/study.log', rows))}
+Its correctness on the H200 (s14i: the study's checks, then gpu_check and `benchmarks/gpu_fuzz.py --seed 17 --cases 60` on that commit):
+
+{block(lines('2026-12-01-s14i/study.log', r'^(rows=|int32|overflow).* cuda:'),
+       lines('2026-12-01-s14i/gpu_check.log', r'row step cuda|PASSED|FAILED'))}
+{(R / '2026-12-01-s14i/fuzz/fuzz.md').read_text()}
 """
     path = Path("BENCHMARKS.md")
     text = path.read_text()
     marker = "## 2026-11-30 session 13, NVIDIA H200 (single), torch 2.11.0+cu130, Triton 3.6.0 — current code"
-    assert marker in text and "session 14" not in text
+    pasted = "## 2026-12-01 session 14,"
+    if pasted in text:  # a second run: drop the section pasted before
+        before = marker.replace("current code", "before session 14")
+        text = text[:text.index(pasted)] + marker + text[text.index(before) + len(before):]
+    assert marker in text
     text = text.replace(marker, section + "\n" + marker.replace("current code", "before session 14"))
     path.write_text(text)
 
