@@ -22,8 +22,8 @@ def main():
 
 Change (NOTES item 65): the CUDA row step holds part of each block's row slice in registers where that
 lets more blocks share an SM (`row_step_cuda.Layout.register_cols`, chosen by `launch_config`).
-Scripts: `benchmarks/sessions/2026-12-01-s14a.sh` .. `-s14i.sh`; raw outputs:
-`benchmarks/results/2026-12-01-s14{{a..i}}/`.
+Scripts: `benchmarks/sessions/2026-12-01-s14a.sh` .. `-s14j.sh`; raw outputs:
+`benchmarks/results/2026-12-01-s14{{a..j}}/`.
 
 ### Final bench, full step and no-grad forward on the same tensors, three settled rounds (s14g: `python3 -m cosdistill bench --device cuda --rounds 3 --mode full,forward --json .. --markdown .. --plot ..`)
 
@@ -56,6 +56,9 @@ s14c and s14d, more warps per SM and 8-block clusters at V = 262144 (and 200064)
 s14e, a gradient loop that takes the label's entry first (fewer registers; slower, reverted), against 435ab5f:
 
 {block(lines('2026-12-01-s14e/study_v262144.log', rows), lines('2026-12-01-s14e/study_v128256.log', rows), lines('2026-12-01-s14e/study_v151936.log', rows))}
+s14j, a label fix-up that re-reads its two logits from the packed vectors (`benchmarks/sessions/2026-12-01-s14j-patch.py` applied to this tree, which runs as `--old`; not adopted):
+
+{block(lines('2026-12-01-s14j/study_v262144.log', rows), lines('2026-12-01-s14j/study_v128256.log', rows))}
 ### Correctness on the H200 (`python3 benchmarks/gpu_check.py --seed-tokens 4096` in s14a and s14b; GPU fuzz s14b: `--seed 16 --cases 80`; the study's checks before each timing)
 
 gpu_check's "row step cuda vs torch" rows run the CUDA kernel for the first time (NOTES item 64).
