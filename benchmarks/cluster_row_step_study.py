@@ -8,6 +8,7 @@ between its copy, the cluster's exchange and its writes; 3 blocks share an SM to
 
     PYTHONPATH=src python benchmarks/cluster_row_step_study.py [--launches 16:256 8:128 ...] [--vocabs V ...] [--in-step]
         [--old SRC] [--stagger VOCAB:ROWS:NS ...]
+        [--rows 512 1024] [--ignored 0.5]
 
 ``--stagger`` (item 60) times a variant whose first ROWS rows (one wave of clusters) sleep row * NS
 nanoseconds before they start, so that the blocks sharing an SM stop moving through their phases
@@ -43,12 +44,24 @@ def inputs(rows, vocab, pad=0, label_dtype=torch.int64, seed=0):
     return student, teacher, labels.to(label_dtype)
 
 
+def launched_layout(vocab):
+    return row_step_cuda._launch(vocab, torch.int64, torch.cuda.current_device())[1]
+
+
 def fits(vocab, launch):
-    return launch is None or 0 <= row_step_cuda._shared_bytes(vocab, *launch) <= row_step_cuda.MAX_SHARED_BYTES
+    """Whether the layout holds a vocab-sized row and compiles to a kernel that fits without spilling."""
+    if launch is None:
+        return True
+    if not 0 <= row_step_cuda._shared_bytes(vocab, *launch) <= row_step_cuda.MAX_SHARED_BYTES:
+        return False
+    if row_step_cuda._kernel(vocab, torch.int64, torch.cuda.current_device(), launch) is None:
+        print(f"vocab={vocab}: {launch} has no kernel (it spills, or no cluster fits)", flush=True)
+        return False
+    return True
 
 
 def cuda_step(launch):
-    """The kernel at launch, a row_step_cuda.Layout (None: launch_config's), and the Triton RESCUE launch."""
+    """The kernel at launch, a row_step_cuda.Layout (None: _launch's), and the Triton RESCUE launch."""
     def step(student, teacher, labels, scales, losses, write_grad=True):
         row_step_cuda.cluster_kernel(student, teacher, labels, scales, losses, launch)
         row_step_triton(student, teacher, labels, scales, losses, True, rescue_only=True)
@@ -56,9 +69,9 @@ def cuda_step(launch):
 
 
 def staggered_step(vocab):
-    """launch_config's kernel with item 60's sleep for the first wave, and the Triton RESCUE launch."""
+    """_launch's kernel with item 60's sleep for the first wave, and the Triton RESCUE launch."""
     rows, ns = STAGGERS[vocab]
-    layout = row_step_cuda.launch_config(vocab)
+    layout = launched_layout(vocab)
     sleep = f"\n  if (row < {rows}) __nanosleep((unsigned)row * {ns}u);"
     source = row_step_cuda._SOURCE.replace("const int tid = threadIdx.x;", "const int tid = threadIdx.x;" + sleep, 1)
     with mock.patch.object(row_step_cuda, "_SOURCE", source):
@@ -114,8 +127,8 @@ def timing(vocabs, configs):
 
         copy_ms = timed(lambda: scratch.copy_(student))
         one_pass = student.numel() * 2
-        print(f"vocab={vocab}: copy {copy_ms:.3f} ms ({2 * one_pass / copy_ms / 1e9:.2f} TB/s); launch_config "
-              f"{row_step_cuda.launch_config(vocab)}", flush=True)
+        print(f"vocab={vocab}: copy {copy_ms:.3f} ms ({2 * one_pass / copy_ms / 1e9:.2f} TB/s); launched "
+              f"{launched_layout(vocab)} of {row_step_cuda.launch_configs(vocab)}", flush=True)
         ms = timed(lambda: (scratch.copy_(student), row_step_triton(scratch, teacher, labels, SCALES, losses, True))) - copy_ms
         print(f"vocab={vocab}: triton {ms:.3f} ms, {5 * one_pass / ms / 1e9:.2f} TB/s of its 5 passes", flush=True)
         if OLD_STEP:
@@ -132,27 +145,29 @@ def timing(vocabs, configs):
         for launch in filter(lambda launch: fits(vocab, launch), configs):
             step = cuda_step(launch)
             ms = timed(lambda: (scratch.copy_(student), step(scratch, teacher, labels, SCALES, losses))) - copy_ms
-            layout = launch or row_step_cuda.launch_config(vocab)
+            layout = launch or launched_layout(vocab)
             kernel = row_step_cuda._kernel(vocab, labels.dtype, torch.cuda.current_device(), layout)
             clusters = row_step_cuda.max_active_clusters(kernel, layout, row_step_cuda._shared_bytes(vocab, *layout))
-            print(f"vocab={vocab}: cuda step {launch or 'launch_config'} {ms:.3f} ms, "
-                  f"{3 * one_pass / ms / 1e9:.2f} TB/s of its 3 passes, {clusters} clusters at once", flush=True)
+            print(f"vocab={vocab}: cuda step {launch or 'launched'} {ms:.3f} ms, "
+                  f"{3 * one_pass / ms / 1e9:.2f} TB/s of its 3 passes, {clusters} clusters at once, "
+                  f"{row_step_cuda.kernel_attribute(kernel, row_step_cuda._NUM_REGS)} registers", flush=True)
 
 
-def in_step_timing(vocabs, configs, hidden=4096, calls=60):
+def in_step_timing(vocabs, configs, rows=1024, ignored=0.0, hidden=4096, calls=60):
     """Each step timed by CUDA events right after a teacher-sized logits GEMM into its teacher buffer, as in
     the chunk loop: the GPU at the clocks and the L2 state the step meets there (the power cap, item 40)."""
     for vocab in vocabs:
-        student, teacher, labels = inputs(1024, vocab)
+        student, teacher, labels = inputs(rows, vocab)
         labels[labels == SCALES.ignore_index] = 5
-        hidden_rows = torch.randn(1024, hidden, device="cuda", dtype=torch.bfloat16)
+        labels[:int(rows * ignored)] = SCALES.ignore_index  # a masked prompt, ignored rows first
+        hidden_rows = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
         weight = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
-        scratch, losses = student.clone(), torch.empty(1024, 2, device="cuda")
+        scratch, losses = student.clone(), torch.empty(rows, 2, device="cuda")
         steps = [("triton", lambda: row_step_triton(scratch, teacher, labels, SCALES, losses, True))]
         if OLD_STEP:
             steps.append(("--old cuda", lambda: OLD_STEP(scratch, teacher, labels, SCALES, losses, True)))
         for launch in filter(lambda launch: fits(vocab, launch), configs):
-            steps.append((f"cuda {launch or 'launch_config'}",
+            steps.append((f"cuda {launch or 'launched'}",
                           lambda step=cuda_step(launch): step(scratch, teacher, labels, SCALES, losses)))
         if vocab in STAGGERS:
             steps.append((f"cuda staggered {STAGGERS[vocab]}",
@@ -170,15 +185,17 @@ def in_step_timing(vocabs, configs, hidden=4096, calls=60):
                 if call >= 5:
                     times[name].append(start.elapsed_time(stop))
         for name, values in times.items():
-            print(f"in step, vocab={vocab}: {name} {statistics.median(values):.3f} ms (median of {calls})", flush=True)
+            print(f"in step, vocab={vocab}, rows={rows}, ignored={ignored}: {name} {statistics.median(values):.3f} ms (median of {calls})", flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--launches", nargs="+",
-                        help="CLUSTER:THREADS[:REGISTER_COLS] layouts timed beside launch_config's")
+                        help="CLUSTER:THREADS[:REGISTER_COLS] layouts timed beside the one _launch picks")
     parser.add_argument("--in-step", action="store_true", help="also time each step right after a logits GEMM")
     parser.add_argument("--vocabs", type=int, nargs="+", default=[128256, 262144, 151936, 32000])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1024], help="rows per step timed in step")
+    parser.add_argument("--ignored", type=float, default=0.0, help="fraction of ignored rows timed in step")
     parser.add_argument("--old", help="a src folder whose cosdistill.row_step_cuda is timed beside this one")
     parser.add_argument("--stagger", nargs="+", default=[], help="VOCAB:ROWS:NS variants to time (item 60)")
     args = parser.parse_args()
@@ -194,11 +211,12 @@ def main():
     print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), flush=True)
     configs = [None] + [row_step_cuda.Layout(*map(int, text.split(":"))) for text in args.launches or []]
     for launch in configs:
-        print(f"correctness, {launch or 'launch_config'}")
+        print(f"correctness, {launch or 'launched'}")
         correctness(launch)
     timing(args.vocabs, configs)
     if args.in_step:
-        in_step_timing(args.vocabs, configs)
+        for rows in args.rows:
+            in_step_timing(args.vocabs, configs, rows, args.ignored)
 
 
 if __name__ == "__main__":

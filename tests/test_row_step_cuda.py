@@ -4,6 +4,7 @@ computes exactly the spec. Its results are checked on the H200 (benchmarks/gpu_c
 cluster_row_step_study.py)."""
 
 import ctypes
+import re
 import subprocess
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def nvrtc_compile(source: str) -> str:
 @pytest.mark.parametrize("vocab", [8, 1000, 32000, 128256, 151936, 262144])
 @pytest.mark.parametrize("label_dtype", [torch.int64, torch.int32])
 def test_source_compiles_for_hopper_without_local_memory(vocab, label_dtype):
-    layout = row_step_cuda.launch_config(vocab)
+    layout = row_step_cuda.launch_configs(vocab)[0]
     ptx = nvrtc_compile(row_step_cuda.source(vocab, label_dtype, layout))
     assert f".reqnctapercluster {layout.cluster}, 1, 1" in ptx
     assert ".local" not in ptx  # g[j] at a run-time index once put the gradient on the stack
@@ -60,18 +61,30 @@ def test_register_layouts_compile_without_local_memory(vocab, layout):
     assert f".maxntid {layout.threads}, 1, 1" in ptx and ".minnctapersm" in ptx
 
 
-@pytest.mark.parametrize("vocab", [1000, 32000, 49152, 65536, 98304, 100352, 128256, 151936, 200064, 256000, 262144,
-                                   400000, 819200])
-def test_launch_config_spills_no_registers(vocab, tmp_path):
-    """ptxas (Triton's, for sm_90) within the registers __launch_bounds__ leaves at launch_config's layout."""
+def spill_bytes(source: str, tmp_path) -> int:
+    """Bytes of registers spilled by ptxas (Triton's, for sm_90) within the kernel's __launch_bounds__."""
     import triton
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    (tmp_path / "row_step.ptx").write_text(nvrtc_compile(row_step_cuda.source(vocab, torch.int64,
-                                                                             row_step_cuda.launch_config(vocab))))
+    (tmp_path / "row_step.ptx").write_text(nvrtc_compile(source))
     result = subprocess.run([str(ptxas), "-arch=sm_90", "-v", str(tmp_path / "row_step.ptx"), "-o",
                              str(tmp_path / "row_step.cubin")], capture_output=True, text=True, check=True)
-    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in result.stderr, result.stderr
+    return int(re.search(r"(\d+) bytes spill stores", result.stderr).group(1))
+
+
+# launch_configs' first layout that this ptxas compiles without a spill, as _launch picks on the GPU
+LAUNCHED = {1000: (8, 128, 0), 32000: (8, 128, 0), 49152: (8, 128, 0), 65536: (8, 128, 2), 98304: (8, 192, 2),
+            100352: (16, 128, 0), 128256: (16, 128, 2), 151936: (16, 160, 2), 200064: (16, 160, 3),
+            256000: (16, 224, 3), 262144: (16, 224, 3), 400000: (16, 256, 3), 819200: (16, 256, 0)}
+
+
+@pytest.mark.parametrize("vocab", LAUNCHED)
+def test_launch_picks_the_first_layout_without_a_spill(vocab, tmp_path):
+    layouts = row_step_cuda.launch_configs(vocab)
+    assert layouts[-1].register_cols == 0  # no __launch_bounds__ minimum: ptxas picks its own registers
+    spilled = [spill_bytes(row_step_cuda.source(vocab, torch.int64, layout), tmp_path) for layout in layouts]
+    assert spilled[-1] == 0
+    assert layouts[spilled.index(0)] == LAUNCHED[vocab], list(zip(layouts, spilled))
 
 
 def test_register_columns_shrink_the_shared_slice():
@@ -84,17 +97,19 @@ def test_register_columns_shrink_the_shared_slice():
         row_step_cuda.source(1000, torch.int64, row_step_cuda.Layout(8, 32, 1))
 
 
-def test_launch_config_follows_the_sweep():
-    # items 56 and 65: 32 KB-ish of shared memory per block, ~8 vectors per thread, a few in registers
-    assert row_step_cuda.launch_config(128256) == (16, 128, 2)
-    assert row_step_cuda.launch_config(151936) == (16, 256, 0)
-    assert row_step_cuda.launch_config(262144) == (16, 256, 2)
-    assert row_step_cuda.launch_config(32000) == (8, 128, 0)
-    assert row_step_cuda.launch_config(49152) == (8, 128, 0)  # 9 blocks per SM without registers
-    assert row_step_cuda.launch_config(65536) == (8, 128, 2)  # 6 -> 9 blocks per SM
+def test_launch_configs_follow_the_sweeps():
+    # items 56, 65 and 67: ~32 KB of shared memory per block; where that leaves fewer than 8 blocks per SM,
+    # the layouts with the most blocks, then warps, using registers
+    assert row_step_cuda.launch_configs(32000) == [(8, 128, 0)]
+    assert row_step_cuda.launch_configs(49152) == [(8, 128, 0)]  # 9 blocks per SM without registers
+    assert row_step_cuda.launch_configs(65536)[0] == (8, 128, 2)  # 6 -> 9 blocks per SM
+    assert row_step_cuda.launch_configs(128256)[0] == (16, 128, 2)
+    assert row_step_cuda.launch_configs(151936) == [(16, 160, 2), (16, 128, 3), (16, 224, 1), (16, 256, 0)]
+    assert row_step_cuda.launch_configs(262144)[0] == (16, 224, 3)  # 5 blocks of 7 warps: 35 warps per SM
     for vocab in (8, 32000, 128256, 262144):
-        cluster = row_step_cuda.launch_config(vocab).cluster
-        assert 16 * 8 * cluster * row_step_cuda._slice_vecs(vocab, cluster) >= 2 * vocab  # the slices cover the row
+        for layout in row_step_cuda.launch_configs(vocab):
+            assert 16 * 8 * layout.cluster * row_step_cuda._slice_vecs(vocab, layout.cluster) >= 2 * vocab  # the slices cover the row
+            assert row_step_cuda._shared_bytes(vocab, *layout) >= 0
 
 
 def plain_case(rows=6, vocab=1024, dtype=torch.bfloat16):
@@ -153,24 +168,31 @@ def test_falls_back_to_triton_where_unsupported():
     torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2e-2, atol=1e-4)
 
 
-def test_falls_back_to_8_blocks_where_16_do_not_fit(monkeypatch):
-    """A GPU (or MIG slice) without 16 free SMs in a GPC: 8 blocks of 256 threads, else no kernel."""
+def test_launch_walks_past_spilling_layouts_and_falls_back_to_8_blocks(monkeypatch):
+    """_kernel is None where the kernel spills or no cluster fits (a GPU or MIG slice without 16 free SMs
+    in a GPC): the next of launch_configs' layouts, then 8 blocks of 256 threads, else no kernel."""
     compiled = []
 
     def fake_kernel(vocab, label_dtype, device_index, layout):
-        compiled.append(layout[:2])
-        return None if layout.cluster > fits_up_to else f"kernel {layout.cluster}x{layout.threads}"
+        compiled.append(layout)
+        fits = layout.cluster <= fits_up_to and layout not in spilling
+        return f"kernel {tuple(layout)}" if fits else None
 
     monkeypatch.setattr(row_step_cuda, "_kernel", fake_kernel)
     launch = row_step_cuda._launch.__wrapped__
-    fits_up_to = 16
-    assert launch(128256, torch.int64, 0) == ("kernel 16x128", (16, 128, 2))
+    fits_up_to, spilling = 16, set()
+    assert launch(262144, torch.int64, 0) == ("kernel (16, 224, 3)", (16, 224, 3))
+    spilling = {(16, 224, 3), (16, 160, 4)}
+    assert launch(262144, torch.int64, 0) == ("kernel (16, 128, 5)", (16, 128, 5))
+    spilling = {(16, 224, 3), (16, 160, 4), (16, 128, 5)}
+    assert launch(262144, torch.int64, 0) == ("kernel (16, 256, 0)", (16, 256, 0))
     fits_up_to = 8
-    assert launch(128256, torch.int64, 0) == ("kernel 8x256", (8, 256, 0))
-    assert launch(32000, torch.int64, 0) == ("kernel 8x128", (8, 128, 0))  # 8 blocks already
+    assert launch(128256, torch.int64, 0) == ("kernel (8, 256, 0)", (8, 256, 0))
+    assert launch(32000, torch.int64, 0) == ("kernel (8, 128, 0)", (8, 128, 0))  # 8 blocks already
     fits_up_to = 4
+    compiled.clear()
     assert launch(128256, torch.int64, 0) is None
-    assert compiled[-2:] == [(16, 128), (8, 256)]
+    assert compiled == row_step_cuda.launch_configs(128256) + [(8, 256, 0)]
 
 
 def test_auto_picks_the_cluster_step_where_available(monkeypatch):

@@ -27,7 +27,7 @@ from .row_step import COSINE_EPS, RowStepImpl, RowStepScales
 from .row_step_triton import row_grad_triton, row_stats_triton, row_step_triton
 
 MAX_SHARED_BYTES = 200 * 1024  # beside the static shared memory, under the H200's 227 KB per block
-_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute
+_LOCAL_SIZE_BYTES, _NUM_REGS, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 3, 4, 14  # CUfunction_attribute
 _LABEL_TYPES = {torch.int64: "long long", torch.int32: "int"}
 
 _SOURCE = r"""
@@ -84,6 +84,10 @@ __device__ __forceinline__ void unpack(uint4 v, float* x) {
     x[2 * j] = __uint_as_float(w[j] << 16);
     x[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
   }
+}
+__device__ __forceinline__ float element(uint4 v, int j) {  // logit j of a packed vector, j at run time
+  const unsigned w = j < 4 ? (j < 2 ? v.x : v.y) : (j < 6 ? v.z : v.w);
+  return __uint_as_float(j & 1 ? w & 0xffff0000u : w << 16);
 }
 __device__ __forceinline__ unsigned pack(float lo, float hi) {  // round to nearest even, as .to(bf16)
   unsigned r;
@@ -249,11 +253,14 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
         #pragma unroll
         for (int j = 0; j < 8; ++j)
           g[j] = fmaf(prob_coef, exp2_fast(fmaf(s[j], LOG2E, -scaled_shift)), fmaf(teacher_coef, t[j], student_coef * s[j]));
-        if (i == label_vec) {  // the label's entry at full precision, as the Triton kernel's
+        if (i == label_vec) {  // the label's entry at full precision; its logits re-read from the packed vectors
+          const int j_label = label % 8;
+          const float s_label = element(k < REGISTER_COLS ? student_regs[k] : student_tile[TILE_INDEX(i)], j_label);
+          const float t_label = element(k < REGISTER_COLS ? teacher_regs[k] : teacher_tile[TILE_INDEX(i)], j_label);
+          const float label_grad = prob_coef * (expf((s_label - row_max) - log_sum_exp) - 1.f) + teacher_coef * t_label + student_coef * s_label;
           #pragma unroll
           for (int j = 0; j < 8; ++j)  // a constant index keeps g in registers
-            if (j == label % 8)
-              g[j] = prob_coef * (expf((s[j] - row_max) - log_sum_exp) - 1.f) + teacher_coef * t[j] + student_coef * s[j];
+            if (j == j_label) g[j] = label_grad;
         }
         grad_out[i] = make_uint4(pack(g[0], g[1]), pack(g[2], g[3]), pack(g[4], g[5]), pack(g[6], g[7]));
       }
@@ -272,33 +279,30 @@ class Layout(NamedTuple):
     register_cols: int = 0
 
 
-def launch_config(vocab: int) -> Layout:
-    """From the H200 sweeps of items 56 and 65: about 32 KB of shared memory per block (several blocks
-    share an SM and cover each other's idle phases), about eight vectors per thread, and a few of them
-    in registers where that lets more blocks share an SM. 16 blocks is past the portable cluster size;
+def launch_configs(vocab: int) -> list[Layout]:
+    """The layouts _launch tries in turn, from the H200 sweeps of items 56, 65 and 67: about 32 KB of
+    shared memory per block (several blocks share an SM and cover each other's idle phases), and where
+    that leaves fewer than 8 blocks per SM, a few vectors per thread in registers: the layouts with the
+    most blocks per SM first, then the most warps, then the fewest register vectors. Only ptxas knows
+    which of them spill within the registers that __launch_bounds__ leaves, so _launch compiles them in
+    turn; the last has no register vectors, so no bound. 16 blocks is past the portable cluster size;
     Hopper allows it."""
     cluster = 8 if _shared_bytes(vocab, 8) <= 48 * 1024 else 16
-    threads = 128 if _slice_vecs(vocab, cluster) <= 1024 else 256
-    return Layout(cluster, threads, _register_cols(vocab, cluster, threads))
+    slice_vecs = _slice_vecs(vocab, cluster)
+    plain = Layout(cluster, 128 if slice_vecs <= 1024 else 256)
 
+    def blocks(layout):
+        return _blocks_per_sm(_shared_bytes(vocab, *layout), layout.threads)
 
-def _register_cols(vocab: int, cluster: int, threads: int) -> int:
-    """The fewest vectors per thread in registers (at most a quarter of them, as far as item 65 measured)
-    that give the most blocks per SM, while the registers allow that many blocks: the kernel then needs
-    about 40 + 8 per register vector (ptxas spills none, tests/test_row_step_cuda.py). None where the
-    shared memory alone lets 8 blocks share an SM: there the synchronous register loads cost more than a
-    ninth or tenth block gains (item 65, V = 49152)."""
-    def blocks(register_cols):
-        return _blocks_per_sm(_shared_bytes(vocab, cluster, threads, register_cols), threads)
-
-    if blocks(0) >= 8:
-        return 0
-    best = 0
-    for register_cols in range(1, -(-_slice_vecs(vocab, cluster) // threads) // 4 + 1):
-        registers_fit = (40 + 8 * register_cols) * threads * blocks(register_cols) <= 65536
-        if registers_fit and blocks(register_cols) > blocks(best):
-            best = register_cols
-    return best
+    if blocks(plain) >= 8:  # the synchronous register loads cost more than a ninth block gains (item 65)
+        return [plain]
+    with_registers = [Layout(cluster, threads, register_cols) for threads in range(128, 257, 32)
+                      for register_cols in range(1, -(-slice_vecs // threads) // 3 + 1)]
+    # At least 32 registers and 8 more per register vector: ptxas's least without a spill (item 67).
+    with_registers = [layout for layout in with_registers if _shared_bytes(vocab, *layout) >= 0
+                      and (32 + 8 * layout.register_cols) * layout.threads * blocks(layout) <= 65536]
+    with_registers.sort(key=lambda layout: (-blocks(layout), -blocks(layout) * layout.threads, layout.register_cols))
+    return [layout for layout in with_registers[:3] if blocks(layout) > blocks(plain)] + [plain]
 
 
 def _slice_vecs(vocab: int, cluster: int) -> int:
@@ -366,7 +370,8 @@ class _CuLaunchConfig(ctypes.Structure):  # the driver's CUlaunchConfig, for the
 @functools.lru_cache(maxsize=None)
 def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, layout: Layout):
     """The compiled kernel, or None where not one cluster of it fits on the device (16 blocks need a GPC
-    with 16 free SMs, which a MIG slice may not have)."""
+    with 16 free SMs, which a MIG slice may not have) or where this NVRTC spills its registers to local
+    memory within the __launch_bounds__ of the register vectors."""
     driver, check = torch.cuda._utils._get_gpu_runtime_library(), torch.cuda._utils._check_cuda
     shared = _shared_bytes(vocab, *layout)
     with torch.cuda.device(device_index):
@@ -379,8 +384,16 @@ def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, layout: Lay
         kernel.set_shared_memory_config(shared)
         if layout.cluster > 8:  # past the portable size the launch must opt in
             check(driver.cuFuncSetAttribute(kernel.func, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
-        fits = max_active_clusters(kernel, layout, shared) > 0
+        fits = max_active_clusters(kernel, layout, shared) > 0 and kernel_attribute(kernel, _LOCAL_SIZE_BYTES) == 0
     return kernel if fits else None
+
+
+def kernel_attribute(kernel, attribute: int) -> int:
+    """A compiled kernel's CUfunction_attribute (the study prints its registers, _NUM_REGS)."""
+    driver, check = torch.cuda._utils._get_gpu_runtime_library(), torch.cuda._utils._check_cuda
+    value = ctypes.c_int()
+    check(driver.cuFuncGetAttribute(ctypes.byref(value), attribute, kernel.func))
+    return value.value
 
 
 def max_active_clusters(kernel, layout: Layout, shared_bytes: int) -> int:
@@ -394,10 +407,10 @@ def max_active_clusters(kernel, layout: Layout, shared_bytes: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _launch(vocab: int, label_dtype: torch.dtype, device_index: int):
-    """(kernel, layout) at launch_config's layout, or at 8 blocks of 256 threads where 16 blocks do not
-    fit; None where neither does (the Triton step runs instead)."""
-    layout = launch_config(vocab)
-    for layout in (layout, Layout(8, 256)) if layout.cluster > 8 else (layout,):
+    """(kernel, layout) at the first of launch_configs' layouts that fits without a spill; else at 8 blocks
+    of 256 threads (where 16 blocks do not fit); None where none does (the Triton step runs instead)."""
+    layouts = launch_configs(vocab)
+    for layout in layouts + [Layout(8, 256)] if layouts[0].cluster > 8 else layouts:
         if _shared_bytes(vocab, *layout) <= MAX_SHARED_BYTES:
             kernel = _kernel(vocab, label_dtype, device_index, layout)
             if kernel is not None:
@@ -414,7 +427,7 @@ def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales
     if layout:
         kernel = _kernel(vocab, labels.dtype, device.index, layout)
         if kernel is None:
-            raise ValueError(f"no cluster of {layout} fits on {device}")
+            raise ValueError(f"no cluster of {layout} fits on {device}, or it spills registers")
     else:
         kernel, layout = _launch(vocab, labels.dtype, device.index)
     launch(kernel, layout, student_logits, teacher_logits, labels, scales, token_losses)
