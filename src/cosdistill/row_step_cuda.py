@@ -282,11 +282,11 @@ class Layout(NamedTuple):
 def launch_configs(vocab: int) -> list[Layout]:
     """The layouts _launch tries in turn, from the H200 sweeps of items 56, 65 and 67: about 32 KB of
     shared memory per block (several blocks share an SM and cover each other's idle phases), and where
-    that leaves fewer than 8 blocks per SM, a few vectors per thread in registers: the layouts with the
-    most blocks per SM first, then the most warps, then the fewest register vectors. Only ptxas knows
-    which of them spill within the registers that __launch_bounds__ leaves, so _launch compiles them in
-    turn; the last has no register vectors, so no bound. 16 blocks is past the portable cluster size;
-    Hopper allows it."""
+    that leaves fewer than 8 blocks per SM, up to a third of each thread's vectors in registers: the
+    layouts with the most blocks per SM first, then the most warps, then the fewest register vectors.
+    Only ptxas knows which of them spill within the registers that __launch_bounds__ leaves, so _launch
+    compiles them in turn; the last has no register vectors, so no bound. 16 blocks is past the
+    portable cluster size; Hopper allows it."""
     cluster = 8 if _shared_bytes(vocab, 8) <= 48 * 1024 else 16
     slice_vecs = _slice_vecs(vocab, cluster)
     plain = Layout(cluster, 128 if slice_vecs <= 1024 else 256)
