@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 15 GPU call F (NOTES item 69): at V = 262144, 1536-row student chunks with 1024-row teacher
+# Session 15 GPU call F, not run (no device time was left; NOTES item 69): at V = 262144, 1536-row student chunks with 1024-row teacher
 # sub-chunks (the same 1.25 GiB of buffers) as --old, against the final code's 2048 / 512, call by call.
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
