@@ -253,7 +253,8 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
         #pragma unroll
         for (int j = 0; j < 8; ++j)
           g[j] = fmaf(prob_coef, exp2_fast(fmaf(s[j], LOG2E, -scaled_shift)), fmaf(teacher_coef, t[j], student_coef * s[j]));
-        if (i == label_vec) {  // the label's entry at full precision; its logits re-read from the packed vectors
+        if (i == label_vec) {  // the label's entry at full precision, as the Triton kernel's; its two logits
+          // come from the packed vectors again, so that s and t die above (fewer registers, NOTES item 67)
           const int j_label = label % 8;
           const float s_label = element(k < REGISTER_COLS ? student_regs[k] : student_tile[TILE_INDEX(i)], j_label);
           const float t_label = element(k < REGISTER_COLS ? teacher_regs[k] : teacher_tile[TILE_INDEX(i)], j_label);
