@@ -26,7 +26,7 @@ __device__ __forceinline__ void push_to_peer(unsigned remote, float value, unsig
 __device__ __forceinline__ void wait_barrier(const void* barrier, unsigned parity) {
   unsigned done;
   do {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                  : "=r"(done) : "r"(shared_address(barrier)), "r"(parity) : "memory");
   } while (!done);
 }
