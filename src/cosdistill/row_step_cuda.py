@@ -38,6 +38,7 @@ typedef unsigned short bf16_t;
 // memory per block, so more blocks share an SM (NOTES item 65).
 #define TILE_VECS (SLICE_VECS - REGISTER_COLS * THREADS)  // per model, in shared memory
 #define TILE_INDEX(i) ((i) - REGISTER_COLS * THREADS)  // of vector i, k >= REGISTER_COLS
+#define VECTOR(model, k, i) ((k) < REGISTER_COLS ? model##_regs[k] : model##_tile[TILE_INDEX(i)])  // vector i = tid + k * THREADS of the slice
 #define NUM_PARTS 5  // max, sum of exp, s.t, |s|^2, |t|^2
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h
 #define QUIET_NAN __int_as_float(0x7fc00000)
@@ -170,8 +171,8 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
     const int i = tid + k * THREADS;
     if (i < slice_vecs) {
       float s[8], t[8];
-      unpack(k < REGISTER_COLS ? student_regs[k] : student_tile[TILE_INDEX(i)], s);
-      unpack(k < REGISTER_COLS ? teacher_regs[k] : teacher_tile[TILE_INDEX(i)], t);
+      unpack(VECTOR(student, k, i), s);
+      unpack(VECTOR(teacher, k, i), t);
       float vec_max = s[0];
       #pragma unroll
       for (int j = 1; j < 8; ++j) vec_max = fmaxf(vec_max, s[j]);
@@ -248,16 +249,16 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
       const int i = tid + k * THREADS;
       if (i < slice_vecs) {
         float s[8], t[8], g[8];
-        unpack(k < REGISTER_COLS ? student_regs[k] : student_tile[TILE_INDEX(i)], s);
-        unpack(k < REGISTER_COLS ? teacher_regs[k] : teacher_tile[TILE_INDEX(i)], t);
+        unpack(VECTOR(student, k, i), s);
+        unpack(VECTOR(teacher, k, i), t);
         #pragma unroll
         for (int j = 0; j < 8; ++j)
           g[j] = fmaf(prob_coef, exp2_fast(fmaf(s[j], LOG2E, -scaled_shift)), fmaf(teacher_coef, t[j], student_coef * s[j]));
         if (i == label_vec) {  // the label's entry at full precision, as the Triton kernel's; its two logits
           // come from the packed vectors again, so that s and t die above (fewer registers, NOTES item 67)
           const int j_label = label % 8;
-          const float s_label = element(k < REGISTER_COLS ? student_regs[k] : student_tile[TILE_INDEX(i)], j_label);
-          const float t_label = element(k < REGISTER_COLS ? teacher_regs[k] : teacher_tile[TILE_INDEX(i)], j_label);
+          const float s_label = element(VECTOR(student, k, i), j_label);
+          const float t_label = element(VECTOR(teacher, k, i), j_label);
           const float label_grad = prob_coef * (expf((s_label - row_max) - log_sum_exp) - 1.f) + teacher_coef * t_label + student_coef * s_label;
           #pragma unroll
           for (int j = 0; j < 8; ++j)  // a constant index keeps g in registers
@@ -423,7 +424,7 @@ def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales
                    layout: Layout | None = None) -> None:
     """The kernel alone, for ``supported`` arguments (layout: _launch's unless given): rows whose sums
     overflow fp32 are left with NaN losses and their logits."""
-    rows, vocab = student_logits.shape
+    vocab = student_logits.shape[1]
     device = student_logits.device
     if layout:
         kernel = _kernel(vocab, labels.dtype, device.index, layout)
