@@ -32,10 +32,10 @@ def compile_for_hopper(kernel, logits_type, constants, aligned=False, num_warps=
     types = dict(student_ptr=logits_type, teacher_ptr=logits_type, labels_ptr="*i64", stats_ptr="*fp32",
                  losses_ptr="*fp32", lifts_ptr="*fp32",
                  **{name: "i32" for name in INTS}, **{name: "fp32" for name in FLOATS})
-    signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
+    signature = {name: "constexpr" if name in constants else types.get(name, "constexpr") for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
-             for name in ALIGNED if aligned and name in kernel.arg_names}
+             for name in ALIGNED if aligned and name in kernel.arg_names and name not in constants}
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
                           options=dict(num_warps=num_warps))
 
@@ -55,6 +55,10 @@ def variants():
                 common, BLOCK=kernels.LOSS_ONLY_BLOCK, STAGES=kernels.LOSS_ONLY_STAGES, WRITE_GRAD=False, LIFT=False,
                 RESCUE=False)
             yield "statistics", kernels._row_stats_kernel, logits_type, dict(common, NUM_STATS=8)
+        if logits_type in ("*bf16", "*fp32") and not any(caps):  # the Gram path: no teacher logits (gram.py)
+            yield "gram statistics", kernels._row_stats_kernel, logits_type, dict(common, NUM_STATS=8, teacher_ptr=None)
+            yield "gram gradient", kernels._row_grad_kernel, logits_type, dict(
+                common, WRITE_GRAD=True, LIFT=False, NUM_STATS=8, teacher_ptr=None)
 
 
 def compile_fp8_quantization(rows_type):

@@ -21,9 +21,12 @@ def test_check_on_the_cpu_passes_and_prints_the_table(capsys):
     assert out.startswith("cosdistill check on cpu")
     assert "| check | case | errors |" in out
     assert out.count("| loss torch vs float64 |") == len(selfcheck.LOSS_CASES)
+    gram_cases = sum(case.gram_applies() for case in selfcheck.LOSS_CASES)
+    assert gram_cases and out.count("| loss torch gram vs float64 |") == gram_cases
     if os.environ.get("TRITON_INTERPRET") == "1":  # set by conftest unless the environment says otherwise
         assert "paths checked: torch and triton (in Triton's interpreter" in out
         assert out.count("| loss triton vs float64 |") == len(selfcheck.LOSS_CASES)
+        assert out.count("| loss triton gram vs float64 |") == gram_cases
         assert out.count("| row step triton vs torch |") == len(selfcheck.ROW_STEP_CASES)
         splittable = [case for case in selfcheck.ROW_STEP_CASES if case.vocab_teacher >= 2]
         assert out.count("| row step triton split in two vs torch |") == len(splittable)
@@ -45,8 +48,9 @@ def test_failed_check_exits_1_and_marks_the_row(capsys, monkeypatch):
     code = main(["check", "--device", "cpu"])
     out = capsys.readouterr().out
     assert code == 1
-    assert out.count("| FAIL |") == len(selfcheck.LOSS_CASES)
-    assert out.endswith(f"{len(selfcheck.LOSS_CASES)} of {len(selfcheck.LOSS_CASES)} checks FAILED\n")
+    checks = len(selfcheck.LOSS_CASES) + sum(case.gram_applies() for case in selfcheck.LOSS_CASES)
+    assert out.count("| FAIL |") == checks
+    assert out.endswith(f"{checks} of {checks} checks FAILED\n")
 
 
 def test_demo_writes_the_png_and_the_student_comes_to_agree_with_the_teacher(capsys, tmp_path):

@@ -19,9 +19,10 @@ def test_every_kernel_variant_compiles_for_hopper():
     result = subprocess.run([sys.executable, str(TESTS / "kernel_compile.py")], env=compiler_env(), capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    # 2 softcap settings x 12 row-step variants, the FP8 quantization for 3 input types, and the label count,
-    # grad_output's scale and the mean losses for 3 sources of N
-    assert result.stdout.count("bytes of sm_90 cubin") == 32, result.stdout
+    # 2 softcap settings x 12 row-step variants, the Gram path's 2 kernels for bf16 and fp32, the FP8
+    # quantization for 3 input types, and the label count, grad_output's scale and the mean losses for 3 sources of N
+    assert result.stdout.count("bytes of sm_90 cubin") == 36, result.stdout
+    assert result.stdout.count("gram ") == 4, result.stdout
 
 
 def test_sass_compare_hashes_every_variant():
@@ -31,6 +32,6 @@ def test_sass_compare_hashes_every_variant():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split() for line in result.stdout.splitlines()]
-    assert len(lines) == 24 and all(line[-1] == "instructions" and int(line[-2]) > 100 for line in lines), result.stdout
+    assert len(lines) == 28 and all(line[-1] == "instructions" and int(line[-2]) > 100 for line in lines), result.stdout
     hashes = {" ".join(line[:-3]): line[-3] for line in lines}
     assert hashes["row step *bf16 caps=False"] != hashes["row step aligned *bf16 caps=False"], result.stdout

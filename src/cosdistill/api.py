@@ -7,13 +7,14 @@ from typing import Callable
 
 import torch
 
-from . import fp8
+from . import fp8, gram
 from .chunked import (ChunkRows, Normaliser, RowStep, TeacherHead, VocabParallel, chunk_rows, chunked_loss_and_grads,
                       on_device_of, split_row_step)
 from .labels import LabelCounts
 from .row_step import TORCH_ROW_STEP, RowStepImpl, RowStepScales
 
 IMPLS = ("auto", "torch", "triton", "cuda")
+COSINE_VIA = ("auto", "logits", "gram")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -43,6 +44,7 @@ def fused_linear_cosine_distill(
     student_logit_scale=1.0,
     teacher_logit_scale=1.0,
     vocab_parallel=None,
+    cosine_via="auto",
 ):
     """Hard cross-entropy plus soft cosine distillation loss through two LM heads, never holding all logits.
 
@@ -74,7 +76,11 @@ def fused_linear_cosine_distill(
     ``student_logit_scale`` / ``teacher_logit_scale`` (Cohere style: each head's logits, bias
     included, are multiplied by it, before the softcap; applied inside the fused step),
     ``vocab_parallel`` (both heads split along the vocabulary over ranks: pass the local weight shards
-    and a ``cosdistill.distributed.VocabParallelOptions``; see that module).
+    and a ``cosdistill.distributed.VocabParallelOptions``; see that module),
+    ``cosine_via`` ("logits": the teacher's logits GEMM, chunk by chunk; "gram": no teacher logits at
+    all, s.t and |t|^2 and the soft term's gradient through the heads' Gram matrices (gram.py), for
+    heads without biases or softcaps, not vocabulary-parallel, not with the FP8 teacher, in bf16 or
+    fp32; "auto": "gram" where it applies and costs fewer FLOPs, about T > 2 * student hidden size).
     ``compiled`` is accepted for compatibility with Liger and changes nothing.
     ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget (on the seed
     workload, 2048 tokens per chunk with the teacher's logits in halves of 1024).
@@ -88,11 +94,11 @@ def fused_linear_cosine_distill(
             return_soft_hard_loss, num_valid_tokens=num_valid_tokens, accum_dtype=accum_dtype, impl=impl,
             teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
             student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale,
-            vocab_parallel=vocab_parallel,
+            vocab_parallel=vocab_parallel, cosine_via=cosine_via,
         )
     _check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias)
     check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
-                  teacher_precision, num_valid_tokens)
+                  teacher_precision, num_valid_tokens, cosine_via)
     labels = true_labels.reshape(-1).contiguous()
     num_tokens = labels.numel()
     scales = row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
@@ -108,18 +114,22 @@ def fused_linear_cosine_distill(
         row_step, reduce_grad_input = split_row_step(row_step_impl, vocab_parallel), vocab_parallel.all_reduce
     needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
                        for t in (student_input, student_weight, student_bias))
-    rows = chunk_rows(chunk_size, num_tokens, vocab_student, vocab_teacher, student_weight.element_size(),
-                      write_grad=any(needs_grad))
+    gram_teacher = pick_gram_teacher(cosine_via, student_weight, teacher_weight, student_bias, teacher_bias,
+                                     student_softcap, teacher_softcap, teacher_precision, vocab_parallel, num_tokens,
+                                     needs_grad, row_step_impl)
+    rows = chunk_rows(chunk_size, num_tokens, vocab_student, 0 if gram_teacher else vocab_teacher,
+                      student_weight.element_size(), write_grad=any(needs_grad))
     options = _Options(
         scales=scales,
         normaliser=LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens),
         row_step=row_step,
-        teacher=teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=rows.teacher,
-                             row_step_impl=row_step_impl),
+        teacher=None if gram_teacher else teacher_head(teacher_weight, teacher_bias, teacher_precision,
+                                                       max_rows=rows.teacher, row_step_impl=row_step_impl),
         rows=rows,
         needs_grad=needs_grad,
         accum_dtype=accum_dtype or default_accum_dtype(student_weight.dtype),
         reduce_grad_input=reduce_grad_input,
+        gram_teacher=gram_teacher,
     )
     args = (student_input.reshape(num_tokens, student_input.shape[-1]), student_weight, student_bias,
             teacher_input.reshape(num_tokens, teacher_input.shape[-1]).detach(), labels, options)
@@ -152,6 +162,7 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
         teacher_softcap=None,
         student_logit_scale=1.0,
         teacher_logit_scale=1.0,
+        cosine_via="auto",
     ):
         super().__init__()
         self.options = dict(
@@ -170,6 +181,7 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
             teacher_softcap=teacher_softcap,
             student_logit_scale=student_logit_scale,
             teacher_logit_scale=teacher_logit_scale,
+            cosine_via=cosine_via,
         )
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None, teacher_bias=None, *, num_valid_tokens=None):
@@ -184,11 +196,12 @@ class _Options:
     scales: RowStepScales
     normaliser: Normaliser
     row_step: RowStep
-    teacher: TeacherHead
+    teacher: TeacherHead | None  # None on the Gram path
     rows: ChunkRows
     needs_grad: tuple[bool, bool, bool]
     accum_dtype: torch.dtype
     reduce_grad_input: Callable[[torch.Tensor], None] | None = None
+    gram_teacher: gram.GramTeacher | None = None
 
 
 def _run_chunk_loop(student_input, student_weight, student_bias, teacher_input, labels, options: _Options):
@@ -196,7 +209,7 @@ def _run_chunk_loop(student_input, student_weight, student_bias, teacher_input, 
         return chunked_loss_and_grads(
             student_input, student_weight, student_bias, teacher_input, options.teacher, labels, options.scales,
             options.normaliser, options.row_step, options.rows, options.needs_grad, options.accum_dtype,
-            options.reduce_grad_input,
+            options.reduce_grad_input, options.gram_teacher,
         )
 
 
@@ -233,7 +246,7 @@ def default_accum_dtype(weight_dtype: torch.dtype) -> torch.dtype:
 
 
 def check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
-                  teacher_precision, num_valid_tokens):
+                  teacher_precision, num_valid_tokens, cosine_via="auto"):
     """The option rules that need no host read (shared with the torch.compile path, ops.py)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -248,6 +261,35 @@ def check_options(student_weight, temperature, student_softcap, teacher_softcap,
         raise ValueError(f"teacher_precision must be None or 'fp8', got {teacher_precision!r}")
     if num_valid_tokens is not None and not torch.is_tensor(num_valid_tokens) and not num_valid_tokens > 0:
         raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
+    if cosine_via not in COSINE_VIA:
+        raise ValueError(f"cosine_via must be one of {COSINE_VIA}, got {cosine_via!r}")
+
+
+def pick_gram_teacher(cosine_via, student_weight, teacher_weight, student_bias, teacher_bias, student_softcap,
+                      teacher_softcap, teacher_precision, vocab_parallel, num_tokens, needs_grad,
+                      row_step_impl) -> gram.GramTeacher | None:
+    """The Gram path's teacher where cosine_via asks for it (or "auto" finds it applies and cheaper), else None."""
+    if cosine_via == "logits":
+        return None
+    blockers = {
+        "a student_bias or teacher_bias": student_bias is not None or teacher_bias is not None,
+        "a softcap": student_softcap is not None or teacher_softcap is not None,
+        "teacher_precision='fp8'": teacher_precision is not None,
+        "vocab_parallel": vocab_parallel is not None,
+        f"{student_weight.dtype} and {teacher_weight.dtype} weights (bf16 or fp32, both alike)": (
+            student_weight.dtype == torch.float16 or teacher_weight.dtype != student_weight.dtype),
+    }
+    blocked = [name for name, present in blockers.items() if present]
+    if blocked and cosine_via == "gram":
+        raise ValueError(f"cosine_via='gram' cannot run with {' and '.join(blocked)}: use cosine_via='logits' or 'auto'")
+    if blocked:
+        return None
+    (vocab_student, hidden_student), (vocab_teacher, hidden_teacher) = student_weight.shape, teacher_weight.shape
+    if cosine_via == "auto" and not (
+            gram.gram_is_cheaper(num_tokens, vocab_student, vocab_teacher, hidden_student, hidden_teacher,
+                                 write_grad_weight=needs_grad[1]) and gram.teacher_gram_is_moderate(teacher_weight)):
+        return None
+    return gram.GramTeacher(teacher_weight, student_weight, row_step_impl, write_grad_weight=needs_grad[1])
 
 
 def row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,

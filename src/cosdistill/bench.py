@@ -3,6 +3,8 @@
 One process, one workload, every provider on the same tensors:
 
 * ``ours``  - ``fused_linear_cosine_distill`` (once per chunk size / accum dtype setting asked for);
+* ``ours-logits`` / ``ours-gram`` - ours with ``cosine_via`` forced to "logits" / "gram" (``ours`` picks
+  between them: "auto"), checked as ours is;
 * ``ours-fp8`` - the same with ``teacher_precision="fp8"`` (automatic chunk size, default accumulator),
   where the device has FP8 tensor cores;
 * ``naive`` - ``naive_cosine_distill``: full logits and autograd;
@@ -33,7 +35,8 @@ from . import fp8
 from .api import fused_linear_cosine_distill
 from .reference import naive_cosine_distill
 
-PROVIDERS = ("ours", "ours-fp8", "naive", "liger", "floor")
+PROVIDERS = ("ours", "ours-logits", "ours-gram", "ours-fp8", "naive", "liger", "floor")
+DEFAULT_PROVIDERS = ("ours", "ours-fp8", "naive", "liger", "floor")
 MODES = ("full", "forward")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -107,9 +110,11 @@ class OursSetting:
     accum_dtype: torch.dtype | None  # None: the API's default (the weight's dtype)
     label: str
     teacher_precision: str | None = None  # None: the teacher GEMM in the teacher's dtype
+    cosine_via: str = "auto"
 
 
 FP8_SETTING = OursSetting(None, None, "ours-fp8", teacher_precision="fp8")
+FORCED_SETTINGS = {name: OursSetting(None, None, f"ours-{name}", cosine_via=name) for name in ("logits", "gram")}
 
 
 def ours_settings(chunk_sizes=None, accum_dtypes=None) -> list[OursSetting]:
@@ -174,7 +179,7 @@ def rel_err(actual, expected) -> float:
 def ours_loss(setting: OursSetting, tensors: Tensors) -> torch.Tensor:
     return fused_linear_cosine_distill(
         *tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
-        teacher_precision=setting.teacher_precision,
+        teacher_precision=setting.teacher_precision, cosine_via=setting.cosine_via,
     )
 
 
@@ -332,7 +337,7 @@ def environment_header(device: torch.device, workload: Workload, modes: str) -> 
     )
 
 
-def run_bench(workload: Workload, device: torch.device, providers=PROVIDERS, modes=("full",), settings=None) -> BenchResult:
+def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVIDERS, modes=("full",), settings=None) -> BenchResult:
     """Check ours, then time every provider in every mode at every T, on the same tensors per T; rows in
     (T, mode, provider) order."""
     unknown = set(providers) - set(PROVIDERS)
@@ -340,7 +345,8 @@ def run_bench(workload: Workload, device: torch.device, providers=PROVIDERS, mod
         raise ValueError(f"unknown providers {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
     if not modes or set(modes) - set(MODES) or len(set(modes)) < len(modes):
         raise ValueError(f"modes must be one or both of {MODES}, each once, got {list(modes)}")
-    settings = settings or ours_settings()
+    settings = ((settings or ours_settings()) if "ours" in providers else []) + [
+        setting for setting in FORCED_SETTINGS.values() if setting.label in providers]
     notes = []
 
     liger_loss = None
@@ -358,7 +364,10 @@ def run_bench(workload: Workload, device: torch.device, providers=PROVIDERS, mod
     builders = {}  # row label -> function (tensors, mode) -> step
     for name in providers:
         if name == "ours":
-            builders.update({setting.label: ours_provider(setting) for setting in settings})
+            builders.update({setting.label: ours_provider(setting) for setting in settings
+                             if setting not in FORCED_SETTINGS.values()})
+        elif name in ("ours-logits", "ours-gram"):
+            builders[name] = ours_provider(FORCED_SETTINGS[name.removeprefix("ours-")])
         elif name == "ours-fp8" and fp8_settings:
             builders["ours-fp8"] = ours_provider(FP8_SETTING)
         elif name == "naive":

@@ -11,12 +11,15 @@ two more GEMMs turn that into grad_input (written straight into its slice) and g
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from .grad_output import scale_unless_one_
 from .row_step import RowStepImpl, RowStepScales, combine_row_stats
+
+if TYPE_CHECKING:
+    from .gram import GramTeacher
 
 RowStep = Callable[..., None]  # (student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None)
 
@@ -328,6 +331,7 @@ def chunked_loss_and_grads(
     needs_grad: tuple[bool, bool, bool],  # input, weight, bias
     accum_dtype: torch.dtype,
     reduce_grad_input: Callable[[torch.Tensor], None] | None = None,  # sums it over a vocabulary split
+    gram: "GramTeacher | None" = None,  # the teacher through Gram matrices instead of `teacher` (gram.py)
 ) -> ChunkResult:
     """The row step does not need N (1/N is the gradient GEMMs' alpha), so N is counted behind the first
     chunk's student logits GEMM and, with gradients, waited for once the first row step is queued: the
@@ -345,7 +349,10 @@ def chunked_loss_and_grads(
     first_rows = min(chunk, num_tokens)
     _logits_into(student_logits[:first_rows], student_input[:first_rows], student_weight, student_bias)
     normaliser.launch()
-    teacher_logits = torch.empty(teacher.buffer_rows(rows.teacher), teacher.vocab, dtype=teacher.logits_dtype, device=device)
+    teacher_logits = None
+    if gram is None:
+        teacher_logits = torch.empty(teacher.buffer_rows(rows.teacher), teacher.vocab, dtype=teacher.logits_dtype,
+                                     device=device)
     token_losses = torch.empty(num_tokens, 2, dtype=torch.float32, device=device)
     grad_input = torch.empty(num_tokens, hidden_student, dtype=student_input.dtype, device=device) if needs_grad[0] else None
     grad_weight = None
@@ -358,9 +365,10 @@ def chunked_loss_and_grads(
     # The last chunk's grad_input GEMM runs in backward where backward waits to read grad_output on the
     # host: several chunks (Gradients). With one chunk nothing waits, and the GPU would idle instead
     # while the host went from the row step to backward. Not with fp16's lifted rows either, nor when
-    # grad_input is summed over a vocabulary split here in forward.
+    # grad_input is summed over a vocabulary split here in forward, nor on the Gram path (its GEMM adds
+    # to the soft term's share, written first).
     defer_grad_input = (num_tokens > chunk and grad_input is not None and grad_weight is not None and unlift is None
-                        and reduce_grad_input is None)
+                        and reduce_grad_input is None and gram is None)
 
     inv_normaliser = None  # 1 / N on the host, for the gradient GEMMs
     weight_started = False  # whether grad_weight holds a sum yet (the first GEMM overwrites it)
@@ -370,19 +378,30 @@ def chunked_loss_and_grads(
         chunk_student = student_logits[: stop - start]
         if start:  # the first chunk's is queued above
             _logits_into(chunk_student, hidden, student_weight, student_bias)
-        for part in range(start, stop, rows.teacher):
-            part_stop = min(part + rows.teacher, stop)
-            teacher.logits_into(teacher_logits, teacher_input[part:part_stop])
-            lifts = () if unlift is None else (unlift.lifts[part - start : part_stop - start],)
-            row_step(student_logits[part - start : part_stop - start], teacher_logits[: part_stop - part],
-                     labels[part:part_stop], scales, token_losses[part:part_stop], write_grad, *lifts)
-            if write_grad and inv_normaliser is None:
-                inv_normaliser = 1.0 / normaliser.wait()
+        if gram is not None:
+            gram.row_step(chunk_student, hidden, teacher_input[start:stop], labels[start:stop], scales,
+                          token_losses[start:stop], write_grad)
+        else:
+            for part in range(start, stop, rows.teacher):
+                part_stop = min(part + rows.teacher, stop)
+                teacher.logits_into(teacher_logits, teacher_input[part:part_stop])
+                lifts = () if unlift is None else (unlift.lifts[part - start : part_stop - start],)
+                row_step(student_logits[part - start : part_stop - start], teacher_logits[: part_stop - part],
+                         labels[part:part_stop], scales, token_losses[part:part_stop], write_grad, *lifts)
+                if write_grad and inv_normaliser is None:
+                    inv_normaliser = 1.0 / normaliser.wait()
+        if write_grad and inv_normaliser is None:  # the Gram path: once its row step is queued
+            inv_normaliser = 1.0 / normaliser.wait()
         grad_logits = chunk_student  # overwritten in place by the row step
         if grad_input is not None and unlift is not None:
             unlift.grad_input_into(grad_input, start, grad_logits, student_weight, inv_normaliser, reduce_grad_input)
+        elif grad_input is not None and gram is not None:
+            gram.grad_input_into(grad_input[start:stop], inv_normaliser)
+            grad_input[start:stop].addmm_(grad_logits, student_weight, beta=1.0, alpha=inv_normaliser)
         elif grad_input is not None and not (defer_grad_input and stop == num_tokens):
             grad_input[start:stop].addmm_(grad_logits, student_weight, beta=0.0, alpha=inv_normaliser)
+        if gram is not None and grad_weight is not None:
+            gram.accumulate(hidden, teacher_input[start:stop])
         correct = unlift is not None and (grad_weight is not None or grad_bias is not None)
         raw_hidden = hidden
         if correct:
@@ -402,6 +421,10 @@ def chunked_loss_and_grads(
 
     if grad_input is not None and reduce_grad_input is not None and unlift is None:
         reduce_grad_input(grad_input)
+    if gram is not None and grad_weight is not None and num_tokens:  # before the last chunk's GEMM, in backward
+        gram.grad_weight_into(grad_weight, alpha=inv_normaliser, beta=1.0 if weight_started else 0.0,
+                              addmm_into=_addmm_into)
+        weight_started = True
     loss, soft_loss, hard_loss = normaliser.mean_losses(token_losses, scales.weight_hard, scales.weight_soft)
     if inv_normaliser is None:  # no gradients (or no tokens): read now, everything else is queued
         inv_normaliser = 1.0 / normaliser.wait()

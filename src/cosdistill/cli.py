@@ -66,8 +66,9 @@ def build_parser():
     bench_parser.add_argument("--hidden", type=int, help="teacher hidden size H")
     bench_parser.add_argument("--student-hidden", type=int, help="student hidden size (default H//2)")
     bench_parser.add_argument("--dtype", type=dtype, help=f"one of {', '.join(bench.DTYPES)}")
-    bench_parser.add_argument("--providers", type=comma_list(str), default=list(bench.PROVIDERS),
-                              help=f"comma list of {', '.join(bench.PROVIDERS)} (default all)")
+    bench_parser.add_argument("--providers", type=comma_list(str), default=list(bench.DEFAULT_PROVIDERS),
+                              help=f"comma list of {', '.join(bench.PROVIDERS)} (default "
+                                   f"{', '.join(bench.DEFAULT_PROVIDERS)})")
     bench_parser.add_argument("--mode", type=comma_list(str), default=["full"],
                               help="full: forward + backward; forward: no_grad forward; full,forward: both, on the same tensors")
     bench_parser.add_argument("--chunk-sizes", type=comma_list(chunk_size), help="run ours once per chunk size (ints or auto)")

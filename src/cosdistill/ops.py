@@ -65,16 +65,20 @@ def fused_linear_cosine_distill_op(
     needs_grad: list[bool],  # input, weight, bias
     student_logit_scale: float = 1.0,
     teacher_logit_scale: float = 1.0,
+    cosine_via: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, soft, hard, grad_input, grad_weight, grad_bias) for grad_output = 1; runs eagerly.
 
     grad_weight comes in the accum dtype and grad_bias in fp32, cast to their leaves' dtypes in backward."""
     num_tokens, vocab_student = labels.numel(), student_weight.shape[0]
-    rows = chunk_rows(chunk_size, num_tokens, vocab_student, teacher_weight.shape[0], student_weight.element_size(),
-                      write_grad=any(needs_grad))
     row_step_impl = api.pick_row_step(impl, student_input.device)
-    teacher = api.teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows=rows.teacher,
-                               row_step_impl=row_step_impl)
+    gram_teacher = api.pick_gram_teacher(cosine_via, student_weight, teacher_weight, student_bias, teacher_bias,
+                                         student_softcap, teacher_softcap, teacher_precision, None, num_tokens,
+                                         needs_grad, row_step_impl)
+    rows = chunk_rows(chunk_size, num_tokens, vocab_student, 0 if gram_teacher else teacher_weight.shape[0],
+                      student_weight.element_size(), write_grad=any(needs_grad))
+    teacher = None if gram_teacher else api.teacher_head(teacher_weight, teacher_bias, teacher_precision,
+                                                         max_rows=rows.teacher, row_step_impl=row_step_impl)
     scales = api.row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
                                  teacher_softcap, student_logit_scale, teacher_logit_scale)
     given = num_valid_tokens if num_valid_tokens is not None else num_valid_count
@@ -83,6 +87,7 @@ def fused_linear_cosine_distill_op(
         result = chunked_loss_and_grads(
             student_input, student_weight, student_bias, teacher_input, teacher, labels, scales, normaliser,
             row_step_impl.step, rows, tuple(needs_grad), accum_dtype or api.default_accum_dtype(student_weight.dtype),
+            gram=gram_teacher,
         )
         grads = result.gradients.finish() if result.gradients is not None else (None, None, None)
     grads = [student_weight.new_empty(0) if grad is None else grad for grad in grads]
@@ -124,7 +129,7 @@ def compiled_distill(
     teacher_bias=None, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100,
     temperature=1.0, compiled=True, chunk_size=None, return_soft_hard_loss=False, *, num_valid_tokens=None,
     accum_dtype=None, impl="auto", teacher_precision=None, student_softcap=None, teacher_softcap=None,
-    student_logit_scale=1.0, teacher_logit_scale=1.0, vocab_parallel=None,
+    student_logit_scale=1.0, teacher_logit_scale=1.0, vocab_parallel=None, cosine_via="auto",
 ):
     """``api.fused_linear_cosine_distill`` through the custom op: traceable, no host reads."""
     if vocab_parallel is not None:
@@ -132,7 +137,7 @@ def compiled_distill(
                          "region (torch.compiler.disable) or without vocab_parallel")
     api._check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias)
     api.check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
-                      teacher_precision, num_valid_tokens)
+                      teacher_precision, num_valid_tokens, cosine_via)
     if impl not in api.IMPLS:  # pick_row_step checks it where the op runs; fail at compile time already
         raise ValueError(f"impl must be one of {api.IMPLS}, got {impl!r}")
     grad_on = torch.is_grad_enabled()
@@ -161,6 +166,7 @@ def compiled_distill(
         teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
         student_logit_scale=float(student_logit_scale),
         teacher_logit_scale=float(teacher_logit_scale),
+        cosine_via=cosine_via,
         needs_grad=needs_grad,
     )
     soft, hard = soft.detach(), hard.detach()  # for logging, as in eager

@@ -103,7 +103,10 @@ def label_columns(labels: torch.Tensor, vocab_student: int, scales: RowStepScale
 
 
 def _transformed(student_logits, teacher_logits, scales: RowStepScales):
+    """s and t as the loss sees them; t is None without teacher logits (the Gram path, gram.py)."""
     s = scale_and_softcap(student_logits.float(), scales.student_logit_scale, scales.student_softcap)
+    if teacher_logits is None:
+        return s, None
     t = scale_and_softcap(teacher_logits.float(), scales.teacher_logit_scale, scales.teacher_softcap)
     return s, t
 
@@ -126,12 +129,41 @@ def row_stats_torch(student_logits, teacher_logits, labels, scales: RowStepScale
     else:
         stats[:, MAX], stats[:, SUM_EXP] = float("-inf"), 0.0
     stats[:, TARGET] = torch.where(in_shard, s.gather(1, column[:, None])[:, 0] if vocab_student else 0.0, 0.0)
-    stats[:, SCALE_S], stats[:, SCALE_T] = _abs_max_or_one(s), _abs_max_or_one(t)
-    s_unit, t_unit = s / stats[:, SCALE_S, None], t / stats[:, SCALE_T, None]
-    stats[:, DOT] = (s_unit * t_unit[:, :vocab_student]).sum(1)  # the student's zero padding adds nothing
+    stats[:, SCALE_S] = _abs_max_or_one(s)
+    s_unit = s / stats[:, SCALE_S, None]
     stats[:, SUM_SQ_S] = (s_unit * s_unit).sum(1)
+    if t is None:  # no teacher logits: with_teacher_products fills the teacher's statistics in
+        stats[:, DOT], stats[:, SUM_SQ_T], stats[:, SCALE_T] = 0.0, 0.0, 1.0
+        return stats
+    stats[:, SCALE_T] = _abs_max_or_one(t)
+    t_unit = t / stats[:, SCALE_T, None]
+    stats[:, DOT] = (s_unit * t_unit[:, :vocab_student]).sum(1)  # the student's zero padding adds nothing
     stats[:, SUM_SQ_T] = (t_unit * t_unit).sum(1)
     return stats
+
+
+def with_teacher_products(stats: torch.Tensor, dot: torch.Tensor, sum_sq_teacher: torch.Tensor,
+                          scales: RowStepScales) -> torch.Tensor:
+    """The statistics of a row step run without teacher logits (row_stats(s, None, ...)), completed
+    with each row's s.t and |t|^2 of the heads' raw logits (before the logit scales), which the Gram
+    path computes from the weights' Gram matrices instead (gram.py). In place; returns stats."""
+    teacher_scale = scales.teacher_logit_scale
+    stats[:, DOT] = dot * (scales.student_logit_scale * teacher_scale) / stats[:, SCALE_S]
+    stats[:, SUM_SQ_T] = sum_sq_teacher * (teacher_scale * teacher_scale)
+    stats[:, SCALE_T] = 1.0
+    return stats
+
+
+def teacher_grad_coefficient(stats: torch.Tensor, labels: torch.Tensor, vocab_student: int,
+                             scales: RowStepScales) -> torch.Tensor:
+    """Per row, c such that d L / d s (of the raw student logits) = c * t (raw teacher logits) plus what
+    the row step writes without teacher logits; 0 for ignored rows. No softcap (its derivative would
+    multiply t entry by entry)."""
+    valid, _, _ = label_columns(labels, vocab_student, scales)
+    _, coef_teacher, _ = cosine_terms(stats, scales)
+    coefficient = -scales.weight_soft * scales.beta * coef_teacher
+    coefficient = coefficient * (scales.student_logit_scale * scales.teacher_logit_scale)
+    return torch.where(valid, coefficient, 0.0)
 
 
 def combine_row_stats(shard_stats: torch.Tensor) -> torch.Tensor:
@@ -208,7 +240,9 @@ def row_grad_torch(student_logits, teacher_logits, labels, stats, scales: RowSte
         grad.scatter_add_(1, column[:, None], torch.where(in_shard, -1.0, 0.0)[:, None])
     grad *= scales.weight_hard
     soft_scale = scales.weight_soft * scales.beta
-    grad -= soft_scale * (coef_teacher[:, None] * t[:, :vocab_student] - coef_student[:, None] * s)
+    grad += soft_scale * coef_student[:, None] * s
+    if t is not None:
+        grad -= soft_scale * coef_teacher[:, None] * t[:, :vocab_student]
     if scales.student_softcap is not None:
         grad *= 1.0 - (s / scales.student_softcap) ** 2  # d(c tanh(z / c)) / dz
     grad *= scales.student_logit_scale

@@ -61,8 +61,11 @@ def _softcap(x, cap):
 
 @triton.jit
 def _load_logits(row, cols, mask, logit_scale, cap, CAP: tl.constexpr, MASKED: tl.constexpr = True):
-    """Logits as the loss sees them: fp32, times the logit scale (None: 1), softcapped; 0 where masked."""
-    if MASKED:
+    """Logits as the loss sees them: fp32, times the logit scale (None: 1), softcapped; 0 where masked,
+    and 0 everywhere for a row of None (no teacher logits: the Gram path, gram.py)."""
+    if row is None:  # one if-elif chain: code after a return in a static branch is still compiled
+        x = tl.zeros(cols.shape, tl.float32)
+    elif MASKED:
         x = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
     else:
         x = tl.load(row + cols).to(tl.float32)
@@ -82,14 +85,15 @@ def _one_if_none(x):
 
 
 @triton.jit
-def _row_and_label(row, student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, ignore_index,
-                   vocab_start, vocab_student, vocab_student_total):
-    """The row's logits pointers and its label: whether it counts, and where it lies in this shard."""
+def _row_and_label(row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
+                   vocab_student_total):
+    """The row's student logits pointer and its label: whether it counts, and where it lies in this shard.
+    (The teacher's row pointer is made in each kernel: a jit function cannot return None, the Gram path's.)"""
     label = tl.load(labels_ptr + row).to(tl.int64)
     valid = (label != ignore_index) & (label >= 0) & (label < vocab_student_total)
     column = label - vocab_start
     in_shard = valid & (column >= 0) & (column < vocab_student)
-    return student_ptr + row * student_row_stride, teacher_ptr + row * teacher_row_stride, valid, in_shard, column
+    return student_ptr + row * student_row_stride, valid, in_shard, column
 
 
 @triton.jit
@@ -335,10 +339,13 @@ def _row_step_kernel(
     else:
         todo = True
     if todo:
-        student_row, teacher_row, valid, in_shard, column = _row_and_label(
-            row, student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, ignore_index,
-            vocab_start, vocab_student, vocab_student_total,
+        student_row, valid, in_shard, column = _row_and_label(
+            row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
+            vocab_student_total,
         )
+        teacher_row = teacher_ptr  # None: no teacher logits (the Gram path)
+        if teacher_ptr is not None:
+            teacher_row = teacher_ptr + row * teacher_row_stride
         row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _row_stats(
             student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale, teacher_scale,
             student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, RESCUE, BLOCK, STAGES,
@@ -364,10 +371,12 @@ def _row_stats_kernel(
     STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    student_row, teacher_row, _, in_shard, column = _row_and_label(
-        row, student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, ignore_index,
-        vocab_start, vocab_student, vocab_student_total,
+    student_row, _, in_shard, column = _row_and_label(
+        row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student, vocab_student_total,
     )
+    teacher_row = teacher_ptr  # None: no teacher logits (the Gram path)
+    if teacher_ptr is not None:
+        teacher_row = teacher_ptr + row * teacher_row_stride
     row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _row_stats(
         student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale, teacher_scale,
         student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, False, BLOCK, STAGES,
@@ -397,10 +406,12 @@ def _row_grad_kernel(
     NUM_STATS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    student_row, teacher_row, valid, in_shard, column = _row_and_label(
-        row, student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, ignore_index,
-        vocab_start, vocab_student, vocab_student_total,
+    student_row, valid, in_shard, column = _row_and_label(
+        row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student, vocab_student_total,
     )
+    teacher_row = teacher_ptr  # None: no teacher logits (the Gram path)
+    if teacher_ptr is not None:
+        teacher_row = teacher_ptr + row * teacher_row_stride
     stats_row = stats_ptr + row * NUM_STATS
     _row_losses_and_grad(
         student_row, teacher_row, losses_ptr + row * 2, valid, in_shard, column, vocab_student,
@@ -412,7 +423,7 @@ def _row_grad_kernel(
 
 
 def _check_layout(student_logits, teacher_logits, labels, *contiguous):
-    if student_logits.stride(1) != 1 or teacher_logits.stride(1) != 1:
+    if student_logits.stride(1) != 1 or (teacher_logits is not None and teacher_logits.stride(1) != 1):
         raise ValueError("the Triton row step needs logits with unit stride along the vocabulary")
     if not all(t.is_contiguous() for t in (labels, *contiguous)):
         raise ValueError("the Triton row step needs contiguous labels, statistics and token_losses")
@@ -441,6 +452,13 @@ def _block(vocab, block_size, num_warps, default=DEFAULT_BLOCK):
     return block_size or max(32 * num_warps, min(default, triton.next_power_of_2(max(1, vocab))))
 
 
+def _teacher_args(teacher_logits, vocab_student):
+    """(pointer, row stride, vocabulary): None, 0 and the student's vocabulary without teacher logits."""
+    if teacher_logits is None:
+        return None, 0, vocab_student
+    return teacher_logits, teacher_logits.stride(0), teacher_logits.shape[1]
+
+
 def _caps(scales: RowStepScales):
     return dict(STUDENT_CAP=scales.student_softcap is not None, TEACHER_CAP=scales.teacher_softcap is not None)
 
@@ -464,9 +482,10 @@ def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepScale
     block = _block(vocab_student, block_size, num_warps, DEFAULT_BLOCK if write_grad else LOSS_ONLY_BLOCK)
     stages = num_stages or (DEFAULT_STAGES if write_grad else LOSS_ONLY_STAGES)
     for rescue in (True,) if rescue_only else (False, True):
+        teacher, teacher_stride, vocab_teacher = _teacher_args(teacher_logits, vocab_student)
         _row_step_kernel[(rows,)](
-            student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
-            lifts, vocab_student, teacher_logits.shape[1], *_common_args(vocab_student, scales), *_loss_args(scales),
+            student_logits, student_logits.stride(0), teacher, teacher_stride, labels, token_losses,
+            lifts, vocab_student, vocab_teacher, *_common_args(vocab_student, scales), *_loss_args(scales),
             **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue, BLOCK=block,
             STAGES=stages, num_warps=num_warps,
         )
@@ -479,9 +498,10 @@ def row_stats_triton(student_logits, teacher_logits, labels, scales: RowStepScal
     if rows == 0:
         return stats
     _check_layout(student_logits, teacher_logits, labels)
+    teacher, teacher_stride, vocab_teacher = _teacher_args(teacher_logits, vocab_student)
     _row_stats_kernel[(rows,)](
-        student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats,
-        vocab_student, teacher_logits.shape[1], *_common_args(vocab_student, scales), *_logit_args(scales),
+        student_logits, student_logits.stride(0), teacher, teacher_stride, labels, stats,
+        vocab_student, vocab_teacher, *_common_args(vocab_student, scales), *_logit_args(scales),
         **_caps(scales), NUM_STATS=NUM_STATS, BLOCK=_block(vocab_student, block_size, num_warps), STAGES=num_stages,
         num_warps=num_warps,
     )
@@ -496,8 +516,9 @@ def row_grad_triton(student_logits, teacher_logits, labels, stats, scales: RowSt
     _check_layout(student_logits, teacher_logits, labels, stats, token_losses,
                   *([] if grad_lifts is None else [grad_lifts]))
     lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
+    teacher, teacher_stride, _ = _teacher_args(teacher_logits, vocab_student)
     _row_grad_kernel[(rows,)](
-        student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats,
+        student_logits, student_logits.stride(0), teacher, teacher_stride, labels, stats,
         token_losses, lifts, vocab_student, *_common_args(vocab_student, scales), *_loss_args(scales),
         **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, NUM_STATS=NUM_STATS,
         BLOCK=_block(vocab_student, block_size, num_warps), STAGES=num_stages, num_warps=num_warps,

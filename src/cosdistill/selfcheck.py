@@ -11,6 +11,7 @@ The Triton paths run on CUDA, and on the CPU only under Triton's interpreter, wh
 """
 
 import dataclasses
+import itertools
 import math
 import os
 from dataclasses import dataclass, field
@@ -48,6 +49,10 @@ class LossCase:
         if self.softcap is not None:
             options.update(student_softcap=self.softcap, teacher_softcap=1.5 * self.softcap)
         return options
+
+    def gram_applies(self) -> bool:
+        """Whether cosine_via="gram" runs this case (no bias, no softcap, not fp16)."""
+        return not self.bias and self.softcap is None and self.dtype != torch.float16
 
     def describe(self) -> str:
         return (
@@ -236,10 +241,11 @@ def check_loss(impls, device, cases=LOSS_CASES) -> list[CheckResult]:
     for case in cases:
         args = random_problem(case, device)
         want = float64_reference(args, **case.options())
-        for impl in impls:
-            name = f"loss {impl} vs float64"
+        # the teacher's logits GEMM, and where it applies the Gram path too (gram.py)
+        for impl, cosine_via in itertools.product(impls, ("logits", "gram") if case.gram_applies() else ("logits",)):
+            name = f"loss {impl}{' gram' if cosine_via == 'gram' else ''} vs float64"
             try:
-                got = fused_run(args, impl=impl, chunk_size=case.chunk_size, **case.options())
+                got = fused_run(args, impl=impl, chunk_size=case.chunk_size, cosine_via=cosine_via, **case.options())
                 results.append(compare(name, case.describe(), case.dtype, got, want))
             except Exception as error:  # a crash is a failed check, reported in the table
                 results.append(failed(name, case.describe(), error))

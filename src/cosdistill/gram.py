@@ -1,0 +1,139 @@
+"""The soft term without teacher logits: through the heads' Gram matrices (``cosine_via="gram"``).
+
+Without biases or softcaps, the teacher's logits enter the loss only linearly. With s = h_s W_s^T and
+t = h_t W_t^T (W_t cut to the student's Vs rows where only those meet s):
+
+    s . t     = h_s . (h_t W_t^T W_s)                     the cross Gram matrix  C = W_t[:Vs]^T W_s  [Ht, Hs]
+    |t|^2     = h_t . (h_t W_t^T W_t)                     the teacher's Gram matrix  G = W_t^T W_t  [Ht, Ht]
+
+and the soft term's gradient is c_i * t_i per row (row_step.teacher_grad_coefficient), whose share of
+the gradient GEMMs is
+
+    grad_input_i  += c_i * (h_t,i C)                      (h_t C: the same product as s . t's)
+    grad_weight   += W_t[:Vs] @ A,   A = sum_i c_i h_t,i^T h_s,i   [Ht, Hs]
+
+So a step costs, instead of the teacher's logits GEMM (2 T Vt Ht FLOPs) and its logits' bytes: C
+(2 Vs Ht Hs, every call: W_s changes every step), W_t A (as much again, with grad_weight), G (cached
+while the teacher weight is unchanged, like the FP8 weight) and per-token products of size H^2. That
+wins once T passes about 2 Hs (``gram_is_cheaper``), and the logits it never forms are also never
+rounded to bf16: s . t and |t|^2 come out in fp32 from the exact products.
+
+The row step then reads and writes only the student logits (row_step with teacher_logits None).
+bf16 products with an fp32 Gram matrix are taken as two bf16 GEMMs, hi + lo parts of the matrix,
+each into fp32: the matrix's rounding stays at ~2^-16 instead of bf16's 2^-9.
+
+Range: the Gram matrices and the products above are plain fp32 sums, so logits past ~1e19 (their
+squares past fp32's 3.4e38) make the soft loss NaN here, where the logits path (whose row step
+rescales such rows) still gives the answer. No LM head comes near; "auto" still takes the Gram path
+only for a teacher whose Gram diagonal is moderate (``MODERATE_GRAM``, checked once per teacher).
+"""
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .row_step import RowStepImpl, RowStepScales, teacher_grad_coefficient, with_teacher_products
+
+_teacher_gram_cache = WeakIdKeyDictionary()  # teacher weight -> (version, Gram matrix in parts, moderate)
+MODERATE_GRAM = 2.0**64  # the largest squared column norm of W_t for which "auto" takes the Gram path
+
+
+def _mm_fp32(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """left @ right in fp32, from operands of one dtype (cuBLAS reads bf16 and writes fp32 directly)."""
+    if left.is_cuda and left.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(left, right, out_dtype=torch.float32)
+    return left.float() @ right.float()
+
+
+def _split(matrix: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """An fp32 matrix as parts in the operands' dtype whose sum is it to ~2^-16 (one part for fp32)."""
+    if dtype == torch.float32:
+        return (matrix,)
+    high = matrix.to(dtype)
+    return high, (matrix - high.float()).to(dtype)
+
+
+def _times(rows: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """rows @ (sum of parts), in fp32."""
+    product = _mm_fp32(rows, parts[0])
+    for part in parts[1:]:
+        product += _mm_fp32(rows, part)
+    return product
+
+
+def _cached_teacher_gram(teacher_weight: torch.Tensor) -> tuple[int, tuple[torch.Tensor, ...], bool]:
+    cached = _teacher_gram_cache.get(teacher_weight)
+    if cached is None or cached[0] != teacher_weight._version:
+        with torch.no_grad():
+            weight = teacher_weight.detach()
+            matrix = _mm_fp32(weight.t(), weight)
+            moderate = bool(matrix.diagonal().max() < MODERATE_GRAM)  # one host read per teacher version
+            cached = (teacher_weight._version, _split(matrix, weight.dtype), moderate)
+        _teacher_gram_cache[teacher_weight] = cached
+    return cached
+
+
+def teacher_gram(teacher_weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """W_t^T W_t in parts (``_split``), cached while the weight object lives and is not modified in place."""
+    return _cached_teacher_gram(teacher_weight)[1]
+
+
+def teacher_gram_is_moderate(teacher_weight: torch.Tensor) -> bool:
+    """Whether every squared column norm of W_t is below MODERATE_GRAM (and finite)."""
+    return _cached_teacher_gram(teacher_weight)[2]
+
+
+def gram_is_cheaper(num_tokens: int, vocab_student: int, vocab_teacher: int, hidden_student: int,
+                    hidden_teacher: int, write_grad_weight: bool) -> bool:
+    """Whether the Gram path costs fewer GEMM FLOPs than the teacher's logits GEMM it replaces (the
+    cached teacher Gram matrix not counted; the row step's saved teacher bytes not either)."""
+    fixed = 2 * vocab_student * hidden_teacher * hidden_student * (2 if write_grad_weight else 1)
+    per_token = 4 * hidden_teacher * (hidden_student + hidden_teacher) + 2 * hidden_teacher * hidden_student
+    return fixed + num_tokens * per_token < 2 * num_tokens * vocab_teacher * hidden_teacher
+
+
+class GramTeacher:
+    """The teacher side of the chunk loop on the Gram path: per chunk, the row step without teacher
+    logits and the soft term's share of grad_input; after the loop, its share of grad_weight."""
+
+    def __init__(self, teacher_weight: torch.Tensor, student_weight: torch.Tensor, row_step_impl: RowStepImpl,
+                 write_grad_weight: bool):
+        vocab_student, dtype = student_weight.shape[0], student_weight.dtype
+        self.teacher_weight = teacher_weight.detach()[:vocab_student]
+        self.impl = row_step_impl
+        self.teacher_gram = teacher_gram(teacher_weight)
+        with torch.no_grad():
+            self.cross_gram = _split(_mm_fp32(self.teacher_weight.t(), student_weight.detach()), dtype)
+        self.cross_rows = None  # the last chunk's h_t C [n, Hs] and coefficients c [n]
+        self.coefficients = None
+        self.outer = None  # A [Ht, Hs] in fp32, summed over chunks
+        if write_grad_weight:
+            self.outer = torch.zeros(teacher_weight.shape[1], student_weight.shape[1], dtype=torch.float32,
+                                     device=student_weight.device)
+
+    def row_step(self, student_logits, student_hidden, teacher_hidden, labels, scales: RowStepScales,
+                 token_losses, write_grad) -> None:
+        """The row step of one chunk: the statistics of the student logits, completed with s . t and
+        |t|^2, then the losses and (write_grad) the gradient without its teacher term, in place."""
+        self.cross_rows = _times(teacher_hidden, self.cross_gram)
+        dot = (self.cross_rows * student_hidden).sum(1)
+        sum_sq_teacher = (_times(teacher_hidden, self.teacher_gram) * teacher_hidden).sum(1)
+        stats = self.impl.stats(student_logits, None, labels, scales)
+        with_teacher_products(stats, dot, sum_sq_teacher, scales)
+        self.impl.grad(student_logits, None, labels, stats, scales, token_losses, write_grad)
+        self.coefficients = teacher_grad_coefficient(stats, labels, student_logits.shape[1], scales)
+
+    def grad_input_into(self, grad_input_rows: torch.Tensor, inv_normaliser: float) -> None:
+        """grad_input_rows = c_i * h_t,i C / N for the last chunk (the GEMM of d L / d s adds the rest)."""
+        grad_input_rows.copy_(self.cross_rows.mul_((self.coefficients * inv_normaliser)[:, None]))
+
+    def accumulate(self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> None:
+        """A += sum over the last chunk's rows of c_i h_t,i^T h_s,i."""
+        scaled = (teacher_hidden.float() * self.coefficients[:, None]).to(teacher_hidden.dtype)
+        if self.outer.is_cuda and scaled.dtype != torch.float32:
+            torch.addmm(self.outer, scaled.t(), student_hidden, out_dtype=torch.float32, out=self.outer)
+        else:
+            self.outer.addmm_(scaled.t().float(), student_hidden.float())
+
+    def grad_weight_into(self, grad_weight: torch.Tensor, alpha: float, beta: float, addmm_into) -> None:
+        """grad_weight = beta * grad_weight + alpha * W_t[:Vs] @ A (addmm_into: chunked._addmm_into)."""
+        addmm_into(grad_weight, self.teacher_weight, self.outer.to(self.teacher_weight.dtype), alpha=alpha, beta=beta)

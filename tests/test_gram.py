@@ -1,0 +1,199 @@
+"""The Gram path (gram.py, cosine_via="gram"): no teacher logits, against float64 and the logits path."""
+
+import pytest
+import torch
+
+from cosdistill import api, fused_linear_cosine_distill, gram
+from cosdistill.reference import naive_cosine_distill
+from cosdistill.row_step import TORCH_ROW_STEP, RowStepScales, with_teacher_products
+from conftest import TOLERANCE, make_problem, rel_err
+from test_loss import assert_matches_reference, run_fused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab_teacher", [101, 131])
+@pytest.mark.parametrize("chunk_size", [None, 7, 16])
+def test_matches_reference(impl, dtype, vocab_teacher, chunk_size):
+    problem = make_problem(dtype=dtype, bias=False, vocab_teacher=vocab_teacher, ignore_every=4)
+    assert_matches_reference(problem, dtype, impl=impl, chunk_size=chunk_size, cosine_via="gram")
+
+
+@pytest.mark.parametrize("options", [
+    dict(temperature=2.5, beta=0.3, weight_hard_loss=0.2, weight_soft_loss=1.5),
+    dict(student_logit_scale=0.5, teacher_logit_scale=3.0),
+    dict(num_valid_tokens=50),
+    dict(weight_hard_loss=0.0),
+])
+def test_options(impl, options):
+    problem = make_problem(tokens=29, bias=False, vocab_teacher=131, ignore_every=3)
+    assert_matches_reference(problem, torch.float32, ref_kwargs=options, impl=impl, chunk_size=8, cosine_via="gram",
+                             **options)
+
+
+@pytest.mark.parametrize("accum_dtype", [None, torch.float32])
+@pytest.mark.parametrize("grad_output", [1.0, -0.375])
+def test_grad_output_and_accumulator(accum_dtype, grad_output):
+    """grad_output reaches the soft term's share of grad_weight (added before the last chunk's GEMM in
+    backward) and of grad_input; one chunk (nothing accumulated yet) and several."""
+    for chunk_size in (None, 10):
+        problem = make_problem(tokens=37, bias=False, dtype=torch.bfloat16, ignore_every=5)
+        assert_matches_reference(problem, torch.bfloat16, grad_output=grad_output, chunk_size=chunk_size,
+                                 accum_dtype=accum_dtype, cosine_via="gram")
+
+
+@pytest.mark.parametrize("leaf", ["student_input", "student_weight", None])
+def test_only_some_gradients(leaf):
+    problem = make_problem(tokens=23, bias=False, ignore_every=4)
+    for name in ("student_input", "student_weight"):
+        getattr(problem, name).requires_grad_(name == leaf)
+    grad_context = torch.enable_grad() if leaf else torch.no_grad()
+    with grad_context:
+        losses = fused_linear_cosine_distill(*problem.args(), chunk_size=6, cosine_via="gram", return_soft_hard_loss=True)
+        if leaf:
+            losses[0].backward()
+    upcast = [t.detach().double().requires_grad_(t.requires_grad) for t in problem.args()[:4]]
+    want = naive_cosine_distill(*upcast, problem.labels)
+    for got, expected in zip(losses, want):
+        assert rel_err(got, expected) < TOLERANCE[torch.float32][0]
+    if leaf:
+        want[0].backward()
+        index = ("student_input", "student_weight").index(leaf)
+        assert rel_err(getattr(problem, leaf).grad, upcast[index].grad) < TOLERANCE[torch.float32][1]
+
+
+def test_agrees_with_the_logits_path(impl):
+    problem = make_problem(tokens=41, bias=False, vocab_teacher=131, ignore_every=6)
+    via_gram = run_fused(problem, impl=impl, chunk_size=9, cosine_via="gram")
+    for leaf in problem.student_leaves():
+        leaf.grad = None
+    via_logits = run_fused(problem, impl=impl, chunk_size=9, cosine_via="logits")
+    for got, want in zip(via_gram[0] + via_gram[1], via_logits[0] + via_logits[1]):
+        assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("setting, blocker", [
+    (dict(bias=True), "a student_bias or teacher_bias"),
+    (dict(student_softcap=30.0), "a softcap"),
+    (dict(teacher_softcap=30.0), "a softcap"),
+    (dict(dtype=torch.float16), "bf16 or fp32"),
+    (dict(teacher_dtype=torch.float32), "both alike"),
+])
+def test_gram_refuses_what_it_cannot_run(setting, blocker):
+    problem = make_problem(tokens=9, bias=setting.get("bias", False), dtype=setting.get("dtype", torch.bfloat16))
+    if "teacher_dtype" in setting:
+        problem.teacher_input, problem.teacher_weight = problem.teacher_input.float(), problem.teacher_weight.float()
+    options = {key: value for key, value in setting.items() if key.endswith("softcap")}
+    with pytest.raises(ValueError, match=f"cosine_via='gram' cannot run with .*{blocker}"):
+        fused_linear_cosine_distill(*problem.args(), cosine_via="gram", **options)
+    # "auto" takes the logits path instead, and is right
+    assert_matches_reference(problem, problem.student_weight.dtype, ref_kwargs=options, cosine_via="auto", **options)
+
+
+def test_gram_refuses_fp8_and_a_vocabulary_split():
+    problem = make_problem(tokens=9, bias=False)
+    with pytest.raises(ValueError, match="teacher_precision='fp8'"):
+        api.pick_gram_teacher("gram", problem.student_weight, problem.teacher_weight, None, None, None, None, "fp8",
+                              None, 9, (True, True, False), TORCH_ROW_STEP)
+    with pytest.raises(ValueError, match="vocab_parallel"):
+        api.pick_gram_teacher("gram", problem.student_weight, problem.teacher_weight, None, None, None, None, None,
+                              object(), 9, (True, True, False), TORCH_ROW_STEP)
+
+
+def test_cosine_via_must_be_known():
+    problem = make_problem(tokens=5, bias=False)
+    with pytest.raises(ValueError, match="cosine_via must be one of"):
+        fused_linear_cosine_distill(*problem.args(), cosine_via="gramm")
+
+
+# (T, V, teacher H, student H, full step?) -> whether the Gram path was faster on the H200
+# (benchmarks/results/2026-12-01-s16a: cosine_via forced both ways at each shape).
+H200_WINNERS = [
+    ((1024, 128256, 4096, 2048, True), False), ((2048, 128256, 4096, 2048, True), False),
+    ((4096, 128256, 4096, 2048, True), False), ((8192, 128256, 4096, 2048, True), True),
+    ((2048, 128256, 4096, 2048, False), False), ((4096, 128256, 4096, 2048, False), True),
+    ((8192, 128256, 4096, 2048, False), True), ((3000, 128256, 4096, 2048, True), False),
+    ((4096, 262144, 2048, 1024, True), True), ((4096, 32000, 4096, 2048, True), False),
+]
+
+
+@pytest.mark.parametrize("shape, gram_won", H200_WINNERS)
+def test_auto_picks_the_h200_winner(shape, gram_won):
+    tokens, vocab, hidden, student_hidden, full = shape
+    assert gram.gram_is_cheaper(tokens, vocab, vocab, student_hidden, hidden, write_grad_weight=full) == gram_won
+
+
+def test_auto_runs_the_gram_path_where_it_is_cheaper(monkeypatch):
+    calls, row_step = [], gram.GramTeacher.row_step
+
+    def recording_row_step(self, student_logits, *args):
+        calls.append(len(student_logits))
+        return row_step(self, student_logits, *args)
+
+    monkeypatch.setattr(gram.GramTeacher, "row_step", recording_row_step)
+    long_problem = make_problem(tokens=400, hidden_student=4, hidden_teacher=6, vocab_student=50, bias=False)
+    assert_matches_reference(long_problem, torch.float32, chunk_size=128)
+    assert len(calls) == 4  # 400 tokens in chunks of 128
+    calls.clear()
+    short_problem = make_problem(tokens=5, hidden_student=4, hidden_teacher=6, vocab_student=50, bias=False)
+    assert_matches_reference(short_problem, torch.float32)
+    assert not calls
+
+
+def test_teacher_gram_is_cached_until_the_weight_changes():
+    weight = torch.randn(300, 12)
+    first = gram.teacher_gram(weight)
+    assert gram.teacher_gram(weight) is first
+    with torch.no_grad():
+        weight.mul_(2.0)  # in place: the version counter moves
+    second = gram.teacher_gram(weight)
+    assert second is not first
+    torch.testing.assert_close(second[0], 4.0 * first[0])
+
+
+def test_bf16_products_keep_fp32_accuracy():
+    """h @ G for bf16 rows and an fp32 Gram matrix: the matrix in two bf16 parts keeps its ~2^-16
+    accuracy, where one bf16 copy would round it at 2^-9."""
+    rows = torch.randn(64, 48).bfloat16()
+    matrix = torch.randn(48, 32)
+    want = rows.double() @ matrix.double()
+    got = gram._times(rows, gram._split(matrix, torch.bfloat16))
+    assert rel_err(got, want) < 3e-5
+    assert rel_err(rows.double() @ matrix.bfloat16().double(), want) > 1e-3
+
+
+def test_row_step_without_teacher_logits_matches_torch():
+    """The row step's two stages with teacher_logits None, Triton against the torch spec."""
+    from cosdistill.row_step_triton import TRITON_ROW_STEP
+
+    rows, vocab = 13, 300
+    student = (torch.randn(rows, vocab) * 3).bfloat16()
+    labels = torch.randint(0, vocab, (rows,))
+    labels[::4] = -100
+    scales = RowStepScales(0.4, 0.6, 0.5, 1.5, -100, student_logit_scale=0.7)
+    dot, sum_sq_teacher = torch.randn(rows) * 20, torch.rand(rows) * 100 + 1
+    results = []
+    for row_step in (TORCH_ROW_STEP, TRITON_ROW_STEP):
+        logits = student.clone()
+        losses = torch.full((rows, 2), float("nan"))
+        stats = with_teacher_products(row_step.stats(logits, None, labels, scales), dot, sum_sq_teacher, scales)
+        row_step.grad(logits, None, labels, stats, scales, losses, True)
+        results.append((losses, logits.float()))
+    (torch_losses, torch_grad), (triton_losses, triton_grad) = results
+    assert rel_err(triton_losses, torch_losses) < 1e-6
+    assert rel_err(triton_grad, torch_grad) < 1e-2  # bf16 storage of either
+
+
+def test_overflowing_products_give_nan_and_auto_keeps_the_logits_path():
+    """Logits near bf16's max: the Gram path's fp32 products overflow and its soft loss is NaN (never a
+    wrong finite number); "auto" sees the teacher's huge Gram diagonal and takes the logits path."""
+    inputs = torch.tensor([[2.0**64], [-(2.0**64)], [2.0**63]], dtype=torch.bfloat16)
+    student_weight = (torch.rand(37, 1) * 2 - 1).mul(2.0**63).bfloat16()
+    teacher_weight = (torch.rand(37, 1) * 2 - 1).mul(2.0**63).bfloat16()
+    labels = (inputs.double() * student_weight.double().t()).argmax(1)
+    args = (inputs.clone().requires_grad_(), student_weight.clone().requires_grad_(), inputs, teacher_weight, labels)
+    loss, soft, _ = fused_linear_cosine_distill(*args, cosine_via="gram", return_soft_hard_loss=True)
+    assert torch.isnan(loss) and torch.isnan(soft)
+    assert not gram.teacher_gram_is_moderate(teacher_weight)
+    loss, soft, _ = fused_linear_cosine_distill(*args, cosine_via="auto", return_soft_hard_loss=True)
+    want = naive_cosine_distill(*[tensor.double() for tensor in args[:4]], labels)
+    assert rel_err(loss, want[0]) < 5e-3 and rel_err(soft, want[1]) < 5e-3
