@@ -69,8 +69,9 @@ def _held_slice_row_step_kernel(
     row = ticket // slices
     index = ticket % slices
     start = index * SLICE
-    student_row, teacher_row, valid, in_shard, column = _row_and_label(
-        row, student_ptr, row_stride, teacher_ptr, row_stride, labels_ptr, ignore_index, 0, vocab, vocab)
+    student_row, valid, in_shard, column = _row_and_label(
+        row, student_ptr, row_stride, labels_ptr, ignore_index, 0, vocab, vocab)
+    teacher_row = teacher_ptr + row * row_stride
     cols = start + tl.arange(0, SLICE)
     in_row = cols < vocab
     in_slice = in_shard & (column >= start) & (column < start + SLICE)
@@ -116,8 +117,9 @@ def _row_step_on_chip_kernel(
     weight_hard, weight_soft, beta, inv_temp_sq, eps, VOCAB_PAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    student_row, teacher_row, valid, in_shard, column = _row_and_label(
-        row, student_ptr, row_stride, teacher_ptr, row_stride, labels_ptr, ignore_index, 0, vocab, vocab)
+    student_row, valid, in_shard, column = _row_and_label(
+        row, student_ptr, row_stride, labels_ptr, ignore_index, 0, vocab, vocab)
+    teacher_row = teacher_ptr + row * row_stride
     cols = tl.arange(0, VOCAB_PAD)
     in_row = cols < vocab
     s = _load_logits(student_row, cols, in_row, None, 1.0, False)  # the whole row, once; 0 past the vocabulary

@@ -92,7 +92,9 @@ def test_final_hidden_states_is_the_backbones_last_hidden_state(kind):
     hidden = final_hidden_states(model, batch["input_ids"], batch["attention_mask"])
     assert head_outputs == [(3, 0, 128)]  # the head saw no positions: no logits were computed
     expected = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    assert torch.equal(hidden, expected)
+    # the same quantity by two routes through the model: transformers 5.24's causal-LM route rounds
+    # differently from the backbone's own (gpt2: 1.5e-6 apart in fp32), older versions matched bit for bit
+    torch.testing.assert_close(hidden, expected)
     assert not model.get_output_embeddings()._forward_pre_hooks
 
 
