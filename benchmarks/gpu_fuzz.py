@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from cosdistill import fused_linear_cosine_distill, row_step_cuda
+from cosdistill import fused_linear_cosine_distill, gram, row_step_cuda
 from cosdistill.api import row_step_scales
 from cosdistill.bench import DTYPES
 from cosdistill.reference import naive_cosine_distill
@@ -61,6 +61,7 @@ COVERAGE = (  # (label, test on a case's parameters): how many cases exercised w
     ("grad_output != 1", lambda c: c["grad_output"] != 1),
     ("fp32 accumulator", lambda c: c["accum_dtype"] == "fp32"),
     ("cluster row step applies", lambda c: cluster_eligible(Case(**c))),
+    ("Gram path (auto)", lambda c: gram_taken(Case(**c))),
     ("given chunk size", lambda c: c["chunk_size"] is not None),
 )
 
@@ -210,12 +211,22 @@ def draw_case(rng: random.Random, index: int, limits: Limits) -> Case:
     return case
 
 
+def gram_taken(case: Case) -> bool:
+    """Whether cosine_via="auto" takes the Gram path (gram.py; its teacher-scale guard aside: the fuzz's
+    heads are of order one)."""
+    heads_allow = not (case.student_bias or case.teacher_bias or case.student_softcap or case.teacher_softcap
+                       or case.dtype == "fp16")
+    return heads_allow and gram.gram_is_cheaper(case.tokens, case.vocab_student, case.vocab_teacher,
+                                                case.hidden_student, case.hidden_teacher, write_grad_weight=True)
+
+
 def cluster_eligible(case: Case) -> bool:
     """Whether impl="auto" runs the case's row steps in the CUDA cluster kernel (on Hopper; row_step_cuda.py)."""
     options = case.options()
     del options["num_valid_tokens"]  # the rest are row_step_scales' arguments
     scales = row_step_scales(**options)
-    return row_step_cuda.applies(DTYPES[case.dtype], case.vocab_student, case.vocab_teacher, scales)
+    return not gram_taken(case) and row_step_cuda.applies(DTYPES[case.dtype], case.vocab_student,
+                                                          case.vocab_teacher, scales)
 
 
 def fast_impl(device) -> str:

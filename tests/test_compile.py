@@ -40,6 +40,7 @@ def op_kwargs(needs_grad, **overrides):
         (torch.float32, True, (False, True, False), dict(weight_hard_loss=0.2, weight_soft_loss=1.3, beta=0.7, temperature=2.0)),
         (torch.float32, True, (False, False, False), dict(num_valid_count=50.0)),
         (torch.bfloat16, True, (True, True, True), dict(accum_dtype=torch.float32, student_softcap=3.0)),
+        (torch.float32, False, (True, True, False), dict(cosine_via="gram", chunk_size=5)),
     ],
 )
 def test_opcheck(dtype, bias, needs_grad, overrides):
@@ -153,6 +154,13 @@ def test_compiled_step_options():
     ):
         eager = run_step(TinyStudent.__call__, student, data, -1.5, **options)
         assert_same(eager, run_step(forward, student, data, -1.5, **options))
+
+
+def test_compiled_gram_path_matches_eager():
+    student, data = make_step_problem(bias=False, batch=3, vocab_teacher=131)
+    for options in (dict(cosine_via="gram", chunk_size=8), dict(cosine_via="gram", impl="triton", temperature=2.0)):
+        eager = run_step(TinyStudent.__call__, student, data, 0.7, **options)
+        assert_same(eager, run_step(compiled_forward(), student, data, 0.7, **options))
 
 
 def test_bf16():
@@ -286,6 +294,8 @@ def test_bad_options_raise_at_trace_time():
     student, data = make_step_problem()
     with pytest.raises(ValueError, match="temperature must be > 0"):
         torch.compile(TinyStudent.__call__, backend="aot_eager")(student, *data, temperature=0.0)
+    with pytest.raises(ValueError, match="cosine_via must be one of"):
+        torch.compile(TinyStudent.__call__, backend="aot_eager")(student, *data, cosine_via="gramm")
     torch._dynamo.reset()
     with pytest.raises((torch._dynamo.exc.Unsupported, ValueError)) as raised:
         compiled_forward()(student, *data, temperature=0.0)

@@ -91,12 +91,13 @@ def test_gram_refuses_what_it_cannot_run(setting, blocker):
 
 def test_gram_refuses_fp8_and_a_vocabulary_split():
     problem = make_problem(tokens=9, bias=False)
+    heads = (problem.student_weight, problem.teacher_weight, 9, (True, True, False), TORCH_ROW_STEP)
     with pytest.raises(ValueError, match="teacher_precision='fp8'"):
-        api.pick_gram_teacher("gram", problem.student_weight, problem.teacher_weight, None, None, None, None, "fp8",
-                              None, 9, (True, True, False), TORCH_ROW_STEP)
+        api.pick_gram_teacher("gram", *heads, has_bias=False, has_softcap=False, teacher_precision="fp8",
+                              vocab_parallel=None)
     with pytest.raises(ValueError, match="vocab_parallel"):
-        api.pick_gram_teacher("gram", problem.student_weight, problem.teacher_weight, None, None, None, None, None,
-                              object(), 9, (True, True, False), TORCH_ROW_STEP)
+        api.pick_gram_teacher("gram", *heads, has_bias=False, has_softcap=False, teacher_precision=None,
+                              vocab_parallel=object())
 
 
 def test_cosine_via_must_be_known():
@@ -111,7 +112,8 @@ def test_cosine_via_must_be_known():
 H200_WINNERS = [
     ((1024, 128256, 4096, 2048, True), False), ((2048, 128256, 4096, 2048, True), False),
     ((4096, 128256, 4096, 2048, True), False), ((8192, 128256, 4096, 2048, True), True),
-    ((2048, 128256, 4096, 2048, False), False), ((4096, 128256, 4096, 2048, False), True),
+    ((1024, 128256, 4096, 2048, False), False), ((2048, 128256, 4096, 2048, False), False),
+    ((4096, 128256, 4096, 2048, False), True),
     ((8192, 128256, 4096, 2048, False), True), ((3000, 128256, 4096, 2048, True), False),
     ((4096, 262144, 2048, 1024, True), True), ((4096, 32000, 4096, 2048, True), False),
     ((4096, 151936, 3584, 1792, True), False),

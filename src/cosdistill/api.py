@@ -114,9 +114,11 @@ def fused_linear_cosine_distill(
         row_step, reduce_grad_input = split_row_step(row_step_impl, vocab_parallel), vocab_parallel.all_reduce
     needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
                        for t in (student_input, student_weight, student_bias))
-    gram_teacher = pick_gram_teacher(cosine_via, student_weight, teacher_weight, student_bias, teacher_bias,
-                                     student_softcap, teacher_softcap, teacher_precision, vocab_parallel, num_tokens,
-                                     needs_grad, row_step_impl)
+    gram_teacher = pick_gram_teacher(
+        cosine_via, student_weight, teacher_weight, num_tokens, needs_grad, row_step_impl,
+        has_bias=student_bias is not None or teacher_bias is not None,
+        has_softcap=student_softcap is not None or teacher_softcap is not None,
+        teacher_precision=teacher_precision, vocab_parallel=vocab_parallel)
     rows = chunk_rows(chunk_size, num_tokens, vocab_student, 0 if gram_teacher else vocab_teacher,
                       student_weight.element_size(), write_grad=any(needs_grad))
     options = _Options(
@@ -265,15 +267,14 @@ def check_options(student_weight, temperature, student_softcap, teacher_softcap,
         raise ValueError(f"cosine_via must be one of {COSINE_VIA}, got {cosine_via!r}")
 
 
-def pick_gram_teacher(cosine_via, student_weight, teacher_weight, student_bias, teacher_bias, student_softcap,
-                      teacher_softcap, teacher_precision, vocab_parallel, num_tokens, needs_grad,
-                      row_step_impl) -> gram.GramTeacher | None:
+def pick_gram_teacher(cosine_via, student_weight, teacher_weight, num_tokens, needs_grad, row_step_impl, *, has_bias,
+                      has_softcap, teacher_precision, vocab_parallel) -> gram.GramTeacher | None:
     """The Gram path's teacher where cosine_via asks for it (or "auto" finds it applies and cheaper), else None."""
     if cosine_via == "logits":
         return None
     blockers = {
-        "a student_bias or teacher_bias": student_bias is not None or teacher_bias is not None,
-        "a softcap": student_softcap is not None or teacher_softcap is not None,
+        "a student_bias or teacher_bias": has_bias,
+        "a softcap": has_softcap,
         "teacher_precision='fp8'": teacher_precision is not None,
         "vocab_parallel": vocab_parallel is not None,
         f"{student_weight.dtype} and {teacher_weight.dtype} weights (bf16 or fp32, both alike)": (

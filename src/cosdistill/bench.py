@@ -9,7 +9,8 @@ One process, one workload, every provider on the same tensors:
   where the device has FP8 tensor cores;
 * ``naive`` - ``naive_cosine_distill``: full logits and autograd;
 * ``liger`` - Liger-Kernel's ``LigerFusedLinearCosineSimilarityLoss``, if it can be imported;
-* ``floor`` - the four GEMMs any exact implementation must do (two in forward mode), on the whole T.
+* ``floor`` - the four GEMMs of the loss computed from both heads' logits (two in forward mode), on the
+  whole T; the Gram path (gram.py) replaces the teacher's with smaller ones and can run under it.
 
 Mode "full" times forward + ``loss.backward()``; mode "forward" times the forward under ``no_grad``.
 Each provider is timed in steady state: its own calls first run for ``settle_s`` seconds (3 on CUDA),

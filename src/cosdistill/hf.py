@@ -118,7 +118,7 @@ def cosine_distill_loss(
     Each model's logit scale and softcapping are applied as its config says (``head_inputs``), so the
     loss equals the one computed from ``model(...).logits``. ``num_valid_tokens`` (e.g. the count over
     all micro-batches of a gradient accumulation step) and ``**loss_options`` (chunk_size, impl,
-    accum_dtype, teacher_precision) go to ``fused_linear_cosine_distill``.
+    accum_dtype, teacher_precision, cosine_via) go to ``fused_linear_cosine_distill``.
     """
     if labels is None:
         raise TypeError("labels is required, got None")

@@ -72,9 +72,11 @@ def fused_linear_cosine_distill_op(
     grad_weight comes in the accum dtype and grad_bias in fp32, cast to their leaves' dtypes in backward."""
     num_tokens, vocab_student = labels.numel(), student_weight.shape[0]
     row_step_impl = api.pick_row_step(impl, student_input.device)
-    gram_teacher = api.pick_gram_teacher(cosine_via, student_weight, teacher_weight, student_bias, teacher_bias,
-                                         student_softcap, teacher_softcap, teacher_precision, None, num_tokens,
-                                         needs_grad, row_step_impl)
+    gram_teacher = api.pick_gram_teacher(
+        cosine_via, student_weight, teacher_weight, num_tokens, needs_grad, row_step_impl,
+        has_bias=student_bias is not None or teacher_bias is not None,
+        has_softcap=student_softcap is not None or teacher_softcap is not None,
+        teacher_precision=teacher_precision, vocab_parallel=None)
     rows = chunk_rows(chunk_size, num_tokens, vocab_student, 0 if gram_teacher else teacher_weight.shape[0],
                       student_weight.element_size(), write_grad=any(needs_grad))
     teacher = None if gram_teacher else api.teacher_head(teacher_weight, teacher_bias, teacher_precision,
