@@ -1,7 +1,8 @@
 """The fused row step in plain torch: the executable spec of the loss and of its gradient.
 
 For one chunk of tokens it takes the student logits s [n, Vs] and the teacher logits t [n, Vt]
-(Vt >= Vs; s is treated as zero-padded to Vt), and
+(Vt >= Vs; s is treated as zero-padded to Vt; t is None on the Gram path, gram.py, which supplies
+s.t and |t|^2 through ``with_teacher_products`` and the gradient's t term itself), and
 
 * with a logit scale (Cohere style), multiplies s by a_s and t by a_t; then, with softcapping
   (Gemma-2 style), replaces s by c_s * tanh(s / c_s) and t by c_t * tanh(t / c_t); both before
