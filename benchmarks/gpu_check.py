@@ -19,7 +19,7 @@ from dataclasses import asdict
 
 import torch
 
-from cosdistill import fp8
+from cosdistill import fp8, row_step_cuda
 from cosdistill.fp8_triton import quantize_rows_triton
 from cosdistill.selfcheck import (
     CheckResult, LossCase, RowStepCase, check_loss, check_row_step, compare, float64_reference, fused_run, random_problem,
@@ -46,6 +46,49 @@ LOSS_CASES = [
 ]
 FP8_CASES = [LossCase(300, 32011, 32011, 256, BF16, True, 7, 128), LossCase(1000, 128256, 128320, 512, BF16, True, 7, None),
              LossCase(2500, 128256, 128320, 256, BF16, False, 7, None), LossCase(2500, 128256, 128256, 256, BF16, False, 7, None)]
+
+
+GRAM_ROW_STEP_CASES = [RowStepCase(37, 128256, 128256, BF16), RowStepCase(9, 262144, 262144, BF16),
+                       RowStepCase(11, 32000, 32000, BF16), RowStepCase(5, 8, 8, BF16), RowStepCase(7, 151936, 151936, BF16)]
+
+
+def check_gram_row_step():
+    """The one-model cluster kernel (row_step_cuda.gram_row_step_cuda, the Gram path's row step) against the
+    torch spec's two stages with teacher_logits None: losses, gradient and each row's coefficient of t,
+    every output poisoned first; a quarter of the rows ignored, one row whose products overflow."""
+    from cosdistill.row_step import TORCH_ROW_STEP, RowStepScales, teacher_grad_coefficient, with_teacher_products
+    from cosdistill.selfcheck import POISON
+
+    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100)
+    results = []
+    for case in GRAM_ROW_STEP_CASES:
+        student = (torch.randn(case.rows, case.vocab_student, device="cuda") * 3).to(BF16)
+        labels = torch.randint(0, case.vocab_student, (case.rows,), device="cuda")
+        labels[::4] = -100
+        norms = student.float().norm(dim=1)
+        sum_sq_teacher = (torch.rand(case.rows, device="cuda") + 0.5) * norms**2
+        dot = (torch.rand(case.rows, device="cuda") * 2 - 1) * norms * sum_sq_teacher.sqrt()
+        dot[1], sum_sq_teacher[1] = float("inf"), float("inf")  # row 1 (not ignored): NaN loss and gradient
+        want_grad, want_losses = student.clone(), torch.full((case.rows, 2), POISON, device="cuda")
+        stats = with_teacher_products(TORCH_ROW_STEP.stats(want_grad, None, labels, scales), dot, sum_sq_teacher, scales)
+        TORCH_ROW_STEP.grad(want_grad, None, labels, stats, scales, want_losses, True)
+        want_coefs = teacher_grad_coefficient(stats, labels, case.vocab_student, scales)
+        got_grad, got_losses = student.clone(), torch.full((case.rows, 2), POISON, device="cuda")
+        got_coefs = torch.full((case.rows,), float("nan"), device="cuda")
+        ran = row_step_cuda.gram_row_step_cuda(got_grad, labels, scales, got_losses, torch.stack((dot, sum_sq_teacher), 1),
+                                               got_coefs)
+        finite = torch.ones(case.rows, dtype=torch.bool, device="cuda")
+        finite[1] = False
+        errors = dict(
+            losses=rel_err(got_losses[finite], want_losses[finite]), grad=rel_err(got_grad[finite], want_grad[finite]),
+            coefs=rel_err(got_coefs[finite], want_coefs[finite]),
+            overflow_row_nan=float(bool(got_losses[1].isnan().all() and got_grad[1].isnan().all() and got_coefs[1].isnan())),
+        )
+        passed = (ran and errors["losses"] < 1e-5 and errors["grad"] < 1e-2 and errors["coefs"] < 1e-5
+                  and errors["overflow_row_nan"] == 1.0)
+        results.append(CheckResult("row step cuda gram vs torch", case.describe(), "1e-5 / 1e-2 / 1e-5, NaN row",
+                                   errors, passed))
+    return results
 
 
 def check_fp8():
@@ -154,7 +197,8 @@ def main():
     args = parser.parse_args()
     print(torch.__version__, torch.cuda.get_device_name())
     torch.manual_seed(0)
-    checks = (check_row_step("cuda", ROW_STEP_CASES) + check_loss(("cuda", "triton", "torch"), "cuda", LOSS_CASES) + check_fp8_quantization() + check_fp8()
+    checks = (check_row_step("cuda", ROW_STEP_CASES) + check_gram_row_step()
+              + check_loss(("cuda", "triton", "torch"), "cuda", LOSS_CASES) + check_fp8_quantization() + check_fp8()
               + check_fp16_zero_head() + check_second_device())
     print(results_table(checks), end="")
     failures = [asdict(result) for result in checks if not result.passed]

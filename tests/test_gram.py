@@ -201,3 +201,29 @@ def test_overflowing_products_give_nan_and_auto_keeps_the_logits_path():
     loss, soft, _ = fused_linear_cosine_distill(*args, cosine_via="auto", return_soft_hard_loss=True)
     want = naive_cosine_distill(*[tensor.double() for tensor in args[:4]], labels)
     assert rel_err(loss, want[0]) < 5e-3 and rel_err(soft, want[1]) < 5e-3
+
+
+def test_a_one_kernel_gram_step_is_used_where_the_impl_has_one(monkeypatch):
+    """GramTeacher.row_step hands the row step to the implementation's gram_step (the CUDA one-model kernel)
+    with each row's raw s.t and |t|^2, and keeps the coefficients it writes; where gram_step declines, the
+    two stages run. The stand-in computes what the kernel must: the torch spec's two stages."""
+    import dataclasses
+
+    from cosdistill.row_step import teacher_grad_coefficient
+
+    calls = []
+
+    def gram_step(student_logits, labels, scales, token_losses, products, coefficients):
+        calls.append(products.shape)
+        if len(calls) > 1:
+            return False  # declines from the second chunk on
+        stats = with_teacher_products(TORCH_ROW_STEP.stats(student_logits, None, labels, scales), products[:, 0],
+                                      products[:, 1], scales)
+        TORCH_ROW_STEP.grad(student_logits, None, labels, stats, scales, token_losses, True)
+        coefficients.copy_(teacher_grad_coefficient(stats, labels, student_logits.shape[1], scales))
+        return True
+
+    monkeypatch.setattr(api, "TORCH_ROW_STEP", dataclasses.replace(TORCH_ROW_STEP, gram_step=gram_step))
+    problem = make_problem(tokens=30, bias=False, vocab_teacher=131, ignore_every=4)
+    assert_matches_reference(problem, torch.float32, impl="torch", chunk_size=16, cosine_via="gram")
+    assert calls == [(16, 2), (14, 2)]

@@ -87,6 +87,25 @@ def test_launch_picks_the_first_layout_without_a_spill(vocab, tmp_path):
     assert layouts[spilled.index(0)] == LAUNCHED[vocab], list(zip(layouts, spilled))
 
 
+# The Gram path's one-model kernel (no teacher logits): launch_configs' first layout compiles without a spill
+GRAM_LAUNCHED = {1000: (8, 128, 0), 32000: (8, 128, 0), 128256: (8, 160, 3), 151936: (8, 160, 4),
+                 262144: (16, 128, 4)}
+
+
+@pytest.mark.parametrize("vocab", GRAM_LAUNCHED)
+def test_one_model_kernel_compiles_without_a_spill(vocab, tmp_path):
+    layout = row_step_cuda.launch_configs(vocab, models=1)[0]
+    assert layout == GRAM_LAUNCHED[vocab]
+    source = row_step_cuda.source(vocab, torch.int32, layout, models=1)
+    assert "#define TEACHER 0" in source
+    ptx = nvrtc_compile(source)
+    assert ".local" not in ptx and "ld.shared::cluster" in ptx
+    assert ptx.count("ld.global.cg.v4") == layout.register_cols  # the student's register vectors only
+    assert spill_bytes(source, tmp_path) == 0
+    # the shared slice holds one model: half the two-model kernel's bytes
+    assert row_step_cuda._shared_bytes(vocab, *layout, models=1) * 2 == row_step_cuda._shared_bytes(vocab, *layout)
+
+
 def test_register_columns_shrink_the_shared_slice():
     # V = 262144 on 16 blocks: 2048 vectors per model per block; 2 of 8 per thread in registers at 256 threads
     assert row_step_cuda._shared_bytes(262144, 16) == 64 * 1024
@@ -173,7 +192,7 @@ def test_launch_walks_past_spilling_layouts_and_falls_back_to_8_blocks(monkeypat
     in a GPC): the next of launch_configs' layouts, then 8 blocks of 256 threads, else no kernel."""
     compiled = []
 
-    def fake_kernel(vocab, label_dtype, device_index, layout):
+    def fake_kernel(vocab, label_dtype, device_index, layout, models=2):
         compiled.append(layout)
         fits = layout.cluster <= fits_up_to and layout not in spilling
         return f"kernel {tuple(layout)}" if fits else None

@@ -122,6 +122,11 @@ class GramTeacher:
         self.cross_rows = _times(teacher_hidden, self.cross_gram)
         dot = (self.cross_rows * student_hidden).sum(1)
         sum_sq_teacher = (_times(teacher_hidden, self.teacher_gram) * teacher_hidden).sum(1)
+        if write_grad and self.impl.gram_step is not None:  # one kernel (row_step_cuda), where it applies
+            products, coefficients = torch.stack((dot, sum_sq_teacher), 1), torch.empty_like(dot)
+            if self.impl.gram_step(student_logits, labels, scales, token_losses, products, coefficients):
+                self.coefficients = coefficients
+                return
         stats = self.impl.stats(student_logits, None, labels, scales)
         with_teacher_products(stats, dot, sum_sq_teacher, scales)
         self.impl.grad(student_logits, None, labels, stats, scales, token_losses, write_grad)

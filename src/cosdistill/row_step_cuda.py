@@ -120,7 +120,10 @@ __device__ __forceinline__ void reduce_warp(float* part) {
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) LAUNCH_BOUNDS
 cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, float* losses,
                  int student_stride, int teacher_stride, int ignore_index,
-                 double weight_hard, double weight_soft, double beta, double inv_temp_sq) {
+                 double weight_hard, double weight_soft, double beta, double inv_temp_sq,
+                 const float* teacher_products, float* teacher_coefs) {
+  // TEACHER 0 (the Gram path, gram.py): no teacher logits; each row's s.t and |t|^2 come in teacher_products
+  // and the coefficient of t in d L / d s goes out in teacher_coefs (row_step.teacher_grad_coefficient).
   extern __shared__ uint4 tiles[];  // this block's slice but its register vectors: TILE_VECS student vectors, then the teacher's
   __shared__ float warp_parts[NUM_WARPS][NUM_PARTS];
   __shared__ float block_parts[NUM_PARTS];  // read by the cluster's other blocks
@@ -136,21 +139,31 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
   uint4* grad_out = reinterpret_cast<uint4*>(student_row) + first_vec;
   if (!valid) {  // an ignored token: no gradient, zero losses (the whole cluster leaves here)
     for (int i = tid; i < slice_vecs; i += THREADS) grad_out[i] = make_uint4(0u, 0u, 0u, 0u);
-    if (rank == 0 && tid == 0) losses[2 * row] = losses[2 * row + 1] = 0.f;
+    if (rank == 0 && tid == 0) {
+      losses[2 * row] = losses[2 * row + 1] = 0.f;
+#if !TEACHER
+      teacher_coefs[row] = 0.f;
+#endif
+    }
     return;
   }
   const float target = (rank == 0 && tid == 0) ? __uint_as_float((unsigned)student_row[label] << 16) : 0.f;
   const uint4* student_src = reinterpret_cast<const uint4*>(student_row) + first_vec;
-  const uint4* teacher_src = reinterpret_cast<const uint4*>(teacher + row * teacher_stride) + first_vec;
   uint4* student_tile = tiles;
+  uint4 student_regs[REGISTER_COLS + 1];  // + 1: no zero-length arrays
+#if TEACHER
+  const uint4* teacher_src = reinterpret_cast<const uint4*>(teacher + row * teacher_stride) + first_vec;
   uint4* teacher_tile = tiles + TILE_VECS;
-  uint4 student_regs[REGISTER_COLS + 1], teacher_regs[REGISTER_COLS + 1];  // + 1: no zero-length arrays
+  uint4 teacher_regs[REGISTER_COLS + 1];
+#endif
   #pragma unroll
   for (int k = 0; k < REGISTER_COLS; ++k) {
     const int i = tid + k * THREADS;
     if (i < slice_vecs) {
       student_regs[k] = __ldcg(student_src + i);
+#if TEACHER
       teacher_regs[k] = __ldcg(teacher_src + i);
+#endif
     }
   }
   #pragma unroll
@@ -158,7 +171,9 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
     const int i = tid + k * THREADS;
     if (i < slice_vecs) {
       copy_async(student_tile + TILE_INDEX(i), student_src + i);
+#if TEACHER
       copy_async(teacher_tile + TILE_INDEX(i), teacher_src + i);
+#endif
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
@@ -170,9 +185,12 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
     if (k >= REGISTER_COLS) wait_copies(ITERS - 1 - k);
     const int i = tid + k * THREADS;
     if (i < slice_vecs) {
-      float s[8], t[8];
+      float s[8];
       unpack(VECTOR(student, k, i), s);
+#if TEACHER
+      float t[8];
       unpack(VECTOR(teacher, k, i), t);
+#endif
       float vec_max = s[0];
       #pragma unroll
       for (int j = 1; j < 8; ++j) vec_max = fmaxf(vec_max, s[j]);
@@ -182,9 +200,11 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
       #pragma unroll
       for (int j = 0; j < 8; ++j) {
         vec_sum += exp2_fast(fmaf(s[j], LOG2E, -scaled_max));
-        part[2] += s[j] * t[j];
         part[3] += s[j] * s[j];
+#if TEACHER
+        part[2] += s[j] * t[j];
         part[4] += t[j] * t[j];
+#endif
       }
       part[1] = part[1] * exp_fast(part[0] - new_max) + vec_sum;
       part[0] = new_max;
@@ -212,6 +232,10 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
       part[k] = lane < CLUSTER ? peer_load(&block_parts[k], lane) : (k == 0 ? NEG_INF : 0.f);
     reduce_warp(part);
     if (lane == 0) {  // row_step.py's losses and gradient coefficients (Triton: _row_losses, _grad_coefficients)
+#if !TEACHER
+      part[2] = teacher_products[2 * row];
+      part[4] = teacher_products[2 * row + 1];
+#endif
       const float eps = COSINE_EPS;
       const float inv_t2 = (float)inv_temp_sq;
       const float total = part[3] + part[4] + fabsf(part[2]);
@@ -234,6 +258,11 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
       row_coefs[3] = -soft_scale * coef_teacher;
       row_coefs[4] = soft_scale * coef_student;
       row_coefs[5] = usable ? 1.f : 0.f;
+#if !TEACHER  // no Triton rescue on the Gram path: a row whose sums overflow gets NaN losses and gradient
+      if (!usable) row_coefs[2] = row_coefs[3] = row_coefs[4] = QUIET_NAN;
+      row_coefs[5] = 1.f;
+      if (rank == 0) teacher_coefs[row] = row_coefs[3];
+#endif
     }
   }
   // Done reading the other blocks' parts (their values are in registers): they may exit once all arrived.
@@ -248,17 +277,28 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
     for (int k = 0; k < ITERS; ++k) {
       const int i = tid + k * THREADS;
       if (i < slice_vecs) {
-        float s[8], t[8], g[8];
+        float s[8], g[8];
         unpack(VECTOR(student, k, i), s);
+#if TEACHER
+        float t[8];
         unpack(VECTOR(teacher, k, i), t);
         #pragma unroll
         for (int j = 0; j < 8; ++j)
           g[j] = fmaf(prob_coef, exp2_fast(fmaf(s[j], LOG2E, -scaled_shift)), fmaf(teacher_coef, t[j], student_coef * s[j]));
+#else
+        #pragma unroll
+        for (int j = 0; j < 8; ++j)
+          g[j] = fmaf(prob_coef, exp2_fast(fmaf(s[j], LOG2E, -scaled_shift)), student_coef * s[j]);
+#endif
         if (i == label_vec) {  // the label's entry at full precision, as the Triton kernel's; its two logits
           // come from the packed vectors again, so that s and t die above (fewer registers, NOTES item 67)
           const int j_label = label % 8;
           const float s_label = element(VECTOR(student, k, i), j_label);
+#if TEACHER
           const float t_label = element(VECTOR(teacher, k, i), j_label);
+#else
+          const float t_label = 0.f;
+#endif
           const float label_grad = prob_coef * (expf((s_label - row_max) - log_sum_exp) - 1.f) + teacher_coef * t_label + student_coef * s_label;
           #pragma unroll
           for (int j = 0; j < 8; ++j)  // a constant index keeps g in registers
@@ -281,28 +321,29 @@ class Layout(NamedTuple):
     register_cols: int = 0
 
 
-def launch_configs(vocab: int) -> list[Layout]:
+def launch_configs(vocab: int, models: int = 2) -> list[Layout]:
     """The layouts _launch tries in turn, from the H200 sweeps of items 56, 65 and 67: about 32 KB of
     shared memory per block (several blocks share an SM and cover each other's idle phases), and where
     that leaves fewer than 8 blocks per SM, up to a third of each thread's vectors in registers: the
     layouts with the most blocks per SM first, then the most warps, then the fewest register vectors.
     Only ptxas knows which of them spill within the registers that __launch_bounds__ leaves, so _launch
     compiles them in turn; the last has no register vectors, so no bound. 16 blocks is past the
-    portable cluster size; Hopper allows it."""
-    cluster = 8 if _shared_bytes(vocab, 8) <= 48 * 1024 else 16
+    portable cluster size; Hopper allows it. ``models``: 2, or 1 for the Gram path's student logits alone
+    (the same rules, not swept on their own)."""
+    cluster = 8 if _shared_bytes(vocab, 8, models=models) <= 48 * 1024 else 16
     slice_vecs = _slice_vecs(vocab, cluster)
     plain = Layout(cluster, 128 if slice_vecs <= 1024 else 256)
 
     def blocks(layout):
-        return _blocks_per_sm(_shared_bytes(vocab, *layout), layout.threads)
+        return _blocks_per_sm(_shared_bytes(vocab, *layout, models=models), layout.threads)
 
     if blocks(plain) >= 8:  # the synchronous register loads cost more than a ninth block gains (item 65)
         return [plain]
     with_registers = [Layout(cluster, threads, register_cols) for threads in range(128, 257, 32)
                       for register_cols in range(1, -(-slice_vecs // threads) // 3 + 1)]
-    # At least 32 registers and 8 more per register vector: ptxas's least without a spill (item 67).
-    with_registers = [layout for layout in with_registers if _shared_bytes(vocab, *layout) >= 0
-                      and (32 + 8 * layout.register_cols) * layout.threads * blocks(layout) <= 65536]
+    # At least 32 registers and 4 more per model and register vector: ptxas's least without a spill (item 67).
+    with_registers = [layout for layout in with_registers if _shared_bytes(vocab, *layout, models=models) >= 0
+                      and (32 + 4 * models * layout.register_cols) * layout.threads * blocks(layout) <= 65536]
     with_registers.sort(key=lambda layout: (-blocks(layout), -blocks(layout) * layout.threads, layout.register_cols))
     return [layout for layout in with_registers[:3] if blocks(layout) > blocks(plain)] + [plain]
 
@@ -312,9 +353,9 @@ def _slice_vecs(vocab: int, cluster: int) -> int:
     return -(-vocab // (8 * cluster))
 
 
-def _shared_bytes(vocab: int, cluster: int, threads: int = 0, register_cols: int = 0) -> int:
-    """Dynamic shared memory per block: both models' slices but the vectors held in registers."""
-    return 2 * 16 * (_slice_vecs(vocab, cluster) - register_cols * threads)
+def _shared_bytes(vocab: int, cluster: int, threads: int = 0, register_cols: int = 0, models: int = 2) -> int:
+    """Dynamic shared memory per block: the models' slices but the vectors held in registers."""
+    return models * 16 * (_slice_vecs(vocab, cluster) - register_cols * threads)
 
 
 def _blocks_per_sm(shared_bytes: int, threads: int) -> int:
@@ -325,15 +366,15 @@ def _blocks_per_sm(shared_bytes: int, threads: int) -> int:
     return max(1, min((228 * 1024) // (shared_bytes + 1024 + static_bytes), 2048 // threads, 32))
 
 
-def source(vocab: int, label_dtype: torch.dtype, layout: Layout) -> str:
-    shared = _shared_bytes(vocab, *layout)
+def source(vocab: int, label_dtype: torch.dtype, layout: Layout, models: int = 2) -> str:
+    shared = _shared_bytes(vocab, *layout, models=models)
     if shared < 0 or layout.register_cols < 0:
         raise ValueError(f"{layout} holds more vectors per block in registers than the {_slice_vecs(vocab, layout.cluster)} "
                          f"of a vocab-{vocab} slice")
     defines = dict(CLUSTER=layout.cluster, THREADS=layout.threads, REGISTER_COLS=layout.register_cols,
                    MIN_BLOCKS=_blocks_per_sm(shared, layout.threads), VOCAB=vocab,
                    SLICE_VECS=_slice_vecs(vocab, layout.cluster), LABEL_T=_LABEL_TYPES[label_dtype],
-                   COSINE_EPS=f"{COSINE_EPS!r}f")
+                   COSINE_EPS=f"{COSINE_EPS!r}f", TEACHER=int(models == 2))
     return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _SOURCE
 
 
@@ -370,15 +411,15 @@ class _CuLaunchConfig(ctypes.Structure):  # the driver's CUlaunchConfig, for the
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, layout: Layout):
+def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, layout: Layout, models: int = 2):
     """The compiled kernel, or None where not one cluster of it fits on the device (16 blocks need a GPC
     with 16 free SMs, which a MIG slice may not have) or where this NVRTC spills its registers to local
     memory within the __launch_bounds__ of the register vectors."""
     driver, check = torch.cuda._utils._get_gpu_runtime_library(), torch.cuda._utils._check_cuda
-    shared = _shared_bytes(vocab, *layout)
+    shared = _shared_bytes(vocab, *layout, models=models)
     with torch.cuda.device(device_index):
         try:
-            kernel = torch.cuda._compile_kernel(source(vocab, label_dtype, layout), "cluster_row_step",
+            kernel = torch.cuda._compile_kernel(source(vocab, label_dtype, layout, models), "cluster_row_step",
                                                 nvcc_options=["-std=c++17"])
         except RuntimeError as error:
             raise RuntimeError(f"compiling the CUDA row step (row_step_cuda.py) failed; impl='triton' runs "
@@ -408,13 +449,13 @@ def max_active_clusters(kernel, layout: Layout, shared_bytes: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _launch(vocab: int, label_dtype: torch.dtype, device_index: int):
+def _launch(vocab: int, label_dtype: torch.dtype, device_index: int, models: int = 2):
     """(kernel, layout) at the first of launch_configs' layouts that fits without a spill; else at 8 blocks
     of 256 threads (where 16 blocks do not fit); None where none does (the Triton step runs instead)."""
-    layouts = launch_configs(vocab)
+    layouts = launch_configs(vocab, models)
     for layout in layouts + [Layout(8, 256)] if layouts[0].cluster > 8 else layouts:
-        if _shared_bytes(vocab, *layout) <= MAX_SHARED_BYTES:
-            kernel = _kernel(vocab, label_dtype, device_index, layout)
+        if _shared_bytes(vocab, *layout, models=models) <= MAX_SHARED_BYTES:
+            kernel = _kernel(vocab, label_dtype, device_index, layout, models)
             if kernel is not None:
                 return kernel, layout
     return None
@@ -435,16 +476,24 @@ def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales
     launch(kernel, layout, student_logits, teacher_logits, labels, scales, token_losses)
 
 
-def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scales, token_losses) -> None:
-    """One launch of a compiled kernel of this source (benchmarks/cluster_row_step_study.py times variants)."""
+def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scales, token_losses,
+           teacher_products=None, teacher_coefs=None) -> None:
+    """One launch of a compiled kernel of this source (benchmarks/cluster_row_step_study.py times variants);
+    teacher_logits None: the one-model kernel with teacher_products and teacher_coefs (gram_row_step_cuda)."""
     rows, vocab = student_logits.shape
     device = student_logits.device
+    models = 1 if teacher_logits is None else 2
+    if teacher_logits is None:  # never read: the one-model kernel takes no teacher pointer's rows
+        teacher_logits = student_logits
+    else:  # never read either: the two-model kernel leaves these alone
+        teacher_products = teacher_coefs = token_losses
     with torch.cuda.device(device):  # the tensors' device and stream, whichever device is current
         kernel(grid=(rows * layout.cluster, 1, 1), block=(layout.threads, 1, 1),
-               shared_mem=_shared_bytes(vocab, *layout),
+               shared_mem=_shared_bytes(vocab, *layout, models=models),
                args=[student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
                      teacher_logits.stride(0), scales.ignore_index, float(scales.weight_hard),
-                     float(scales.weight_soft), float(scales.beta), 1.0 / (scales.temperature * scales.temperature)],
+                     float(scales.weight_soft), float(scales.beta), 1.0 / (scales.temperature * scales.temperature),
+                     teacher_products, teacher_coefs],
                stream=torch.cuda.current_stream(device))
 
 
@@ -460,4 +509,22 @@ def row_step_cuda(student_logits, teacher_logits, labels, scales: RowStepScales,
     row_step_triton(student_logits, teacher_logits, labels, scales, token_losses, write_grad, rescue_only=True)
 
 
-CUDA_ROW_STEP = RowStepImpl(row_step_cuda, row_stats_triton, row_grad_triton)
+def gram_row_step_cuda(student_logits, labels, scales: RowStepScales, token_losses, teacher_products,
+                       teacher_coefs) -> bool:
+    """The Gram path's row step (gram.py) in one launch of the one-model kernel, where it applies: the
+    losses, d L / d s without its teacher term in place, and each row's coefficient of t (0 for ignored
+    rows) into teacher_coefs, from each row's raw s.t and |t|^2 in teacher_products [n, 2]. A row whose
+    sums overflow fp32 gets NaN losses and gradient (no rescue; gram.py's range). Whether it ran."""
+    rows, vocab = student_logits.shape
+    runs = (rows > 0 and applies(student_logits.dtype, vocab, vocab, scales) and labels.dtype in _LABEL_TYPES
+            and labels.is_contiguous() and token_losses.is_contiguous() and teacher_products.is_contiguous()
+            and teacher_coefs.is_contiguous() and student_logits.stride(1) == 1 and student_logits.stride(0) % 8 == 0
+            and student_logits.data_ptr() % 16 == 0 and available(student_logits.device)
+            and _launch(vocab, labels.dtype, student_logits.device.index, 1) is not None)
+    if runs:
+        kernel, layout = _launch(vocab, labels.dtype, student_logits.device.index, 1)
+        launch(kernel, layout, student_logits, None, labels, scales, token_losses, teacher_products, teacher_coefs)
+    return runs
+
+
+CUDA_ROW_STEP = RowStepImpl(row_step_cuda, row_stats_triton, row_grad_triton, gram_step=gram_row_step_cuda)
