@@ -21,12 +21,13 @@ def main():
                        for name in ("v262144", "v151936", "v32000", "t3000"))
     section = f"""## 2026-12-01 session 16, NVIDIA H200 (single), torch 2.11.0+cu130, Triton 3.6.0 — current code
 
-Change (NOTES item 71): the Gram path (`src/cosdistill/gram.py`, `cosine_via`): without biases or softcaps,
+Changes (NOTES items 71, 72): the Gram path (`src/cosdistill/gram.py`, `cosine_via`): without biases or softcaps,
 s.t, |t|^2 and the soft term's gradient come from the heads' Gram matrices instead of the teacher's logits
 GEMM; `cosine_via="auto"` takes it where `gram_is_cheaper` says its FLOPs are below 0.9 of the teacher
-GEMM's. Providers `ours-logits` / `ours-gram` force one path (`ours` is "auto"). Scripts:
-`benchmarks/sessions/2026-12-01-s16a.sh` .. `-s16d.sh` (and session 15's prepared `-s15g.sh`, run first);
-raw outputs: `benchmarks/results/2026-12-01-s16{{a..d}}/`, `benchmarks/results/2026-12-01-s15g/`.
+GEMM's; then (item 72, after s16a-d) its row step in one launch of the cluster kernel compiled for the student
+alone. Providers `ours-logits` / `ours-gram` force one path (`ours` is "auto"). Scripts:
+`benchmarks/sessions/2026-12-01-s16a.sh` .. `-s16f.sh` (and session 15's prepared `-s15g.sh`, run first);
+raw outputs: `benchmarks/results/2026-12-01-s16{{a..f}}/`, `benchmarks/results/2026-12-01-s15g/`.
 s16a and s16b ran the code before the 0.9 margin (auto then took the Gram path at V = 151936 too); the
 margin changes no other shape's path.
 
@@ -57,6 +58,14 @@ Tables in order V = 262144 / H = 2048, V = 151936 / H = 3584, V = 32000 / H = 40
 ### GPU fuzz (s16d: `benchmarks/gpu_fuzz.py --seed 19 --cases 80`; the Gram path where "auto" takes it)
 
 {(R / '2026-12-01-s16d/fuzz/fuzz.md').read_text()}
+### Item 72: the Gram path's row step in one launch of the one-model cluster kernel (s16e: `benchmarks/gpu_check.py --seed-tokens 4096`; `benchmarks/ab_study.py --old <a76eb68's src> --modes full`, V = 262144 `--tokens 4096 --pairs 40 --vocab 262144 --hidden 2048`, seed `--tokens 8192 --pairs 30`)
+
+{block(lines('2026-12-01-s16e/gpu_check.log', r'cuda gram|PASSED|FAILED'), ['V = 262144, H = 2048:'],
+       lines('2026-12-01-s16e/ab_v262144.log', r'^T='), ['seed:'], lines('2026-12-01-s16e/ab_seed.log', r'^T='))}
+The bench after it, one round (s16f: `--providers ours,ours-logits,floor --tokens 4096,8192 --mode full,forward`, then `--providers ours,floor --tokens 4096 --vocab 262144 --hidden 2048`):
+
+{(R / '2026-12-01-s16f/seed.md').read_text()}
+{(R / '2026-12-01-s16f/v262144.md').read_text()}
 ### Session 15's prepared experiments (s15g.sh, run first this session; NOTES items 69, 70; neither adopted)
 
 Item 70, the exchange pushed by st.async (`cluster_row_step_study.py --old src --in-step --rows 512 1024`,

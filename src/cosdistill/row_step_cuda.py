@@ -15,6 +15,10 @@ Only the common case takes this path (``supported``): bf16 logits of one vocabul
 of 8), gradients wanted, no softcap, logit scale, fp16 lifts or vocabulary split. Everything else, and
 rows whose sums overflow fp32 (left untouched with NaN losses, as the Triton kernel's first launch
 leaves them), goes through the Triton kernels. The math is row_step.py's, as in the Triton twin.
+
+Compiled with TEACHER 0 (``models=1``) it is the Gram path's row step (gram.py, ``gram_row_step_cuda``):
+the student's logits alone, each row's s.t and |t|^2 given, each row's coefficient of t written out;
+no rescue there (a row whose sums overflow gets NaN losses and gradient, as gram.py's range says).
 """
 
 import ctypes
