@@ -228,7 +228,7 @@ class TeacherHead:
         _logits_into(out[: hidden.shape[0]], hidden, self.weight, self.bias)
 
 
-def _addmm_into(out, left, right, alpha, beta):
+def addmm_into(out, left, right, alpha, beta):
     """out = beta * out + alpha * left @ right, in out's dtype (fp32 out of bf16/fp16 operands too)."""
     if out.dtype == left.dtype:
         out.addmm_(left, right, beta=beta, alpha=alpha)
@@ -244,7 +244,7 @@ def _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha, beta):
 
     beta = 0 on the first chunk: cuBLAS then never reads the uninitialised buffer, so no memset.
     """
-    _addmm_into(grad_weight, grad_logits.t(), hidden, alpha=alpha, beta=beta)
+    addmm_into(grad_weight, grad_logits.t(), hidden, alpha=alpha, beta=beta)
 
 
 FP16_STORAGE_EXPONENT = 14  # grad_input rows are kept in fp16 with their largest entry in [2^14, 2^15)
@@ -290,7 +290,7 @@ class _Unlift:
         for group in indices.split(SCALED_DOWN_GROUP):
             rows = grad_logits[group].float() * ((1.0 / self.lifts[group] - 1.0) * inv_normaliser)[:, None]
             if grad_weight is not None:
-                _addmm_into(grad_weight, rows.t(), hidden[group].float(), alpha=1.0, beta=0.0 if overwrite else 1.0)
+                addmm_into(grad_weight, rows.t(), hidden[group].float(), alpha=1.0, beta=0.0 if overwrite else 1.0)
                 overwrite = False
             if grad_bias is not None:
                 grad_bias.add_(rows.sum(0))
@@ -298,7 +298,7 @@ class _Unlift:
 
     def grad_input_into(self, grad_input, start, grad_logits, student_weight, inv_normaliser, reduce):
         rows = self.grad_input[: len(grad_logits)]
-        _addmm_into(rows, grad_logits, student_weight, alpha=1.0, beta=0.0)
+        addmm_into(rows, grad_logits, student_weight, alpha=1.0, beta=0.0)
         rows.mul_((inv_normaliser / self.lifts[: len(rows)])[:, None])  # the rows for grad_output = 1
         if reduce is not None:  # a vocabulary split: sum in fp32 first, so that every rank picks the same lifts
             reduce(rows)
@@ -311,7 +311,7 @@ class _Unlift:
 
     def add_grad_bias(self, grad_bias, grad_logits, inv_normaliser):
         unlift = (1.0 / self.up_lifts(len(grad_logits))).to(grad_logits.dtype)
-        _addmm_into(grad_bias[None], unlift[None], grad_logits, alpha=inv_normaliser, beta=1.0)
+        addmm_into(grad_bias[None], unlift[None], grad_logits, alpha=inv_normaliser, beta=1.0)
 
 
 def on_device_of(tensor: torch.Tensor):
@@ -425,8 +425,7 @@ def chunked_loss_and_grads(
     if grad_input is not None and reduce_grad_input is not None and unlift is None:
         reduce_grad_input(grad_input)
     if gram is not None and grad_weight is not None and num_tokens:  # before the last chunk's GEMM, in backward
-        gram.grad_weight_into(grad_weight, alpha=inv_normaliser, beta=1.0 if weight_started else 0.0,
-                              addmm_into=_addmm_into)
+        gram.grad_weight_into(grad_weight, alpha=inv_normaliser, beta=1.0 if weight_started else 0.0)
         weight_started = True
     loss, soft_loss, hard_loss = normaliser.mean_losses(token_losses, scales.weight_hard, scales.weight_soft)
     if inv_normaliser is None:  # no gradients (or no tokens): read now, everything else is queued

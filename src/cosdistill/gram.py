@@ -31,6 +31,7 @@ only for a teacher whose Gram diagonal is moderate (``MODERATE_GRAM``, checked o
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .chunked import addmm_into
 from .row_step import RowStepImpl, RowStepScales, teacher_grad_coefficient, with_teacher_products
 
 _teacher_gram_cache = WeakIdKeyDictionary()  # teacher weight -> (version, Gram matrix in parts, moderate)
@@ -139,11 +140,8 @@ class GramTeacher:
     def accumulate(self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> None:
         """A += sum over the last chunk's rows of c_i h_t,i^T h_s,i."""
         scaled = (teacher_hidden.float() * self.coefficients[:, None]).to(teacher_hidden.dtype)
-        if self.outer.is_cuda and scaled.dtype != torch.float32:
-            torch.addmm(self.outer, scaled.t(), student_hidden, out_dtype=torch.float32, out=self.outer)
-        else:
-            self.outer.addmm_(scaled.t().float(), student_hidden.float())
+        addmm_into(self.outer, scaled.t(), student_hidden, alpha=1.0, beta=1.0)
 
-    def grad_weight_into(self, grad_weight: torch.Tensor, alpha: float, beta: float, addmm_into) -> None:
-        """grad_weight = beta * grad_weight + alpha * W_t[:Vs] @ A (addmm_into: chunked._addmm_into)."""
+    def grad_weight_into(self, grad_weight: torch.Tensor, alpha: float, beta: float) -> None:
+        """grad_weight = beta * grad_weight + alpha * W_t[:Vs] @ A."""
         addmm_into(grad_weight, self.teacher_weight, self.outer.to(self.teacher_weight.dtype), alpha=alpha, beta=beta)
