@@ -6,7 +6,7 @@ import torch
 from cosdistill import api, fused_linear_cosine_distill, gram
 from cosdistill.reference import naive_cosine_distill
 from cosdistill.row_step import TORCH_ROW_STEP, RowStepScales, with_teacher_products
-from conftest import TOLERANCE, make_problem, rel_err
+from conftest import TOLERANCE, make_problem, reference, rel_err
 from test_loss import assert_matches_reference, run_fused
 
 
@@ -51,14 +51,12 @@ def test_only_some_gradients(leaf):
         losses = fused_linear_cosine_distill(*problem.args(), chunk_size=6, cosine_via="gram", return_soft_hard_loss=True)
         if leaf:
             losses[0].backward()
-    upcast = [t.detach().double().requires_grad_(t.requires_grad) for t in problem.args()[:4]]
-    want = naive_cosine_distill(*upcast, problem.labels)
-    for got, expected in zip(losses, want):
+    want_losses, want_grads = reference(problem)
+    for got, expected in zip(losses, want_losses):
         assert rel_err(got, expected) < TOLERANCE[torch.float32][0]
     if leaf:
-        want[0].backward()
         index = ("student_input", "student_weight").index(leaf)
-        assert rel_err(getattr(problem, leaf).grad, upcast[index].grad) < TOLERANCE[torch.float32][1]
+        assert rel_err(getattr(problem, leaf).grad, want_grads[index]) < TOLERANCE[torch.float32][1]
 
 
 def test_agrees_with_the_logits_path(impl):
@@ -93,10 +91,10 @@ def test_gram_refuses_fp8_and_a_vocabulary_split():
     problem = make_problem(tokens=9, bias=False)
     heads = (problem.student_weight, problem.teacher_weight, 9, (True, True, False), TORCH_ROW_STEP)
     with pytest.raises(ValueError, match="teacher_precision='fp8'"):
-        api.pick_gram_teacher("gram", *heads, has_bias=False, has_softcap=False, teacher_precision="fp8",
+        api.pick_gram_teacher("gram", *heads, biases=(None, None), softcaps=(None, None), teacher_precision="fp8",
                               vocab_parallel=None)
     with pytest.raises(ValueError, match="vocab_parallel"):
-        api.pick_gram_teacher("gram", *heads, has_bias=False, has_softcap=False, teacher_precision=None,
+        api.pick_gram_teacher("gram", *heads, biases=(None, None), softcaps=(None, None), teacher_precision=None,
                               vocab_parallel=object())
 
 

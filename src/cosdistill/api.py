@@ -116,8 +116,7 @@ def fused_linear_cosine_distill(
                        for t in (student_input, student_weight, student_bias))
     gram_teacher = pick_gram_teacher(
         cosine_via, student_weight, teacher_weight, num_tokens, needs_grad, row_step_impl,
-        has_bias=student_bias is not None or teacher_bias is not None,
-        has_softcap=student_softcap is not None or teacher_softcap is not None,
+        biases=(student_bias, teacher_bias), softcaps=(student_softcap, teacher_softcap),
         teacher_precision=teacher_precision, vocab_parallel=vocab_parallel)
     rows = chunk_rows(chunk_size, num_tokens, vocab_student, 0 if gram_teacher else vocab_teacher,
                       student_weight.element_size(), write_grad=any(needs_grad))
@@ -267,14 +266,15 @@ def check_options(student_weight, temperature, student_softcap, teacher_softcap,
         raise ValueError(f"cosine_via must be one of {COSINE_VIA}, got {cosine_via!r}")
 
 
-def pick_gram_teacher(cosine_via, student_weight, teacher_weight, num_tokens, needs_grad, row_step_impl, *, has_bias,
-                      has_softcap, teacher_precision, vocab_parallel) -> gram.GramTeacher | None:
-    """The Gram path's teacher where cosine_via asks for it (or "auto" finds it applies and cheaper), else None."""
+def pick_gram_teacher(cosine_via, student_weight, teacher_weight, num_tokens, needs_grad, row_step_impl, *, biases,
+                      softcaps, teacher_precision, vocab_parallel) -> gram.GramTeacher | None:
+    """The Gram path's teacher where cosine_via asks for it (or "auto" finds it applies and cheaper), else None.
+    biases, softcaps: (student's, teacher's), each None where the head has none."""
     if cosine_via == "logits":
         return None
     blockers = {
-        "a student_bias or teacher_bias": has_bias,
-        "a softcap": has_softcap,
+        "a student_bias or teacher_bias": any(bias is not None for bias in biases),
+        "a softcap": any(cap is not None for cap in softcaps),
         "teacher_precision='fp8'": teacher_precision is not None,
         "vocab_parallel": vocab_parallel is not None,
         f"{student_weight.dtype} and {teacher_weight.dtype} weights (bf16 or fp32, both alike)": (

@@ -346,8 +346,8 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
         raise ValueError(f"unknown providers {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
     if not modes or set(modes) - set(MODES) or len(set(modes)) < len(modes):
         raise ValueError(f"modes must be one or both of {MODES}, each once, got {list(modes)}")
-    settings = ((settings or ours_settings()) if "ours" in providers else []) + [
-        setting for setting in FORCED_SETTINGS.values() if setting.label in providers]
+    ours_setting_list = (settings or ours_settings()) if "ours" in providers else []
+    settings = ours_setting_list + [setting for setting in FORCED_SETTINGS.values() if setting.label in providers]
     notes = []
 
     liger_loss = None
@@ -365,8 +365,7 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
     builders = {}  # row label -> function (tensors, mode) -> step
     for name in providers:
         if name == "ours":
-            builders.update({setting.label: ours_provider(setting) for setting in settings
-                             if setting not in FORCED_SETTINGS.values()})
+            builders.update({setting.label: ours_provider(setting) for setting in ours_setting_list})
         elif name in ("ours-logits", "ours-gram"):
             builders[name] = ours_provider(FORCED_SETTINGS[name.removeprefix("ours-")])
         elif name == "ours-fp8" and fp8_settings:

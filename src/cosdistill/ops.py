@@ -74,8 +74,7 @@ def fused_linear_cosine_distill_op(
     row_step_impl = api.pick_row_step(impl, student_input.device)
     gram_teacher = api.pick_gram_teacher(
         cosine_via, student_weight, teacher_weight, num_tokens, needs_grad, row_step_impl,
-        has_bias=student_bias is not None or teacher_bias is not None,
-        has_softcap=student_softcap is not None or teacher_softcap is not None,
+        biases=(student_bias, teacher_bias), softcaps=(student_softcap, teacher_softcap),
         teacher_precision=teacher_precision, vocab_parallel=None)
     rows = chunk_rows(chunk_size, num_tokens, vocab_student, 0 if gram_teacher else teacher_weight.shape[0],
                       student_weight.element_size(), write_grad=any(needs_grad))
