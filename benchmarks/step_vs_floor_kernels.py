@@ -8,7 +8,7 @@ durations come from the GPU's own timestamps, so the profiler's host cost does n
 does include it (read as an upper bound). What it answers: of the step's time over the floor, how much is
 our GEMMs running slower than the floor's, how much the row step and the small kernels, how much idle.
 
-    PYTHONPATH=src python benchmarks/step_vs_floor_kernels.py [--tokens 1024] [--steps 7] [--settle-s 3]
+    PYTHONPATH=src python benchmarks/step_vs_floor_kernels.py [--tokens 1024] [--steps 7] [--settle-s 3] [--fp8]
 """
 
 import argparse
@@ -20,7 +20,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cosdistill.bench import CUDA_WORKLOAD, floor_provider, make_tensors, ours_provider, ours_settings
+from cosdistill.bench import CUDA_WORKLOAD, FP8_SETTING, floor_provider, make_tensors, ours_provider, ours_settings
 
 GPU_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
 
@@ -61,11 +61,13 @@ def main():
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--settle-s", type=float, default=3.0)
+    parser.add_argument("--fp8", action="store_true", help="ours with teacher_precision='fp8'")
     args = parser.parse_args()
     workload = CUDA_WORKLOAD
     tensors = make_tensors(args.tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype,
                            torch.device("cuda"))
-    steps = {"ours": ours_provider(ours_settings()[0])(tensors, "full"), "floor": floor_provider(tensors, "full")}
+    ours = ours_provider(FP8_SETTING if args.fp8 else ours_settings()[0])
+    steps = {"ours-fp8" if args.fp8 else "ours": ours(tensors, "full"), "floor": floor_provider(tensors, "full")}
     start = time.perf_counter()
     while time.perf_counter() - start < args.settle_s:
         for step in steps.values():

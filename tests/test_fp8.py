@@ -4,7 +4,8 @@ tested here with the hardware check switched off; the public API refuses FP8 off
 import pytest
 import torch
 
-from cosdistill import fp8, fused_linear_cosine_distill
+from cosdistill import api, fp8, fused_linear_cosine_distill
+from cosdistill.chunked import ChunkRows, chunked_loss_and_grads
 from conftest import make_problem, reference, rel_err
 
 
@@ -118,3 +119,38 @@ def test_the_triton_impl_quantizes_with_the_triton_kernel(impl, monkeypatch):
     # the teacher weight is quantized once by torch's function (cached); each chunk's rows by impl's
     want = "quantize_rows_triton" if impl == "triton" else "quantize_rows"
     assert calls.count(want) >= 3 and set(calls) <= {want, "quantize_rows"}
+
+
+@pytest.mark.parametrize("hidden_teacher", [24, 32])
+def test_fp8_sub_chunks_read_their_own_rows_of_the_quantized_chunk(hidden_teacher, monkeypatch):
+    """Each chunk is quantized at once and its teacher GEMMs read sub-chunks of it from an offset, each
+    rounded up to 16 rows: sub-chunks of 7 rows in chunks of 19, after NaN rows poisoned the whole buffer
+    (the rows a GEMM reads past its sub-chunk must never reach the loss or the gradients). Every new
+    floating buffer starts as NaN too (the FP8 codes' padded columns must be zeroed)."""
+    empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    problem = make_problem(tokens=37, vocab_student=101, vocab_teacher=131, hidden_teacher=hidden_teacher,
+                           ignore_every=6)
+    head = fp8.Fp8TeacherHead(problem.teacher_weight, problem.teacher_bias.detach(), max_rows=19)
+    head.start_chunk(torch.full((head.max_rows, hidden_teacher), float("nan")))  # the whole buffer
+    labels = problem.labels
+    result = chunked_loss_and_grads(
+        problem.student_input.detach(), problem.student_weight.detach(), problem.student_bias.detach(),
+        problem.teacher_input, head, labels, api.row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0),
+        api.LabelCounts(labels, -100, problem.student_weight.shape[0], None), api.pick_row_step("torch", labels.device).step,
+        ChunkRows(19, 7), (True, True, True), torch.float32)
+    grads = result.gradients.finish()
+    quantized = make_problem(tokens=37, vocab_student=101, vocab_teacher=131, hidden_teacher=hidden_teacher)
+    quantized.__dict__.update(problem.__dict__)
+    quantized.teacher_input = fp8.dequantized(problem.teacher_input)
+    quantized.teacher_weight = fp8.dequantized(problem.teacher_weight)
+    ref_losses, ref_grads = reference(quantized)
+    for got, want in zip((result.loss, result.soft_loss, result.hard_loss), ref_losses):
+        assert rel_err(got, want) < 1e-5
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < 1e-5

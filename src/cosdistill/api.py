@@ -125,7 +125,7 @@ def fused_linear_cosine_distill(
         normaliser=LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens),
         row_step=row_step,
         teacher=None if gram_teacher else teacher_head(teacher_weight, teacher_bias, teacher_precision,
-                                                       max_rows=rows.teacher, row_step_impl=row_step_impl),
+                                                       max_rows=rows.student, row_step_impl=row_step_impl),
         rows=rows,
         needs_grad=needs_grad,
         accum_dtype=accum_dtype or default_accum_dtype(student_weight.dtype),

@@ -224,8 +224,13 @@ class TeacherHead:
     def buffer_rows(self, rows: int) -> int:
         return rows
 
-    def logits_into(self, out: torch.Tensor, hidden: torch.Tensor) -> None:
-        _logits_into(out[: hidden.shape[0]], hidden, self.weight, self.bias)
+    def start_chunk(self, hidden: torch.Tensor) -> None:
+        """The chunk's teacher hidden rows, which ``logits_into`` then takes in sub-chunks."""
+        self.chunk_hidden = hidden
+
+    def logits_into(self, out: torch.Tensor, start: int, stop: int) -> None:
+        """out[:stop - start] = the chunk's rows start..stop @ weight.T (+ bias)."""
+        _logits_into(out[: stop - start], self.chunk_hidden[start:stop], self.weight, self.bias)
 
 
 def addmm_into(out, left, right, alpha, beta):
@@ -385,9 +390,10 @@ def chunked_loss_and_grads(
             gram.row_step(chunk_student, hidden, teacher_input[start:stop], labels[start:stop], scales,
                           token_losses[start:stop], write_grad)
         else:
+            teacher.start_chunk(teacher_input[start:stop])
             for part in range(start, stop, rows.teacher):
                 part_stop = min(part + rows.teacher, stop)
-                teacher.logits_into(teacher_logits, teacher_input[part:part_stop])
+                teacher.logits_into(teacher_logits, part - start, part_stop - start)
                 lifts = () if unlift is None else (unlift.lifts[part - start : part_stop - start],)
                 row_step(student_logits[part - start : part_stop - start], teacher_logits[: part_stop - part],
                          labels[part:part_stop], scales, token_losses[part:part_stop], write_grad, *lifts)

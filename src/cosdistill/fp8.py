@@ -79,29 +79,39 @@ class Fp8TeacherHead:
     """Teacher logits through the FP8 GEMM; the same interface as chunked.TeacherHead."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int, quantize=quantize_rows):
-        """quantize: quantize_rows, or its Triton twin fp8_triton.quantize_rows_triton (one launch)."""
+        """max_rows: the most rows a chunk has (``start_chunk``). quantize: quantize_rows, or its Triton twin
+        fp8_triton.quantize_rows_triton (one launch)."""
         self.quantize = quantize
         self.weight_fp8, self.weight_scales = quantized_weight(weight)
         self.bias, self.logits_dtype = bias, weight.dtype
         self.hidden = weight.shape[1]
         self.vocab = self.weight_fp8.shape[0]  # padded rows give zero logits
-        padded_rows = _round_up(max(1, max_rows), GEMM_MULTIPLE)
-        self.hidden_fp8 = torch.zeros(padded_rows, self.weight_fp8.shape[1], dtype=FP8, device=weight.device)
-        self.hidden_scales = torch.ones(padded_rows, 1, dtype=torch.float32, device=weight.device)
+        # A sub-chunk's GEMM reads its rows rounded up to GEMM_MULTIPLE from its start: at most this many.
+        self.max_rows = max(1, max_rows) + GEMM_MULTIPLE - 1
+        self.hidden_fp8 = self.hidden_scales = None  # allocated by the first chunk, after its student GEMM
 
     def buffer_rows(self, rows: int) -> int:
         return _round_up(rows, GEMM_MULTIPLE)
 
-    def logits_into(self, out: torch.Tensor, hidden: torch.Tensor) -> None:
-        """out[:n] = hidden @ weight.T (+ bias), n = len(hidden); out has buffer_rows(n) rows."""
+    def start_chunk(self, hidden: torch.Tensor) -> None:
+        """Quantize the chunk's teacher rows, all at once (one launch, not one per sub-chunk)."""
+        if self.hidden_fp8 is None:
+            # Unwritten rows only ever reach logits rows the row step never reads; padded columns must be
+            # zero (garbage codes, NaN among them, times the weight's zero columns could give NaN).
+            self.hidden_fp8 = torch.empty(self.max_rows, self.weight_fp8.shape[1], dtype=FP8, device=hidden.device)
+            self.hidden_fp8[:, self.hidden :].zero_()
+            self.hidden_scales = torch.empty(self.max_rows, 1, dtype=torch.float32, device=hidden.device)
         rows = hidden.shape[0]
-        padded = self.buffer_rows(rows)
-        # Rows rows..padded hold whatever an earlier, longer chunk left: their logits land in buffer
-        # rows the row step never reads.
         self.quantize(hidden, self.hidden_fp8[:rows, : self.hidden], self.hidden_scales[:rows])
+
+    def logits_into(self, out: torch.Tensor, start: int, stop: int) -> None:
+        """out[:n] = the chunk's rows start..stop @ weight.T (+ bias), n = stop - start; out has buffer_rows(n) rows."""
+        padded = self.buffer_rows(stop - start)
+        # Rows past stop hold the next sub-chunk's codes, or whatever an earlier, longer chunk left: their
+        # logits land in buffer rows the row step never reads.
         torch._scaled_mm(
-            self.hidden_fp8[:padded], self.weight_fp8.t(), scale_a=self.hidden_scales[:padded],
+            self.hidden_fp8[start : start + padded], self.weight_fp8.t(), scale_a=self.hidden_scales[start : start + padded],
             scale_b=self.weight_scales, out_dtype=self.logits_dtype, out=out[:padded], use_fast_accum=FAST_ACCUMULATION,
         )
         if self.bias is not None:
-            out[:rows, : self.bias.shape[0]] += self.bias
+            out[: stop - start, : self.bias.shape[0]] += self.bias

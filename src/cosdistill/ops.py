@@ -79,7 +79,7 @@ def fused_linear_cosine_distill_op(
     rows = chunk_rows(chunk_size, num_tokens, vocab_student, 0 if gram_teacher else teacher_weight.shape[0],
                       student_weight.element_size(), write_grad=any(needs_grad))
     teacher = None if gram_teacher else api.teacher_head(teacher_weight, teacher_bias, teacher_precision,
-                                                         max_rows=rows.teacher, row_step_impl=row_step_impl)
+                                                         max_rows=rows.student, row_step_impl=row_step_impl)
     scales = api.row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
                                  teacher_softcap, student_logit_scale, teacher_logit_scale)
     given = num_valid_tokens if num_valid_tokens is not None else num_valid_count
