@@ -31,7 +31,7 @@ import time
 import torch
 
 from cosdistill import fused_linear_cosine_distill
-from cosdistill.api import _FusedLinearCosineDistill, _Options, pick_row_step, row_step_scales
+from cosdistill.api import _AttachGradients, pick_row_step, row_step_scales
 from cosdistill.bench import CPU_WORKLOAD, CUDA_WORKLOAD, make_tensors, median_ms
 from cosdistill.chunked import TeacherHead, chunk_rows, chunked_loss_and_grads
 from cosdistill.labels import LabelCounts
@@ -64,15 +64,13 @@ def steps(tensors):
 
     def function(engine):
         def step(mark=lambda: None):
-            options = _Options(scales=SCALES, normaliser=LabelCounts(labels, -100, vocab, None), row_step=row_step,
-                               teacher=TeacherHead(tensors.teacher_weight, None), rows=rows,
-                               needs_grad=(True, True, False), accum_dtype=w_s.dtype)
-            loss, _, _ = _FusedLinearCosineDistill.apply(x_s, w_s, None, tensors.teacher_input, labels, options)
+            result = loop((True, True, False), rows)
+            loss = _AttachGradients.apply(result.loss, result.gradients, x_s, w_s, None)
             mark()
             if engine:
                 loss.backward()
             else:  # the Function's backward called on this thread, the grads held as the engine would
-                x_s.grad, w_s.grad, *_ = loss.grad_fn.apply(torch.ones_like(loss), None, None)
+                _, _, x_s.grad, w_s.grad, _ = loss.grad_fn.apply(torch.ones_like(loss))
         return step
 
     def library():

@@ -2,14 +2,12 @@
 
 import dataclasses
 import os
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from . import fp8, gram
-from .chunked import (ChunkRows, Normaliser, RowStep, TeacherHead, VocabParallel, chunk_rows, chunked_loss_and_grads,
-                      on_device_of, split_row_step)
+from .chunked import (TeacherHead, VocabParallel, chunk_rows, chunked_loss_and_grads, on_device_of, split_row_step,
+                      start_student_logits)
 from .labels import LabelCounts
 from .row_step import TORCH_ROW_STEP, RowStepImpl, RowStepScales
 
@@ -101,17 +99,12 @@ def fused_linear_cosine_distill(
                   teacher_precision, num_valid_tokens, cosine_via)
     labels = true_labels.reshape(-1).contiguous()
     num_tokens = labels.numel()
-    scales = row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
-                             teacher_softcap, student_logit_scale, teacher_logit_scale)
     row_step_impl = pick_row_step(impl, student_input.device)
-    row_step, reduce_grad_input = row_step_impl.step, None
     vocab_student, vocab_teacher = student_weight.shape[0], teacher_weight.shape[0]
     if vocab_parallel is not None:
         check_vocab_parallel(vocab_parallel, student_weight, teacher_weight)
         # The whole student vocabulary sizes the chunks: every rank must run the same number of them.
         vocab_student = vocab_teacher = vocab_parallel.vocab_student
-        scales = dataclasses.replace(scales, vocab_start=vocab_parallel.start, vocab_student_total=vocab_student)
-        row_step, reduce_grad_input = split_row_step(row_step_impl, vocab_parallel), vocab_parallel.all_reduce
     needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
                        for t in (student_input, student_weight, student_bias))
     gram_teacher = pick_gram_teacher(
@@ -120,26 +113,29 @@ def fused_linear_cosine_distill(
         teacher_precision=teacher_precision, vocab_parallel=vocab_parallel)
     rows = chunk_rows(chunk_size, num_tokens, vocab_student, 0 if gram_teacher else vocab_teacher,
                       student_weight.element_size(), write_grad=any(needs_grad))
-    options = _Options(
-        scales=scales,
-        normaliser=LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens),
-        row_step=row_step,
-        teacher=None if gram_teacher else teacher_head(teacher_weight, teacher_bias, teacher_precision,
-                                                       max_rows=rows.student, row_step_impl=row_step_impl),
-        rows=rows,
-        needs_grad=needs_grad,
-        accum_dtype=accum_dtype or default_accum_dtype(student_weight.dtype),
-        reduce_grad_input=reduce_grad_input,
-        gram_teacher=gram_teacher,
-    )
-    args = (student_input.reshape(num_tokens, student_input.shape[-1]), student_weight, student_bias,
-            teacher_input.reshape(num_tokens, teacher_input.shape[-1]).detach(), labels, options)
-    if any(needs_grad):
-        loss, soft, hard = _FusedLinearCosineDistill.apply(*args)
-    else:  # nothing to differentiate: no autograd Function, whose call costs host time (NOTES item 63)
-        result = _run_chunk_loop(*args)
-        loss, soft, hard = result.loss, result.soft_loss, result.hard_loss
-    return (loss, soft, hard) if return_soft_hard_loss else loss
+    flat_input = student_input.reshape(num_tokens, student_input.shape[-1])
+    # The GPU starts on the first chunk's student GEMM here, before the rest of the set-up; the autograd
+    # Function comes after the chunk loop, whose GEMMs then cover its host time (NOTES item 74).
+    with on_device_of(student_input), torch.no_grad():  # the loop computes the gradients itself
+        student_logits = start_student_logits(flat_input, student_weight, student_bias, rows)
+        scales = row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
+                                 teacher_softcap, student_logit_scale, teacher_logit_scale)
+        row_step, reduce_grad_input = row_step_impl.step, None
+        if vocab_parallel is not None:
+            scales = dataclasses.replace(scales, vocab_start=vocab_parallel.start, vocab_student_total=vocab_student)
+            row_step, reduce_grad_input = split_row_step(row_step_impl, vocab_parallel), vocab_parallel.all_reduce
+        teacher = None if gram_teacher else teacher_head(teacher_weight, teacher_bias, teacher_precision,
+                                                         max_rows=rows.student, row_step_impl=row_step_impl)
+        result = chunked_loss_and_grads(
+            flat_input, student_weight, student_bias, teacher_input.reshape(num_tokens, teacher_input.shape[-1]),
+            teacher, labels, scales, LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens), row_step, rows,
+            needs_grad, accum_dtype or default_accum_dtype(student_weight.dtype), reduce_grad_input, gram_teacher,
+            student_logits,
+        )
+    loss = result.loss
+    if result.gradients is not None:
+        loss = _AttachGradients.apply(loss, result.gradients, flat_input, student_weight, student_bias)
+    return (loss, result.soft_loss, result.hard_loss) if return_soft_hard_loss else loss
 
 
 class FusedLinearCosineDistillLoss(torch.nn.Module):
@@ -192,51 +188,28 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
         )
 
 
-@dataclass(frozen=True)
-class _Options:
-    scales: RowStepScales
-    normaliser: Normaliser
-    row_step: RowStep
-    teacher: TeacherHead | None  # None on the Gram path
-    rows: ChunkRows
-    needs_grad: tuple[bool, bool, bool]
-    accum_dtype: torch.dtype
-    reduce_grad_input: Callable[[torch.Tensor], None] | None = None
-    gram_teacher: gram.GramTeacher | None = None
-
-
-def _run_chunk_loop(student_input, student_weight, student_bias, teacher_input, labels, options: _Options):
-    with on_device_of(student_input):
-        return chunked_loss_and_grads(
-            student_input, student_weight, student_bias, teacher_input, options.teacher, labels, options.scales,
-            options.normaliser, options.row_step, options.rows, options.needs_grad, options.accum_dtype,
-            options.reduce_grad_input, options.gram_teacher,
-        )
-
-
-class _FusedLinearCosineDistill(torch.autograd.Function):
-    """Gradients are computed in forward (one pass over the logits); backward applies grad_output."""
+class _AttachGradients(torch.autograd.Function):
+    """Hands the chunk loop's gradients (computed in its one pass over the logits, for grad_output = 1) to
+    autograd: forward passes the loss on, backward applies grad_output."""
 
     @staticmethod
-    def forward(ctx, student_input, student_weight, student_bias, teacher_input, labels, options):
-        result = _run_chunk_loop(student_input, student_weight, student_bias, teacher_input, labels, options)
-        ctx.gradients = result.gradients
-        ctx.set_materialize_grads(False)  # soft and hard get no gradient: no zero tensors made for them
+    def forward(ctx, loss, gradients, student_input, student_weight, student_bias):
+        ctx.gradients = gradients
+        ctx.set_materialize_grads(False)
         ctx.grad_dtypes = tuple(None if t is None else t.dtype for t in (student_input, student_weight, student_bias))
-        ctx.mark_non_differentiable(result.soft_loss, result.hard_loss)
-        return result.loss, result.soft_loss, result.hard_loss
+        return loss.clone()  # a new tensor: the caller may modify it in place, which an input passed on forbids
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_soft, _grad_hard):
+    def backward(ctx, grad_loss):
         if ctx.gradients is None:
             raise RuntimeError("cosdistill computes gradients in forward and can run backward only once per call")
         gradients, ctx.gradients = ctx.gradients, None
         if grad_loss is None:  # not materialized: no gradient reached the loss
-            return None, None, None, None, None, None
+            return None, None, None, None, None
         with on_device_of(grad_loss):
             grads = gradients.finish(grad_loss.detach())
         cast = [None if grad is None else grad.to(dtype) for grad, dtype in zip(grads, ctx.grad_dtypes)]
-        return (*cast, None, None, None)
+        return (None, None, *cast)
 
 
 def default_accum_dtype(weight_dtype: torch.dtype) -> torch.dtype:

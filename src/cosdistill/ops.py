@@ -1,6 +1,6 @@
 """The loss as a registered custom op (torch.library), the form ``torch.compile`` sees.
 
-The eager path (api._FusedLinearCosineDistill) cannot be traced by Dynamo: its forward reads label
+The eager path (api.fused_linear_cosine_distill, api._AttachGradients) cannot be traced by Dynamo: its forward reads label
 counts on the host, raises on bad labels and launches Triton kernels, and its backward reads
 grad_output on the host to fold it into the last grad_weight GEMM. Each of those would break the graph.
 

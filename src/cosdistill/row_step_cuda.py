@@ -382,6 +382,7 @@ def source(vocab: int, label_dtype: torch.dtype, layout: Layout, models: int = 2
     return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _SOURCE
 
 
+@functools.lru_cache(maxsize=None)  # asked every call; a device's capability never changes
 def available(device: torch.device) -> bool:
     """NVRTC through torch, and a GPU with thread block clusters (Hopper or newer)."""
     return (device.type == "cuda" and hasattr(torch.cuda, "_compile_kernel") and torch.version.hip is None
