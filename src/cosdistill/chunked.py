@@ -4,8 +4,9 @@ Everything the loss costs happens in ``chunked_loss_and_grads``, called by the l
 queues its first GEMM earlier, ``start_student_logits``): per chunk of tokens, two cuBLAS GEMMs write
 the student and teacher logits into reused buffers (the teacher's in sub-chunks), the row step turns
 the student buffer into d loss / d logits in place, and two more GEMMs turn that into grad_input
-(written straight into its slice) and grad_weight (accumulated). Backward applies grad_output, folding it into the last chunk's grad_weight GEMM
-(``Gradients.finish``), and runs the last chunk's grad_input GEMM while the host reads grad_output.
+(written straight into its slice) and grad_weight (accumulated). Backward applies grad_output, folding
+it into the last chunk's grad_weight GEMM (``Gradients.finish``), and runs the last chunk's grad_input
+GEMM while the host reads grad_output.
 On the Gram path (``gram``, gram.py) there is no teacher GEMM or buffer: the row step gets the
 teacher's terms from Gram matrices, and adds the soft term's share to grad_input's rows and, after
 the loop, to grad_weight.

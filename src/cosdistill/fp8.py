@@ -105,13 +105,15 @@ class Fp8TeacherHead:
         self.quantize(hidden, self.hidden_fp8[:rows, : self.hidden], self.hidden_scales[:rows])
 
     def logits_into(self, out: torch.Tensor, start: int, stop: int) -> None:
-        """out[:n] = the chunk's rows start..stop @ weight.T (+ bias), n = stop - start; out has buffer_rows(n) rows."""
+        """out[:n] = the chunk's rows start..stop @ weight.T (+ bias), n = stop - start; out has
+        buffer_rows(n) rows."""
         padded = self.buffer_rows(stop - start)
         # Rows past stop hold the next sub-chunk's codes, or whatever an earlier, longer chunk left: their
         # logits land in buffer rows the row step never reads.
+        rows = slice(start, start + padded)
         torch._scaled_mm(
-            self.hidden_fp8[start : start + padded], self.weight_fp8.t(), scale_a=self.hidden_scales[start : start + padded],
-            scale_b=self.weight_scales, out_dtype=self.logits_dtype, out=out[:padded], use_fast_accum=FAST_ACCUMULATION,
+            self.hidden_fp8[rows], self.weight_fp8.t(), scale_a=self.hidden_scales[rows], scale_b=self.weight_scales,
+            out_dtype=self.logits_dtype, out=out[:padded], use_fast_accum=FAST_ACCUMULATION,
         )
         if self.bias is not None:
             out[: stop - start, : self.bias.shape[0]] += self.bias

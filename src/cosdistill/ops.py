@@ -1,8 +1,8 @@
 """The loss as a registered custom op (torch.library), the form ``torch.compile`` sees.
 
-The eager path (api.fused_linear_cosine_distill, api._AttachGradients) cannot be traced by Dynamo: its forward reads label
-counts on the host, raises on bad labels and launches Triton kernels, and its backward reads
-grad_output on the host to fold it into the last grad_weight GEMM. Each of those would break the graph.
+The eager path (api.fused_linear_cosine_distill, api._AttachGradients) cannot be traced by Dynamo: its
+forward reads label counts on the host, raises on bad labels and launches Triton kernels, and its backward
+reads grad_output on the host to fold it into the last grad_weight GEMM. Each would break the graph.
 
 So while compiling, ``api.fused_linear_cosine_distill`` hands over to ``compiled_distill`` here. It runs
 the checks that need no host read at trace time (the same rules and messages as eager), flattens 3-D
