@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from cosdistill.bench import CUDA_WORKLOAD, FORCED_SETTINGS, FP8_SETTING, floor_provider, make_tensors, ours_provider, ours_settings
+from cosdistill.bench import (CUDA_WORKLOAD, FORCED_SETTINGS, FP8_SETTING, call_ms, floor_provider, make_tensors,
+                              ours_provider, ours_settings)
 
 BUILDERS = {
     "ours": ours_provider(ours_settings()[0]),
@@ -29,12 +30,11 @@ BUILDERS = {
 }
 
 
-def timed(step, busy_cycles: int) -> float:
-    """ms from the start event to the end event; busy_cycles > 0: a sleep kernel queued before the start."""
+def busy_start_ms(step, busy_cycles: int) -> float:
+    """As bench.call_ms, but with a sleep kernel queued before the start event: the GPU busy meanwhile."""
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    if busy_cycles:
-        torch.cuda._sleep(busy_cycles)
+    torch.cuda._sleep(busy_cycles)
     start.record()
     step()
     end.record()
@@ -86,7 +86,10 @@ def main():
                 idle_ms, busy_ms = [], []
                 for index in range(args.calls):  # alternate, the first of each pair swapping
                     for busy_start in ((False, True) if index % 2 else (True, False)):
-                        (busy_ms if busy_start else idle_ms).append(timed(call, busy if busy_start else 0))
+                        if busy_start:
+                            busy_ms.append(busy_start_ms(call, busy))
+                        else:
+                            idle_ms.append(call_ms(call, torch.device("cuda")))
                 idle, queued = statistics.median(idle_ms), statistics.median(busy_ms)
                 print(f"T={tokens:6d} {mode:7s} {name:12s} idle start {idle:8.3f}  busy start {queued:8.3f}  "
                       f"lead {idle - queued:6.3f} ms ({(idle - queued) / idle:+.2%})")

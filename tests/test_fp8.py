@@ -137,7 +137,7 @@ def test_fp8_sub_chunks_read_their_own_rows_of_the_quantized_chunk(hidden_teache
     problem = make_problem(tokens=37, vocab_student=101, vocab_teacher=131, hidden_teacher=hidden_teacher,
                            ignore_every=6)
     head = fp8.Fp8TeacherHead(problem.teacher_weight, problem.teacher_bias.detach(), max_rows=19)
-    head.start_chunk(torch.full((head.max_rows, hidden_teacher), float("nan")))  # the whole buffer
+    head.start_chunk(torch.full((head.code_rows, hidden_teacher), float("nan")))  # the whole buffer
     labels = problem.labels
     result = chunked_loss_and_grads(
         problem.student_input.detach(), problem.student_weight.detach(), problem.student_bias.detach(),

@@ -130,7 +130,7 @@ def fused_linear_cosine_distill(
             flat_input, student_weight, student_bias, teacher_input.reshape(num_tokens, teacher_input.shape[-1]),
             teacher, labels, scales, LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens), row_step, rows,
             needs_grad, accum_dtype or default_accum_dtype(student_weight.dtype), reduce_grad_input, gram_teacher,
-            student_logits,
+            student_logits=student_logits,
         )
     loss = result.loss
     if result.gradients is not None:

@@ -87,7 +87,7 @@ class Fp8TeacherHead:
         self.hidden = weight.shape[1]
         self.vocab = self.weight_fp8.shape[0]  # padded rows give zero logits
         # A sub-chunk's GEMM reads its rows rounded up to GEMM_MULTIPLE from its start: at most this many.
-        self.max_rows = max(1, max_rows) + GEMM_MULTIPLE - 1
+        self.code_rows = max(1, max_rows) + GEMM_MULTIPLE - 1
         self.hidden_fp8 = self.hidden_scales = None  # allocated by the first chunk, after its student GEMM
 
     def buffer_rows(self, rows: int) -> int:
@@ -98,9 +98,9 @@ class Fp8TeacherHead:
         if self.hidden_fp8 is None:
             # Unwritten rows only ever reach logits rows the row step never reads; padded columns must be
             # zero (garbage codes, NaN among them, times the weight's zero columns could give NaN).
-            self.hidden_fp8 = torch.empty(self.max_rows, self.weight_fp8.shape[1], dtype=FP8, device=hidden.device)
+            self.hidden_fp8 = torch.empty(self.code_rows, self.weight_fp8.shape[1], dtype=FP8, device=hidden.device)
             self.hidden_fp8[:, self.hidden :].zero_()
-            self.hidden_scales = torch.empty(self.max_rows, 1, dtype=torch.float32, device=hidden.device)
+            self.hidden_scales = torch.empty(self.code_rows, 1, dtype=torch.float32, device=hidden.device)
         rows = hidden.shape[0]
         self.quantize(hidden, self.hidden_fp8[:rows, : self.hidden], self.hidden_scales[:rows])
 
