@@ -55,10 +55,11 @@ The Python from the call to the first GEMM's call, stamped behind a sleep kernel
 The FP8 GEMM alone by M (s17a: `benchmarks/fp8_gemm_study.py --rows 512,1024,2048`):
 
 {block(lines('2026-12-01-s17a/fp8_gemm.log', r'^M =|^N ='))}
-### Correctness on the H200 (s17a, s17c and s17f on the final tip: `python3 benchmarks/gpu_check.py`; the FP8 cases against float64 on the dequantized teacher)
+### Correctness on the H200 (s17a, s17c, s17f and s17g on the final tip: `python3 benchmarks/gpu_check.py`; the FP8 cases against float64 on the dequantized teacher)
 
 {block(lines('2026-12-01-s17a/gpu_check.log', r'fp8|PASSED|FAILED'), ['after item 74:'], lines('2026-12-01-s17c/gpu_check.log', r'loss fp8|PASSED|FAILED'),
-       ['final tip (s17f):'], lines('2026-12-01-s17f/gpu_check.log', r'PASSED|FAILED'))}
+       ['after the first review commit (s17f):'], lines('2026-12-01-s17f/gpu_check.log', r'PASSED|FAILED'),
+       ['final tip (s17g, b192fe4):'], lines('2026-12-01-s17g/gpu_check.log', r'PASSED|FAILED'))}
 ### GPU fuzz (s17e: `benchmarks/gpu_fuzz.py --seed 20 --cases 80`, after item 74)
 
 {(R / '2026-12-01-s17e/fuzz/fuzz.md').read_text()}"""

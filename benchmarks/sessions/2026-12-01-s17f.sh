@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 17 GPU call F: gpu_check on the final tip (the review commit renamed the FP8 GEMM's row slice).
+# Session 17 GPU calls F and G: gpu_check on the tip after each review commit (5af9c9e: s17f; b192fe4: s17g, results
+# kept under 2026-12-01-s17g).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 R=$OUT/r; mkdir -p $R
