@@ -32,7 +32,7 @@ def main():
     args = parser.parse_args()
     vocab, hidden, device = args.vocab, args.hidden, torch.device("cuda")
     weight = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
-    weight_fp8, weight_scales = fp8.quantized_weight(weight)
+    weight_fp8, weight_scales = fp8.quantized_weights.get(weight).value
     one = torch.ones((), device="cuda")
     print(f"N = {vocab}, K = {hidden}; ms (TFLOP/s), speed-up over bf16")
     for rows in (int(r) for r in args.rows.split(",")):

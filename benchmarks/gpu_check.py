@@ -22,8 +22,8 @@ import torch
 from cosdistill import fp8, row_step_cuda
 from cosdistill.fp8_triton import quantize_rows_triton
 from cosdistill.selfcheck import (
-    CheckResult, LossCase, RowStepCase, check_loss, check_row_step, compare, float64_reference, fused_run, random_problem,
-    rel_err, results_table,
+    CheckResult, LossCase, RowStepCase, check_loss, check_row_step, check_teacher_caches, compare, float64_reference,
+    fused_run, random_problem, rel_err, results_table,
 )
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -190,6 +190,56 @@ def check_second_device():
     return [compare("loss auto on cuda:1, cuda:0 current, vs float64", case.describe(), BF16, got, float64_reference(args))]
 
 
+def check_never_silently_wrong():
+    """On the GPU: the teacher caches against every mutation (selfcheck.check_teacher_caches, at an LLM
+    vocabulary: NaN for the changed call, then StaleWeightError); the fingerprint kernel against its torch
+    spec on a seed-sized head; the student changed in place before backward; uint8 labels; "auto" on huge
+    student logits."""
+    from cosdistill import fused_linear_cosine_distill
+    from cosdistill.fingerprint import fingerprint_torch, fingerprint_triton
+
+    results = check_teacher_caches("cuda", vocab=32000, hidden_teacher=512, tokens=2048)
+    head = torch.randn(128256, 4096, device="cuda", dtype=BF16)
+    before = fingerprint_triton(head)
+    same = torch.equal(before, fingerprint_torch(head))
+    head[77777, 1234] = -head[77777, 1234] - 1.0
+    after = fingerprint_triton(head)
+    same = same and torch.equal(after, fingerprint_torch(head))
+    results.append(CheckResult("fingerprint triton vs torch", "128256 x 4096 bf16, one element changed", "bitwise",
+                               {}, same and not torch.equal(before, after), "" if same else "differs from the spec"))
+    del head
+    args = random_problem(LossCase(3000, 32000, 32000, 512, BF16, False, 7, 1024), "cuda")
+    for index, name in ((0, "student_input"), (1, "student_weight")):
+        loss = fused_linear_cosine_distill(*args)
+        with torch.no_grad():
+            args[index].mul_(3.0)
+        try:
+            loss.backward()
+            raised = ""
+        except RuntimeError as error:
+            raised = str(error).splitlines()[0]
+        results.append(CheckResult(f"{name} changed in place before backward", "T=3000 V=32000 bf16", "raises",
+                                   {}, "modified by an inplace operation" in raised, raised or "no error"))
+        for leaf in (args[0], args[1]):
+            leaf.grad = None
+    try:
+        fused_linear_cosine_distill(*args[:4], args[4].clamp(min=0, max=255).to(torch.uint8))
+        raised = ""
+    except TypeError as error:
+        raised = str(error)
+    results.append(CheckResult("uint8 labels", "ignore_index=-100", "raises", {}, "cannot hold" in raised,
+                               raised or "no error"))
+    case = LossCase(4096, 32000, 32000, 512, BF16, False, 7, None)
+    args = random_problem(case, "cuda")
+    args[1] = (args[1].detach().float() * 1e36).to(BF16).requires_grad_()
+    got = fused_run(args)
+    want = fused_run(args, cosine_via="logits")
+    result = compare("huge student logits: auto vs logits path", case.describe(), FP32, got, want)
+    result.passed = result.passed and all(torch.isfinite(part).all() for part in got[0])
+    results.append(result)
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed-tokens", type=int, default=8192)
@@ -199,7 +249,7 @@ def main():
     torch.manual_seed(0)
     checks = (check_row_step("cuda", ROW_STEP_CASES) + check_gram_row_step()
               + check_loss(("cuda", "triton", "torch"), "cuda", LOSS_CASES) + check_fp8_quantization() + check_fp8()
-              + check_fp16_zero_head() + check_second_device())
+              + check_fp16_zero_head() + check_second_device() + check_never_silently_wrong())
     print(results_table(checks), end="")
     failures = [asdict(result) for result in checks if not result.passed]
     study = seed_accum_study(args.seed_tokens)

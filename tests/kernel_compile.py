@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from cosdistill import fp8_triton as fp8_kernels
-from cosdistill import grad_output, labels
+from cosdistill import fingerprint, grad_output, labels
 from cosdistill import row_step_triton as kernels
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -83,6 +83,10 @@ def compile_small_kernels():
         dict(BLOCK=labels.BLOCK))
     yield "scale unless one", compile_one(grad_output._scale_unless_one_kernel, dict(
         values_ptr="*bf16", numel="i32", factor_ptr="*fp32"), dict(BLOCK=grad_output.BLOCK))
+    yield "fingerprint", compile_one(fingerprint._fingerprint_kernel, dict(
+        words_ptr="*i16", rows="i32", cols="i32", stride_row="i32", stride_col="i32", partials_ptr="*i32"),
+        dict(KEYS_0=fingerprint.LANE_KEYS[0], KEYS_1=fingerprint.LANE_KEYS[1], BLOCK_ROWS=fingerprint.BLOCK_ROWS,
+             BLOCK_COLS=fingerprint.BLOCK_COLS))
     for n_from, normaliser_type in ((labels.N_COUNTED, "*i32"), (labels.N_GIVEN_TENSOR, "*i64"),
                                     (labels.N_GIVEN_NUMBER, "*i32")):
         yield f"mean losses N_FROM={n_from}", compile_one(labels._mean_losses_kernel, dict(

@@ -44,11 +44,11 @@ def test_fp8_teacher_equals_the_reference_on_the_quantized_teacher(impl, monkeyp
 
 def test_quantized_weight_is_cached_until_the_weight_changes():
     weight = torch.randn(50, 32)
-    first = fp8.quantized_weight(weight)
-    assert fp8.quantized_weight(weight)[0] is first[0]
+    first = fp8.quantized_weights.get(weight).value
+    assert fp8.quantized_weights.get(weight).value[0] is first[0]
     with torch.no_grad():
         weight.mul_(2.0)
-    second = fp8.quantized_weight(weight)
+    second = fp8.quantized_weights.get(weight).value
     assert second[0] is not first[0]
     torch.testing.assert_close(second[1][:, :50], 2 * first[1][:, :50])
     assert second[0].shape == (64, 32) and torch.count_nonzero(second[0][50:].float()) == 0

@@ -143,13 +143,14 @@ def test_auto_runs_the_gram_path_where_it_is_cheaper(monkeypatch):
 
 def test_teacher_gram_is_cached_until_the_weight_changes():
     weight = torch.randn(300, 12)
-    first = gram.teacher_gram(weight)
-    assert gram.teacher_gram(weight) is first
+    first = gram.teacher_grams.get(weight).value
+    assert gram.teacher_grams.get(weight).value is first
     with torch.no_grad():
         weight.mul_(2.0)  # in place: the version counter moves
-    second = gram.teacher_gram(weight)
+    second = gram.teacher_grams.get(weight).value
     assert second is not first
-    torch.testing.assert_close(second[0], 4.0 * first[0])
+    torch.testing.assert_close(second[0][0], 4.0 * first[0][0])
+    torch.testing.assert_close(second[1], 4.0 * first[1])
 
 
 def test_bf16_products_keep_fp32_accuracy():
@@ -185,17 +186,16 @@ def test_row_step_without_teacher_logits_matches_torch():
     assert rel_err(triton_grad, torch_grad) < 1e-2  # bf16 storage of either
 
 
-def test_overflowing_products_give_nan_and_auto_keeps_the_logits_path():
-    """Logits near bf16's max: the Gram path's fp32 products overflow and its soft loss is NaN (never a
-    wrong finite number); "auto" sees the teacher's huge Gram diagonal and takes the logits path."""
+def test_overflowing_products_raise_for_gram_and_auto_takes_the_logits_path():
+    """Logits near bf16's max: the Gram path's fp32 products would overflow. cosine_via="gram" raises
+    saying so; "auto" finds the bound past RANGE_LIMIT and runs the call on the logits path."""
     inputs = torch.tensor([[2.0**64], [-(2.0**64)], [2.0**63]], dtype=torch.bfloat16)
     student_weight = (torch.rand(37, 1) * 2 - 1).mul(2.0**63).bfloat16()
     teacher_weight = (torch.rand(37, 1) * 2 - 1).mul(2.0**63).bfloat16()
     labels = (inputs.double() * student_weight.double().t()).argmax(1)
     args = (inputs.clone().requires_grad_(), student_weight.clone().requires_grad_(), inputs, teacher_weight, labels)
-    loss, soft, _ = fused_linear_cosine_distill(*args, cosine_via="gram", return_soft_hard_loss=True)
-    assert torch.isnan(loss) and torch.isnan(soft)
-    assert not gram.teacher_gram_is_moderate(teacher_weight)
+    with pytest.raises(ValueError, match="too large for the Gram path"):
+        fused_linear_cosine_distill(*args, cosine_via="gram")
     loss, soft, _ = fused_linear_cosine_distill(*args, cosine_via="auto", return_soft_hard_loss=True)
     want = naive_cosine_distill(*[tensor.double() for tensor in args[:4]], labels)
     assert rel_err(loss, want[0]) < 5e-3 and rel_err(soft, want[1]) < 5e-3

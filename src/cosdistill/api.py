@@ -6,8 +6,8 @@ import os
 import torch
 
 from . import fp8, gram
-from .chunked import (TeacherHead, VocabParallel, chunk_rows, chunked_loss_and_grads, on_device_of, split_row_step,
-                      start_student_logits)
+from .chunked import (ChunkResult, GramOutOfRange, TeacherHead, VocabParallel, chunk_rows, chunked_loss_and_grads,
+                      on_device_of, split_row_step, start_student_logits)
 from .labels import LabelCounts
 from .row_step import TORCH_ROW_STEP, RowStepImpl, RowStepScales
 
@@ -94,30 +94,55 @@ def fused_linear_cosine_distill(
             student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale,
             vocab_parallel=vocab_parallel, cosine_via=cosine_via,
         )
-    _check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias)
+    _check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
+                   teacher_bias, ignore_index)
     check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
                   teacher_precision, num_valid_tokens, cosine_via)
+    if vocab_parallel is not None:
+        check_vocab_parallel(vocab_parallel, student_weight, teacher_weight)
     labels = true_labels.reshape(-1).contiguous()
+    flat_input = student_input.reshape(labels.numel(), student_input.shape[-1])
+    needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
+                       for t in (student_input, student_weight, student_bias))
+    with on_device_of(student_input), torch.no_grad():  # the loop computes the gradients itself
+        result = loss_and_grads(
+            flat_input, student_weight, student_bias, teacher_input.reshape(labels.numel(), teacher_input.shape[-1]),
+            teacher_weight, teacher_bias, labels, needs_grad, weight_hard_loss=weight_hard_loss,
+            weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index, temperature=temperature,
+            chunk_size=chunk_size, num_valid_tokens=num_valid_tokens, accum_dtype=accum_dtype, impl=impl,
+            teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+            student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale,
+            vocab_parallel=vocab_parallel, cosine_via=cosine_via,
+        )
+    loss = result.loss
+    if result.gradients is not None:
+        loss = _AttachGradients.apply(loss, result.gradients, flat_input, student_weight, student_bias)
+    return (loss, result.soft_loss, result.hard_loss) if return_soft_hard_loss else loss
+
+
+def loss_and_grads(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
+                   needs_grad, *, weight_hard_loss, weight_soft_loss, beta, ignore_index, temperature, chunk_size,
+                   num_valid_tokens, accum_dtype, impl, teacher_precision, student_softcap, teacher_softcap,
+                   student_logit_scale, teacher_logit_scale, vocab_parallel, cosine_via) -> ChunkResult:
+    """The set-up of the chunk loop from checked options, and the loop: the loss and, for grad_output = 1,
+    the gradients asked for (needs_grad: input, weight, bias). 2-D inputs, 1-D labels; eager and the
+    torch.compile op (ops.py) alike."""
     num_tokens = labels.numel()
     row_step_impl = pick_row_step(impl, student_input.device)
     vocab_student, vocab_teacher = student_weight.shape[0], teacher_weight.shape[0]
-    if vocab_parallel is not None:
-        check_vocab_parallel(vocab_parallel, student_weight, teacher_weight)
-        # The whole student vocabulary sizes the chunks: every rank must run the same number of them.
+    if vocab_parallel is not None:  # the whole student vocabulary sizes the chunks: every rank runs as many
         vocab_student = vocab_teacher = vocab_parallel.vocab_student
-    needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
-                       for t in (student_input, student_weight, student_bias))
     gram_teacher = pick_gram_teacher(
         cosine_via, student_weight, teacher_weight, num_tokens, needs_grad, row_step_impl,
         biases=(student_bias, teacher_bias), softcaps=(student_softcap, teacher_softcap),
         teacher_precision=teacher_precision, vocab_parallel=vocab_parallel)
-    rows = chunk_rows(chunk_size, num_tokens, vocab_student, 0 if gram_teacher else vocab_teacher,
-                      student_weight.element_size(), write_grad=any(needs_grad))
-    flat_input = student_input.reshape(num_tokens, student_input.shape[-1])
-    # The GPU starts on the first chunk's student GEMM here, before the rest of the set-up; the autograd
-    # Function comes after the chunk loop, whose GEMMs then cover its host time (NOTES item 74).
-    with on_device_of(student_input), torch.no_grad():  # the loop computes the gradients itself
-        student_logits = start_student_logits(flat_input, student_weight, student_bias, rows)
+
+    def run(gram_teacher):
+        rows = chunk_rows(chunk_size, num_tokens, vocab_student, 0 if gram_teacher else vocab_teacher,
+                          student_weight.element_size(), write_grad=any(needs_grad))
+        # The GPU starts on the first chunk's student GEMM here, before the rest of the set-up; the autograd
+        # Function comes after the chunk loop, whose GEMMs then cover its host time.
+        student_logits = start_student_logits(student_input, student_weight, student_bias, rows)
         scales = row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
                                  teacher_softcap, student_logit_scale, teacher_logit_scale)
         row_step, reduce_grad_input = row_step_impl.step, None
@@ -126,16 +151,22 @@ def fused_linear_cosine_distill(
             row_step, reduce_grad_input = split_row_step(row_step_impl, vocab_parallel), vocab_parallel.all_reduce
         teacher = None if gram_teacher else teacher_head(teacher_weight, teacher_bias, teacher_precision,
                                                          max_rows=rows.student, row_step_impl=row_step_impl)
-        result = chunked_loss_and_grads(
-            flat_input, student_weight, student_bias, teacher_input.reshape(num_tokens, teacher_input.shape[-1]),
-            teacher, labels, scales, LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens), row_step, rows,
-            needs_grad, accum_dtype or default_accum_dtype(student_weight.dtype), reduce_grad_input, gram_teacher,
+        return chunked_loss_and_grads(
+            student_input, student_weight, student_bias, teacher_input, teacher, labels, scales,
+            LabelCounts(labels, ignore_index, vocab_student, num_valid_tokens), row_step, rows, needs_grad,
+            accum_dtype or default_accum_dtype(student_weight.dtype), reduce_grad_input, gram_teacher,
             student_logits=student_logits,
         )
-    loss = result.loss
-    if result.gradients is not None:
-        loss = _AttachGradients.apply(loss, result.gradients, flat_input, student_weight, student_bias)
-    return (loss, result.soft_loss, result.hard_loss) if return_soft_hard_loss else loss
+
+    try:
+        return run(gram_teacher)
+    except GramOutOfRange:
+        if cosine_via == "gram":
+            raise ValueError(
+                "cosine_via='gram': this call's hidden states and heads are too large for the Gram path's fp32 "
+                f"products (their bound passes {gram.RANGE_LIMIT:.3g}); use cosine_via='logits' or 'auto'"
+            ) from None
+        return run(None)
 
 
 class FusedLinearCosineDistillLoss(torch.nn.Module):
@@ -195,6 +226,8 @@ class _AttachGradients(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loss, gradients, student_input, student_weight, student_bias):
         ctx.gradients = gradients
+        # The last chunk's gradient GEMMs read both in backward: autograd raises if either was modified in place.
+        ctx.save_for_backward(student_input, student_weight)
         ctx.set_materialize_grads(False)
         ctx.grad_dtypes = tuple(None if t is None else t.dtype for t in (student_input, student_weight, student_bias))
         return loss.clone()  # a new tensor: the caller may modify it in place, which an input passed on forbids
@@ -204,6 +237,7 @@ class _AttachGradients(torch.autograd.Function):
         if ctx.gradients is None:
             raise RuntimeError("cosdistill computes gradients in forward and can run backward only once per call")
         gradients, ctx.gradients = ctx.gradients, None
+        ctx.saved_tensors  # noqa: B018 -- raises if the student's input or weight changed since forward
         if grad_loss is None:  # not materialized: no gradient reached the loss
             return None, None, None, None, None
         with on_device_of(grad_loss):
@@ -259,9 +293,9 @@ def pick_gram_teacher(cosine_via, student_weight, teacher_weight, num_tokens, ne
     if blocked:
         return None
     (vocab_student, hidden_student), (vocab_teacher, hidden_teacher) = student_weight.shape, teacher_weight.shape
-    if cosine_via == "auto" and not (
-            gram.gram_is_cheaper(num_tokens, vocab_student, vocab_teacher, hidden_student, hidden_teacher,
-                                 write_grad_weight=needs_grad[1]) and gram.teacher_gram_is_moderate(teacher_weight)):
+    if cosine_via == "auto" and not gram.gram_is_cheaper(
+            num_tokens, vocab_student, vocab_teacher, hidden_student, hidden_teacher, write_grad_weight=needs_grad[1],
+            teacher_gram_cached=gram.teacher_grams.will_hold(teacher_weight)):
         return None
     return gram.GramTeacher(teacher_weight, student_weight, row_step_impl, write_grad_weight=needs_grad[1])
 
@@ -322,7 +356,8 @@ def check_vocab_parallel(vocab_parallel: VocabParallel, student_weight, teacher_
         )
 
 
-def _check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias):
+def _check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
+                   ignore_index):
     named = dict(
         student_input=student_input, student_weight=student_weight, teacher_input=teacher_input,
         teacher_weight=teacher_weight, true_labels=true_labels, student_bias=student_bias, teacher_bias=teacher_bias,
@@ -365,6 +400,10 @@ def _check_tensors(student_input, student_weight, teacher_input, teacher_weight,
         )
     if true_labels.dtype.is_floating_point or true_labels.dtype.is_complex or true_labels.dtype == torch.bool:
         raise TypeError(f"true_labels must be an integer tensor, got {true_labels.dtype}")
+    label_range = torch.iinfo(true_labels.dtype)
+    if not label_range.min <= ignore_index <= label_range.max:  # the comparison with it would wrap around
+        raise TypeError(f"true_labels of dtype {true_labels.dtype} cannot hold ignore_index={ignore_index}: "
+                        f"pass int64 (or int32) labels")
     if teacher_weight.shape[0] < student_weight.shape[0]:
         raise ValueError(
             f"teacher vocab must be >= student vocab: teacher_weight {tuple(teacher_weight.shape)}, "

@@ -7,6 +7,10 @@ One process, one workload, every provider on the same tensors:
   between them: "auto"), checked as ours is;
 * ``ours-fp8`` - the same with ``teacher_precision="fp8"`` (automatic chunk size, default accumulator),
   where the device has FP8 tensor cores;
+* ``ours-unchecked`` / ``ours-fp8-unchecked`` - ours and ours-fp8 with the teacher caches reused without
+  their content check (weight_cache.py): the A/B of what that check costs;
+* ``ours-changing-teacher`` - ours with the teacher weight's version counter moved before every call, as
+  an EMA or online-distillation teacher's is (no kernel runs for it): what "auto" costs there;
 * ``naive`` - ``naive_cosine_distill``: full logits and autograd;
 * ``liger`` - Liger-Kernel's ``LigerFusedLinearCosineSimilarityLoss``, if it can be imported;
 * ``floor`` - the four GEMMs of the loss computed from both heads' logits (two in forward mode), on the
@@ -21,9 +25,12 @@ ours-fp8 (FP8 quantization: about 1e-3 to 1e-2) are reported for information and
 """
 
 import contextlib
+import csv
 import itertools
 import json
+import os
 import statistics
+import subprocess
 import sys
 import textwrap
 import time
@@ -35,8 +42,10 @@ import torch
 from . import fp8
 from .api import fused_linear_cosine_distill
 from .reference import naive_cosine_distill
+from .weight_cache import WeightCache
 
-PROVIDERS = ("ours", "ours-logits", "ours-gram", "ours-fp8", "naive", "liger", "floor")
+PROVIDERS = ("ours", "ours-logits", "ours-gram", "ours-fp8", "ours-unchecked", "ours-fp8-unchecked",
+             "ours-changing-teacher", "naive", "liger", "floor")
 DEFAULT_PROVIDERS = ("ours", "ours-fp8", "naive", "liger", "floor")
 MODES = ("full", "forward")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -112,10 +121,26 @@ class OursSetting:
     label: str
     teacher_precision: str | None = None  # None: the teacher GEMM in the teacher's dtype
     cosine_via: str = "auto"
+    content_check: bool = True  # False: the teacher caches skip their content check (A/B of its cost only)
+    changing_teacher: bool = False  # True: the teacher weight's version moves before every call
 
 
 FP8_SETTING = OursSetting(None, None, "ours-fp8", teacher_precision="fp8")
 FORCED_SETTINGS = {name: OursSetting(None, None, f"ours-{name}", cosine_via=name) for name in ("logits", "gram")}
+FORCED_SETTINGS["unchecked"] = OursSetting(None, None, "ours-unchecked", content_check=False)
+FORCED_SETTINGS["changing-teacher"] = OursSetting(None, None, "ours-changing-teacher", changing_teacher=True)
+FP8_UNCHECKED_SETTING = replace(FP8_SETTING, label="ours-fp8-unchecked", content_check=False)
+
+
+@contextlib.contextmanager
+def content_checks_skipped():
+    """The teacher caches reused on their identity check alone, as before the content check existed."""
+    original = WeightCache.check_contents
+    WeightCache.check_contents = lambda self, weight, storage, entry: None
+    try:
+        yield
+    finally:
+        WeightCache.check_contents = original
 
 
 def ours_settings(chunk_sizes=None, accum_dtypes=None) -> list[OursSetting]:
@@ -178,10 +203,13 @@ def rel_err(actual, expected) -> float:
 
 
 def ours_loss(setting: OursSetting, tensors: Tensors) -> torch.Tensor:
-    return fused_linear_cosine_distill(
-        *tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
-        teacher_precision=setting.teacher_precision, cosine_via=setting.cosine_via,
-    )
+    if setting.changing_teacher:
+        torch.autograd.graph.increment_version(tensors.teacher_weight)
+    with contextlib.nullcontext() if setting.content_check else content_checks_skipped():
+        return fused_linear_cosine_distill(
+            *tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
+            teacher_precision=setting.teacher_precision, cosine_via=setting.cosine_via,
+        )
 
 
 # Each provider is a function (tensors, mode) -> a no-argument callable that runs one step.
@@ -356,20 +384,21 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
         if liger_loss is None:
             notes.append(why_not)
     fp8_settings = []  # timed; loss error reported, not checked
-    if "ours-fp8" in providers:
-        try:
-            fp8.check_supported(device)
-            fp8_settings.append(FP8_SETTING)
-        except ValueError as error:
-            notes.append(f"ours-fp8 skipped: {error}")
+    for setting in (FP8_SETTING, FP8_UNCHECKED_SETTING):
+        if setting.label in providers:
+            try:
+                fp8.check_supported(device)
+                fp8_settings.append(setting)
+            except ValueError as error:
+                notes.append(f"{setting.label} skipped: {error}")
     builders = {}  # row label -> function (tensors, mode) -> step
     for name in providers:
         if name == "ours":
             builders.update({setting.label: ours_provider(setting) for setting in ours_setting_list})
-        elif name in ("ours-logits", "ours-gram"):
+        elif name in ("ours-logits", "ours-gram", "ours-unchecked", "ours-changing-teacher"):
             builders[name] = ours_provider(FORCED_SETTINGS[name.removeprefix("ours-")])
-        elif name == "ours-fp8" and fp8_settings:
-            builders["ours-fp8"] = ours_provider(FP8_SETTING)
+        elif name in [setting.label for setting in fp8_settings]:
+            builders[name] = ours_provider(next(setting for setting in fp8_settings if setting.label == name))
         elif name == "naive":
             builders["naive"] = naive_provider
         elif name == "liger" and liger_loss is not None:
@@ -513,6 +542,51 @@ def markdown_table(result: BenchResult) -> str:
         *result.notes,
     ]
     return "\n".join(lines) + "\n"
+
+
+LEDGER_COLUMNS = ("date", "commit", "gpu", "torch", "triton", "workload", "mode", "T", "provider", "ms",
+                  "ratio_to_floor", "ratio_to_floor_by_round", "peak_gb_above_inputs", "command")
+
+
+def source_commit() -> str:
+    """The commit measured: $COSDISTILL_COMMIT (set where the tree was copied without its .git), else git's."""
+    if os.environ.get("COSDISTILL_COMMIT"):
+        return os.environ["COSDISTILL_COMMIT"]
+    try:
+        described = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                                   cwd=os.path.dirname(__file__), check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return described.stdout.strip()
+
+
+def append_to_ledger(result: BenchResult, workload: Workload, device: torch.device, path: str, command: str):
+    """One CSV row per timed (T, mode, provider), appended to the ledger at path (its header first if new)."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    shape = (f"V={workload.vocab} H={workload.hidden} Hs={workload.student_hidden} "
+             f"{DTYPE_NAMES[workload.dtype]} rounds={workload.rounds}")
+    fresh = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a", newline="") as file:
+        writer = csv.writer(file)
+        if fresh:
+            writer.writerow(LEDGER_COLUMNS)
+        for row in result.rows:
+            if row["median_ms"] is None:
+                continue
+            by_round = row["ratio_to_floor_by_round"]
+            writer.writerow([
+                datetime.now(timezone.utc).strftime("%Y-%m-%d"), source_commit(), gpu, torch.__version__,
+                triton_version, shape, row["mode"], row["T"], row["provider"], f"{row['median_ms']:.4f}",
+                "" if row["ratio_to_floor"] is None else f"{row['ratio_to_floor']:.4f}",
+                "" if not by_round else " ".join(f"{ratio:.4f}" for ratio in by_round),
+                "" if row["peak_gb_above_inputs"] is None else f"{row['peak_gb_above_inputs']:.3f}", command,
+            ])
 
 
 def write_json(result: BenchResult, path: str):

@@ -25,6 +25,11 @@ from .row_step import RowStepImpl, RowStepScales, combine_row_stats
 if TYPE_CHECKING:
     from .gram import GramTeacher
 
+class GramOutOfRange(Exception):
+    """The Gram path's fp32 products could overflow for this call's inputs (``GramTeacher.out_of_range``):
+    the caller runs it on the logits path instead, or raises."""
+
+
 RowStep = Callable[..., None]  # (student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None)
 
 
@@ -157,10 +162,13 @@ class Gradients:
     correct_last: Callable[..., bool] | None = None
     last_grad_input: torch.Tensor | None = None  # the last chunk's rows of grad_input, their GEMM not run yet
     student_weight: torch.Tensor | None = None  # for that GEMM
+    poison: torch.Tensor | None = None  # the teacher side's (NaN where a cached teacher copy was stale), added to grad_output
 
     @torch.no_grad()  # backward(create_graph=True) runs it in grad mode; the views here were made in no_grad
     def finish(self, grad_output: torch.Tensor | None = None):
         """(grad_input, grad_weight, grad_bias) for this grad_output (a 0-d tensor; None: 1)."""
+        if self.poison is not None:
+            grad_output = self.poison + (1.0 if grad_output is None else grad_output)
         if self.correct_last is not None and self.correct_last(overwrite=not self.accumulate_last):
             self.accumulate_last = True  # grad_weight holds the correction (or is None)
         host_grad_output = None
@@ -218,6 +226,8 @@ def _logits_into(out, hidden, weight, bias):
 
 class TeacherHead:
     """The teacher's logits GEMM in the weight's own dtype (fp8.Fp8TeacherHead is the FP8 one)."""
+
+    poison = None  # a head built from a cached copy of the weight: NaN where that copy was stale (weight_cache.py)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight, self.bias = weight, bias
@@ -370,6 +380,8 @@ def chunked_loss_and_grads(
     if student_logits is None:
         student_logits = start_student_logits(student_input, student_weight, student_bias, rows)
     normaliser.launch()
+    if gram is not None:
+        gram.check_range(student_input, teacher_input, scales)
     teacher_logits = None
     if gram is None:
         teacher_logits = torch.empty(teacher.buffer_rows(rows.teacher), teacher.vocab, dtype=teacher.logits_dtype,
@@ -414,6 +426,8 @@ def chunked_loss_and_grads(
                     inv_normaliser = 1.0 / normaliser.wait()
         if write_grad and inv_normaliser is None:  # the Gram path: once its row step is queued
             inv_normaliser = 1.0 / normaliser.wait()
+            if gram.out_of_range():
+                raise GramOutOfRange
         grad_logits = chunk_student  # overwritten in place by the row step
         if grad_input is not None and unlift is not None:
             unlift.grad_input_into(grad_input, start, grad_logits, student_weight, inv_normaliser, reduce_grad_input)
@@ -449,6 +463,11 @@ def chunked_loss_and_grads(
     loss, soft_loss, hard_loss = normaliser.mean_losses(token_losses, scales.weight_hard, scales.weight_soft)
     if inv_normaliser is None:  # no gradients (or no tokens): read now, everything else is queued
         inv_normaliser = 1.0 / normaliser.wait()
+        if gram is not None and gram.out_of_range():
+            raise GramOutOfRange
+    poison = gram.poison if gram is not None else teacher.poison
+    if poison is not None:
+        loss, soft_loss, hard_loss = loss + poison, soft_loss + poison, hard_loss + poison
     gradients = None
     if write_grad:
         last_start = (num_tokens - 1) // chunk * chunk if num_tokens else 0
@@ -465,5 +484,6 @@ def chunked_loss_and_grads(
                                            inv_normaliser) if num_tokens and correct else None,
             last_grad_input=grad_input[last_start:] if defer_grad_input else None,
             student_weight=student_weight if defer_grad_input else None,
+            poison=poison,
         )
     return ChunkResult(loss, soft_loss, hard_loss, gradients)

@@ -83,6 +83,8 @@ def build_parser():
                                    "(clock drift then spreads over all providers alike), and each round's ratio "
                                    "to the floor's same round")
     bench_parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    bench_parser.add_argument("--ledger", metavar="PATH.csv",
+                              help="also append the rows to this CSV ledger (benchmarks/results.csv holds the project's)")
     bench_parser.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
     bench_parser.add_argument("--plot", metavar="PATH", help="also plot time and %% of the floor vs T as a PNG (needs matplotlib)")
     bench_parser.set_defaults(run=run_bench_command)
@@ -144,7 +146,7 @@ def check_folder_exists(path):
 
 
 def run_bench_command(args):
-    for path in (args.json, args.markdown, args.plot):
+    for path in (args.json, args.markdown, args.plot, args.ledger):
         if path:
             check_folder_exists(path)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -173,6 +175,8 @@ def run_bench_command(args):
             file.write(table)
     if args.json:
         bench.write_json(result, args.json)
+    if args.ledger:
+        bench.append_to_ledger(result, workload, device, args.ledger, "cosdistill " + " ".join(sys.argv[1:]))
     if args.plot:
         bench.write_plot(result, args.plot)
     return 0 if result.check_passed else EXIT_CHECK_FAILED

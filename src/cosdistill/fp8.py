@@ -1,7 +1,7 @@
 """The teacher's logits GEMM in FP8 (e4m3) with row-wise scales: opt in with teacher_precision="fp8".
 
-The teacher weight is quantized once, one scale per vocabulary row, and the result is cached for as
-long as the weight object lives and is not modified in place (its version counter). Each chunk's
+The teacher weight is quantized once, one scale per vocabulary row, and the result is kept across
+calls while the weight is unchanged (weight_cache.py). Each chunk's
 teacher activations are quantized per token. ``torch._scaled_mm`` then computes
     logits[i, v] = (x_q[i] . w_q[v]) * scale_x[i] * scale_w[v]
 on the FP8 tensor cores of Hopper-class GPUs, with fast accumulation (``FAST_ACCUMULATION``). Shapes
@@ -10,7 +10,8 @@ zero weight row adds a zero teacher logit, which changes neither |t|^2 nor s.t.
 """
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+
+from .weight_cache import WeightCache
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -20,8 +21,6 @@ GEMM_MULTIPLE = 16  # _scaled_mm needs M, K and N divisible by 16
 # rounding already moves them (benchmarks/NOTES.md item 33).
 FAST_ACCUMULATION = True
 WEIGHT_ROWS_PER_STEP = 8192  # quantize the weight in slices: bounded temporary memory
-
-_weight_cache = WeakIdKeyDictionary()  # teacher weight -> (version, FP8 weight, row scales)
 
 
 def check_supported(device: torch.device) -> None:
@@ -58,21 +57,18 @@ def dequantized(rows: torch.Tensor) -> torch.Tensor:
     return out.float() * scales
 
 
-def quantized_weight(weight: torch.Tensor):
-    """(FP8 weight [round16(V), round16(H)], fp32 row scales [1, round16(V)]), cached per weight version."""
-    cached = _weight_cache.get(weight)
-    if cached is not None and cached[0] == weight._version:
-        return cached[1], cached[2]
+def _quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 weight [round16(V), round16(H)], fp32 row scales [1, round16(V)])."""
     vocab, hidden = weight.shape
     weight_fp8 = torch.zeros(_round_up(vocab, GEMM_MULTIPLE), _round_up(hidden, GEMM_MULTIPLE), dtype=FP8, device=weight.device)
     scales = torch.ones(weight_fp8.shape[0], 1, dtype=torch.float32, device=weight.device)
-    with torch.no_grad():
-        for start in range(0, vocab, WEIGHT_ROWS_PER_STEP):
-            stop = min(start + WEIGHT_ROWS_PER_STEP, vocab)
-            quantize_rows(weight[start:stop], weight_fp8[start:stop, :hidden], scales[start:stop])
-    scales = scales.view(1, -1)  # _scaled_mm's row-wise scale_b is [1, N]
-    _weight_cache[weight] = (weight._version, weight_fp8, scales)
-    return weight_fp8, scales
+    for start in range(0, vocab, WEIGHT_ROWS_PER_STEP):
+        stop = min(start + WEIGHT_ROWS_PER_STEP, vocab)
+        quantize_rows(weight[start:stop].detach(), weight_fp8[start:stop, :hidden], scales[start:stop])
+    return weight_fp8, scales.view(1, -1)  # _scaled_mm's row-wise scale_b is [1, N]
+
+
+quantized_weights = WeightCache("FP8 copy", _quantize_weight)
 
 
 class Fp8TeacherHead:
@@ -82,7 +78,8 @@ class Fp8TeacherHead:
         """max_rows: the most rows a chunk has (``start_chunk``). quantize: quantize_rows, or its Triton twin
         fp8_triton.quantize_rows_triton (one launch)."""
         self.quantize = quantize
-        self.weight_fp8, self.weight_scales = quantized_weight(weight)
+        cached = quantized_weights.get(weight)
+        (self.weight_fp8, self.weight_scales), self.poison = cached.value, cached.poison
         self.bias, self.logits_dtype = bias, weight.dtype
         self.hidden = weight.shape[1]
         self.vocab = self.weight_fp8.shape[0]  # padded rows give zero logits

@@ -22,20 +22,24 @@ The row step then reads and writes only the student logits (row_step with teache
 bf16 products with an fp32 Gram matrix are taken as two bf16 GEMMs, hi + lo parts of the matrix,
 each into fp32: the matrix's rounding stays at ~2^-16 instead of bf16's 2^-9.
 
-Range: the Gram matrices and the products above are plain fp32 sums, so logits past ~1e19 (their
-squares past fp32's 3.4e38) make the soft loss NaN here, where the logits path (whose row step
-rescales such rows) still gives the answer. No LM head comes near; "auto" still takes the Gram path
-only for a teacher whose Gram diagonal is moderate (``MODERATE_GRAM``, checked once per teacher).
+Range: the Gram matrices and the products above are plain fp32 sums, which overflow for logits past
+~1e19 where the logits path (whose row step rescales such rows) still gives the answer. So each call
+bounds them from the largest entries of the hidden states and Gram matrices (``RANGE_LIMIT``, read on
+the host with N, after the first chunk is queued): past it, "auto" runs the call again on the logits
+path and "gram" raises. No LM head comes near it.
+
+The teacher's Gram matrix is kept across calls while the teacher weight is unchanged (weight_cache.py).
 """
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .chunked import addmm_into
+from .chunked import HostCopy, addmm_into
 from .row_step import RowStepImpl, RowStepScales, teacher_grad_coefficient, with_teacher_products
+from .weight_cache import WeightCache
 
-_teacher_gram_cache = WeakIdKeyDictionary()  # teacher weight -> (version, Gram matrix in parts, moderate)
-MODERATE_GRAM = 2.0**64  # the largest squared column norm of W_t for which "auto" takes the Gram path
+# The largest bound on the Gram path's fp32 products (s.t and |t|^2, after the logit scales and the
+# temperature) for which it runs: far below fp32's 3.4e38, far above any LM head's.
+RANGE_LIMIT = 2.0**80
 
 
 def _mm_fp32(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -61,26 +65,14 @@ def _times(rows: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return product
 
 
-def _cached_teacher_gram(teacher_weight: torch.Tensor) -> tuple[int, tuple[torch.Tensor, ...], bool]:
-    cached = _teacher_gram_cache.get(teacher_weight)
-    if cached is None or cached[0] != teacher_weight._version:
-        with torch.no_grad():
-            weight = teacher_weight.detach()
-            matrix = _mm_fp32(weight.t(), weight)
-            moderate = bool(matrix.diagonal().max() < MODERATE_GRAM)  # one host read per teacher version
-            cached = (teacher_weight._version, _split(matrix, weight.dtype), moderate)
-        _teacher_gram_cache[teacher_weight] = cached
-    return cached
+def _build_teacher_gram(teacher_weight: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """(W_t^T W_t in parts (``_split``), its largest entry)."""
+    weight = teacher_weight.detach()
+    matrix = _mm_fp32(weight.t(), weight)
+    return _split(matrix, weight.dtype), matrix.abs().amax()
 
 
-def teacher_gram(teacher_weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """W_t^T W_t in parts (``_split``), cached while the weight object lives and is not modified in place."""
-    return _cached_teacher_gram(teacher_weight)[1]
-
-
-def teacher_gram_is_moderate(teacher_weight: torch.Tensor) -> bool:
-    """Whether every squared column norm of W_t is below MODERATE_GRAM (and finite)."""
-    return _cached_teacher_gram(teacher_weight)[2]
+teacher_grams = WeightCache("Gram matrix W_t^T W_t", _build_teacher_gram)
 
 
 # The Gram path must cost at most this share of the teacher GEMM's FLOPs: at V = 151936, H = 3584, T = 4096
@@ -89,10 +81,13 @@ GRAM_MARGIN = 0.9
 
 
 def gram_is_cheaper(num_tokens: int, vocab_student: int, vocab_teacher: int, hidden_student: int,
-                    hidden_teacher: int, write_grad_weight: bool) -> bool:
+                    hidden_teacher: int, write_grad_weight: bool, teacher_gram_cached: bool = True) -> bool:
     """Whether the Gram path's GEMM FLOPs are below GRAM_MARGIN times those of the teacher's logits GEMM
-    it replaces (the cached teacher Gram matrix not counted; the row step's saved teacher bytes not either)."""
+    it replaces (the teacher's Gram matrix counted only where it will not be reused from the cache; the
+    row step's saved teacher bytes not counted)."""
     fixed = 2 * vocab_student * hidden_teacher * hidden_student * (2 if write_grad_weight else 1)
+    if not teacher_gram_cached:
+        fixed += 2 * vocab_teacher * hidden_teacher * hidden_teacher
     per_token = 4 * hidden_teacher * (hidden_student + hidden_teacher) + 2 * hidden_teacher * hidden_student
     return fixed + num_tokens * per_token < GRAM_MARGIN * 2 * num_tokens * vocab_teacher * hidden_teacher
 
@@ -106,15 +101,33 @@ class GramTeacher:
         vocab_student, dtype = student_weight.shape[0], student_weight.dtype
         self.teacher_weight = teacher_weight.detach()[:vocab_student]
         self.impl = row_step_impl
-        self.teacher_gram = teacher_gram(teacher_weight)
+        cached = teacher_grams.get(teacher_weight)
+        (self.teacher_gram, self.teacher_gram_max), self.poison = cached.value, cached.poison
         with torch.no_grad():
-            self.cross_gram = _split(_mm_fp32(self.teacher_weight.t(), student_weight.detach()), dtype)
+            cross_gram = _mm_fp32(self.teacher_weight.t(), student_weight.detach())
+            self.cross_gram, self.cross_gram_max = _split(cross_gram, dtype), cross_gram.abs().amax()
         self.cross_rows = None  # the last chunk's h_t C [n, Hs] and coefficients c [n]
         self.coefficients = None
         self.outer = None  # A [Ht, Hs] in fp32, summed over chunks
         if write_grad_weight:
             self.outer = torch.zeros(teacher_weight.shape[1], student_weight.shape[1], dtype=torch.float32,
                                      device=student_weight.device)
+
+    def check_range(self, student_input: torch.Tensor, teacher_input: torch.Tensor, scales: RowStepScales) -> None:
+        """Queue the bound on this call's products (s.t and |t|^2 as the row step scales them) and its copy
+        to the host, for ``out_of_range``. |x_i . y_i| <= H max|x| max|y| for each product taken."""
+        hidden_teacher, hidden_student = self.cross_gram[0].shape
+        with torch.no_grad():
+            teacher_max = teacher_input.abs().amax().float()
+            dot = (hidden_teacher * hidden_student * abs(scales.student_logit_scale * scales.teacher_logit_scale)
+                   * teacher_max * self.cross_gram_max * student_input.abs().amax().float())
+            square = hidden_teacher * hidden_teacher * scales.teacher_logit_scale**2 * teacher_max**2 * self.teacher_gram_max
+            bound = torch.maximum(dot, square) * max(1.0, scales.temperature**-2)
+            self.in_range = HostCopy(bound < RANGE_LIMIT)  # False for inf and NaN too
+
+    def out_of_range(self) -> bool:
+        """Whether ``check_range``'s bound is past RANGE_LIMIT (waits for its copy to the host)."""
+        return not self.in_range.get().item()
 
     def row_step(self, student_logits, student_hidden, teacher_hidden, labels, scales: RowStepScales,
                  token_losses, write_grad) -> None:

@@ -31,8 +31,7 @@ import torch
 from torch import Tensor
 
 from . import api
-from .chunked import chunk_rows, chunked_loss_and_grads, on_device_of
-from .labels import LabelCounts
+from .chunked import on_device_of
 
 
 # The body reads label counts on the host, which a CUDA graph cannot capture ("reduce-overhead" mode).
@@ -70,25 +69,15 @@ def fused_linear_cosine_distill_op(
     """(loss, soft, hard, grad_input, grad_weight, grad_bias) for grad_output = 1; runs eagerly.
 
     grad_weight comes in the accum dtype and grad_bias in fp32, cast to their leaves' dtypes in backward."""
-    num_tokens, vocab_student = labels.numel(), student_weight.shape[0]
-    row_step_impl = api.pick_row_step(impl, student_input.device)
-    gram_teacher = api.pick_gram_teacher(
-        cosine_via, student_weight, teacher_weight, num_tokens, needs_grad, row_step_impl,
-        biases=(student_bias, teacher_bias), softcaps=(student_softcap, teacher_softcap),
-        teacher_precision=teacher_precision, vocab_parallel=None)
-    rows = chunk_rows(chunk_size, num_tokens, vocab_student, 0 if gram_teacher else teacher_weight.shape[0],
-                      student_weight.element_size(), write_grad=any(needs_grad))
-    teacher = None if gram_teacher else api.teacher_head(teacher_weight, teacher_bias, teacher_precision,
-                                                         max_rows=rows.student, row_step_impl=row_step_impl)
-    scales = api.row_step_scales(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_softcap,
-                                 teacher_softcap, student_logit_scale, teacher_logit_scale)
     given = num_valid_tokens if num_valid_tokens is not None else num_valid_count
-    normaliser = LabelCounts(labels, ignore_index, vocab_student, given)  # raises on bad labels
-    with on_device_of(student_input):
-        result = chunked_loss_and_grads(
-            student_input, student_weight, student_bias, teacher_input, teacher, labels, scales, normaliser,
-            row_step_impl.step, rows, tuple(needs_grad), accum_dtype or api.default_accum_dtype(student_weight.dtype),
-            gram=gram_teacher,
+    with on_device_of(student_input), torch.no_grad():
+        result = api.loss_and_grads(
+            student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
+            tuple(needs_grad), weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
+            ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size, num_valid_tokens=given,
+            accum_dtype=accum_dtype, impl=impl, teacher_precision=teacher_precision, student_softcap=student_softcap,
+            teacher_softcap=teacher_softcap, student_logit_scale=student_logit_scale,
+            teacher_logit_scale=teacher_logit_scale, vocab_parallel=None, cosine_via=cosine_via,
         )
         grads = result.gradients.finish() if result.gradients is not None else (None, None, None)
     grads = [student_weight.new_empty(0) if grad is None else grad for grad in grads]
@@ -136,7 +125,8 @@ def compiled_distill(
     if vocab_parallel is not None:
         raise ValueError("vocab_parallel is not supported under torch.compile: call the loss outside the compiled "
                          "region (torch.compiler.disable) or without vocab_parallel")
-    api._check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias)
+    api._check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
+                       teacher_bias, ignore_index)
     api.check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
                       teacher_precision, num_valid_tokens, cosine_via)
     if impl not in api.IMPLS:  # pick_row_step checks it where the op runs; fail at compile time already

@@ -322,6 +322,109 @@ def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
     return results
 
 
+def _new_like(weight, generator, vocab=None):
+    values = torch.randn(vocab or weight.shape[0], weight.shape[1], generator=generator) * weight.shape[1] ** -0.5
+    return values.to(weight.device, weight.dtype)
+
+
+def _optimizer_step(head, generator, **options):
+    head.weight.requires_grad_(True)
+    head.weight.grad = _new_like(head.weight, generator)
+    torch.optim.AdamW([head.weight], lr=0.1, **options).step()
+    head.weight.grad = None
+    head.weight.requires_grad_(False)
+
+
+def _ema(weight, update, momentum=0.99):
+    weight.mul_(momentum).add_(update, alpha=1 - momentum)
+
+
+# Every way of changing a frozen teacher head (an nn.Linear's weight) that the caches must see:
+# name -> (head, generator) -> None
+TEACHER_MUTATIONS = {
+    "weight.data = new": lambda head, gen: setattr(head.weight, "data", _new_like(head.weight, gen)),
+    "weight.data = new, another vocabulary": lambda head, gen: setattr(
+        head.weight, "data", _new_like(head.weight, gen, vocab=head.weight.shape[0] + 7)),
+    "vector_to_parameters": lambda head, gen: torch.nn.utils.vector_to_parameters(
+        _new_like(head.weight, gen).flatten(), [head.weight]),
+    "load_state_dict": lambda head, gen: head.load_state_dict({"weight": _new_like(head.weight, gen)}),
+    "EMA on the parameter, no_grad": lambda head, gen: torch.no_grad()(_ema)(head.weight, _new_like(head.weight, gen)),
+    "optimizer step": lambda head, gen: _optimizer_step(head, gen, foreach=False),
+    "fused optimizer step": lambda head, gen: _optimizer_step(head, gen, fused=True),
+    "weight.data.copy_": lambda head, gen: head.weight.data.copy_(_new_like(head.weight, gen)),
+    "EMA through .data": lambda head, gen: _ema(head.weight.data, _new_like(head.weight, gen)),
+    "one row through .data": lambda head, gen: head.weight.data[3].add_(0.01),
+}
+
+
+def mutation_outcome(run, head, mutate, generator, tolerance=1e-5) -> tuple[str, float]:
+    """Runs ``run(teacher_weight)`` -> (losses and gradients), changes the teacher with ``mutate``, and
+    says what the calls after gave: "rebuilt" (the answer of a fresh copy), "raised" (StaleWeightError,
+    then the fresh copy's answer), "NaN, then raised" (every output NaN, the next call the error, the one
+    after the fresh copy's answer) or "WRONG"; with the largest relative error against the fresh copy."""
+    from .weight_cache import StaleWeightError
+
+    def error_to_fresh(got):
+        want = run(head.weight.detach().clone())
+        return max(rel_err(a, b) for a, b in zip(got, want))
+
+    run(head.weight)
+    run(head.weight)  # a reuse, unchanged
+    mutate(head, generator)
+    try:
+        got = run(head.weight)
+    except StaleWeightError:
+        error = error_to_fresh(run(head.weight))
+        return ("raised" if error <= tolerance else "WRONG"), error
+    if all(torch.isnan(part).all() for part in got):
+        try:
+            run(head.weight)
+        except StaleWeightError:
+            error = error_to_fresh(run(head.weight))
+            return ("NaN, then raised" if error <= tolerance else "WRONG"), error
+        return "WRONG", float("nan")
+    error = error_to_fresh(got)
+    return ("rebuilt" if error <= tolerance else "WRONG"), error
+
+
+def check_teacher_caches(device, vocab=1000, hidden_teacher=64, tokens=512) -> list[CheckResult]:
+    """The teacher's cached copies (its Gram matrix; on FP8 GPUs its FP8 copy) against every mutation in
+    TEACHER_MUTATIONS: each call gives a fresh copy's answer or raises, never a stale number (weight_cache.py)."""
+    from . import fp8
+
+    options = {"Gram matrix": dict(cosine_via="gram")}
+    try:
+        fp8.check_supported(torch.device(device))
+        options["FP8 copy"] = dict(teacher_precision="fp8")
+    except ValueError:
+        pass
+    results = []
+    for (what, extra), (name, mutate) in itertools.product(options.items(), TEACHER_MUTATIONS.items()):
+        generator = torch.Generator().manual_seed(0)
+        head = torch.nn.Linear(hidden_teacher, vocab, bias=False, device=device, dtype=torch.bfloat16).requires_grad_(False)
+        head.weight.data = _new_like(head.weight, generator)
+        labels = torch.randint(0, vocab, (tokens,), generator=generator).to(device)
+        labels[::7] = -100
+        args = random_student_teacher(labels, hidden_teacher // 2, hidden_teacher, vocab, vocab, torch.bfloat16,
+                                      False, False, torch.Generator(device).manual_seed(1))
+
+        def run(teacher_weight, args=args, extra=extra):
+            vocab_now = teacher_weight.shape[0]  # a new vocabulary: the student's head is cut to match
+            student = [args[0], args[1][:vocab_now].detach().requires_grad_(), args[2], teacher_weight, args[4]]
+            losses, grads = fused_run(student + [None, None], **extra)
+            return [*losses, *grads]
+
+        try:
+            outcome, error = mutation_outcome(run, head, mutate, generator)
+        except Exception as error:
+            results.append(failed(f"teacher {what}: {name}", f"V={vocab} Ht={hidden_teacher} T={tokens} bf16", error))
+            continue
+        results.append(CheckResult(f"teacher {what}: {name}", f"V={vocab} Ht={hidden_teacher} T={tokens} bf16",
+                                   "1e-05 against a fresh copy", {"to fresh copy": error}, outcome != "WRONG",
+                                   outcome))
+    return results
+
+
 def failed(name, case, error) -> CheckResult:
     message = str(error).splitlines()[0] if str(error) else ""
     return CheckResult(name, case, "-", failure=f"{type(error).__name__}: {message}")
@@ -339,7 +442,7 @@ def run_selfcheck(device) -> tuple[str, list[CheckResult]]:
     triton_too = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     from_cuda = ("cuda",) if device.type == "cuda" and _cuda_row_step_available(device) else ()
     impls = ("torch", "triton", *from_cuda) if triton_too else ("torch",)
-    results = check_loss(impls, device) + (check_row_step(device) if triton_too else [])
+    results = check_loss(impls, device) + (check_row_step(device) if triton_too else []) + check_teacher_caches(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if device.type == "cuda":
         paths = f"torch, triton{' and the CUDA cluster row step' if from_cuda else ''}"

@@ -1,0 +1,115 @@
+"""Values derived from a teacher weight and kept across calls (its Gram matrix, gram.py; its FP8 copy,
+fp8.py), used only while they are provably those of the weight as it is now.
+
+A value is reused only for the same weight with the same contents, checked two ways:
+
+* Identity, on the host: the same storage, offset, shape, strides, dtype and version counter. Any
+  change rebuilds the value: an in-place op on the weight, ``weight.data = other``,
+  ``load_state_dict``, ``torch.nn.utils.vector_to_parameters``.
+* Contents, on the device: writes that keep the identity (in-place ops through ``weight.data``, a
+  fused optimizer step, a weight made under ``torch.inference_mode``, which has no version counter)
+  change the weight's hash (fingerprint.py), taken when the value is built and again at every reuse.
+  On the CPU a changed hash raises at once. On a GPU the comparison stays on the device, since
+  reading it on the host would stall the queue: that call's loss and gradients come out NaN
+  (``Cached.poison``) and the next call with the weight raises ``StaleWeightError`` saying why.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .chunked import HostCopy
+from .fingerprint import fingerprint
+
+
+class StaleWeightError(ValueError):
+    """teacher_weight's contents changed behind its version counter while a value derived from it was cached."""
+
+
+@dataclass(frozen=True)
+class Cached:
+    value: Any
+    poison: torch.Tensor | None  # 0-d fp32 on the weight's device, NaN if the contents changed; None: fresh build
+
+
+def compared_on_host(weight: torch.Tensor) -> bool:
+    """Whether a reuse reads the hash comparison at once: on the CPU, where the read costs nothing."""
+    return not weight.is_cuda
+
+
+def _identity(weight: torch.Tensor) -> tuple:
+    version = None if weight.is_inference() else weight._version  # inference tensors have no version counter
+    return (weight.storage_offset(), tuple(weight.shape), weight.stride(), weight.dtype, version)
+
+
+@dataclass
+class _Entry:
+    identity: tuple
+    value: Any = None  # None: seen, not built
+    hash: torch.Tensor | None = None
+    pending: HostCopy | None = None  # the last reuse's mismatch flag, read by the next lookup
+
+
+class WeightCache:
+    """One derived value per weight storage, ``build(weight)``, reused under the rules above. Keyed on
+    the storage, held weakly: aliases such as ``weight.detach()`` share the value, and a storage that
+    is freed takes its value with it (so its address, reused, never matches)."""
+
+    def __init__(self, what: str, build: Callable[[torch.Tensor], Any]):
+        self.what, self.build = what, build
+        self.entries = WeakIdKeyDictionary()
+
+    def get(self, weight: torch.Tensor) -> Cached:
+        """The value for the weight as it is now, rebuilt where its identity changed."""
+        storage, entry = self._lookup(weight)
+        if entry is None or entry.value is None or entry.identity != _identity(weight):
+            entry = _Entry(_identity(weight))
+            with torch.no_grad():
+                entry.value, entry.hash = self.build(weight), fingerprint(weight)
+            self.entries[storage] = entry
+            return Cached(entry.value, None)
+        return Cached(entry.value, self.check_contents(weight, storage, entry))
+
+    def check_contents(self, weight: torch.Tensor, storage, entry: _Entry) -> torch.Tensor | None:
+        """The reuse's poison (see Cached), or None after a comparison read at once; raises if it differs."""
+        changed = (fingerprint(weight) != entry.hash).any()
+        if compared_on_host(weight):
+            if changed:
+                del self.entries[storage]
+                raise StaleWeightError(self._message(weight, "this call"))
+            return None
+        entry.pending = HostCopy(changed)
+        return torch.where(changed, float("nan"), 0.0)
+
+    def will_hold(self, weight: torch.Tensor) -> bool:
+        """Whether a value built now is likely to be reused: the cache holds one for the weight as it is,
+        or the weight is new to it, or unchanged since it last saw it. Records the weight as seen, so
+        that one that changes between calls counts as changing, and one that stops changing is cached again."""
+        storage, entry = self._lookup(weight)
+        if entry is None or entry.identity == _identity(weight):
+            return True
+        self.entries[storage] = _Entry(_identity(weight))
+        return False
+
+    def _lookup(self, weight: torch.Tensor):
+        """(storage, its entry or None); raises if the last reuse of the entry found the weight changed."""
+        storage = weight.untyped_storage()
+        entry = self.entries.get(storage)
+        if entry is not None and entry.pending is not None:
+            pending, entry.pending = entry.pending, None
+            if pending.get().item():
+                del self.entries[storage]
+                raise StaleWeightError(self._message(
+                    weight, "the previous call with it (whose loss and gradients are NaN)"))
+        return storage, entry
+
+    def _message(self, weight: torch.Tensor, when: str) -> str:
+        return (
+            f"teacher_weight {tuple(weight.shape)} changed while cosdistill held its {self.what}, without its "
+            f"version counter moving, so {when} found that copy stale. Writes through `.data`, fused optimizer "
+            f"steps and weights made under torch.inference_mode do this. Change the weight in place on the "
+            f"parameter itself, under torch.no_grad() (its version then moves and the copy is rebuilt), or pass "
+            f"cosine_via='logits' and teacher_precision=None, which keep no copy."
+        )

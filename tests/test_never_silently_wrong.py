@@ -1,0 +1,354 @@
+"""Never a silently wrong number: the teacher-derived caches against every way a user changes a weight,
+the student changed in place between forward and backward, labels that cannot hold ignore_index, and
+"auto" on inputs the Gram path cannot take or a teacher that changes every call.
+
+Each mutation of the teacher weight must give what a call on a fresh copy of it gives, or raise
+StaleWeightError. On the CPU the hash comparison is read at once; on a GPU it stays on the device, so
+the changed call's loss and gradients are NaN and the next call raises: ``on_device_comparison`` runs
+that path on the CPU.
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import make_problem, rel_err
+from cosdistill import StaleWeightError, fused_linear_cosine_distill
+from cosdistill import api, fp8, gram, weight_cache
+from cosdistill.fingerprint import fingerprint_torch, fingerprint_triton
+from cosdistill.selfcheck import TEACHER_MUTATIONS, check_teacher_caches
+
+VOCAB, HIDDEN_STUDENT, HIDDEN_TEACHER, TOKENS = 97, 8, 12, 120  # the Gram path is cheaper at these sizes
+
+
+def teacher_module(vocab=VOCAB, hidden=HIDDEN_TEACHER, generator=None):
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, hidden, generator=generator) * 0.3)
+    head.weight.requires_grad_(False)
+    return head
+
+
+# mutation -> whether it moves the weight's identity (the value is rebuilt) or only its contents (StaleWeightError)
+OUTCOMES = {
+    "weight.data = new": "rebuilt",
+    "weight.data = new, another vocabulary": "rebuilt",
+    "vector_to_parameters": "rebuilt",
+    "load_state_dict": "rebuilt",
+    "EMA on the parameter, no_grad": "rebuilt",
+    "optimizer step": "rebuilt",
+    "fused optimizer step": "stale",  # the CPU's fused AdamW does not move the version counter
+    "weight.data.copy_": "stale",
+    "EMA through .data": "stale",
+    "one row through .data": "stale",
+}
+assert set(OUTCOMES) == set(TEACHER_MUTATIONS)
+copy_through_data = TEACHER_MUTATIONS["weight.data.copy_"]
+ema_through_data = TEACHER_MUTATIONS["EMA through .data"]
+ema_on_the_parameter = TEACHER_MUTATIONS["EMA on the parameter, no_grad"]
+
+
+def student_and_labels(vocab=VOCAB, tokens=TOKENS, generator=None):
+    student_weight = (torch.randn(vocab, HIDDEN_STUDENT, generator=generator) * 0.3).requires_grad_()
+    student_input = torch.randn(tokens, HIDDEN_STUDENT, generator=generator).requires_grad_()
+    teacher_input = torch.randn(tokens, HIDDEN_TEACHER, generator=generator)
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    labels[::5] = -100
+    return student_input, student_weight, teacher_input, labels
+
+
+def call(teacher_weight, student, **options):
+    """(loss, soft, hard, grad_input, grad_weight) of one call, the student's gradients reset first."""
+    student_input, student_weight, teacher_input, labels = student
+    student_input.grad = student_weight.grad = None
+    loss, soft, hard = fused_linear_cosine_distill(student_input, student_weight[: teacher_weight.shape[0]],
+                                                   teacher_input, teacher_weight, labels,
+                                                   return_soft_hard_loss=True, **options)
+    loss.backward()
+    return loss.detach(), soft, hard, student_input.grad.clone(), student_weight.grad.clone()
+
+
+def assert_same(got, want):
+    """Equal up to the difference of the two paths "auto" may take in fp32 (a stale copy is off by far more)."""
+    for got_part, want_part in zip(got, want):
+        torch.testing.assert_close(got_part, want_part, rtol=1e-4, atol=1e-7)
+
+
+def gram_calls(monkeypatch) -> list:
+    """Records whether each call ran the Gram path."""
+    calls, pick = [], api.pick_gram_teacher
+
+    def recording_pick(*args, **kwargs):
+        teacher = pick(*args, **kwargs)
+        calls.append(teacher is not None)
+        return teacher
+
+    monkeypatch.setattr(api, "pick_gram_teacher", recording_pick)
+    return calls
+
+
+@pytest.fixture
+def on_device_comparison(monkeypatch):
+    monkeypatch.setattr(weight_cache, "compared_on_host", lambda weight: False)
+
+
+@pytest.mark.parametrize("name, outcome", OUTCOMES.items())
+@pytest.mark.parametrize("cosine_via", ["gram", "auto"])
+def test_a_changed_teacher_gives_the_fresh_copy_s_answer_or_raises(name, outcome, cosine_via, monkeypatch):
+    mutation = TEACHER_MUTATIONS[name]
+    calls = gram_calls(monkeypatch)
+    generator = torch.Generator().manual_seed(1)
+    head, student = teacher_module(generator=generator), student_and_labels(generator=generator)
+    call(head.weight, student, cosine_via=cosine_via)  # builds the cached Gram matrix
+    mutation(head, generator)
+    if outcome == "stale":
+        with pytest.raises(StaleWeightError, match=r"teacher_weight \(97, 12\) changed .* version counter"):
+            call(head.weight, student, cosine_via=cosine_via)
+    else:
+        assert_same(call(head.weight, student, cosine_via=cosine_via), call(head.weight.detach().clone(), student))
+    # after the error, or the change, the call after gives the fresh copy's answer too
+    assert_same(call(head.weight, student, cosine_via=cosine_via), call(head.weight.detach().clone(), student))
+    assert calls[0] and calls[-2]  # the Gram path ran where the cache was used
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_cosdistill_check_passes_every_mutation_on_this_device(on_device, monkeypatch):
+    monkeypatch.setattr(weight_cache, "compared_on_host", lambda weight: not on_device)
+    results = check_teacher_caches(torch.device("cpu"), vocab=97, hidden_teacher=12, tokens=120)
+    assert all(result.passed for result in results), [(r.name, r.failure) for r in results if not r.passed]
+    assert {result.failure for result in results} == {"rebuilt", "NaN, then raised" if on_device else "raised"}
+
+
+def test_on_a_gpu_the_stale_call_is_nan_and_the_next_one_raises(on_device_comparison):
+    generator = torch.Generator().manual_seed(2)
+    head, student = teacher_module(generator=generator), student_and_labels(generator=generator)
+    first = call(head.weight, student, cosine_via="gram")
+    assert all(torch.isfinite(part).all() for part in first)
+    assert_same(call(head.weight, student, cosine_via="gram"), first)  # unchanged: reused, and not NaN
+    ema_through_data(head, generator)
+    stale = call(head.weight, student, cosine_via="gram")
+    assert all(torch.isnan(part).all() for part in stale)  # loss, soft, hard and both gradients, every entry
+    with pytest.raises(StaleWeightError, match="previous call with it"):
+        call(head.weight, student, cosine_via="gram")
+    assert_same(call(head.weight, student, cosine_via="gram"), call(head.weight.detach().clone(), student))
+
+
+def test_on_a_gpu_a_stale_no_grad_call_and_the_compiled_op_are_nan_too(on_device_comparison):
+    from cosdistill.ops import compiled_distill
+
+    generator = torch.Generator().manual_seed(3)
+    head, (student_input, student_weight, teacher_input, labels) = (teacher_module(generator=generator),
+                                                                    student_and_labels(generator=generator))
+    args = (student_input, student_weight, teacher_input, head.weight, labels)
+    with torch.no_grad():
+        fused_linear_cosine_distill(*args, cosine_via="gram")
+        copy_through_data(head, generator)
+        assert torch.isnan(fused_linear_cosine_distill(*args, cosine_via="gram"))
+    with pytest.raises(StaleWeightError):
+        fused_linear_cosine_distill(*args, cosine_via="gram")
+    compiled_distill(*args, cosine_via="gram").backward()  # rebuilt, then changed behind the version counter
+    copy_through_data(head, generator)
+    student_input.grad = student_weight.grad = None
+    loss = compiled_distill(*args, cosine_via="gram")
+    loss.backward()
+    assert torch.isnan(loss) and torch.isnan(student_input.grad).all() and torch.isnan(student_weight.grad).all()
+
+
+def test_a_teacher_made_under_inference_mode_is_cached_and_checked():
+    generator = torch.Generator().manual_seed(4)
+    student = student_and_labels(generator=generator)
+    with torch.inference_mode():
+        weight = torch.randn(VOCAB, HIDDEN_TEACHER, generator=generator) * 0.3
+    assert_same(call(weight, student, cosine_via="gram"), call(weight.clone(), student))
+    assert_same(call(weight, student, cosine_via="gram"), call(weight.clone(), student))
+    with torch.inference_mode():
+        weight.mul_(2.0)
+    with pytest.raises(StaleWeightError):
+        call(weight, student, cosine_via="gram")
+
+
+def test_detached_aliases_share_the_cached_value_and_its_checks():
+    """Keyed on the storage: ``weight.detach()`` per call reuses the value, and is checked like the weight."""
+    weight = teacher_module().weight
+    first = gram.teacher_grams.get(weight.detach()).value
+    assert gram.teacher_grams.get(weight.detach()).value is first
+    weight.data.add_(1.0)
+    with pytest.raises(StaleWeightError):
+        gram.teacher_grams.get(weight.detach())
+
+
+@pytest.mark.parametrize("name, outcome", OUTCOMES.items())
+def test_the_fp8_copy_is_rebuilt_or_raises(name, outcome):
+    """The FP8 cache (its GEMM needs a GPU; the cache and its quantization run here)."""
+    mutation = TEACHER_MUTATIONS[name]
+    generator = torch.Generator().manual_seed(5)
+    head = teacher_module(generator=generator)
+    fp8.quantized_weights.get(head.weight)
+    mutation(head, generator)
+    if outcome == "stale":
+        with pytest.raises(StaleWeightError, match="FP8 copy"):
+            fp8.quantized_weights.get(head.weight)
+    got = fp8.quantized_weights.get(head.weight).value
+    want = fp8._quantize_weight(head.weight.detach().clone())
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31 - 1), name=st.sampled_from(list(OUTCOMES)),
+       vocab=st.integers(2, 130), on_device=st.booleans(), calls_between=st.integers(0, 2))
+def test_property_any_mutation_between_calls_matches_a_fresh_copy(seed, name, vocab, on_device, calls_between,
+                                                                  monkeypatch):
+    """Random problems, a random mutation after 1-3 calls, on both caches: the fresh copy's answer, or
+    the error (on the device path: NaN for the changed call, then the error)."""
+    monkeypatch.setattr(weight_cache, "compared_on_host", lambda weight: not on_device)
+    generator = torch.Generator().manual_seed(seed)
+    head = teacher_module(vocab=vocab, generator=generator)
+    student = student_and_labels(vocab=vocab, tokens=TOKENS, generator=generator)
+    for _ in range(1 + calls_between):
+        call(head.weight, student, cosine_via="gram")
+        fp8.quantized_weights.get(head.weight)
+    TEACHER_MUTATIONS[name](head, generator)
+    fresh = call(head.weight.detach().clone(), student, cosine_via="gram")
+    fresh_fp8 = fp8._quantize_weight(head.weight.detach().clone())
+    try:
+        got = call(head.weight, student, cosine_via="gram")
+    except StaleWeightError:
+        assert not on_device
+    else:
+        if on_device and OUTCOMES[name] == "stale":
+            assert all(torch.isnan(part).all() for part in got)
+            with pytest.raises(StaleWeightError):
+                call(head.weight, student, cosine_via="gram")
+        else:
+            assert_same(got, fresh)
+    try:
+        cached = fp8.quantized_weights.get(head.weight)
+    except StaleWeightError:
+        assert not on_device
+    else:
+        if on_device and OUTCOMES[name] == "stale":
+            assert torch.isnan(cached.poison)
+            with pytest.raises(StaleWeightError):
+                fp8.quantized_weights.get(head.weight)
+        else:
+            assert cached.poison is None or cached.poison == 0
+            assert torch.equal(cached.value[0].view(torch.uint8), fresh_fp8[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1), (37, 19), (300, 48), (17, 1030)])
+def test_the_triton_fingerprint_is_the_torch_spec_and_sees_any_one_changed_element(dtype, shape):
+    weight = torch.randn(shape).to(dtype)
+    want = fingerprint_torch(weight)
+    assert torch.equal(fingerprint_triton(weight), want)
+    assert torch.equal(fingerprint_triton(weight.t().contiguous().t()), fingerprint_torch(weight.t().contiguous().t()))
+    for index in {0, weight.numel() // 2, weight.numel() - 1}:
+        changed = weight.clone()
+        bits = changed.view(-1).view(torch.int16 if dtype != torch.float32 else torch.int32)
+        bits[index] ^= 1  # one bit of one element
+        assert not torch.equal(fingerprint_torch(changed), want)
+        assert torch.equal(fingerprint_triton(changed), fingerprint_torch(changed))
+    swapped = weight.clone()
+    swapped[[0, -1]] = swapped[[-1, 0]]
+    assert shape[0] == 1 or torch.equal(swapped, weight) or not torch.equal(fingerprint_torch(swapped), want)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 16])
+@pytest.mark.parametrize("changed", ["student_input", "student_weight"])
+def test_the_student_changed_in_place_before_backward_raises(changed, chunk_size):
+    """The last chunk's gradient GEMMs read the live student tensors in backward; as plain torch does, an
+    in-place change after the forward raises instead of a gradient that mixes both versions."""
+    problem = make_problem(tokens=40)
+    loss = fused_linear_cosine_distill(*problem.args(), chunk_size=chunk_size)
+    with torch.no_grad():
+        getattr(problem, changed).mul_(3.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_the_compiled_op_returns_the_forward_time_gradient_of_a_student_changed_before_backward():
+    """The op computes its gradients in forward (ops.py): a later change of the student does not reach them."""
+    from cosdistill.ops import compiled_distill
+
+    problem = make_problem(tokens=40, bias=False)
+    want = torch.autograd.grad(fused_linear_cosine_distill(*problem.args()), problem.student_leaves())
+    loss = compiled_distill(*problem.args())
+    with torch.no_grad():
+        problem.student_input.mul_(3.0)
+    got = torch.autograd.grad(loss, problem.student_leaves())
+    for got_grad, want_grad in zip(got, want):
+        torch.testing.assert_close(got_grad, want_grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8])
+def test_labels_that_cannot_hold_ignore_index_raise(dtype):
+    problem = make_problem(tokens=12)
+    labels = problem.labels.clamp(max=200).to(dtype)
+    with pytest.raises(TypeError, match=r"true_labels of dtype torch.uint8 cannot hold ignore_index=-100"):
+        fused_linear_cosine_distill(*problem.args()[:4], labels)
+
+
+@pytest.mark.parametrize("dtype, ignore_index", [(torch.uint8, 255), (torch.int8, -100), (torch.int16, -100),
+                                                 (torch.int32, -100)])
+def test_narrow_labels_that_hold_ignore_index_give_the_int64_answer(dtype, ignore_index):
+    problem = make_problem(tokens=30, vocab_student=97)
+    labels = problem.labels.clone()
+    labels[::3] = ignore_index
+    labels[1] = 96
+    args = problem.args()[:4]
+    want = fused_linear_cosine_distill(*args, labels, ignore_index=ignore_index, return_soft_hard_loss=True)
+    got = fused_linear_cosine_distill(*args, labels.to(dtype), ignore_index=ignore_index, return_soft_hard_loss=True)
+    assert_same(got, want)
+
+
+def test_auto_gives_the_finite_answer_for_huge_student_logits(monkeypatch):
+    """Student logits ~1e37 beside a moderate teacher: the Gram path's products would overflow, so "auto"
+    runs the call on the logits path (the bound is read with N), and "gram" raises."""
+    calls = gram_calls(monkeypatch)
+    generator = torch.Generator().manual_seed(6)
+    student_input, student_weight, teacher_input, labels = student_and_labels(generator=generator)
+    huge_weight = (student_weight.detach() * 1e36).requires_grad_()
+    args = (student_input, huge_weight, teacher_input, teacher_module(generator=generator).weight, labels)
+    got = fused_linear_cosine_distill(*args, return_soft_hard_loss=True)
+    want = fused_linear_cosine_distill(*args, cosine_via="logits", return_soft_hard_loss=True)
+    assert calls[0] and all(torch.isfinite(part) for part in got)
+    assert_same(got, want)
+    with pytest.raises(ValueError, match="too large for the Gram path"):
+        fused_linear_cosine_distill(*args, cosine_via="gram")
+
+
+def test_auto_counts_the_teacher_gram_matrix_where_the_teacher_changes_every_call(monkeypatch):
+    """A teacher updated in place at every call (an EMA teacher) would pay W_t^T W_t at every call: "auto"
+    counts it then and takes the logits path; once the teacher stops changing, the Gram path again."""
+    tokens, vocab, hidden_teacher = 200, 300, 64
+    assert gram.gram_is_cheaper(tokens, vocab, vocab, HIDDEN_STUDENT, hidden_teacher, write_grad_weight=True)
+    assert not gram.gram_is_cheaper(tokens, vocab, vocab, HIDDEN_STUDENT, hidden_teacher, write_grad_weight=True,
+                                    teacher_gram_cached=False)
+    calls = gram_calls(monkeypatch)
+    generator = torch.Generator().manual_seed(7)
+    head = teacher_module(vocab=vocab, hidden=hidden_teacher, generator=generator)
+    student_input, student_weight, _, labels = student_and_labels(vocab=vocab, tokens=tokens, generator=generator)
+    teacher_input = torch.randn(tokens, hidden_teacher, generator=generator)
+
+    def step():
+        loss = fused_linear_cosine_distill(student_input, student_weight, teacher_input, head.weight, labels)
+        loss.backward()
+
+    for _ in range(3):
+        step()
+        ema_on_the_parameter(head, generator)
+    step()  # changed since the last call: still the logits path, and the weight is now seen as it is
+    step()
+    step()
+    assert calls == [True, False, False, False, True, True]
+
+
+def test_temperature_does_not_change_the_loss():
+    """Cosine is scale-invariant and the hard term uses unscaled logits (as in Liger)."""
+    problem = make_problem(tokens=30)
+    want = fused_linear_cosine_distill(*problem.args(), return_soft_hard_loss=True)
+    for temperature in (0.1, 3.0):
+        got = fused_linear_cosine_distill(*problem.args(), temperature=temperature, return_soft_hard_loss=True)
+        assert all(rel_err(got_part, want_part) < 1e-6 for got_part, want_part in zip(got, want))
