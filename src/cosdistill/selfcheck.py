@@ -353,7 +353,7 @@ TEACHER_MUTATIONS = {
     "fused optimizer step": lambda head, gen: _optimizer_step(head, gen, fused=True),
     "weight.data.copy_": lambda head, gen: head.weight.data.copy_(_new_like(head.weight, gen)),
     "EMA through .data": lambda head, gen: _ema(head.weight.data, _new_like(head.weight, gen)),
-    "one row through .data": lambda head, gen: head.weight.data[3].add_(0.01),
+    "one row through .data": lambda head, gen: head.weight.data[-1].add_(0.01),
 }
 
 

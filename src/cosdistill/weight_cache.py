@@ -31,7 +31,9 @@ class StaleWeightError(ValueError):
 @dataclass(frozen=True)
 class Cached:
     value: Any
-    poison: torch.Tensor | None  # 0-d fp32 on the weight's device, NaN if the contents changed; None: fresh build
+    # 0-d fp32 on the weight's device: NaN if the weight's contents changed since the value was built, else
+    # 0; None where nothing is left to check (a fresh build, or a comparison read at once)
+    poison: torch.Tensor | None
 
 
 def compared_on_host(weight: torch.Tensor) -> bool:
