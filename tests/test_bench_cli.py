@@ -184,3 +184,30 @@ def test_a_provider_out_of_memory_gets_a_note_and_an_empty_row(capsys, monkeypat
     assert rows["naive"]["median_ms"] is None and rows["naive"]["peak_gb_above_inputs"] is None
     assert rows["ours"]["median_ms"] > 0 and rows["floor"]["median_ms"] > 0
     assert "naive ran out of memory at T=32" in out
+
+
+def test_the_ledger_gets_one_row_per_timing_appended_and_renders_as_markdown(capsys, tmp_path, monkeypatch):
+    """--ledger appends (its header once) a row per provider and T; benchmarks/ledger.py renders them."""
+    import csv
+    import subprocess
+    from pathlib import Path
+
+    from cosdistill import bench
+
+    monkeypatch.setenv("COSDISTILL_COMMIT", "abc1234")
+    ledger = tmp_path / "results.csv"
+    for _ in range(2):
+        assert main(TINY + ["--providers", "ours,ours-unchecked,floor", "--ledger", str(ledger)]) == 0
+    capsys.readouterr()
+    with open(ledger, newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert tuple(rows[0]) == bench.LEDGER_COLUMNS
+    assert [row["provider"] for row in rows] == ["ours", "ours-unchecked", "floor"] * 2
+    assert {row["commit"] for row in rows} == {"abc1234"} and {row["T"] for row in rows} == {"32"}
+    assert all(float(row["ms"]) > 0 and row["command"].startswith("cosdistill bench") for row in rows)
+    assert [row["ratio_to_floor"] for row in rows if row["provider"] == "floor"] == ["1.0000", "1.0000"]
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ledger.py"
+    table = subprocess.run([sys.executable, str(script), "--ledger", str(ledger), "--commit", "abc1234"],
+                           capture_output=True, text=True, check=True).stdout
+    assert "| provider | T = 32 | peak GB above inputs |" in table
+    assert table.count("| ours-unchecked | ") == 1 and "| floor | 1.000x" in table

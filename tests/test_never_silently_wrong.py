@@ -352,3 +352,19 @@ def test_temperature_does_not_change_the_loss():
     for temperature in (0.1, 3.0):
         got = fused_linear_cosine_distill(*problem.args(), temperature=temperature, return_soft_hard_loss=True)
         assert all(rel_err(got_part, want_part) < 1e-6 for got_part, want_part in zip(got, want))
+
+
+def test_the_gram_path_s_range_check_takes_no_tokens_and_non_finite_inputs():
+    """No tokens: nothing to bound (loss 0, zero gradients); an inf hidden state: "auto" runs the logits
+    path, which gives a non-finite loss, never a finite one."""
+    generator = torch.Generator().manual_seed(8)
+    student_input, student_weight, teacher_input, labels = student_and_labels(generator=generator)
+    teacher_weight = teacher_module(generator=generator).weight
+    empty = (student_input[:0].detach().requires_grad_(), student_weight, teacher_input[:0], teacher_weight, labels[:0])
+    loss = fused_linear_cosine_distill(*empty, cosine_via="gram")
+    loss.backward()
+    assert loss == 0 and not student_weight.grad.any()
+    poisoned = teacher_input.clone()
+    poisoned[6, 3] = float("inf")  # a token that counts (every fifth is ignored)
+    loss = fused_linear_cosine_distill(student_input, student_weight, poisoned, teacher_weight, labels)
+    assert not torch.isfinite(loss)

@@ -78,8 +78,14 @@ def fused_linear_cosine_distill(
     ``cosine_via`` ("logits": the teacher's logits GEMM, chunk by chunk; "gram": no teacher logits at
     all, s.t and |t|^2 and the soft term's gradient through the heads' Gram matrices (gram.py), for
     heads without biases or softcaps, not vocabulary-parallel, not with the FP8 teacher, in bf16 or
-    fp32; "auto": "gram" where it applies and costs fewer FLOPs, about T > 2 * student hidden size).
+    fp32, and for inputs whose products stay in fp32's range; "auto": "gram" where it applies and
+    costs fewer FLOPs, about T > 2 * student hidden size, counting the teacher's Gram matrix where the
+    teacher changed since the last call, and the logits path for inputs out of the Gram path's range).
+    ``temperature`` changes neither term (cosine is scale-invariant, the hard term uses unscaled logits);
+    it is kept for compatibility with Liger, where it has no effect on this loss either.
     ``compiled`` is accepted for compatibility with Liger and changes nothing.
+    The teacher's Gram matrix and FP8 copy are cached while the teacher weight is unchanged: a call gives
+    what a call on a fresh copy of the weight gives, or raises ``StaleWeightError`` (weight_cache.py).
     ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget (on the seed
     workload, 2048 tokens per chunk with the teacher's logits in halves of 1024).
     """

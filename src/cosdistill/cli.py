@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import shlex
 import sys
 
 import torch
@@ -176,7 +177,7 @@ def run_bench_command(args):
     if args.json:
         bench.write_json(result, args.json)
     if args.ledger:
-        bench.append_to_ledger(result, workload, device, args.ledger, "cosdistill " + " ".join(sys.argv[1:]))
+        bench.append_to_ledger(result, workload, device, args.ledger, args.command_line)
     if args.plot:
         bench.write_plot(result, args.plot)
     return 0 if result.check_passed else EXIT_CHECK_FAILED
@@ -208,7 +209,9 @@ def run_check_command(args):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.command_line = "cosdistill " + shlex.join(argv)  # for the ledger
     try:
         return args.run(args)
     except (ValueError, TypeError, RuntimeError, OSError) as error:

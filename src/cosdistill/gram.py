@@ -117,17 +117,21 @@ class GramTeacher:
         """Queue the bound on this call's products (s.t and |t|^2 as the row step scales them) and its copy
         to the host, for ``out_of_range``. |x_i . y_i| <= H max|x| max|y| for each product taken."""
         hidden_teacher, hidden_student = self.cross_gram[0].shape
+        self.in_range = None
+        if student_input.numel() == 0 or teacher_input.numel() == 0:  # no products to bound
+            return
         with torch.no_grad():
-            teacher_max = teacher_input.abs().amax().float()
+            teacher_max, student_max = (torch.linalg.vector_norm(hidden, float("inf"), dtype=torch.float32)
+                                        for hidden in (teacher_input, student_input))  # max |x|, no |x| copy
             dot = (hidden_teacher * hidden_student * abs(scales.student_logit_scale * scales.teacher_logit_scale)
-                   * teacher_max * self.cross_gram_max * student_input.abs().amax().float())
+                   * teacher_max * self.cross_gram_max * student_max)
             square = hidden_teacher * hidden_teacher * scales.teacher_logit_scale**2 * teacher_max**2 * self.teacher_gram_max
             bound = torch.maximum(dot, square) * max(1.0, scales.temperature**-2)
             self.in_range = HostCopy(bound < RANGE_LIMIT)  # False for inf and NaN too
 
     def out_of_range(self) -> bool:
         """Whether ``check_range``'s bound is past RANGE_LIMIT (waits for its copy to the host)."""
-        return not self.in_range.get().item()
+        return self.in_range is not None and not self.in_range.get().item()
 
     def row_step(self, student_logits, student_hidden, teacher_hidden, labels, scales: RowStepScales,
                  token_losses, write_grad) -> None:
