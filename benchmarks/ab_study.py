@@ -1,7 +1,7 @@
 """Study: this code against another version of the library, call by call in one process (paired A/B).
 
 The session A/Bs so far ran the bench once per code in turn, a minute apart; between such runs the
-power limiter moves a 4 ms step by 0.1-0.3 ms (NOTES items 42-43), more than the levers now left.
+power limiter moves a 4 ms step by 0.1-0.3 ms, more than the levers now left.
 Here both versions run in one process on the same tensors. After a common settle the calls
 alternate (new, old, old, new, ...: the first of each pair swaps), each timed alone by CUDA events,
 so that neighbouring calls share the GPU's clock. Reported per size and mode: each version's

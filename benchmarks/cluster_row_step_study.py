@@ -1,7 +1,7 @@
-"""The CUDA cluster row step (``row_step_cuda.py``, NOTES item 56) against the Triton row step: checked
+"""The CUDA cluster row step (``row_step_cuda.py``) against the Triton row step: checked
 against the torch spec, then timed alone per chunk.
 
-Prediction (item 56): it moves 3 bytes per logit pair per row instead of 5, so at the copy rate 0.19 ms
+Prediction: it moves 3 bytes per logit pair per row instead of 5, so at the copy rate 0.19 ms
 per 1024 rows at the seed vocab against the Triton kernel's 0.32 (range 0.19-0.30: each block idles
 between its copy, the cluster's exchange and its writes; 3 blocks share an SM to cover it); V = 262144
 0.40 against 0.64 (range 0.40-0.60: 128 KB of shared memory per block leaves one block per SM).
@@ -10,7 +10,7 @@ between its copy, the cluster's exchange and its writes; 3 blocks share an SM to
         [--old SRC] [--stagger VOCAB:ROWS:NS ...]
         [--rows 512 1024] [--ignored 0.5]
 
-``--stagger`` (item 60) times a variant whose first ROWS rows (one wave of clusters) sleep row * NS
+``--stagger`` times a variant whose first ROWS rows (one wave of clusters) sleep row * NS
 nanoseconds before they start, so that the blocks sharing an SM stop moving through their phases
 together; later clusters take the freed slots and keep the offsets.
 """
@@ -69,7 +69,7 @@ def cuda_step(launch):
 
 
 def staggered_step(vocab):
-    """_launch's kernel with item 60's sleep for the first wave, and the Triton RESCUE launch."""
+    """_launch's kernel with a sleep for the first wave, and the Triton RESCUE launch."""
     rows, ns = STAGGERS[vocab]
     layout = launched_layout(vocab)
     sleep = f"\n  if (row < {rows}) __nanosleep((unsigned)row * {ns}u);"
@@ -155,7 +155,7 @@ def timing(vocabs, configs):
 
 def in_step_timing(vocabs, configs, rows=1024, ignored=0.0, hidden=4096, calls=60):
     """Each step timed by CUDA events right after a teacher-sized logits GEMM into its teacher buffer, as in
-    the chunk loop: the GPU at the clocks and the L2 state the step meets there (the power cap, item 40)."""
+    the chunk loop: the GPU at the clocks and the L2 state the step meets there (the power cap)."""
     for vocab in vocabs:
         student, teacher, labels = inputs(rows, vocab)
         labels[labels == SCALES.ignore_index] = 5
@@ -197,7 +197,7 @@ def main():
     parser.add_argument("--rows", type=int, nargs="+", default=[1024], help="rows per step timed in step")
     parser.add_argument("--ignored", type=float, default=0.0, help="fraction of ignored rows timed in step")
     parser.add_argument("--old", help="a src folder whose cosdistill.row_step_cuda is timed beside this one")
-    parser.add_argument("--stagger", nargs="+", default=[], help="VOCAB:ROWS:NS variants to time (item 60)")
+    parser.add_argument("--stagger", nargs="+", default=[], help="VOCAB:ROWS:NS variants to time")
     args = parser.parse_args()
     for text in args.stagger:
         vocab, rows, ns = map(int, text.split(":"))

@@ -15,7 +15,7 @@ Splits the library's time (forward + backward) into parts, each timed in the sam
 Prediction (written before the run, T = 8192): the row step is ~3.1 ms of the ~5.5 ms the library
 spends beyond the floor (8 x 0.388 ms); the chunked grad_weight GEMM (K = 1024, reading and writing
 the 0.5 GB grad_weight per chunk) costs ~1 ms more than the floor's single one, the other three chunked
-GEMMs within ~2% of theirs; the library costs ~1 ms more than "direct" (NOTES item 11), and the
+GEMMs within ~2% of theirs; the library costs ~1 ms more than "direct", and the
 profile shows the same kernels with the same sums, i.e. the difference is GPU idle time.
 
     PYTHONPATH=src python benchmarks/gap_study.py [--tokens 1024 8192] [--chunks 1024 2048] [--vocab V --hidden H]
@@ -131,7 +131,7 @@ def main():
     parser.add_argument("--hidden", type=int, help="the teacher's hidden size, the student's half (default: the seed's)")
     parser.add_argument("--device", default="cuda")  # cpu: a smoke run of the script at a small size
     parser.add_argument("--settle-s", type=float, help="warm-up seconds per part and round (default: 1 on CUDA, "
-                        "where parts run back to back under the power limiter, NOTES item 35; 0 on the CPU)")
+                        "where parts run back to back under the power limiter; 0 on the CPU)")
     args = parser.parse_args()
     device = torch.device(args.device)
     workload = CUDA_WORKLOAD if device.type == "cuda" else CPU_WORKLOAD
@@ -171,7 +171,7 @@ def main():
             print(f"  profile {label}: GPU busy {busy:.3f} ms per call")
             for name, ms in list(sums.items())[:12]:
                 print(f"    {ms:8.3f} ms  {name}")
-        if len(profiles) == 2:  # what the library runs beyond the same chunk loop called straight (NOTES item 40)
+        if len(profiles) == 2:  # what the library runs beyond the same chunk loop called straight
             library, direct = profiles["library full"]["kernels"], profiles[direct_label]["kernels"]
             differences = {name: library.get(name, 0.0) - direct.get(name, 0.0) for name in {*library, *direct}}
             print("  kernels, library full minus direct (ms per call):")

@@ -1,4 +1,5 @@
-"""Markdown tables from the measurement ledger (benchmarks/results.csv, appended by ``cosdistill bench --ledger``).
+"""Markdown tables and the README's plot from the measurement ledger (benchmarks/results.csv, appended by
+``cosdistill bench --ledger``).
 
 One table per (commit, GPU, workload, mode, rounds) selected: a row per provider, a column per T, each
 cell the ratio to the floor timed in the same run, with the milliseconds and, where the run had
@@ -6,6 +7,11 @@ several rounds, the spread of the per-round ratios; a last column with the peak 
 inputs at each T.
 
     python benchmarks/ledger.py [--ledger benchmarks/results.csv] [--commit 5a0bf7b ...] [--mode full]
+    python benchmarks/ledger.py --commit 5a0bf7b --providers ours,ours-fp8,liger,naive,floor --compact
+    python benchmarks/ledger.py --commit 5a0bf7b --providers ours,ours-fp8,liger,naive --plot docs/speed.png
+
+The plot (needs matplotlib) draws each provider's ratio to the floor against T, one line per provider,
+from the selected rows; where a (provider, T) was measured in several runs, the last row counts.
 """
 
 import argparse
@@ -54,15 +60,63 @@ def tables(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def compact_table(rows: list[dict]) -> str:
+    """One table over all the selected runs: a row per provider, a column per T, each cell the ratio to
+    the floor (the last run's where several measured it), and the peak GB above the inputs."""
+    last = {(row["provider"], int(row["T"])): row for row in rows}
+    tokens = sorted({t for _, t in last})
+    lines = ["| provider | " + " | ".join(f"T = {t}" for t in tokens) + " | peak GB above inputs |",
+             "|---|" + "---:|" * len(tokens) + "---|"]
+    for provider in dict.fromkeys(provider for provider, _ in last):
+        measured = [last.get((provider, t)) for t in tokens]
+        cells = ["-" if row is None else (f"{float(row['ratio_to_floor']):.2f}x" if provider != "floor"
+                                          else f"{float(row['ms']):.2f} ms") for row in measured]
+        peaks = [f"{float(row['peak_gb_above_inputs']):.2f}" for row in measured if row and row["peak_gb_above_inputs"]]
+        lines.append(f"| {provider} | " + " | ".join(cells) + f" | {' / '.join(peaks) if provider != 'floor' else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    last = {(row["provider"], int(row["T"])): row for row in rows if row["ratio_to_floor"]}
+    figure = Figure(figsize=(7, 4.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots()
+    for provider in dict.fromkeys(provider for provider, _ in last):
+        tokens = sorted(t for name, t in last if name == provider)
+        axes.plot(tokens, [float(last[(provider, t)]["ratio_to_floor"]) for t in tokens], marker="o", label=provider)
+    axes.axhline(1.0, color="black", linewidth=0.8, label="floor: the four GEMMs alone")
+    axes.set_xscale("log", base=2)
+    all_tokens = sorted({t for _, t in last})
+    axes.set_xticks(all_tokens, [str(t) for t in all_tokens])
+    axes.set_xlabel("tokens per call (T)")
+    axes.set_ylabel("time / floor's time, same run")
+    first = rows[0]
+    axes.set_title(f"{first['gpu']}, {first['workload'].rsplit(' rounds', 1)[0]}, forward + backward", fontsize=9)
+    axes.legend(fontsize=8)
+    figure.savefig(path, dpi=120)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ledger", default=LEDGER)
     parser.add_argument("--commit", nargs="*", help="only these commits (default: all)")
     parser.add_argument("--mode", help="only this mode (full or forward)")
+    parser.add_argument("--providers", help="only these providers, comma separated")
+    parser.add_argument("--compact", action="store_true", help="one table of ratios over the selected runs")
+    parser.add_argument("--plot", metavar="PATH.png", help="plot the selected rows (mode full) instead of printing tables")
     args = parser.parse_args()
+    providers = args.providers.split(",") if args.providers else None
     rows = [row for row in read(args.ledger) if (not args.commit or row["commit"] in args.commit)
-            and (not args.mode or row["mode"] == args.mode)]
-    print(tables(rows), end="")
+            and (not args.mode or row["mode"] == args.mode) and (not providers or row["provider"] in providers)]
+    if args.plot:
+        plot([row for row in rows if row["mode"] == "full"], args.plot)
+    elif args.compact:
+        print(compact_table(rows), end="")
+    else:
+        print(tables(rows), end="")
 
 
 if __name__ == "__main__":

@@ -105,8 +105,8 @@ def test_cosine_via_must_be_known():
 
 
 # (T, V, teacher H, student H, full step?) -> whether the Gram path was faster on the H200
-# (benchmarks/results/2026-12-01-s16a and s16c: cosine_via forced both ways at each shape; V = 151936
-# even in one run, 5% slower in the other).
+# (two runs with cosine_via forced both ways at each shape, in the git history before the ledger;
+# V = 151936 even in one run, 5% slower in the other).
 H200_WINNERS = [
     ((1024, 128256, 4096, 2048, True), False), ((2048, 128256, 4096, 2048, True), False),
     ((4096, 128256, 4096, 2048, True), False), ((8192, 128256, 4096, 2048, True), True),

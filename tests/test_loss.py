@@ -162,7 +162,7 @@ def test_no_grad_does_no_gradient_work(impl, monkeypatch):
 
 
 def test_nothing_requires_grad_gives_plain_loss(impl, monkeypatch):
-    """Also without the autograd Function (NOTES item 63), under no_grad or with frozen leaves alike."""
+    """Also without the autograd Function, under no_grad or with frozen leaves alike."""
     problem = make_problem()
     with_grad = fused_linear_cosine_distill(*problem.args(), impl=impl, return_soft_hard_loss=True)
     monkeypatch.setattr(api._AttachGradients, "apply", None)  # a call would raise
@@ -209,7 +209,7 @@ def test_the_loss_may_be_scaled_in_place_before_backward(impl):
 
 def test_the_first_gemm_is_queued_before_the_rest_of_the_set_up(monkeypatch):
     """The bench times a call from an idle GPU: the first student GEMM goes out as soon as the chunk rows
-    are known, before the teacher head, the label count and the autograd Function (NOTES item 74)."""
+    are known, before the teacher head, the label count and the autograd Function."""
     order = []
     for name in ("start_student_logits", "teacher_head", "LabelCounts"):
         original = getattr(api, name)
@@ -296,8 +296,8 @@ def test_logit_softcapping_and_scale(impl, dtype, caps, logit_scales):
 ])
 def test_last_chunk_grad_input_gemm_runs_in_backward(monkeypatch, dtype, weight_grad, tokens, deferred):
     """Where backward reads grad_output on the host before the last grad_weight GEMM (several chunks), the
-    last chunk's grad_input GEMM waits for backward too, so the GPU has it to run meanwhile (NOTES item
-    41): those rows, poisoned after forward, come out right after a backward with grad_output != 1."""
+    last chunk's grad_input GEMM waits for backward too, so the GPU has it to run meanwhile: those rows,
+    poisoned after forward, come out right after a backward with grad_output != 1."""
     results = []
 
     def recording(*args, **kwargs):
@@ -334,7 +334,7 @@ def test_backward_with_create_graph(chunk_size):
 @pytest.mark.parametrize("grad", [True, False])
 def test_host_reads_n_only_where_gradients_need_it(grad):
     """With gradients the host reads N once the first row step is queued (1/N is the gradient GEMMs'
-    alpha); without, only after every chunk is queued, the loss divided by N on the device (NOTES item 43)."""
+    alpha); without, only after every chunk is queued, the loss divided by N on the device."""
     problem = make_problem(tokens=37, ignore_every=3)
     row_steps, steps_before_read = [], []
     row_step = api.pick_row_step("torch", problem.labels.device).step

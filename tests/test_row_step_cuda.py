@@ -111,7 +111,7 @@ def test_register_columns_shrink_the_shared_slice():
     assert row_step_cuda._shared_bytes(262144, 16) == 64 * 1024
     assert row_step_cuda._shared_bytes(262144, 16, 256, 2) == 48 * 1024
     assert row_step_cuda._blocks_per_sm(64 * 1024, 256) == 3 and row_step_cuda._blocks_per_sm(48 * 1024, 256) == 4
-    assert row_step_cuda._blocks_per_sm(row_step_cuda._shared_bytes(128256, 16), 128) == 7  # item 56: 49 clusters
+    assert row_step_cuda._blocks_per_sm(row_step_cuda._shared_bytes(128256, 16), 128) == 7  # 49 clusters
     with pytest.raises(ValueError, match="than the 16 of a vocab-1000 slice"):
         row_step_cuda.source(1000, torch.int64, row_step_cuda.Layout(8, 32, 1))
 

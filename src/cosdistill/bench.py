@@ -74,7 +74,7 @@ class Workload:
     # Warm-up also lasts until a provider's own calls have kept the GPU busy this long: the H200's
     # power limiter cuts the SM clock (1980 -> 1260-1620 MHz) under sustained load, and a provider
     # timed after a light phase ran up to 12% faster than in a training job; 0.5 s of warm-up was
-    # not enough, 3 s was (NOTES item 35).
+    # not enough, 3 s was (docs/benchmarks.md, Method).
     settle_s: float = 0.0
 
     def __post_init__(self):
@@ -476,7 +476,7 @@ def time_providers(builders, tensors: Tensors, device, mode, workload: Workload,
     Each round times every provider in turn (median of ``reps`` calls, after ``warmup`` calls in the
     first round, one in later rounds, and ``settle_s`` seconds of calls in every round); a provider's
     time is the median over rounds of its round medians. With several rounds, clocks that drift over
-    a run (the floor moved 3.67-3.92 ms at T = 1024 between runs on one H200, BENCHMARKS.md) drift
+    a run (the floor moved 3.67-3.92 ms at T = 1024 between runs on one H200) drift
     under every provider alike, and each round starts one provider later in the list, so that no
     provider is always the one timed first."""
     steps, times = {}, {label: [] for label in builders}

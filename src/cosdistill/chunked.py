@@ -89,7 +89,7 @@ def split_row_step(impl: RowStepImpl, vocab_parallel: VocabParallel) -> RowStep:
 # At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole grad_weight,
 # and below ~1024 rows that traffic shows (V = 262144 at 512 rows: 1.34x the floor, at 1024: 1.25x).
 # More rows while the two logits buffers stay small (small vocabularies: V = 32000's bare chunk loop
-# ran 1.02x the floor at 4096 rows, 1.05x at 2048, NOTES items 47-48), and fewer than 1024 only past a
+# ran 1.02x the floor at 4096 rows, 1.05x at 2048), and fewer than 1024 only past a
 # hard budget. The seed vocabulary's chunks are set by the rules below, not by this one.
 MIN_PREFERRED_ROWS = 1024
 SMALL_BUFFER_BYTES = 512 * 2**20  # grow the chunk up to this...
@@ -97,9 +97,9 @@ MAX_BUFFER_BYTES = 5 * 2**28  # ...and shrink it below MIN_PREFERRED_ROWS only p
 CHUNK_MULTIPLE = 64
 # The student's chunk (its logits GEMM and the two gradient GEMMs) this long where the hard budget
 # allows, the teacher's logits computed in sub-chunks: the gradient GEMMs cost less per token at 2048
-# rows (the grad_weight traffic per chunk halves), for a larger student buffer only (NOTES.md). The
+# rows (the grad_weight traffic per chunk halves), for a larger student buffer only. The
 # teacher's sub-chunks shrink to MIN_TEACHER_ROWS first to make room (V = 262144: 2048 / 512 ran 3%
-# faster than 1024 / 1024, NOTES item 29).
+# faster than 1024 / 1024; docs/design.md, Chunking and buffers).
 MIN_STUDENT_ROWS = 2048
 MIN_TEACHER_ROWS = 512
 
@@ -119,9 +119,9 @@ def _budget_rows(row_bytes: int) -> int:
 def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, vocab_teacher: int,
                itemsize: int, write_grad: bool = True) -> ChunkRows:
     """Rows per chunk: ``chunk_size`` for both heads if given, else from T, the vocabularies and the
-    budgets above (see benchmarks/NOTES.md). Without gradients (no grad_weight buffer) the teacher's
+    budgets above (docs/design.md, Chunking and buffers). Without gradients (no grad_weight buffer) the teacher's
     sub-chunks grow to the student's chunk where both buffers fit the hard budget: fewer teacher
-    GEMMs, each reading the whole teacher weight (NOTES item 39)."""
+    GEMMs, each reading the whole teacher weight."""
     if chunk_size is not None:
         rows = max(1, min(chunk_size, num_tokens))
         return ChunkRows(rows, rows)
@@ -144,9 +144,9 @@ def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, voca
 class Gradients:
     """The student's gradients for grad_output = 1, less the last chunk's grad_weight GEMM, which waits
     for grad_output: scaling by it then rides on that GEMM instead of a pass over grad_weight (measured:
-    1.1 ms at T = 1024 on the H200, see benchmarks/NOTES.md item 13). The last chunk's grad_input GEMM
+    1.1 ms at T = 1024 on the H200). The last chunk's grad_input GEMM
     waits too where it can (``last_grad_input``): queued in backward before the host waits to read
-    grad_output, it keeps the GPU busy while the host launches the grad_weight GEMM (NOTES item 41)."""
+    grad_output, it keeps the GPU busy while the host launches the grad_weight GEMM."""
 
     grad_input: torch.Tensor | None
     grad_weight: torch.Tensor | None  # in the accum dtype
@@ -198,7 +198,7 @@ class Gradients:
         device. Otherwise (earlier chunks' sum in it; or fp16 rows, which a loss scale could overflow)
         it goes onto the GEMM's alpha and beta, read on the host (``host_grad_output``): a pass over
         grad_weight instead (when grad_output != 1, e.g. 1 / gradient accumulation steps) would cost
-        ~0.25 ms (benchmarks/NOTES.md item 27), the wait only what the GPU has not queued behind it."""
+        ~0.25 ms, the wait only what the GPU has not queued behind it."""
         hidden, alpha, beta = self.last_hidden, self.inv_normaliser, 1.0 if self.accumulate_last else 0.0
         if host_grad_output is not None:
             scale = float(host_grad_output.get())
@@ -340,7 +340,7 @@ def on_device_of(tensor: torch.Tensor):
 def start_student_logits(student_input, student_weight, student_bias, rows: ChunkRows) -> torch.Tensor:
     """The student's logits buffer with the first chunk's GEMM queued into it. The API calls this as soon as
     the chunk rows are known, before the rest of its set-up, so that the GPU starts while the host works
-    (the bench times a call from an idle GPU; NOTES item 74)."""
+    (the bench times a call from an idle GPU; docs/design.md, Host latency)."""
     student_logits = torch.empty(rows.student, student_weight.shape[0], dtype=student_weight.dtype,
                                  device=student_input.device)
     first_rows = min(rows.student, student_input.shape[0])
@@ -368,7 +368,7 @@ def chunked_loss_and_grads(
     """The row step does not need N (1/N is the gradient GEMMs' alpha), so N is counted behind the first
     chunk's student logits GEMM and, with gradients, waited for once the first row step is queued: the
     GPU never idles on it. The loss is divided by N on the device, so that without gradients the host
-    reads N (to raise on bad labels) only once everything is queued (NOTES item 43)."""
+    reads N (to raise on bad labels) only once everything is queued."""
     num_tokens, hidden_student = student_input.shape
     vocab_student = student_weight.shape[0]
     device = student_input.device
@@ -376,7 +376,7 @@ def chunked_loss_and_grads(
     chunk = rows.student
 
     # The first chunk's student GEMM and the label count are queued before the other buffers exist: the
-    # GPU starts while the host allocates them (NOTES items 59, 62).
+    # GPU starts while the host allocates them.
     if student_logits is None:
         student_logits = start_student_logits(student_input, student_weight, student_bias, rows)
     normaliser.launch()

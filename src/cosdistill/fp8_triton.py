@@ -2,8 +2,8 @@
 
 torch's version launches four kernels per teacher sub-chunk (the max norm, two on the scales, the
 division); this one reads each row, keeps its max in registers, writes the scale and reads the row
-again (from L1/L2: a row is a few KB) to store the FP8 codes. Same formula, same codes
-(benchmarks/NOTES.md item 44)."""
+again (from L1/L2: a row is a few KB) to store the FP8 codes. Same formula, same codes (docs/design.md,
+The FP8 teacher)."""
 
 import torch
 import triton

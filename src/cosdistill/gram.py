@@ -76,7 +76,7 @@ teacher_grams = WeightCache("Gram matrix W_t^T W_t", _build_teacher_gram)
 
 
 # The Gram path must cost at most this share of the teacher GEMM's FLOPs: at V = 151936, H = 3584, T = 4096
-# (0.96 of them) it ran 1% faster in one H200 run and 5% slower in another (benchmarks/NOTES.md item 71).
+# (0.96 of them) it ran 1% faster in one H200 run and 5% slower in another (docs/design.md, The Gram path).
 GRAM_MARGIN = 0.9
 
 

@@ -3,8 +3,8 @@
 The chunk loop launches the count behind the first student GEMM, divides the loss by it on the device, and
 reads it on the host only after the first row step is queued (without gradients: after everything),
 so the host read stalls nothing (chunked.Normaliser). On CUDA the count is one Triton
-kernel: as ten small torch kernels it held up the first row step by ~0.03 ms (benchmarks/NOTES.md
-item 26). So are the losses' sums divided by N and weighted (six torch kernels, item 61).
+kernel: as ten small torch kernels it held up the first row step by ~0.03 ms. So are the losses' sums
+divided by N and weighted (six torch kernels before).
 """
 
 import torch

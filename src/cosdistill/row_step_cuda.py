@@ -6,9 +6,9 @@ SM. Here a cluster of 8 or 16 thread blocks on as many SMs holds one row in thei
 block copies its slice of the row in (cp.async), reduces its partial statistics, the blocks exchange
 them through distributed shared memory, and each writes its slice's d loss / d s from shared memory.
 Where it lets more blocks share an SM, part of each slice stays in the threads' registers instead
-(``Layout.register_cols``, item 65).
-HBM moves two reads and one write per logit pair instead of four reads and one write
-(benchmarks/NOTES.md item 56). Triton 3.6 cannot express clusters (item 50); NVRTC ships with torch's
+(``Layout.register_cols``).
+HBM moves two reads and one write per logit pair instead of four reads and one write (docs/design.md,
+The row step). Triton 3.6 cannot express clusters; NVRTC ships with torch's
 CUDA build (``torch.cuda._compile_kernel``), so users need no compiler.
 
 Only the common case takes this path (``supported``): bf16 logits of one vocabulary size V (a multiple
@@ -39,7 +39,7 @@ typedef unsigned short bf16_t;
 #define NUM_WARPS (THREADS / 32)
 #define ITERS ((SLICE_VECS + THREADS - 1) / THREADS)  // vectors per thread: i = tid + k * THREADS, k < ITERS
 // Vector k < REGISTER_COLS of each thread stays in its registers, the others in shared memory: less shared
-// memory per block, so more blocks share an SM (NOTES item 65).
+// memory per block, so more blocks share an SM.
 #define TILE_VECS (SLICE_VECS - REGISTER_COLS * THREADS)  // per model, in shared memory
 #define TILE_INDEX(i) ((i) - REGISTER_COLS * THREADS)  // of vector i, k >= REGISTER_COLS
 #define VECTOR(model, k, i) ((k) < REGISTER_COLS ? model##_regs[k] : model##_tile[TILE_INDEX(i)])  // vector i = tid + k * THREADS of the slice
@@ -295,7 +295,7 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
           g[j] = fmaf(prob_coef, exp2_fast(fmaf(s[j], LOG2E, -scaled_shift)), student_coef * s[j]);
 #endif
         if (i == label_vec) {  // the label's entry at full precision, as the Triton kernel's; its two logits
-          // come from the packed vectors again, so that s and t die above (fewer registers, NOTES item 67)
+          // come from the packed vectors again, so that s and t die above (fewer registers)
           const int j_label = label % 8;
           const float s_label = element(VECTOR(student, k, i), j_label);
 #if TEACHER
@@ -341,11 +341,11 @@ def launch_configs(vocab: int, models: int = 2) -> list[Layout]:
     def blocks(layout):
         return _blocks_per_sm(_shared_bytes(vocab, *layout, models=models), layout.threads)
 
-    if blocks(plain) >= 8:  # the synchronous register loads cost more than a ninth block gains (item 65)
+    if blocks(plain) >= 8:  # the synchronous register loads cost more than a ninth block gains
         return [plain]
     with_registers = [Layout(cluster, threads, register_cols) for threads in range(128, 257, 32)
                       for register_cols in range(1, -(-slice_vecs // threads) // 3 + 1)]
-    # At least 32 registers and 4 more per model and register vector: ptxas's least without a spill (item 67).
+    # At least 32 registers and 4 more per model and register vector: ptxas's least without a spill.
     with_registers = [layout for layout in with_registers if _shared_bytes(vocab, *layout, models=models) >= 0
                       and (32 + 4 * models * layout.register_cols) * layout.threads * blocks(layout) <= 65536]
     with_registers.sort(key=lambda layout: (-blocks(layout), -blocks(layout) * layout.threads, layout.register_cols))
@@ -365,7 +365,7 @@ def _shared_bytes(vocab: int, cluster: int, threads: int = 0, register_cols: int
 def _blocks_per_sm(shared_bytes: int, threads: int) -> int:
     """Blocks an SM holds by shared memory (Hopper: 228 KB per SM, 1 KB reserved per block), threads (2048)
     and blocks (32). With vectors in registers, __launch_bounds__ caps the registers so that they allow
-    as many; without, ptxas picks the count itself, as before item 65."""
+    as many; without, ptxas picks the count itself."""
     static_bytes = -(-(threads // 32 * 5 + 5 + 6) * 4 // 16) * 16  # warp_parts, block_parts, row_coefs
     return max(1, min((228 * 1024) // (shared_bytes + 1024 + static_bytes), 2048 // threads, 32))
 

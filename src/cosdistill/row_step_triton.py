@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .row_step import COSINE_EPS, MAX_LIFT_EXPONENT, MAX_STORED_EXPONENT, NUM_STATS, RowStepImpl, RowStepScales
 
-# H200 sweeps, benchmarks/NOTES.md items 2, 19, 24 and 28. STAGES: each hot loop's loads go through
+# H200 sweeps (docs/design.md, The row step). STAGES: each hot loop's loads go through
 # shared memory STAGES - 1 blocks ahead (cp.async; 1: plain loads into registers).
 DEFAULT_BLOCK = 2048
 DEFAULT_WARPS = 8
@@ -36,7 +36,7 @@ INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1"
 def _exp(x):
     """e^x in one SFU instruction (ex2.approx.ftz): results below fp32's normal range (1e-38) flush to
     0, which no sum of exps and no stored gradient sees; plain tl.exp spends three more instructions
-    per logit keeping them (benchmarks/NOTES.md item 24). The interpreter cannot run PTX."""
+    per logit keeping them. The interpreter cannot run PTX."""
     if INTERPRET:
         return tl.exp(x)
     else:
@@ -142,7 +142,7 @@ def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_
     sum_sq_student = tl.zeros([BLOCK], tl.float32)
     sum_sq_teacher = tl.zeros([BLOCK], tl.float32)
     whole_blocks_stop = vocab_student - vocab_student % BLOCK
-    # no masks: the hot loop (NOTES item 24); its loads prefetched STAGES - 1 blocks ahead (item 28)
+    # no masks: the hot loop; its loads prefetched STAGES - 1 blocks ahead
     for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
         cols = start + offsets
         s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
@@ -330,7 +330,7 @@ def _row_step_kernel(
 ):
     """Launched twice. First (RESCUE False) every row with plain sums; a row whose sums overflowed gets
     NaN losses and keeps its logits. Then (RESCUE True) only those rows, with unit-scaled sums. A branch
-    for them inside the first launch cost the step 20% (benchmarks/NOTES.md)."""
+    for them inside the first launch cost the step 20%."""
     row = tl.program_id(0).to(tl.int64)
     losses_row = losses_ptr + row * 2
     if RESCUE:
