@@ -101,7 +101,8 @@ def check(name, student, teacher, labels, launch):
         print(f"{name} {impl}: loss rel err {rel_err(losses[finite], want_losses[finite]):.2e}, grad rel err "
               f"{rel_err(grad.float().nan_to_num(), want_grad.float().nan_to_num()):.2e}, NaN rows as spec {same_nan}",
               flush=True)
-    print(f"{name}: cuda vs triton grad {rel_err(results['cuda'].float().nan_to_num(), results['triton'].float().nan_to_num()):.2e}")
+    print(f"{name}: cuda vs triton grad "
+          f"{rel_err(results['cuda'].float().nan_to_num(), results['triton'].float().nan_to_num()):.2e}")
 
 
 def correctness(launch):
@@ -185,7 +186,8 @@ def in_step_timing(vocabs, configs, rows=1024, ignored=0.0, hidden=4096, calls=6
                 if call >= 5:
                     times[name].append(start.elapsed_time(stop))
         for name, values in times.items():
-            print(f"in step, vocab={vocab}, rows={rows}, ignored={ignored}: {name} {statistics.median(values):.3f} ms (median of {calls})", flush=True)
+            print(f"in step, vocab={vocab}, rows={rows}, ignored={ignored}: {name} {statistics.median(values):.3f} ms "
+                  f"(median of {calls})", flush=True)
 
 
 def main():

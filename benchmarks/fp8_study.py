@@ -104,11 +104,13 @@ def main():
     exact = float64_reference(problem)
     bf16 = run(problem)
     fp8_out = run(problem, teacher_precision="fp8")
-    on_quantized = float64_reference(problem, fp8.dequantized(problem["teacher_input"]), fp8.dequantized(problem["teacher_weight"]))
+    on_quantized = float64_reference(problem, fp8.dequantized(problem["teacher_input"]),
+                                     fp8.dequantized(problem["teacher_weight"]))
     rows = []
     for i, name in enumerate(names):
         row = dict(quantity=name, bf16_vs_float64=rel_err(bf16[i], exact[i]), fp8_vs_float64=rel_err(fp8_out[i], exact[i]),
-                   fp8_vs_bf16=rel_err(fp8_out[i], bf16[i]), fp8_vs_float64_on_quantized_teacher=rel_err(fp8_out[i], on_quantized[i]))
+                   fp8_vs_bf16=rel_err(fp8_out[i], bf16[i]),
+                   fp8_vs_float64_on_quantized_teacher=rel_err(fp8_out[i], on_quantized[i]))
         rows.append(row)
     other = "precise" if fp8.FAST_ACCUMULATION else "fast"
     if args.both_accumulations:
@@ -123,7 +125,8 @@ def main():
             print(f"full step ms: bf16 {step_ms(problem):.3f}, fp8 {step_ms(problem, teacher_precision='fp8'):.3f}, "
                   f"fp8 with {other} accumulation {other_ms:.3f}")
     print(f"T={args.tokens}, V=128256, H=4096/2048, bf16 inputs, real-looking data; relative errors:")
-    print("| quantity | bf16 path vs float64 | fp8 teacher vs float64 | fp8 vs bf16 path | fp8 vs float64 on the dequantized teacher |")
+    print("| quantity | bf16 path vs float64 | fp8 teacher vs float64 | fp8 vs bf16 path "
+          "| fp8 vs float64 on the dequantized teacher |")
     print("|---|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['quantity']} | {row['bf16_vs_float64']:.2e} | {row['fp8_vs_float64']:.2e} | {row['fp8_vs_bf16']:.2e} | "

@@ -22,8 +22,18 @@ import torch
 from cosdistill import fp8, row_step_cuda
 from cosdistill.fp8_triton import quantize_rows_triton
 from cosdistill.selfcheck import (
-    CheckResult, LossCase, RowStepCase, check_loss, check_row_step, check_teacher_caches, compare, float64_reference,
-    fused_run, random_problem, rel_err, results_table,
+    CheckResult,
+    LossCase,
+    RowStepCase,
+    check_loss,
+    check_row_step,
+    check_teacher_caches,
+    compare,
+    float64_reference,
+    fused_run,
+    random_problem,
+    rel_err,
+    results_table,
 )
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -126,9 +136,11 @@ def check_fp8_quantization():
     quantize_rows_triton(rows, triton_out[:1000, :4099], triton_scales)
     want = (host_rows / want_scales).to(fp8.FP8)
     mismatched = (triton_out[:1000, :4099].cpu().view(torch.uint8) != want.view(torch.uint8)).sum().item()
-    untouched = bool((triton_out.view(torch.uint8)[1000:] == 0x7F).all() and (triton_out.view(torch.uint8)[:, 4099:] == 0x7F).all())
+    untouched = bool((triton_out.view(torch.uint8)[1000:] == 0x7F).all()
+                     and (triton_out.view(torch.uint8)[:, 4099:] == 0x7F).all())
     mismatched_scales = (triton_scales.cpu() != want_scales).sum().item()
-    errors = dict(mismatched_codes=float(mismatched), mismatched_scales=float(mismatched_scales), margins_untouched=float(untouched))
+    errors = dict(mismatched_codes=float(mismatched), mismatched_scales=float(mismatched_scales),
+                  margins_untouched=float(untouched))
     passed = mismatched == 0 and mismatched_scales == 0 and untouched
     results.append(CheckResult("fp8 quantize_rows_triton vs the formula on the CPU", "1000 x 4099 bf16",
                                "codes and scales exact", errors, passed))

@@ -36,8 +36,14 @@ from cosdistill import fused_linear_cosine_distill, gram, row_step_cuda
 from cosdistill.api import row_step_scales
 from cosdistill.bench import DTYPES
 from cosdistill.reference import naive_cosine_distill
-from cosdistill.selfcheck import (accumulation_floor, float64_reference, ignore_some_labels, logits_rounding_floors,
-                                  random_student_teacher, rel_err)
+from cosdistill.selfcheck import (
+    accumulation_floor,
+    float64_reference,
+    ignore_some_labels,
+    logits_rounding_floors,
+    random_student_teacher,
+    rel_err,
+)
 
 # (losses, gradients), relative to the float64 result's norm
 TOLERANCE = {"fp32": (1e-5, 1e-4), "bf16": (5e-3, 2e-2), "fp16": (2e-3, 5e-3)}

@@ -19,8 +19,16 @@ import time
 
 import torch
 
-from cosdistill.bench import (CUDA_WORKLOAD, FORCED_SETTINGS, FP8_SETTING, call_ms, floor_provider, make_tensors,
-                              ours_provider, ours_settings)
+from cosdistill.bench import (
+    CUDA_WORKLOAD,
+    FORCED_SETTINGS,
+    FP8_SETTING,
+    call_ms,
+    floor_provider,
+    make_tensors,
+    ours_provider,
+    ours_settings,
+)
 
 BUILDERS = {
     "ours": ours_provider(ours_settings()[0]),

@@ -72,8 +72,8 @@ def main():
         return min(holders, key=lambda op: op["dur"])["name"] if holders else launch["name"]
 
     busy = sum(k["dur"] for k in kernels)
-    print(f"T={args.tokens}{' no-grad forward' if args.no_grad else ''}: step {(stop - start) / 1e3:.3f} ms on the host, kernels busy {busy / 1e3:.3f} ms, "
-          f"{len(kernels)} kernels and copies")
+    print(f"T={args.tokens}{' no-grad forward' if args.no_grad else ''}: step {(stop - start) / 1e3:.3f} ms on the host, "
+          f"kernels busy {busy / 1e3:.3f} ms, {len(kernels)} kernels and copies")
     if not kernels:
         return
     print(f"  first kernel {kernels[0]['ts'] - start:.0f} us after the step began; the host ops before its launch:")

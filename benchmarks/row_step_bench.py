@@ -12,8 +12,8 @@ losses and gradient are first checked against the torch row step (relative error
 
 import argparse
 import functools
-import inspect
 import importlib.util
+import inspect
 
 import torch
 import triton.testing

@@ -55,7 +55,8 @@ def main():
     vocab, hidden, student_hidden = args.sizes
     options = VocabParallelOptions.even_split(vocab)
     report = {"ranks": ranks, "vocab": vocab, "hidden": hidden, "student_hidden": student_hidden,
-              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__, "errors": {}, "timings": []}
+              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "errors": {}, "timings": []}
 
     tensors = make_tensors(args.check_tokens, vocab, hidden, student_hidden, torch.bfloat16, device)
     want = fused_linear_cosine_distill(*tensors.args(), return_soft_hard_loss=True)

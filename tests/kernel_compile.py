@@ -11,8 +11,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from cosdistill import fp8_triton as fp8_kernels
 from cosdistill import fingerprint, grad_output, labels
+from cosdistill import fp8_triton as fp8_kernels
 from cosdistill import row_step_triton as kernels
 
 HOPPER = GPUTarget("cuda", 90, 32)

@@ -8,9 +8,9 @@ import torch
 import torch._dynamo
 import torch._inductor.config
 
+from conftest import make_problem, record_write_grad, rel_err
 from cosdistill import fused_linear_cosine_distill
 from cosdistill.ops import fused_linear_cosine_distill_op
-from conftest import make_problem, record_write_grad, rel_err
 
 TOL = 1e-5  # fp32, compiled against eager
 

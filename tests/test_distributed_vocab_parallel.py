@@ -9,10 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import make_problem, rel_err
 from cosdistill import fused_linear_cosine_distill
 from cosdistill.distributed import VocabParallelOptions
-
-from conftest import make_problem, rel_err
 
 # (vocab_student, vocab_teacher, dtype): neither divisible by 2 or 3; with 3 ranks the last holds no
 # student rows; fp16 takes the lifted gradient path (grad_input summed in fp32 before its rows are lifted)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from cosdistill import fused_linear_cosine_distill
 from conftest import make_problem
+from cosdistill import fused_linear_cosine_distill
 
 
 def call(problem, **kwargs):

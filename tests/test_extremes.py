@@ -6,9 +6,8 @@ Every case runs through the torch and the Triton row step against the float64 na
 import pytest
 import torch
 
-from cosdistill import fused_linear_cosine_distill
-
 from conftest import TOLERANCE, Problem, make_problem, reference, rel_err
+from cosdistill import fused_linear_cosine_distill
 
 BF16_MAX = torch.finfo(torch.bfloat16).max  # (2 - 2^-7) * 2^127
 FP16_MAX = torch.finfo(torch.float16).max  # 65504 = 32 * 2047

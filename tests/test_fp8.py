@@ -4,14 +4,15 @@ tested here with the hardware check switched off; the public API refuses FP8 off
 import pytest
 import torch
 
+from conftest import make_problem, reference, rel_err
 from cosdistill import api, fp8, fused_linear_cosine_distill
 from cosdistill.chunked import ChunkRows, chunked_loss_and_grads
-from conftest import make_problem, reference, rel_err
 
 
 def test_fp8_is_refused_on_the_cpu():
     problem = make_problem()
-    with pytest.raises(ValueError, match="teacher_precision='fp8' needs a CUDA GPU with FP8 tensor cores; the tensors are on cpu"):
+    with pytest.raises(ValueError,
+                       match="teacher_precision='fp8' needs a CUDA GPU with FP8 tensor cores; the tensors are on cpu"):
         fused_linear_cosine_distill(*problem.args(), teacher_precision="fp8")
     with pytest.raises(ValueError, match="teacher_precision must be None or 'fp8'"):
         fused_linear_cosine_distill(*problem.args(), teacher_precision="int4")

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from cosdistill.grad_output import BLOCK, scale_unless_one_, scale_unless_one_triton
-from cosdistill.labels import (LabelCounts, count_labels_torch, count_labels_triton, mean_losses_torch,
-                               mean_losses_triton)
+from cosdistill.labels import LabelCounts, count_labels_torch, count_labels_triton, mean_losses_torch, mean_losses_triton
 
 SIZES = (1, 37, 3 * BLOCK + 17)  # the last needs the grid-stride loop: the interpreter runs two programs
 

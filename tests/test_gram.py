@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from conftest import TOLERANCE, make_problem, reference, rel_err
 from cosdistill import api, fused_linear_cosine_distill, gram
 from cosdistill.reference import naive_cosine_distill
 from cosdistill.row_step import TORCH_ROW_STEP, RowStepScales, with_teacher_products
-from conftest import TOLERANCE, make_problem, reference, rel_err
 from test_loss import assert_matches_reference, run_fused
 
 

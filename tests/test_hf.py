@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import rel_err  # noqa: E402
 from cosdistill import hf  # noqa: E402
 from cosdistill.hf import CosineDistillationTrainer, cosine_distill_loss, final_hidden_states  # noqa: E402
-from conftest import rel_err  # noqa: E402
 
 SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=64, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from cosdistill import fused_linear_cosine_distill
 from conftest import make_problem, rel_err
+from cosdistill import fused_linear_cosine_distill
 
 chunked_loss = pytest.importorskip("liger_kernel.chunked_loss")
 

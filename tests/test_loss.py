@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import TOLERANCE, make_problem, record_write_grad, reference, rel_err
 from cosdistill import FusedLinearCosineDistillLoss, api, fused_linear_cosine_distill
 from cosdistill.chunked import ChunkRows, chunk_rows, chunked_loss_and_grads
-from conftest import TOLERANCE, make_problem, record_write_grad, reference, rel_err
 
 
 def run_fused(problem, grad_output=1.0, **kwargs):
@@ -351,7 +351,8 @@ def test_host_reads_n_only_where_gradients_need_it(grad):
     labels = problem.labels
     result = chunked_loss_and_grads(
         problem.student_input.detach(), problem.student_weight.detach(), None, problem.teacher_input,
-        api.TeacherHead(problem.teacher_weight, None), labels, api.row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0),
+        api.TeacherHead(problem.teacher_weight, None), labels,
+        api.row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0),
         RecordingCounts(labels, -100, problem.student_weight.shape[0], None), counting_row_step, ChunkRows(16, 8),
         (grad, grad, False), torch.float32)
     assert len(row_steps) == 5 and steps_before_read == ([1] if grad else [5])

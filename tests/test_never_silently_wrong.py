@@ -14,8 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import make_problem, rel_err
-from cosdistill import StaleWeightError, fused_linear_cosine_distill
-from cosdistill import api, fp8, gram, weight_cache
+from cosdistill import StaleWeightError, api, fp8, fused_linear_cosine_distill, gram, weight_cache
 from cosdistill.fingerprint import fingerprint_torch, fingerprint_triton
 from cosdistill.selfcheck import TEACHER_MUTATIONS, check_teacher_caches
 

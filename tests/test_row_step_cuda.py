@@ -127,7 +127,8 @@ def test_launch_configs_follow_the_sweeps():
     assert row_step_cuda.launch_configs(262144)[0] == (16, 224, 3)  # 5 blocks of 7 warps: 35 warps per SM
     for vocab in (8, 32000, 128256, 262144):
         for layout in row_step_cuda.launch_configs(vocab):
-            assert 16 * 8 * layout.cluster * row_step_cuda._slice_vecs(vocab, layout.cluster) >= 2 * vocab  # the slices cover the row
+            # the slices cover the row
+            assert 16 * 8 * layout.cluster * row_step_cuda._slice_vecs(vocab, layout.cluster) >= 2 * vocab
             assert row_step_cuda._shared_bytes(vocab, *layout) >= 0
 
 

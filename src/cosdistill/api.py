@@ -6,8 +6,17 @@ import os
 import torch
 
 from . import fp8, gram
-from .chunked import (ChunkResult, GramOutOfRange, TeacherHead, VocabParallel, chunk_rows, chunked_loss_and_grads,
-                      on_device_of, split_row_step, start_student_logits)
+from .chunked import (
+    ChunkResult,
+    GramOutOfRange,
+    TeacherHead,
+    VocabParallel,
+    chunk_rows,
+    chunked_loss_and_grads,
+    on_device_of,
+    split_row_step,
+    start_student_logits,
+)
 from .labels import LabelCounts
 from .row_step import TORCH_ROW_STEP, RowStepImpl, RowStepScales
 
@@ -218,7 +227,8 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
             cosine_via=cosine_via,
         )
 
-    def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None, teacher_bias=None, *, num_valid_tokens=None):
+    def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
+                teacher_bias=None, *, num_valid_tokens=None):
         return fused_linear_cosine_distill(
             student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
             num_valid_tokens=num_valid_tokens, **self.options,
@@ -270,7 +280,8 @@ def check_options(student_weight, temperature, student_softcap, teacher_softcap,
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if accum_dtype not in (None, torch.float32, student_weight.dtype):
-        raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {student_weight.dtype}, got {accum_dtype}")
+        raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {student_weight.dtype}, "
+                        f"got {accum_dtype}")
     if teacher_precision not in (None, "fp8"):
         raise ValueError(f"teacher_precision must be None or 'fp8', got {teacher_precision!r}")
     if num_valid_tokens is not None and not torch.is_tensor(num_valid_tokens) and not num_valid_tokens > 0:
@@ -395,7 +406,10 @@ def _check_tensors(student_input, student_weight, teacher_input, teacher_weight,
             raise TypeError(f"{prefix}_input dtype {hidden.dtype} differs from {prefix}_weight dtype {weight.dtype}")
         bias = named[f"{prefix}_bias"]
         if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"{prefix}_bias must have shape ({weight.shape[0]},) to match {prefix}_weight {tuple(weight.shape)}, got {tuple(bias.shape)}")
+            raise ValueError(
+                f"{prefix}_bias must have shape ({weight.shape[0]},) to match {prefix}_weight {tuple(weight.shape)}, "
+                f"got {tuple(bias.shape)}"
+            )
     if teacher_input.shape[:-1] != student_input.shape[:-1]:
         raise ValueError(
             f"token counts differ: student_input {tuple(student_input.shape)} vs teacher_input {tuple(teacher_input.shape)}"

@@ -366,7 +366,8 @@ def environment_header(device: torch.device, workload: Workload, modes: str) -> 
     )
 
 
-def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVIDERS, modes=("full",), settings=None) -> BenchResult:
+def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVIDERS, modes=("full",),
+              settings=None) -> BenchResult:
     """Check ours, then time every provider in every mode at every T, on the same tensors per T; rows in
     (T, mode, provider) order."""
     unknown = set(providers) - set(PROVIDERS)

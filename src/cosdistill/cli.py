@@ -87,7 +87,8 @@ def build_parser():
     bench_parser.add_argument("--ledger", metavar="PATH.csv",
                               help="also append the rows to this CSV ledger (benchmarks/results.csv holds the project's)")
     bench_parser.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
-    bench_parser.add_argument("--plot", metavar="PATH", help="also plot time and %% of the floor vs T as a PNG (needs matplotlib)")
+    bench_parser.add_argument("--plot", metavar="PATH",
+                              help="also plot time and %% of the floor vs T as a PNG (needs matplotlib)")
     bench_parser.set_defaults(run=run_bench_command)
 
     defaults = demo.DemoConfig()
@@ -108,12 +109,16 @@ def build_parser():
     demo_parser.add_argument("--vocab", type=int, default=defaults.vocab, help="vocabulary size (default %(default)s)")
     demo_parser.add_argument("--hidden", type=int, default=defaults.hidden,
                              help="teacher hidden size; the student's is half (default %(default)s)")
-    demo_parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step (default %(default)s)")
+    demo_parser.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                             help="sequences per step (default %(default)s)")
     demo_parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence (default %(default)s)")
-    demo_parser.add_argument("--weight-hard", type=float, default=defaults.weight_hard, help="weight_hard_loss (default %(default)s)")
-    demo_parser.add_argument("--weight-soft", type=float, default=defaults.weight_soft, help="weight_soft_loss (default %(default)s)")
+    demo_parser.add_argument("--weight-hard", type=float, default=defaults.weight_hard,
+                             help="weight_hard_loss (default %(default)s)")
+    demo_parser.add_argument("--weight-soft", type=float, default=defaults.weight_soft,
+                             help="weight_soft_loss (default %(default)s)")
     demo_parser.add_argument("--beta", type=float, default=defaults.beta, help="beta of the soft term (default %(default)s)")
-    demo_parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the data and the models (default %(default)s)")
+    demo_parser.add_argument("--seed", type=int, default=defaults.seed,
+                             help="seed of the data and the models (default %(default)s)")
     demo_parser.add_argument("--out", metavar="PATH.png", default="cosdistill-demo.png", help="the plot (default %(default)s)")
     demo_parser.set_defaults(run=run_demo_command)
 

@@ -33,7 +33,6 @@ from torch import Tensor
 from . import api
 from .chunked import on_device_of
 
-
 # The body reads label counts on the host, which a CUDA graph cannot capture ("reduce-overhead" mode).
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 

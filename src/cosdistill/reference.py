@@ -30,9 +30,11 @@ def naive_cosine_distill(
     """Returns (loss, soft, hard). Computes in fp32, or in float64 if the inputs are float64."""
     compute_dtype = torch.promote_types(student_input.dtype, torch.float32)
     labels = true_labels.reshape(-1)
-    student = F.linear(student_input, student_weight, student_bias).reshape(labels.numel(), student_weight.shape[0]).to(compute_dtype)
+    student = F.linear(student_input, student_weight, student_bias).reshape(
+        labels.numel(), student_weight.shape[0]).to(compute_dtype)
     with torch.no_grad():
-        teacher = F.linear(teacher_input, teacher_weight, teacher_bias).reshape(labels.numel(), teacher_weight.shape[0]).to(compute_dtype)
+        teacher = F.linear(teacher_input, teacher_weight, teacher_bias).reshape(
+            labels.numel(), teacher_weight.shape[0]).to(compute_dtype)
 
     student, teacher = student * student_logit_scale, teacher * teacher_logit_scale
     if student_softcap is not None:

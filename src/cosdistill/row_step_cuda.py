@@ -42,7 +42,8 @@ typedef unsigned short bf16_t;
 // memory per block, so more blocks share an SM.
 #define TILE_VECS (SLICE_VECS - REGISTER_COLS * THREADS)  // per model, in shared memory
 #define TILE_INDEX(i) ((i) - REGISTER_COLS * THREADS)  // of vector i, k >= REGISTER_COLS
-#define VECTOR(model, k, i) ((k) < REGISTER_COLS ? model##_regs[k] : model##_tile[TILE_INDEX(i)])  // vector i = tid + k * THREADS of the slice
+// vector i = tid + k * THREADS of the slice
+#define VECTOR(model, k, i) ((k) < REGISTER_COLS ? model##_regs[k] : model##_tile[TILE_INDEX(i)])
 #define NUM_PARTS 5  // max, sum of exp, s.t, |s|^2, |t|^2
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h
 #define QUIET_NAN __int_as_float(0x7fc00000)
@@ -303,7 +304,8 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
 #else
           const float t_label = 0.f;
 #endif
-          const float label_grad = prob_coef * (expf((s_label - row_max) - log_sum_exp) - 1.f) + teacher_coef * t_label + student_coef * s_label;
+          const float label_grad = prob_coef * (expf((s_label - row_max) - log_sum_exp) - 1.f) + teacher_coef * t_label
+                                   + student_coef * s_label;
           #pragma unroll
           for (int j = 0; j < 8; ++j)  // a constant index keeps g in registers
             if (j == j_label) g[j] = label_grad;

@@ -266,9 +266,8 @@ def split_in_two(impl: RowStepImpl, student, teacher, labels, scales, token_loss
 
 
 def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
-    from .row_step_triton import TRITON_ROW_STEP  # imports triton: only on CUDA or under the interpreter
-
     from . import row_step_cuda
+    from .row_step_triton import TRITON_ROW_STEP  # imports triton: only on CUDA or under the interpreter
 
     runs = {
         "row step triton vs torch": TRITON_ROW_STEP.step,
@@ -457,7 +456,8 @@ def results_table(results) -> str:
     """A Markdown table, one row per check, and a last line saying whether all passed."""
     lines = ["| check | case | errors | tolerance (losses / grads) | result |", "|---|---|---|---|---|"]
     for result in results:
-        errors = "; ".join(filter(None, [", ".join(f"{key} {value:.1e}" for key, value in result.errors.items()), result.failure]))
+        errors = "; ".join(filter(None, [", ".join(f"{key} {value:.1e}" for key, value in result.errors.items()),
+                                         result.failure]))
         lines.append(f"| {result.name} | {result.case} | {errors} | {result.tolerance} | {'ok' if result.passed else 'FAIL'} |")
     num_failed = sum(not result.passed for result in results)
     lines += ["", f"{num_failed} of {len(results)} checks FAILED" if num_failed else f"all {len(results)} checks passed"]

@@ -64,7 +64,8 @@ class DataParallelCosineDistillLoss(FusedLinearCosineDistillLoss):
         super().__init__(*args, **kwargs)
         self.group = group
 
-    def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None, teacher_bias=None, *, num_valid_tokens=None):
+    def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
+                teacher_bias=None, *, num_valid_tokens=None):
         if num_valid_tokens is None:
             num_valid_tokens = data_parallel_num_valid_tokens(true_labels, self.options["ignore_index"], self.group)
         return super().forward(
