@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from cosdistill import fused_linear_cosine_distill, gram, row_step_cuda
-from cosdistill.api import row_step_scales
 from cosdistill.bench import DTYPES
+from cosdistill.plan import row_step_scales
 from cosdistill.reference import naive_cosine_distill
 from cosdistill.selfcheck import (
     accumulation_floor,

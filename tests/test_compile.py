@@ -55,9 +55,9 @@ def test_opcheck(dtype, bias, needs_grad, overrides):
 
 @pytest.mark.parametrize("needs_grad", [(True, True, False), (False, False, False)])
 def test_op_tells_chunk_rows_whether_gradients_are_wanted(needs_grad, monkeypatch):
-    from cosdistill import api
+    from cosdistill import plan
 
-    seen = record_write_grad(monkeypatch, api)  # the op runs api.loss_and_grads
+    seen = record_write_grad(monkeypatch, plan)  # the op runs plan.loss_and_grads
     problem = make_problem(tokens=12, bias=False)
     args = (problem.student_input.detach(), problem.student_weight.detach(), None, problem.teacher_input,
             problem.teacher_weight, None, problem.labels, None)

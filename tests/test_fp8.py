@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import make_problem, reference, rel_err
-from cosdistill import api, fp8, fused_linear_cosine_distill
+from cosdistill import fp8, fused_linear_cosine_distill, plan
 from cosdistill.chunked import ChunkRows, chunked_loss_and_grads
 
 
@@ -142,8 +142,8 @@ def test_fp8_sub_chunks_read_their_own_rows_of_the_quantized_chunk(hidden_teache
     labels = problem.labels
     result = chunked_loss_and_grads(
         problem.student_input.detach(), problem.student_weight.detach(), problem.student_bias.detach(),
-        problem.teacher_input, head, labels, api.row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0),
-        api.LabelCounts(labels, -100, problem.student_weight.shape[0], None), api.pick_row_step("torch", labels.device).step,
+        problem.teacher_input, head, labels, plan.row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0),
+        plan.LabelCounts(labels, -100, problem.student_weight.shape[0], None), plan.pick_row_step("torch", labels.device).step,
         ChunkRows(19, 7), (True, True, True), torch.float32)
     grads = result.gradients.finish()
     quantized = make_problem(tokens=37, vocab_student=101, vocab_teacher=131, hidden_teacher=hidden_teacher)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import TOLERANCE, make_problem, reference, rel_err
-from cosdistill import api, fused_linear_cosine_distill, gram
+from cosdistill import fused_linear_cosine_distill, gram, plan
 from cosdistill.reference import naive_cosine_distill
 from cosdistill.row_step import TORCH_ROW_STEP, RowStepScales, with_teacher_products
 from test_loss import assert_matches_reference, run_fused
@@ -91,10 +91,10 @@ def test_gram_refuses_fp8_and_a_vocabulary_split():
     problem = make_problem(tokens=9, bias=False)
     heads = (problem.student_weight, problem.teacher_weight, 9, (True, True, False), TORCH_ROW_STEP)
     with pytest.raises(ValueError, match="teacher_precision='fp8'"):
-        api.pick_gram_teacher("gram", *heads, biases=(None, None), softcaps=(None, None), teacher_precision="fp8",
+        plan.pick_gram_teacher("gram", *heads, biases=(None, None), softcaps=(None, None), teacher_precision="fp8",
                               vocab_parallel=None)
     with pytest.raises(ValueError, match="vocab_parallel"):
-        api.pick_gram_teacher("gram", *heads, biases=(None, None), softcaps=(None, None), teacher_precision=None,
+        plan.pick_gram_teacher("gram", *heads, biases=(None, None), softcaps=(None, None), teacher_precision=None,
                               vocab_parallel=object())
 
 
@@ -221,7 +221,7 @@ def test_a_one_kernel_gram_step_is_used_where_the_impl_has_one(monkeypatch):
         coefficients.copy_(teacher_grad_coefficient(stats, labels, student_logits.shape[1], scales))
         return True
 
-    monkeypatch.setattr(api, "TORCH_ROW_STEP", dataclasses.replace(TORCH_ROW_STEP, gram_step=gram_step))
+    monkeypatch.setattr(plan, "TORCH_ROW_STEP", dataclasses.replace(TORCH_ROW_STEP, gram_step=gram_step))
     problem = make_problem(tokens=30, bias=False, vocab_teacher=131, ignore_every=4)
     assert_matches_reference(problem, torch.float32, impl="torch", chunk_size=16, cosine_via="gram")
     assert calls == [(16, 2), (14, 2)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import TOLERANCE, make_problem, record_write_grad, reference, rel_err
-from cosdistill import FusedLinearCosineDistillLoss, api, fused_linear_cosine_distill
+from cosdistill import FusedLinearCosineDistillLoss, api, fused_linear_cosine_distill, plan
 from cosdistill.chunked import ChunkRows, chunk_rows, chunked_loss_and_grads
 
 
@@ -49,9 +49,9 @@ def test_teacher_logits_in_sub_chunks(impl, rows, fp8_like_buffer, monkeypatch):
     """The automatic sizes give the teacher's logits GEMM and the row step fewer rows than the student's
     chunk (seed workload: 1024 of 2048); small sizes here, forced, with odd remainders at both levels.
     ``fp8_like_buffer``: a teacher buffer with more rows than asked for, as the FP8 head's padding."""
-    monkeypatch.setattr(api, "chunk_rows", lambda *args, **kwargs: rows)
+    monkeypatch.setattr(plan, "chunk_rows", lambda *args, **kwargs: rows)
     if fp8_like_buffer:
-        monkeypatch.setattr(api.TeacherHead, "buffer_rows", lambda self, n: n + 3)
+        monkeypatch.setattr(plan.TeacherHead, "buffer_rows", lambda self, n: n + 3)
     problem = make_problem(tokens=37, vocab_teacher=131, ignore_every=4)
     assert_matches_reference(problem, torch.float32, impl=impl)
 
@@ -61,7 +61,7 @@ def test_teacher_logits_in_sub_chunks(impl, rows, fp8_like_buffer, monkeypatch):
 def test_chunk_rows_are_told_whether_gradients_are_wanted(grad_enabled, student_requires_grad, want_write_grad,
                                                           monkeypatch):
     """Without gradients the teacher's sub-chunks may be longer (chunk_rows' write_grad)."""
-    seen = record_write_grad(monkeypatch, api)
+    seen = record_write_grad(monkeypatch, plan)
     problem = make_problem(tokens=9)
     for leaf in problem.student_leaves():
         leaf.requires_grad_(student_requires_grad)
@@ -212,8 +212,8 @@ def test_the_first_gemm_is_queued_before_the_rest_of_the_set_up(monkeypatch):
     are known, before the teacher head, the label count and the autograd Function."""
     order = []
     for name in ("start_student_logits", "teacher_head", "LabelCounts"):
-        original = getattr(api, name)
-        monkeypatch.setattr(api, name, lambda *a, _f=original, _n=name, **k: order.append(_n) or _f(*a, **k))
+        original = getattr(plan, name)
+        monkeypatch.setattr(plan, name, lambda *a, _f=original, _n=name, **k: order.append(_n) or _f(*a, **k))
     original_apply = api._AttachGradients.apply
     monkeypatch.setattr(api._AttachGradients, "apply", lambda *a: order.append("apply") or original_apply(*a))
     problem = make_problem()
@@ -304,7 +304,7 @@ def test_last_chunk_grad_input_gemm_runs_in_backward(monkeypatch, dtype, weight_
         results.append(chunked_loss_and_grads(*args, **kwargs))
         return results[-1]
 
-    monkeypatch.setattr(api, "chunked_loss_and_grads", recording)
+    monkeypatch.setattr(plan, "chunked_loss_and_grads", recording)
     problem = make_problem(tokens=tokens, dtype=dtype)
     problem.student_weight.requires_grad_(weight_grad)
     losses = fused_linear_cosine_distill(*problem.args(), chunk_size=16, return_soft_hard_loss=True)
@@ -337,13 +337,13 @@ def test_host_reads_n_only_where_gradients_need_it(grad):
     alpha); without, only after every chunk is queued, the loss divided by N on the device."""
     problem = make_problem(tokens=37, ignore_every=3)
     row_steps, steps_before_read = [], []
-    row_step = api.pick_row_step("torch", problem.labels.device).step
+    row_step = plan.pick_row_step("torch", problem.labels.device).step
 
     def counting_row_step(*args, **kwargs):
         row_steps.append(1)
         return row_step(*args, **kwargs)
 
-    class RecordingCounts(api.LabelCounts):
+    class RecordingCounts(plan.LabelCounts):
         def wait(self):
             steps_before_read.append(len(row_steps))
             return super().wait()
@@ -351,8 +351,8 @@ def test_host_reads_n_only_where_gradients_need_it(grad):
     labels = problem.labels
     result = chunked_loss_and_grads(
         problem.student_input.detach(), problem.student_weight.detach(), None, problem.teacher_input,
-        api.TeacherHead(problem.teacher_weight, None), labels,
-        api.row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0),
+        plan.TeacherHead(problem.teacher_weight, None), labels,
+        plan.row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0),
         RecordingCounts(labels, -100, problem.student_weight.shape[0], None), counting_row_step, ChunkRows(16, 8),
         (grad, grad, False), torch.float32)
     assert len(row_steps) == 5 and steps_before_read == ([1] if grad else [5])

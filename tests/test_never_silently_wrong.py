@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import make_problem, rel_err
-from cosdistill import StaleWeightError, api, fp8, fused_linear_cosine_distill, gram, weight_cache
+from cosdistill import StaleWeightError, fp8, fused_linear_cosine_distill, gram, plan, weight_cache
 from cosdistill.fingerprint import fingerprint_torch, fingerprint_triton
 from cosdistill.selfcheck import TEACHER_MUTATIONS, check_teacher_caches
 
@@ -76,14 +76,14 @@ def assert_same(got, want):
 
 def gram_calls(monkeypatch) -> list:
     """Records whether each call ran the Gram path."""
-    calls, pick = [], api.pick_gram_teacher
+    calls, pick = [], plan.pick_gram_teacher
 
     def recording_pick(*args, **kwargs):
         teacher = pick(*args, **kwargs)
         calls.append(teacher is not None)
         return teacher
 
-    monkeypatch.setattr(api, "pick_gram_teacher", recording_pick)
+    monkeypatch.setattr(plan, "pick_gram_teacher", recording_pick)
     return calls
 
 

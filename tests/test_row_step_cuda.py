@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosdistill import api, row_step_cuda
+from cosdistill import plan, row_step_cuda
 from cosdistill.row_step import RowStepScales, row_step_torch
 
 PLAIN = RowStepScales(weight_hard=0.4, weight_soft=0.6, beta=0.9, temperature=1.5, ignore_index=-100)
@@ -172,8 +172,8 @@ def test_supported_only_where_the_kernel_is_the_spec(monkeypatch):
 def test_not_available_on_the_cpu():
     assert not row_step_cuda.available(torch.device("cpu"))
     with pytest.raises(ValueError, match="thread block clusters"):
-        api.pick_row_step("cuda", torch.device("cpu"))
-    assert api.pick_row_step("auto", torch.device("cpu")) is api.TORCH_ROW_STEP
+        plan.pick_row_step("cuda", torch.device("cpu"))
+    assert plan.pick_row_step("auto", torch.device("cpu")) is plan.TORCH_ROW_STEP
 
 
 def test_falls_back_to_triton_where_unsupported():
@@ -220,13 +220,13 @@ def test_auto_picks_the_cluster_step_where_available(monkeypatch):
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(row_step_cuda, "available", lambda device: True)
-    assert api.pick_row_step("auto", cuda) is row_step_cuda.CUDA_ROW_STEP
-    assert api.pick_row_step("cuda", cuda) is row_step_cuda.CUDA_ROW_STEP
-    assert api.pick_row_step("triton", cuda) is TRITON_ROW_STEP
+    assert plan.pick_row_step("auto", cuda) is row_step_cuda.CUDA_ROW_STEP
+    assert plan.pick_row_step("cuda", cuda) is row_step_cuda.CUDA_ROW_STEP
+    assert plan.pick_row_step("triton", cuda) is TRITON_ROW_STEP
     monkeypatch.setattr(row_step_cuda, "available", lambda device: False)  # before Hopper
-    assert api.pick_row_step("auto", cuda) is TRITON_ROW_STEP
+    assert plan.pick_row_step("auto", cuda) is TRITON_ROW_STEP
     with pytest.raises(ValueError, match="thread block clusters"):
-        api.pick_row_step("cuda", cuda)
+        plan.pick_row_step("cuda", cuda)
 
 
 def test_selfcheck_runs_the_cluster_kernel_where_it_applies(monkeypatch):

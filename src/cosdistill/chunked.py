@@ -12,13 +12,13 @@ teacher's terms from Gram matrices, and adds the soft term's share to grad_input
 the loop, to grad_weight.
 """
 
-import contextlib
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
+from .device import HostCopy, addmm_into
 from .grad_output import scale_unless_one_
 from .row_step import RowStepImpl, RowStepScales, combine_row_stats
 
@@ -43,22 +43,6 @@ class Normaliser(Protocol):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # loss, soft, hard
 
     def wait(self) -> float: ...
-
-
-class HostCopy:
-    """A device tensor's copy to the host, queued now behind the work already queued, and read later
-    (``get`` waits for that copy alone), so that the stream never waits for the host in between."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.host = tensor.to("cpu", non_blocking=True)
-        self.copied = torch.cuda.Event() if tensor.is_cuda else None
-        if self.copied is not None:
-            self.copied.record()
-
-    def get(self) -> torch.Tensor:
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.host
 
 
 class VocabParallel(Protocol):
@@ -245,17 +229,6 @@ class TeacherHead:
         _logits_into(out[: stop - start], self.chunk_hidden[start:stop], self.weight, self.bias)
 
 
-def addmm_into(out, left, right, alpha, beta):
-    """out = beta * out + alpha * left @ right, in out's dtype (fp32 out of bf16/fp16 operands too)."""
-    if out.dtype == left.dtype:
-        out.addmm_(left, right, beta=beta, alpha=alpha)
-    elif out.is_cuda and out.dtype == torch.float32:
-        # cuBLAS reads the bf16/fp16 operands and accumulates into the fp32 buffer directly.
-        torch.addmm(out, left, right, out_dtype=out.dtype, beta=beta, alpha=alpha, out=out)
-    else:
-        out.addmm_(left.to(out.dtype), right.to(out.dtype), beta=beta, alpha=alpha)
-
-
 def _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha, beta):
     """grad_weight = beta * grad_weight + alpha * grad_logits^T @ hidden, in grad_weight's dtype.
 
@@ -329,12 +302,6 @@ class _Unlift:
     def add_grad_bias(self, grad_bias, grad_logits, inv_normaliser):
         unlift = (1.0 / self.up_lifts(len(grad_logits))).to(grad_logits.dtype)
         addmm_into(grad_bias[None], unlift[None], grad_logits, alpha=inv_normaliser, beta=1.0)
-
-
-def on_device_of(tensor: torch.Tensor):
-    """The tensor's CUDA device made current: Triton's kernels and the CUDA row step launch on the current
-    device, which a process that never called torch.cuda.set_device may not have set to its tensors'."""
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
 def start_student_logits(student_input, student_weight, student_bias, rows: ChunkRows) -> torch.Tensor:

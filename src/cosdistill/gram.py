@@ -33,7 +33,7 @@ The teacher's Gram matrix is kept across calls while the teacher weight is uncha
 
 import torch
 
-from .chunked import HostCopy, addmm_into
+from .device import HostCopy, addmm_into
 from .row_step import RowStepImpl, RowStepScales, teacher_grad_coefficient, with_teacher_products
 from .weight_cache import WeightCache
 

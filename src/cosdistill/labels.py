@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunked import HostCopy
+from .device import HostCopy
 
 BLOCK = 1024
 

@@ -30,8 +30,8 @@ Gradients not asked for come back from the op as empty tensors (custom ops canno
 import torch
 from torch import Tensor
 
-from . import api
-from .chunked import on_device_of
+from . import plan
+from .device import on_device_of
 
 # The body reads label counts on the host, which a CUDA graph cannot capture ("reduce-overhead" mode).
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -70,7 +70,7 @@ def fused_linear_cosine_distill_op(
     grad_weight comes in the accum dtype and grad_bias in fp32, cast to their leaves' dtypes in backward."""
     given = num_valid_tokens if num_valid_tokens is not None else num_valid_count
     with on_device_of(student_input), torch.no_grad():
-        result = api.loss_and_grads(
+        result = plan.loss_and_grads(
             student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
             tuple(needs_grad), weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
             ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size, num_valid_tokens=given,
@@ -87,7 +87,7 @@ def fused_linear_cosine_distill_op(
 def _(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
       num_valid_tokens, *, accum_dtype, needs_grad, **options):
     scalars = [student_input.new_empty((), dtype=torch.float32) for _ in range(3)]
-    grad_dtypes = (student_input.dtype, accum_dtype or api.default_accum_dtype(student_weight.dtype), torch.float32)
+    grad_dtypes = (student_input.dtype, accum_dtype or plan.default_accum_dtype(student_weight.dtype), torch.float32)
     grads = [
         leaf.new_empty(leaf.shape, dtype=dtype) if need else student_weight.new_empty(0)
         for need, leaf, dtype in zip(needs_grad, (student_input, student_weight, student_bias), grad_dtypes)
@@ -124,12 +124,12 @@ def compiled_distill(
     if vocab_parallel is not None:
         raise ValueError("vocab_parallel is not supported under torch.compile: call the loss outside the compiled "
                          "region (torch.compiler.disable) or without vocab_parallel")
-    api._check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
+    plan.check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
                        teacher_bias, ignore_index)
-    api.check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
+    plan.check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
                       teacher_precision, num_valid_tokens, cosine_via)
-    if impl not in api.IMPLS:  # pick_row_step checks it where the op runs; fail at compile time already
-        raise ValueError(f"impl must be one of {api.IMPLS}, got {impl!r}")
+    if impl not in plan.IMPLS:  # pick_row_step checks it where the op runs; fail at compile time already
+        raise ValueError(f"impl must be one of {plan.IMPLS}, got {impl!r}")
     grad_on = torch.is_grad_enabled()
     needs_grad = [grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias)]
     given_tensor = torch.is_tensor(num_valid_tokens)

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .api import default_accum_dtype, fused_linear_cosine_distill
+from .api import fused_linear_cosine_distill
 from .chunked import chunk_rows
+from .plan import default_accum_dtype
 from .reference import naive_cosine_distill
 from .row_step import RowStepImpl, RowStepScales, combine_row_stats, row_step_torch
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .chunked import HostCopy
+from .device import HostCopy
 from .fingerprint import fingerprint
 
 

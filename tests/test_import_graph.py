@@ -1,0 +1,80 @@
+"""The package's import graph: no loops, and integrations and tools depend on the core, never the reverse.
+
+Every import of a cosdistill module counts, at module level or inside a function, except those under
+``if TYPE_CHECKING:`` (annotations only).
+"""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cosdistill"
+# Modules built on the core: no core module may import them.
+OUTER = {"hf", "distributed", "distributed.data_parallel", "distributed.vocab_parallel", "bench", "cli", "demo",
+         "selfcheck", "__main__", "__init__"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+def imported(path: Path, name: str) -> set[str]:
+    """The cosdistill modules that the module at path imports."""
+    package = list(path.relative_to(PACKAGE).parent.parts)  # the folder the module is in, under cosdistill
+    found = set()
+
+    def visit(node):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.startswith("cosdistill"):
+                target = node.module.removeprefix("cosdistill").lstrip(".")
+            else:
+                target = None
+            if target is not None:
+                for alias in node.names:  # `from . import fp8` names a module; `from .api import x` does not
+                    submodule = f"{target}.{alias.name}" if target else alias.name
+                    found.add(submodule if (PACKAGE / f"{submodule.replace('.', '/')}.py").exists() else target)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {module for module in found if module and module != name}
+
+
+def graph() -> dict[str, set[str]]:
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    return {name: imported(path, name) & set(modules) for name, path in modules.items()}
+
+
+def test_the_graph_sees_known_edges():
+    edges = graph()
+    assert {"plan", "ops", "device"} <= edges["api"] and "chunked" in edges["plan"] and "plan" in edges["ops"]
+
+
+def test_no_import_loops():
+    edges, done, stack = graph(), set(), []
+
+    def walk(module):
+        if module in stack:
+            raise AssertionError("import loop: " + " -> ".join(stack[stack.index(module):] + [module]))
+        if module in done:
+            return
+        stack.append(module)
+        for target in sorted(edges[module]):
+            walk(target)
+        stack.pop()
+        done.add(module)
+
+    for module in sorted(edges):
+        walk(module)
+
+
+def test_the_core_imports_no_integration_or_tool():
+    edges = graph()
+    for module, targets in edges.items():
+        if module not in OUTER:
+            assert not targets & OUTER, f"{module} imports {sorted(targets & OUTER)}"
