@@ -26,9 +26,9 @@ import torch
 import triton.testing
 
 from cosdistill import row_step_cuda
-from cosdistill.bench import rel_err
 from cosdistill.row_step import RowStepScales, row_step_torch
 from cosdistill.row_step_triton import row_step_triton
+from cosdistill.testing import rel_err
 
 OLD_STEP = None  # --old
 STAGGERS = {}  # --stagger: vocab -> (rows, ns)

@@ -22,8 +22,9 @@ import json
 import torch
 
 from cosdistill import fp8, fused_linear_cosine_distill
-from cosdistill.bench import median_ms, rel_err
+from cosdistill.bench import median_ms
 from cosdistill.reference import naive_cosine_distill
+from cosdistill.testing import rel_err
 
 
 def lm_head(vocab, hidden, generator):

@@ -29,12 +29,11 @@ from cosdistill.selfcheck import (
     check_row_step,
     check_teacher_caches,
     compare,
-    float64_reference,
     fused_run,
     random_problem,
-    rel_err,
     results_table,
 )
+from cosdistill.testing import float64_reference, rel_err
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 ROW_STEP_CASES = [

@@ -18,9 +18,9 @@ import inspect
 import torch
 import triton.testing
 
-from cosdistill.bench import rel_err
 from cosdistill.row_step import RowStepScales, row_step_torch
 from cosdistill.row_step_triton import row_step_triton
+from cosdistill.testing import rel_err
 
 
 def load_other(path):

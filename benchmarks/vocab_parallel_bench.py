@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from cosdistill import fused_linear_cosine_distill
-from cosdistill.bench import make_tensors, median_ms, rel_err
+from cosdistill.bench import make_tensors, median_ms
 from cosdistill.distributed import VocabParallelOptions
+from cosdistill.testing import rel_err
 
 
 def shard_tensors(tensors, options):

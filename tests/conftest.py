@@ -8,8 +8,7 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from cosdistill.reference import naive_cosine_distill  # noqa: E402
-from cosdistill.selfcheck import random_student_teacher  # noqa: E402
+from cosdistill.testing import float64_reference, random_student_teacher, rel_err  # noqa: E402, F401
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (5e-3, 2e-2), torch.float16: (2e-3, 5e-3)}  # (loss, grads)
 
@@ -52,14 +51,7 @@ def problem_around(labels, hidden_student, hidden_teacher, vocab_student, vocab_
 
 def reference(problem: Problem, grad_output=1.0, **kwargs):
     """(loss, soft, hard) and the student gradients, in float64, through the naive full-logits version."""
-    upcast = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in problem.args()[:4]]
-    biases = [None if t is None else t.detach().double().requires_grad_(t.requires_grad)
-              for t in (problem.student_bias, problem.teacher_bias)]
-    losses = naive_cosine_distill(*upcast, problem.labels, *biases, **kwargs)
-    if losses[0].requires_grad:
-        (losses[0] * grad_output).backward()
-    leaves = [upcast[0], upcast[1]] + ([biases[0]] if biases[0] is not None else [])
-    return [loss.detach() for loss in losses], [leaf.grad for leaf in leaves]
+    return float64_reference(problem.args(), grad_output, **kwargs)
 
 
 def record_write_grad(monkeypatch, module) -> list:
@@ -74,14 +66,6 @@ def record_write_grad(monkeypatch, module) -> list:
 
     monkeypatch.setattr(module, "chunk_rows", recording_chunk_rows)
     return seen
-
-
-def rel_err(actual, expected):
-    actual, expected = actual.detach().double(), expected.detach().double()
-    denom = expected.norm()
-    if denom == 0:
-        return (actual - expected).norm().item()
-    return ((actual - expected).norm() / denom).item()
 
 
 @pytest.fixture(params=["torch", "triton"])

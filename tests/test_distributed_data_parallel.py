@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cosdistill import FusedLinearCosineDistillLoss
 from cosdistill.distributed import DataParallelCosineDistillLoss, data_parallel_num_valid_tokens
+from cosdistill.testing import rel_err
 
 REPO = Path(__file__).resolve().parents[1]
 FEATURES, HIDDEN_STUDENT, HIDDEN_TEACHER = 6, 8, 12
@@ -100,10 +101,6 @@ RUNS = {
     "fsdp2": fsdp2_loss_and_grads,
     "ddp, local normaliser": lambda batch: ddp_loss_and_grads(batch, FusedLinearCosineDistillLoss(impl="torch")),
 }
-
-
-def rel_err(actual, expected):
-    return ((actual - expected).norm() / expected.norm()).item()
 
 
 def measure_rank(rank, world_size, folder):

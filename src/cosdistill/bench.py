@@ -42,6 +42,7 @@ import torch
 from . import fp8
 from .api import fused_linear_cosine_distill
 from .reference import naive_cosine_distill
+from .testing import rel_err
 from .weight_cache import WeightCache
 
 PROVIDERS = ("ours", "ours-logits", "ours-gram", "ours-fp8", "ours-unchecked", "ours-fp8-unchecked",
@@ -195,11 +196,6 @@ def make_tensors(tokens, vocab, hidden, student_hidden, dtype, device, seed=SEED
         teacher_weight=randn(vocab, hidden, scale=hidden**-0.5),
         labels=torch.randint(0, vocab, (tokens,), generator=generator, device=device),
     )
-
-
-def rel_err(actual, expected) -> float:
-    actual, expected = actual.detach().double(), expected.detach().double()
-    return ((actual - expected).norm() / expected.norm()).item()
 
 
 def ours_loss(setting: OursSetting, tensors: Tensors) -> torch.Tensor:

@@ -25,6 +25,7 @@ from .chunked import chunk_rows
 from .plan import default_accum_dtype
 from .reference import naive_cosine_distill
 from .row_step import RowStepImpl, RowStepScales, combine_row_stats, row_step_torch
+from .testing import float64_reference, random_student_teacher, rel_err
 
 POISON = 12345.0
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -110,32 +111,6 @@ class CheckResult:
     failure: str = ""  # the exception a check raised, if any
 
 
-def rel_err(actual, expected) -> float:
-    actual, expected = actual.detach().double(), expected.detach().double()
-    return ((actual - expected).norm() / expected.norm().clamp_min(1e-300)).item()
-
-
-def random_student_teacher(labels, hidden_student, hidden_teacher, vocab_student, vocab_teacher, dtype,
-                           student_bias, teacher_bias, generator=None) -> list:
-    """[student_input, student_weight, teacher_input, teacher_weight, labels, student_bias, teacher_bias]
-    for these labels, on their device: random normal hidden states, weights scaled by 2 / sqrt(H) (logits
-    of a few units, like a trained head's), drawn in that order from ``generator`` (default: torch's)."""
-    def randn(*shape, scale=1.0, requires_grad=False):
-        values = torch.randn(*shape, generator=generator, device=labels.device) * scale
-        return values.to(dtype).requires_grad_(requires_grad)
-
-    lead = tuple(labels.shape)
-    return [
-        randn(*lead, hidden_student, requires_grad=True),
-        randn(vocab_student, hidden_student, scale=2 / hidden_student**0.5, requires_grad=True),
-        randn(*lead, hidden_teacher),
-        randn(vocab_teacher, hidden_teacher, scale=2 / hidden_teacher**0.5),
-        labels,
-        randn(vocab_student, requires_grad=True) if student_bias else None,
-        randn(vocab_teacher) if teacher_bias else None,
-    ]
-
-
 def ignore_some_labels(labels, pattern: str, ignore_index: int, generator=None) -> None:
     """Sets labels to ignore_index in place: "none", "some" (30% at random), "alternating" or "all"."""
     flat = labels.view(-1)
@@ -154,15 +129,6 @@ def random_problem(case: LossCase, device):
         labels[:: case.ignore_every] = -100
     return random_student_teacher(labels, case.hidden_teacher // 2, case.hidden_teacher, case.vocab_student,
                                   case.vocab_teacher, case.dtype, case.bias, case.bias)
-
-
-def float64_reference(args, **options):
-    """(loss, soft, hard) and the student gradients of the naive version on float64 copies of args."""
-    upcast = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in args]
-    losses = naive_cosine_distill(*upcast, **options)
-    losses[0].backward()
-    grads = [upcast[i].grad for i in (0, 1, 5) if upcast[i] is not None]
-    return [loss.detach() for loss in losses], grads
 
 
 class _KeepStudentLogits(TorchFunctionMode):
