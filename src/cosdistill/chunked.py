@@ -25,6 +25,7 @@ from .row_step import RowStepImpl, RowStepScales, combine_row_stats
 if TYPE_CHECKING:
     from .gram import GramTeacher
 
+
 class GramOutOfRange(Exception):
     """The Gram path's fp32 products could overflow for this call's inputs (``GramTeacher.out_of_range``):
     the caller runs it on the logits path instead, or raises."""

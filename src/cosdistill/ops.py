@@ -138,7 +138,7 @@ def compiled_distill(
         student_weight,
         student_bias,
         teacher_input.reshape(-1, teacher_input.shape[-1]),
-        teacher_weight,  # not detached: the FP8 weight cache is keyed on this object; backward gives it None
+        teacher_weight,  # backward gives it None
         teacher_bias,
         true_labels.reshape(-1).contiguous(),
         num_valid_tokens if given_tensor else None,

@@ -148,7 +148,6 @@ def teacher_head(teacher_weight, teacher_bias, teacher_precision, max_rows, row_
         quantize = fp8.quantize_rows
         if row_step_impl is not TORCH_ROW_STEP:  # the Triton kernels: the quantization's twin too
             from .fp8_triton import quantize_rows_triton as quantize
-        # the weight itself, not a detached alias: the FP8 cache is keyed on this object
         return fp8.Fp8TeacherHead(teacher_weight, teacher_bias, max_rows=max_rows, quantize=quantize)
     return TeacherHead(teacher_weight.detach(), teacher_bias)
 
