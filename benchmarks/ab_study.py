@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import cosdistill
-from cosdistill.bench import CPU_WORKLOAD, CUDA_WORKLOAD, call_ms, make_tensors
+from cosdistill.tools.bench import CPU_WORKLOAD, CUDA_WORKLOAD, call_ms, make_tensors
 
 
 def load_old(src: str):

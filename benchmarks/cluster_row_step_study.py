@@ -25,9 +25,9 @@ from unittest import mock
 import torch
 import triton.testing
 
-from cosdistill import row_step_cuda
-from cosdistill.row_step import RowStepScales, row_step_torch
-from cosdistill.row_step_triton import row_step_triton
+from cosdistill._row_step import RowStepScales, row_step_torch
+from cosdistill.kernels import row_step_cuda
+from cosdistill.kernels.row_step_triton import row_step_triton
 from cosdistill.testing import rel_err
 
 OLD_STEP = None  # --old

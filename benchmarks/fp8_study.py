@@ -21,10 +21,11 @@ import json
 
 import torch
 
-from cosdistill import fp8, fused_linear_cosine_distill
-from cosdistill.bench import median_ms
+from cosdistill import _teacher_fp8 as fp8
+from cosdistill import fused_linear_cosine_distill
 from cosdistill.reference import naive_cosine_distill
 from cosdistill.testing import rel_err
+from cosdistill.tools.bench import median_ms
 
 
 def lm_head(vocab, hidden, generator):

@@ -31,10 +31,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from cosdistill import fused_linear_cosine_distill
-from cosdistill.bench import CPU_WORKLOAD, CUDA_WORKLOAD, make_tensors, median_ms
-from cosdistill.chunked import ChunkRows, TeacherHead, chunk_rows, chunked_loss_and_grads
-from cosdistill.labels import LabelCounts
-from cosdistill.plan import pick_row_step, row_step_scales
+from cosdistill._chunk_loop import ChunkRows, TeacherHead, chunk_rows, chunked_loss_and_grads
+from cosdistill._labels import LabelCounts
+from cosdistill._plan import pick_row_step, row_step_scales
+from cosdistill.tools.bench import CPU_WORKLOAD, CUDA_WORKLOAD, make_tensors, median_ms
 
 SCALES = row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0)
 

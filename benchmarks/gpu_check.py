@@ -19,9 +19,11 @@ from dataclasses import asdict
 
 import torch
 
-from cosdistill import fp8, row_step_cuda
-from cosdistill.fp8_triton import quantize_rows_triton
-from cosdistill.selfcheck import (
+from cosdistill import _teacher_fp8 as fp8
+from cosdistill.kernels import row_step_cuda
+from cosdistill.kernels.fp8_quantize import quantize_rows_triton
+from cosdistill.testing import float64_reference, rel_err
+from cosdistill.tools.check import (
     CheckResult,
     LossCase,
     RowStepCase,
@@ -33,7 +35,6 @@ from cosdistill.selfcheck import (
     random_problem,
     results_table,
 )
-from cosdistill.testing import float64_reference, rel_err
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 ROW_STEP_CASES = [
@@ -65,8 +66,8 @@ def check_gram_row_step():
     """The one-model cluster kernel (row_step_cuda.gram_row_step_cuda, the Gram path's row step) against the
     torch spec's two stages with teacher_logits None: losses, gradient and each row's coefficient of t,
     every output poisoned first; a quarter of the rows ignored, one row whose products overflow."""
-    from cosdistill.row_step import TORCH_ROW_STEP, RowStepScales, teacher_grad_coefficient, with_teacher_products
-    from cosdistill.selfcheck import POISON
+    from cosdistill._row_step import TORCH_ROW_STEP, RowStepScales, teacher_grad_coefficient, with_teacher_products
+    from cosdistill.tools.check import POISON
 
     scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100)
     results = []
@@ -207,7 +208,7 @@ def check_never_silently_wrong():
     spec on a seed-sized head; the student changed in place before backward; uint8 labels; "auto" on huge
     student logits."""
     from cosdistill import fused_linear_cosine_distill
-    from cosdistill.fingerprint import fingerprint_torch, fingerprint_triton
+    from cosdistill._fingerprint import fingerprint_torch, fingerprint_triton
 
     results = check_teacher_caches("cuda", vocab=32000, hidden_teacher=512, tokens=2048)
     head = torch.randn(128256, 4096, device="cuda", dtype=BF16)

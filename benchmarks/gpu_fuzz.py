@@ -32,11 +32,13 @@ from pathlib import Path
 
 import torch
 
-from cosdistill import fused_linear_cosine_distill, gram, row_step_cuda
-from cosdistill.bench import DTYPES
-from cosdistill.plan import row_step_scales
+from cosdistill import _teacher_gram as gram
+from cosdistill import fused_linear_cosine_distill
+from cosdistill._plan import Options
+from cosdistill.kernels import row_step_cuda
 from cosdistill.reference import naive_cosine_distill
-from cosdistill.selfcheck import (
+from cosdistill.tools.bench import DTYPES
+from cosdistill.tools.check import (
     accumulation_floor,
     float64_reference,
     ignore_some_labels,
@@ -229,8 +231,8 @@ def gram_taken(case: Case) -> bool:
 def cluster_eligible(case: Case) -> bool:
     """Whether impl="auto" runs the case's row steps in the CUDA cluster kernel (on Hopper; row_step_cuda.py)."""
     options = case.options()
-    del options["num_valid_tokens"]  # the rest are row_step_scales' arguments
-    scales = row_step_scales(**options)
+    del options["num_valid_tokens"]  # the rest are Options fields
+    scales = Options(**options).scales
     return not gram_taken(case) and row_step_cuda.applies(DTYPES[case.dtype], case.vocab_student,
                                                           case.vocab_teacher, scales)
 

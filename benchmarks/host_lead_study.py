@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from cosdistill.bench import (
+from cosdistill.tools.bench import (
     CUDA_WORKLOAD,
     FORCED_SETTINGS,
     FP8_SETTING,

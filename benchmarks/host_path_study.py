@@ -17,8 +17,9 @@ import time
 
 import torch
 
-from cosdistill import chunked, fused_linear_cosine_distill
-from cosdistill.bench import CUDA_WORKLOAD, make_tensors
+from cosdistill import _chunk_loop as chunked
+from cosdistill import fused_linear_cosine_distill
+from cosdistill.tools.bench import CUDA_WORKLOAD, make_tensors
 
 
 def main():

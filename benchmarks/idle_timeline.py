@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from cosdistill import fused_linear_cosine_distill
-from cosdistill.bench import CUDA_WORKLOAD, make_tensors
+from cosdistill.tools.bench import CUDA_WORKLOAD, make_tensors
 
 
 def main():

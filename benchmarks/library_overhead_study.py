@@ -31,11 +31,11 @@ import time
 import torch
 
 from cosdistill import fused_linear_cosine_distill
+from cosdistill._chunk_loop import TeacherHead, chunk_rows, chunked_loss_and_grads
+from cosdistill._labels import LabelCounts
+from cosdistill._plan import pick_row_step, row_step_scales
 from cosdistill.api import _AttachGradients
-from cosdistill.bench import CPU_WORKLOAD, CUDA_WORKLOAD, make_tensors, median_ms
-from cosdistill.chunked import TeacherHead, chunk_rows, chunked_loss_and_grads
-from cosdistill.labels import LabelCounts
-from cosdistill.plan import pick_row_step, row_step_scales
+from cosdistill.tools.bench import CPU_WORKLOAD, CUDA_WORKLOAD, make_tensors, median_ms
 
 SCALES = row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0)
 LAYER_BELOW = {"+grad_output": "direct", "+Function": "+grad_output", "+autograd": "+Function", "library": "+autograd",

@@ -18,8 +18,8 @@ import inspect
 import torch
 import triton.testing
 
-from cosdistill.row_step import RowStepScales, row_step_torch
-from cosdistill.row_step_triton import row_step_triton
+from cosdistill._row_step import RowStepScales, row_step_torch
+from cosdistill.kernels.row_step_triton import row_step_triton
 from cosdistill.testing import rel_err
 
 

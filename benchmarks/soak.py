@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from cosdistill import fused_linear_cosine_distill
-from cosdistill.bench import CUDA_WORKLOAD, DTYPE_NAMES, Workload, make_tensors, peak_gb_above_inputs
+from cosdistill.tools.bench import CUDA_WORKLOAD, DTYPE_NAMES, Workload, make_tensors, peak_gb_above_inputs
 
 PER_TOKEN_SLACK = 64  # bytes per token beside grad_input, for per-token scalars: fp32 losses (8 B), label masks
 RESULT_NAMES = ("loss", "soft", "hard", "grad_input", "grad_weight")

@@ -20,7 +20,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cosdistill.bench import CUDA_WORKLOAD, FP8_SETTING, floor_provider, make_tensors, ours_provider, ours_settings
+from cosdistill.tools.bench import CUDA_WORKLOAD, FP8_SETTING, floor_provider, make_tensors, ours_provider, ours_settings
 
 GPU_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
 

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from cosdistill import fused_linear_cosine_distill
-from cosdistill.bench import make_tensors, median_ms
 from cosdistill.distributed import VocabParallelOptions
 from cosdistill.testing import rel_err
+from cosdistill.tools.bench import make_tensors, median_ms
 
 
 def shard_tensors(tensors, options):

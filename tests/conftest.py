@@ -56,7 +56,7 @@ def reference(problem: Problem, grad_output=1.0, **kwargs):
 
 def record_write_grad(monkeypatch, module) -> list:
     """Replaces ``module.chunk_rows`` with one that records each call's ``write_grad``; the list it fills."""
-    from cosdistill.chunked import chunk_rows
+    from cosdistill._plan import chunk_rows
 
     seen = []
 

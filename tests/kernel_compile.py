@@ -11,9 +11,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from cosdistill import fingerprint, grad_output, labels
-from cosdistill import fp8_triton as fp8_kernels
-from cosdistill import row_step_triton as kernels
+from cosdistill.kernels import fingerprint, grad_output, labels
+from cosdistill.kernels import fp8_quantize as fp8_kernels
+from cosdistill.kernels import row_step_triton as kernels
 
 HOPPER = GPUTarget("cuda", 90, 32)
 INTS = ("student_row_stride", "teacher_row_stride", "vocab_student", "vocab_teacher", "ignore_index",

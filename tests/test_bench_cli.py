@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from cosdistill.cli import main
+from cosdistill.tools.cli import main
 
 TINY = ["bench", "--device", "cpu", "--tokens", "32", "--vocab", "300", "--hidden", "32", "--reps", "2", "--warmup", "1"]
 
@@ -34,7 +34,7 @@ def test_bench_sweeps_ours_settings(capsys):
 
 
 def test_rounds_time_the_providers_in_turn_and_report_the_median_over_rounds(capsys, monkeypatch, tmp_path):
-    from cosdistill import bench
+    from cosdistill.tools import bench
 
     calls, first_seen = [], []
     round_ms = {"ours": [5.0, 2.0, 3.0], "floor": [1.0, 7.0, 4.0]}
@@ -70,7 +70,7 @@ def test_rounds_time_the_providers_in_turn_and_report_the_median_over_rounds(cap
 def test_warm_up_lasts_at_least_settle_s():
     """The power limiter's settling time is wall time: a fast step gets more warm-up calls, a slow one --warmup
     (no tensors: the studies in benchmarks/ time bare GEMMs this way)."""
-    from cosdistill import bench
+    from cosdistill.tools import bench
 
     calls = []
 
@@ -99,7 +99,7 @@ def test_bad_argument_exits_2_with_one_line(capsys, bad):
 
 
 def test_failed_check_prints_the_table_and_exits_1(capsys, monkeypatch):
-    from cosdistill import bench
+    from cosdistill.tools import bench
 
     monkeypatch.setattr(bench, "TOLERANCE", dict.fromkeys(bench.TOLERANCE, -1.0))
     code = main(TINY + ["--providers", "ours"])
@@ -151,7 +151,7 @@ def test_fp8_is_skipped_with_a_note_on_the_cpu(capsys, monkeypatch):
 
 def test_fp8_loss_error_is_reported_not_checked(capsys, monkeypatch):
     """With the hardware check off, FP8 runs through torch's reference _scaled_mm on the CPU."""
-    from cosdistill import bench
+    from cosdistill.tools import bench
 
     monkeypatch.setattr(bench.fp8, "check_supported", lambda device: None)
     monkeypatch.setitem(bench.TOLERANCE, torch.float32, 2e-6)  # ours' errors are below 1e-6, FP8's above 1e-5
@@ -165,7 +165,7 @@ def test_fp8_loss_error_is_reported_not_checked(capsys, monkeypatch):
 
 def test_a_provider_out_of_memory_gets_a_note_and_an_empty_row(capsys, monkeypatch, tmp_path):
     """Out of memory in a later round drops the provider from the table's timings, not the run."""
-    from cosdistill import bench
+    from cosdistill.tools import bench
 
     real_median_ms, calls = bench.median_ms, []
 
@@ -192,7 +192,7 @@ def test_the_ledger_gets_one_row_per_timing_appended_and_renders_as_markdown(cap
     import subprocess
     from pathlib import Path
 
-    from cosdistill import bench
+    from cosdistill.tools import bench
 
     monkeypatch.setenv("COSDISTILL_COMMIT", "abc1234")
     ledger = tmp_path / "results.csv"

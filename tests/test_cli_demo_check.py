@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from cosdistill import selfcheck
-from cosdistill.cli import main
+from cosdistill.tools import check as selfcheck
+from cosdistill.tools.cli import main
 
 TINY_DEMO = ["demo", "--device", "cpu", "--vocab", "64", "--hidden", "32", "--batch-size", "16", "--seq-len", "24",
              "--teacher-steps", "40", "--steps", "40"]

@@ -10,7 +10,7 @@ import torch._inductor.config
 
 from conftest import make_problem, record_write_grad, rel_err
 from cosdistill import fused_linear_cosine_distill
-from cosdistill.ops import fused_linear_cosine_distill_op
+from cosdistill._compile import fused_linear_cosine_distill_op
 
 TOL = 1e-5  # fp32, compiled against eager
 
@@ -55,7 +55,7 @@ def test_opcheck(dtype, bias, needs_grad, overrides):
 
 @pytest.mark.parametrize("needs_grad", [(True, True, False), (False, False, False)])
 def test_op_tells_chunk_rows_whether_gradients_are_wanted(needs_grad, monkeypatch):
-    from cosdistill import plan
+    from cosdistill import _plan as plan
 
     seen = record_write_grad(monkeypatch, plan)  # the op runs plan.loss_and_grads
     problem = make_problem(tokens=12, bias=False)

@@ -1,12 +1,20 @@
 """The FP8 teacher path. FP8 GEMMs run on the CPU through torch's reference _scaled_mm, so the math is
 tested here with the hardware check switched off; the public API refuses FP8 off FP8-capable GPUs."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from conftest import make_problem, reference, rel_err
-from cosdistill import fp8, fused_linear_cosine_distill, plan
-from cosdistill.chunked import ChunkRows, chunked_loss_and_grads
+from cosdistill import _plan as plan
+from cosdistill import _teacher_fp8 as fp8
+from cosdistill import fused_linear_cosine_distill
+from cosdistill._backends import TORCH, backend_for
+from cosdistill._chunk_loop import ChunkRows, chunked_loss_and_grads
+from cosdistill._fingerprint import fingerprint_torch
+from cosdistill._labels import LabelCounts
+from cosdistill._teacher_logits import LogitsTeacher
 
 
 def test_fp8_is_refused_on_the_cpu():
@@ -45,11 +53,11 @@ def test_fp8_teacher_equals_the_reference_on_the_quantized_teacher(impl, monkeyp
 
 def test_quantized_weight_is_cached_until_the_weight_changes():
     weight = torch.randn(50, 32)
-    first = fp8.quantized_weights.get(weight).value
-    assert fp8.quantized_weights.get(weight).value[0] is first[0]
+    first = fp8.quantized_weights.get(weight, fingerprint_torch).value
+    assert fp8.quantized_weights.get(weight, fingerprint_torch).value[0] is first[0]
     with torch.no_grad():
         weight.mul_(2.0)
-    second = fp8.quantized_weights.get(weight).value
+    second = fp8.quantized_weights.get(weight, fingerprint_torch).value
     assert second[0] is not first[0]
     torch.testing.assert_close(second[1][:, :50], 2 * first[1][:, :50])
     assert second[0].shape == (64, 32) and torch.count_nonzero(second[0][50:].float()) == 0
@@ -74,7 +82,7 @@ def test_quantize_rows_is_the_rounded_division_by_the_row_scale(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("hidden", [40, 1500])  # one column block, and a masked second one
 def test_triton_quantization_is_quantize_rows_bit_for_bit(dtype, hidden):
-    from cosdistill.fp8_triton import quantize_rows_triton
+    from cosdistill.kernels.fp8_quantize import quantize_rows_triton
 
     rows = (torch.randn(21, hidden) * torch.logspace(-3, 3, 21)[:, None]).to(dtype)
     rows[5] = 0.0
@@ -96,7 +104,7 @@ def test_triton_quantization_is_quantize_rows_bit_for_bit(dtype, hidden):
 
 def test_triton_quantization_of_non_finite_rows():
     """A NaN makes its row's scale and codes NaN, an infinity makes the scale infinite, as in torch's version."""
-    from cosdistill.fp8_triton import quantize_rows_triton
+    from cosdistill.kernels.fp8_quantize import quantize_rows_triton
 
     rows = torch.randn(3, 1100)
     rows[1, 1050], rows[2, 3] = float("nan"), float("inf")
@@ -107,19 +115,21 @@ def test_triton_quantization_of_non_finite_rows():
     assert not codes[0].float().isnan().any() and codes[1].float().isnan().all() and codes[2, 3].float().isnan()
 
 
-def test_the_triton_impl_quantizes_with_the_triton_kernel(impl, monkeypatch):
-    from cosdistill import fp8_triton
+def test_each_backend_quantizes_the_chunks_with_its_own_kernel(impl, monkeypatch):
+    """impl="torch" quantizes with torch, "triton" with the Triton kernel: each chunk's rows once, through
+    the backend the plan picked (the cached weight is quantized by torch's function, once)."""
+    from cosdistill.kernels.fp8_quantize import quantize_rows_triton
 
     monkeypatch.setattr(fp8, "check_supported", lambda device: None)
+    backend = backend_for(impl, torch.device("cpu"))
+    assert backend.quantize_rows is (quantize_rows_triton if impl == "triton" else fp8.quantize_rows)
     calls = []
-    for module, name in ((fp8, "quantize_rows"), (fp8_triton, "quantize_rows_triton")):
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *args, _f=original, _n=name: calls.append(_n) or _f(*args))
+    recording = dataclasses.replace(backend, quantize_rows=lambda *args: calls.append(len(args[0])) or
+                                    backend.quantize_rows(*args))
+    monkeypatch.setattr(plan, "backend_for", lambda impl, device: recording)
     problem = make_problem(tokens=20)
     fused_linear_cosine_distill(*problem.args(), teacher_precision="fp8", impl=impl, chunk_size=8)
-    # the teacher weight is quantized once by torch's function (cached); each chunk's rows by impl's
-    want = "quantize_rows_triton" if impl == "triton" else "quantize_rows"
-    assert calls.count(want) >= 3 and set(calls) <= {want, "quantize_rows"}
+    assert calls == [8, 8, 4]
 
 
 @pytest.mark.parametrize("hidden_teacher", [24, 32])
@@ -137,14 +147,16 @@ def test_fp8_sub_chunks_read_their_own_rows_of_the_quantized_chunk(hidden_teache
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     problem = make_problem(tokens=37, vocab_student=101, vocab_teacher=131, hidden_teacher=hidden_teacher,
                            ignore_every=6)
-    head = fp8.Fp8TeacherHead(problem.teacher_weight, problem.teacher_bias.detach(), max_rows=19)
+    head = fp8.Fp8TeacherHead(problem.teacher_weight, problem.teacher_bias.detach(), 19, fp8.quantize_rows,
+                              fingerprint_torch)
     head.start_chunk(torch.full((head.code_rows, hidden_teacher), float("nan")))  # the whole buffer
     labels = problem.labels
+    teacher = LogitsTeacher(head, TORCH.row_step.step, plan.Options().scales, 7)
     result = chunked_loss_and_grads(
         problem.student_input.detach(), problem.student_weight.detach(), problem.student_bias.detach(),
-        problem.teacher_input, head, labels, plan.row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0),
-        plan.LabelCounts(labels, -100, problem.student_weight.shape[0], None), plan.pick_row_step("torch", labels.device).step,
-        ChunkRows(19, 7), (True, True, True), torch.float32)
+        problem.teacher_input, teacher, labels, LabelCounts(labels, -100, problem.student_weight.shape[0], None, TORCH,
+                                                           0.5, 0.5),
+        ChunkRows(19, 7), (True, True, True), torch.float32, TORCH.scale_unless_one)
     grads = result.gradients.finish()
     quantized = make_problem(tokens=37, vocab_student=101, vocab_teacher=131, hidden_teacher=hidden_teacher)
     quantized.__dict__.update(problem.__dict__)

@@ -5,8 +5,10 @@ torch, through Triton's interpreter."""
 import pytest
 import torch
 
-from cosdistill.grad_output import BLOCK, scale_unless_one_, scale_unless_one_triton
-from cosdistill.labels import LabelCounts, count_labels_torch, count_labels_triton, mean_losses_torch, mean_losses_triton
+from cosdistill._backends import TORCH, scale_unless_one_torch
+from cosdistill._labels import LabelCounts, count_labels_torch, mean_losses_torch
+from cosdistill.kernels.grad_output import BLOCK, scale_unless_one_triton
+from cosdistill.kernels.labels import count_labels_triton, mean_losses_triton
 
 SIZES = (1, 37, 3 * BLOCK + 17)  # the last needs the grid-stride loop: the interpreter runs two programs
 
@@ -46,13 +48,12 @@ def test_scale_needs_contiguous_values():
         scale_unless_one_triton(torch.randn(8, 6)[:, ::2], torch.tensor(2.0))
 
 
-def test_cpu_scale_and_none():
+def test_torch_scale():
     values = torch.randn(50)
     kept = values.clone()
-    scale_unless_one_(values, None)
-    scale_unless_one_(values, torch.tensor(1.0))
+    scale_unless_one_torch(values, torch.tensor(1.0))
     assert torch.equal(values, kept)
-    scale_unless_one_(values, torch.tensor(0.5))
+    scale_unless_one_torch(values, torch.tensor(0.5))
     assert torch.equal(values, kept * 0.5)
 
 
@@ -72,10 +73,10 @@ def test_label_count_matches_torch(num_tokens, dtype, ignore_index):
 
 def test_label_counts_normaliser_and_error():
     labels = torch.tensor([3, -100, 4, 4])
-    counts = LabelCounts(labels, -100, 10, None)
+    counts = LabelCounts(labels, -100, 10, None, TORCH, 0.5, 0.5)
     counts.launch()
     assert counts.wait() == 3.0
-    bad = LabelCounts(torch.tensor([3, 12, -100, -1]), -100, 10, None)
+    bad = LabelCounts(torch.tensor([3, 12, -100, -1]), -100, 10, None, TORCH, 0.5, 0.5)
     bad.launch()
     with pytest.raises(ValueError, match=r"2 labels outside \[0, 10\).*\[12, -1\]"):
         bad.wait()

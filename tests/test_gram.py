@@ -4,9 +4,12 @@ import pytest
 import torch
 
 from conftest import TOLERANCE, make_problem, reference, rel_err
-from cosdistill import fused_linear_cosine_distill, gram, plan
+from cosdistill import _backends, fused_linear_cosine_distill
+from cosdistill import _plan as plan
+from cosdistill import _teacher_gram as gram
+from cosdistill._fingerprint import fingerprint_torch
+from cosdistill._row_step import TORCH_ROW_STEP, RowStepScales, with_teacher_products
 from cosdistill.reference import naive_cosine_distill
-from cosdistill.row_step import TORCH_ROW_STEP, RowStepScales, with_teacher_products
 from test_loss import assert_matches_reference, run_fused
 
 
@@ -89,13 +92,11 @@ def test_gram_refuses_what_it_cannot_run(setting, blocker):
 
 def test_gram_refuses_fp8_and_a_vocabulary_split():
     problem = make_problem(tokens=9, bias=False)
-    heads = (problem.student_weight, problem.teacher_weight, 9, (True, True, False), TORCH_ROW_STEP)
+    heads = (problem.student_weight, None, problem.teacher_weight, None, 9, (True, True, False))
     with pytest.raises(ValueError, match="teacher_precision='fp8'"):
-        plan.pick_gram_teacher("gram", *heads, biases=(None, None), softcaps=(None, None), teacher_precision="fp8",
-                              vocab_parallel=None)
+        plan.gram_applies(plan.Options(cosine_via="gram", teacher_precision="fp8"), *heads, vocab_parallel=None)
     with pytest.raises(ValueError, match="vocab_parallel"):
-        plan.pick_gram_teacher("gram", *heads, biases=(None, None), softcaps=(None, None), teacher_precision=None,
-                              vocab_parallel=object())
+        plan.gram_applies(plan.Options(cosine_via="gram"), *heads, vocab_parallel=object())
 
 
 def test_cosine_via_must_be_known():
@@ -143,11 +144,11 @@ def test_auto_runs_the_gram_path_where_it_is_cheaper(monkeypatch):
 
 def test_teacher_gram_is_cached_until_the_weight_changes():
     weight = torch.randn(300, 12)
-    first = gram.teacher_grams.get(weight).value
-    assert gram.teacher_grams.get(weight).value is first
+    first = gram.teacher_grams.get(weight, fingerprint_torch).value
+    assert gram.teacher_grams.get(weight, fingerprint_torch).value is first
     with torch.no_grad():
         weight.mul_(2.0)  # in place: the version counter moves
-    second = gram.teacher_grams.get(weight).value
+    second = gram.teacher_grams.get(weight, fingerprint_torch).value
     assert second is not first
     torch.testing.assert_close(second[0][0], 4.0 * first[0][0])
     torch.testing.assert_close(second[1], 4.0 * first[1])
@@ -166,7 +167,7 @@ def test_bf16_products_keep_fp32_accuracy():
 
 def test_row_step_without_teacher_logits_matches_torch():
     """The row step's two stages with teacher_logits None, Triton against the torch spec."""
-    from cosdistill.row_step_triton import TRITON_ROW_STEP
+    from cosdistill.kernels.row_step_triton import TRITON_ROW_STEP
 
     rows, vocab = 13, 300
     student = (torch.randn(rows, vocab) * 3).bfloat16()
@@ -207,7 +208,7 @@ def test_a_one_kernel_gram_step_is_used_where_the_impl_has_one(monkeypatch):
     two stages run. The stand-in computes what the kernel must: the torch spec's two stages."""
     import dataclasses
 
-    from cosdistill.row_step import teacher_grad_coefficient
+    from cosdistill._row_step import teacher_grad_coefficient
 
     calls = []
 
@@ -221,7 +222,8 @@ def test_a_one_kernel_gram_step_is_used_where_the_impl_has_one(monkeypatch):
         coefficients.copy_(teacher_grad_coefficient(stats, labels, student_logits.shape[1], scales))
         return True
 
-    monkeypatch.setattr(plan, "TORCH_ROW_STEP", dataclasses.replace(TORCH_ROW_STEP, gram_step=gram_step))
+    monkeypatch.setattr(_backends, "TORCH", dataclasses.replace(
+        _backends.TORCH, row_step=dataclasses.replace(TORCH_ROW_STEP, gram_step=gram_step)))
     problem = make_problem(tokens=30, bias=False, vocab_teacher=131, ignore_every=4)
     assert_matches_reference(problem, torch.float32, impl="torch", chunk_size=16, cosine_via="gram")
     assert calls == [(16, 2), (14, 2)]

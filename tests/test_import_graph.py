@@ -9,8 +9,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cosdistill"
 # Modules built on the core: no core module may import them.
-OUTER = {"hf", "distributed", "distributed.data_parallel", "distributed.vocab_parallel", "bench", "cli", "demo",
-         "selfcheck", "testing", "__main__", "__init__"}
+OUTER = {"hf", "distributed", "distributed.data_parallel", "distributed.vocab_parallel", "tools", "tools.bench",
+         "tools.cli", "tools.demo", "tools.check", "testing", "__main__", "__init__"}
 
 
 def module_name(path: Path) -> str:
@@ -52,7 +52,8 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_graph_sees_known_edges():
     edges = graph()
-    assert {"plan", "ops", "device"} <= edges["api"] and "chunked" in edges["plan"] and "plan" in edges["ops"]
+    assert {"_plan", "_compile", "_device"} <= edges["api"] and "_chunk_loop" in edges["_plan"]
+    assert "_plan" in edges["_compile"] and "kernels.row_step_triton" in edges["_backends"]
 
 
 def test_no_import_loops():
@@ -78,3 +79,15 @@ def test_the_core_imports_no_integration_or_tool():
     for module, targets in edges.items():
         if module not in OUTER:
             assert not targets & OUTER, f"{module} imports {sorted(targets & OUTER)}"
+
+
+def test_only_the_backends_pick_kernels():
+    """The kernels are chosen once, by _backends.py: no other core module imports one (so impl="torch" runs
+    torch alone); the kernels import only the torch specs they mirror."""
+    edges = graph()
+    for module, targets in edges.items():
+        if module not in OUTER and module != "_backends" and not module.startswith("kernels"):
+            assert not {t for t in targets if t.startswith("kernels")}, f"{module} imports {sorted(targets)}"
+        if module.startswith("kernels."):
+            assert all(t.startswith("kernels") or t in ("_row_step", "_fingerprint", "_teacher_fp8") for t in targets), \
+                f"{module} imports {sorted(targets)}"

@@ -6,8 +6,13 @@ import pytest
 import torch
 
 from conftest import TOLERANCE, make_problem, record_write_grad, reference, rel_err
-from cosdistill import FusedLinearCosineDistillLoss, api, fused_linear_cosine_distill, plan
-from cosdistill.chunked import ChunkRows, chunk_rows, chunked_loss_and_grads
+from cosdistill import FusedLinearCosineDistillLoss, api, fused_linear_cosine_distill
+from cosdistill import _plan as plan
+from cosdistill._backends import TORCH
+from cosdistill._chunk_loop import ChunkRows, chunked_loss_and_grads
+from cosdistill._labels import LabelCounts
+from cosdistill._plan import Options, chunk_rows
+from cosdistill._teacher_logits import LogitsTeacher, TeacherHead
 
 
 def run_fused(problem, grad_output=1.0, **kwargs):
@@ -51,7 +56,7 @@ def test_teacher_logits_in_sub_chunks(impl, rows, fp8_like_buffer, monkeypatch):
     ``fp8_like_buffer``: a teacher buffer with more rows than asked for, as the FP8 head's padding."""
     monkeypatch.setattr(plan, "chunk_rows", lambda *args, **kwargs: rows)
     if fp8_like_buffer:
-        monkeypatch.setattr(plan.TeacherHead, "buffer_rows", lambda self, n: n + 3)
+        monkeypatch.setattr(TeacherHead, "buffer_rows", lambda self, n: n + 3)
     problem = make_problem(tokens=37, vocab_teacher=131, ignore_every=4)
     assert_matches_reference(problem, torch.float32, impl=impl)
 
@@ -208,17 +213,17 @@ def test_the_loss_may_be_scaled_in_place_before_backward(impl):
 
 
 def test_the_first_gemm_is_queued_before_the_rest_of_the_set_up(monkeypatch):
-    """The bench times a call from an idle GPU: the first student GEMM goes out as soon as the chunk rows
-    are known, before the teacher head, the label count and the autograd Function."""
+    """The bench times a call from an idle GPU: the first student GEMM goes out as soon as the plan is made,
+    before the teacher side, the label count and the autograd Function."""
     order = []
-    for name in ("start_student_logits", "teacher_head", "LabelCounts"):
+    for name in ("start_student_logits", "TeacherHead", "LabelCounts"):
         original = getattr(plan, name)
         monkeypatch.setattr(plan, name, lambda *a, _f=original, _n=name, **k: order.append(_n) or _f(*a, **k))
     original_apply = api._AttachGradients.apply
     monkeypatch.setattr(api._AttachGradients, "apply", lambda *a: order.append("apply") or original_apply(*a))
     problem = make_problem()
     fused_linear_cosine_distill(*problem.args()).backward()
-    assert order == ["start_student_logits", "teacher_head", "LabelCounts", "apply"]
+    assert order == ["start_student_logits", "TeacherHead", "LabelCounts", "apply"]
     assert rel_err(problem.student_weight.grad, reference(problem)[1][1]) < 1e-5
 
 
@@ -333,29 +338,28 @@ def test_backward_with_create_graph(chunk_size):
 
 @pytest.mark.parametrize("grad", [True, False])
 def test_host_reads_n_only_where_gradients_need_it(grad):
-    """With gradients the host reads N once the first row step is queued (1/N is the gradient GEMMs'
-    alpha); without, only after every chunk is queued, the loss divided by N on the device."""
+    """With gradients the host reads N once the first chunk's row steps are queued (1/N is the gradient
+    GEMMs' alpha); without, only after every chunk is queued, the loss divided by N on the device."""
     problem = make_problem(tokens=37, ignore_every=3)
     row_steps, steps_before_read = [], []
-    row_step = plan.pick_row_step("torch", problem.labels.device).step
+    row_step = TORCH.row_step.step
 
     def counting_row_step(*args, **kwargs):
         row_steps.append(1)
         return row_step(*args, **kwargs)
 
-    class RecordingCounts(plan.LabelCounts):
+    class RecordingCounts(LabelCounts):
         def wait(self):
             steps_before_read.append(len(row_steps))
             return super().wait()
 
     labels = problem.labels
+    teacher = LogitsTeacher(TeacherHead(problem.teacher_weight, None), counting_row_step, Options().scales, 8)
     result = chunked_loss_and_grads(
-        problem.student_input.detach(), problem.student_weight.detach(), None, problem.teacher_input,
-        plan.TeacherHead(problem.teacher_weight, None), labels,
-        plan.row_step_scales(0.5, 0.5, 0.5, 1.0, -100, None, None, 1.0, 1.0),
-        RecordingCounts(labels, -100, problem.student_weight.shape[0], None), counting_row_step, ChunkRows(16, 8),
-        (grad, grad, False), torch.float32)
-    assert len(row_steps) == 5 and steps_before_read == ([1] if grad else [5])
+        problem.student_input.detach(), problem.student_weight.detach(), None, problem.teacher_input, teacher, labels,
+        RecordingCounts(labels, -100, problem.student_weight.shape[0], None, TORCH, 0.5, 0.5), ChunkRows(16, 8),
+        (grad, grad, False), torch.float32, TORCH.scale_unless_one)
+    assert len(row_steps) == 5 and steps_before_read == ([2] if grad else [5])
     ref_losses, _ = reference(dataclasses.replace(problem, student_bias=None, teacher_bias=None))
     assert rel_err(0.5 * result.hard_loss + 0.5 * result.soft_loss, ref_losses[0]) < TOLERANCE[torch.float32][0]
 

@@ -14,9 +14,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import make_problem, rel_err
-from cosdistill import StaleWeightError, fp8, fused_linear_cosine_distill, gram, plan, weight_cache
-from cosdistill.fingerprint import fingerprint_torch, fingerprint_triton
-from cosdistill.selfcheck import TEACHER_MUTATIONS, check_teacher_caches
+from cosdistill import StaleWeightError, fused_linear_cosine_distill
+from cosdistill import _plan as plan
+from cosdistill import _teacher_fp8 as fp8
+from cosdistill import _teacher_gram as gram
+from cosdistill import _weight_cache as weight_cache
+from cosdistill._fingerprint import fingerprint_torch
+from cosdistill._plan import Options
+from cosdistill.kernels.fingerprint import fingerprint_triton
+from cosdistill.tools.check import TEACHER_MUTATIONS, check_teacher_caches
 
 VOCAB, HIDDEN_STUDENT, HIDDEN_TEACHER, TOKENS = 97, 8, 12, 120  # the Gram path is cheaper at these sizes
 
@@ -76,14 +82,13 @@ def assert_same(got, want):
 
 def gram_calls(monkeypatch) -> list:
     """Records whether each call ran the Gram path."""
-    calls, pick = [], plan.pick_gram_teacher
+    calls, applies = [], plan.gram_applies
 
-    def recording_pick(*args, **kwargs):
-        teacher = pick(*args, **kwargs)
-        calls.append(teacher is not None)
-        return teacher
+    def recording_applies(*args, **kwargs):
+        calls.append(applies(*args, **kwargs))
+        return calls[-1]
 
-    monkeypatch.setattr(plan, "pick_gram_teacher", recording_pick)
+    monkeypatch.setattr(plan, "gram_applies", recording_applies)
     return calls
 
 
@@ -134,7 +139,7 @@ def test_on_a_gpu_the_stale_call_is_nan_and_the_next_one_raises(on_device_compar
 
 
 def test_on_a_gpu_a_stale_no_grad_call_and_the_compiled_op_are_nan_too(on_device_comparison):
-    from cosdistill.ops import compiled_distill
+    from cosdistill._compile import compiled_distill
 
     generator = torch.Generator().manual_seed(3)
     head, (student_input, student_weight, teacher_input, labels) = (teacher_module(generator=generator),
@@ -146,10 +151,10 @@ def test_on_a_gpu_a_stale_no_grad_call_and_the_compiled_op_are_nan_too(on_device
         assert torch.isnan(fused_linear_cosine_distill(*args, cosine_via="gram"))
     with pytest.raises(StaleWeightError):
         fused_linear_cosine_distill(*args, cosine_via="gram")
-    compiled_distill(*args, cosine_via="gram").backward()  # rebuilt, then changed behind the version counter
+    compiled_distill(Options(cosine_via="gram"), *args).backward()  # rebuilt, then changed behind the version counter
     copy_through_data(head, generator)
     student_input.grad = student_weight.grad = None
-    loss = compiled_distill(*args, cosine_via="gram")
+    loss = compiled_distill(Options(cosine_via="gram"), *args)
     loss.backward()
     assert torch.isnan(loss) and torch.isnan(student_input.grad).all() and torch.isnan(student_weight.grad).all()
 
@@ -170,11 +175,11 @@ def test_a_teacher_made_under_inference_mode_is_cached_and_checked():
 def test_detached_aliases_share_the_cached_value_and_its_checks():
     """Keyed on the storage: ``weight.detach()`` per call reuses the value, and is checked like the weight."""
     weight = teacher_module().weight
-    first = gram.teacher_grams.get(weight.detach()).value
-    assert gram.teacher_grams.get(weight.detach()).value is first
+    first = gram.teacher_grams.get(weight.detach(), fingerprint_torch).value
+    assert gram.teacher_grams.get(weight.detach(), fingerprint_torch).value is first
     weight.data.add_(1.0)
     with pytest.raises(StaleWeightError):
-        gram.teacher_grams.get(weight.detach())
+        gram.teacher_grams.get(weight.detach(), fingerprint_torch)
 
 
 @pytest.mark.parametrize("name, outcome", OUTCOMES.items())
@@ -183,12 +188,12 @@ def test_the_fp8_copy_is_rebuilt_or_raises(name, outcome):
     mutation = TEACHER_MUTATIONS[name]
     generator = torch.Generator().manual_seed(5)
     head = teacher_module(generator=generator)
-    fp8.quantized_weights.get(head.weight)
+    fp8.quantized_weights.get(head.weight, fingerprint_torch)
     mutation(head, generator)
     if outcome == "stale":
         with pytest.raises(StaleWeightError, match="FP8 copy"):
-            fp8.quantized_weights.get(head.weight)
-    got = fp8.quantized_weights.get(head.weight).value
+            fp8.quantized_weights.get(head.weight, fingerprint_torch)
+    got = fp8.quantized_weights.get(head.weight, fingerprint_torch).value
     want = fp8._quantize_weight(head.weight.detach().clone())
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
 
@@ -207,7 +212,7 @@ def test_property_any_mutation_between_calls_matches_a_fresh_copy(seed, name, vo
     student = student_and_labels(vocab=vocab, tokens=TOKENS, generator=generator)
     for _ in range(1 + calls_between):
         call(head.weight, student, cosine_via="gram")
-        fp8.quantized_weights.get(head.weight)
+        fp8.quantized_weights.get(head.weight, fingerprint_torch)
     TEACHER_MUTATIONS[name](head, generator)
     fresh = call(head.weight.detach().clone(), student, cosine_via="gram")
     fresh_fp8 = fp8._quantize_weight(head.weight.detach().clone())
@@ -223,14 +228,14 @@ def test_property_any_mutation_between_calls_matches_a_fresh_copy(seed, name, vo
         else:
             assert_same(got, fresh)
     try:
-        cached = fp8.quantized_weights.get(head.weight)
+        cached = fp8.quantized_weights.get(head.weight, fingerprint_torch)
     except StaleWeightError:
         assert not on_device
     else:
         if on_device and OUTCOMES[name] == "stale":
             assert torch.isnan(cached.poison)
             with pytest.raises(StaleWeightError):
-                fp8.quantized_weights.get(head.weight)
+                fp8.quantized_weights.get(head.weight, fingerprint_torch)
         else:
             assert cached.poison is None or cached.poison == 0
             assert torch.equal(cached.value[0].view(torch.uint8), fresh_fp8[0].view(torch.uint8))
@@ -268,12 +273,12 @@ def test_the_student_changed_in_place_before_backward_raises(changed, chunk_size
 
 
 def test_the_compiled_op_returns_the_forward_time_gradient_of_a_student_changed_before_backward():
-    """The op computes its gradients in forward (ops.py): a later change of the student does not reach them."""
-    from cosdistill.ops import compiled_distill
+    """The op computes its gradients in forward (_compile.py): a later change of the student does not reach them."""
+    from cosdistill._compile import compiled_distill
 
     problem = make_problem(tokens=40, bias=False)
     want = torch.autograd.grad(fused_linear_cosine_distill(*problem.args()), problem.student_leaves())
-    loss = compiled_distill(*problem.args())
+    loss = compiled_distill(Options(), *problem.args())
     with torch.no_grad():
         problem.student_input.mul_(3.0)
     got = torch.autograd.grad(loss, problem.student_leaves())

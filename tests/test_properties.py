@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from conftest import TOLERANCE, Problem, problem_around, reference, rel_err
 from cosdistill import fused_linear_cosine_distill
 from cosdistill.reference import naive_cosine_distill
-from cosdistill.selfcheck import accumulation_floor, ignore_some_labels, logits_rounding_floors
+from cosdistill.tools.check import accumulation_floor, ignore_some_labels, logits_rounding_floors
 
 PRIMES = (2, 3, 5, 7, 31, 97, 101, 127, 257, 509, 1021, 1031, 2039, 4093, 4999)
 MIN_STUDENT_HIDDEN = 4

@@ -5,8 +5,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cosdistill.row_step import RowStepScales, row_step_torch, scale_and_softcap
-from cosdistill.row_step_triton import row_step_triton
+from cosdistill._row_step import RowStepScales, row_step_torch, scale_and_softcap
+from cosdistill.kernels.row_step_triton import row_step_triton
 
 POISON = 12345.0
 
@@ -121,8 +121,8 @@ def shard_bounds(vocab_teacher, shards, generator):
 def test_statistics_of_vocabulary_shards_combine_to_the_whole_row_step(impl_name, vocab_student, vocab_teacher,
                                                                        shards, softcaps):
     """Each shard's statistics, combined, then each shard's gradient: the unsplit row step, column for column."""
-    from cosdistill.row_step import TORCH_ROW_STEP, combine_row_stats
-    from cosdistill.row_step_triton import TRITON_ROW_STEP
+    from cosdistill._row_step import TORCH_ROW_STEP, combine_row_stats
+    from cosdistill.kernels.row_step_triton import TRITON_ROW_STEP
 
     impl = {"torch": TORCH_ROW_STEP, "triton": TRITON_ROW_STEP}[impl_name]
     generator = torch.Generator().manual_seed(vocab_teacher * shards)
@@ -144,7 +144,7 @@ def test_statistics_of_vocabulary_shards_combine_to_the_whole_row_step(impl_name
 
 
 def test_triton_statistics_and_gradient_kernels_match_the_fused_kernel():
-    from cosdistill.row_step_triton import row_grad_triton, row_stats_triton
+    from cosdistill.kernels.row_step_triton import row_grad_triton, row_stats_triton
 
     student, teacher, labels = random_chunk(7, 300, 301, torch.bfloat16)
     scales = RowStepScales(0.37, 0.81, 0.6, 1.7, -7)

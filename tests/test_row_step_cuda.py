@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosdistill import plan, row_step_cuda
-from cosdistill.row_step import RowStepScales, row_step_torch
+from cosdistill._backends import TORCH, backend_for
+from cosdistill._row_step import RowStepScales, row_step_torch
+from cosdistill.kernels import row_step_cuda
 
 PLAIN = RowStepScales(weight_hard=0.4, weight_soft=0.6, beta=0.9, temperature=1.5, ignore_index=-100)
 
@@ -172,8 +173,8 @@ def test_supported_only_where_the_kernel_is_the_spec(monkeypatch):
 def test_not_available_on_the_cpu():
     assert not row_step_cuda.available(torch.device("cpu"))
     with pytest.raises(ValueError, match="thread block clusters"):
-        plan.pick_row_step("cuda", torch.device("cpu"))
-    assert plan.pick_row_step("auto", torch.device("cpu")) is plan.TORCH_ROW_STEP
+        backend_for("cuda", torch.device("cpu"))
+    assert backend_for("auto", torch.device("cpu")) is TORCH
 
 
 def test_falls_back_to_triton_where_unsupported():
@@ -216,24 +217,24 @@ def test_launch_walks_past_spilling_layouts_and_falls_back_to_8_blocks(monkeypat
 
 
 def test_auto_picks_the_cluster_step_where_available(monkeypatch):
-    from cosdistill.row_step_triton import TRITON_ROW_STEP
+    from cosdistill.kernels.row_step_triton import TRITON_ROW_STEP
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(row_step_cuda, "available", lambda device: True)
-    assert plan.pick_row_step("auto", cuda) is row_step_cuda.CUDA_ROW_STEP
-    assert plan.pick_row_step("cuda", cuda) is row_step_cuda.CUDA_ROW_STEP
-    assert plan.pick_row_step("triton", cuda) is TRITON_ROW_STEP
+    assert backend_for("auto", cuda).row_step is row_step_cuda.CUDA_ROW_STEP
+    assert backend_for("cuda", cuda).row_step is row_step_cuda.CUDA_ROW_STEP
+    assert backend_for("triton", cuda).row_step is TRITON_ROW_STEP
     monkeypatch.setattr(row_step_cuda, "available", lambda device: False)  # before Hopper
-    assert plan.pick_row_step("auto", cuda) is TRITON_ROW_STEP
+    assert backend_for("auto", cuda).row_step is TRITON_ROW_STEP
     with pytest.raises(ValueError, match="thread block clusters"):
-        plan.pick_row_step("cuda", cuda)
+        backend_for("cuda", cuda)
 
 
 def test_selfcheck_runs_the_cluster_kernel_where_it_applies(monkeypatch):
     """gpu_check's "row step cuda vs torch" rows: the kernel gets plain scales and is called (its Triton
     fallback would pass vacuously); a case it does not apply to is left to the Triton rows."""
-    from cosdistill import selfcheck
-    from cosdistill.row_step import RowStepImpl
+    from cosdistill._row_step import RowStepImpl
+    from cosdistill.tools import check as selfcheck
 
     calls = []
 

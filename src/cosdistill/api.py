@@ -1,10 +1,11 @@
 """Public API: the loss as a function and a module, and the autograd wrapper that hands the chunk loop's
-gradients to autograd. The set-up lives in plan.py; under torch.compile the call goes to ops.py."""
+gradients to autograd. Both check their options into one ``_plan.Options`` and run ``_plan.make_plan``'s
+plan; under torch.compile the call goes to the custom op of _compile.py."""
 
 import torch
 
-from .device import on_device_of
-from .plan import check_options, check_tensors, check_vocab_parallel, loss_and_grads
+from ._device import on_device_of
+from ._plan import Options, check_tensors, check_vocab_parallel, make_plan, run
 
 
 def fused_linear_cosine_distill(
@@ -55,7 +56,7 @@ def fused_linear_cosine_distill(
     Extra keywords: ``num_valid_tokens`` (a positive number or 0-d tensor, e.g. a count all-reduced
     across ranks), ``accum_dtype`` (dtype of the grad_weight accumulator: None, the weight's dtype
     but fp32 for fp16 weights; the weight's dtype; or torch.float32), ``impl`` ("auto": on Hopper or
-    newer the CUDA cluster row step (row_step_cuda.py) where it applies and Triton elsewhere, Triton
+    newer the CUDA cluster row step (kernels/row_step_cuda.py) where it applies and Triton elsewhere, Triton
     on older GPUs, torch on the CPU; "torch"; "triton": the Triton kernels only; "cuda": as "auto",
     but an error where clusters are unavailable),
     ``teacher_precision`` (None: the teacher GEMM in the teacher's dtype; "fp8": in FP8 e4m3 with
@@ -67,7 +68,7 @@ def fused_linear_cosine_distill(
     ``vocab_parallel`` (both heads split along the vocabulary over ranks: pass the local weight shards
     and a ``cosdistill.distributed.VocabParallelOptions``; see that module),
     ``cosine_via`` ("logits": the teacher's logits GEMM, chunk by chunk; "gram": no teacher logits at
-    all, s.t and |t|^2 and the soft term's gradient through the heads' Gram matrices (gram.py), for
+    all, s.t and |t|^2 and the soft term's gradient through the heads' Gram matrices (_teacher_gram.py), for
     heads without biases or softcaps, not vocabulary-parallel, not with the FP8 teacher, in bf16 or
     fp32, and for inputs whose products stay in fp32's range; "auto": "gram" where it applies and
     costs fewer FLOPs, about T > 2 * student hidden size, counting the teacher's Gram matrix where the
@@ -76,43 +77,49 @@ def fused_linear_cosine_distill(
     it is kept for compatibility with Liger, where it has no effect on this loss either.
     ``compiled`` is accepted for compatibility with Liger and changes nothing.
     The teacher's Gram matrix and FP8 copy are cached while the teacher weight is unchanged: a call gives
-    what a call on a fresh copy of the weight gives, or raises ``StaleWeightError`` (weight_cache.py).
+    what a call on a fresh copy of the weight gives, or raises ``StaleWeightError`` (_weight_cache.py).
     ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget (on the seed
     workload, 2048 tokens per chunk with the teacher's logits in halves of 1024).
     """
-    if torch.compiler.is_compiling():  # torch.compile: the registered custom op, see ops.py
-        # Imported here: registering the op at import would clash with a second copy of the package
-        # loaded side by side (benchmarks/ab_study.py times an old tree against this one).
-        from . import ops
+    options = Options(
+        weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
+        temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
+        teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+        student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale, cosine_via=cosine_via,
+    )
+    return distill(options, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
+                   teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
+                   return_soft_hard_loss=return_soft_hard_loss)
 
-        return ops.compiled_distill(
-            student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
-            weight_hard_loss, weight_soft_loss, beta, ignore_index, temperature, compiled, chunk_size,
-            return_soft_hard_loss, num_valid_tokens=num_valid_tokens, accum_dtype=accum_dtype, impl=impl,
-            teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
-            student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale,
-            vocab_parallel=vocab_parallel, cosine_via=cosine_via,
+
+def distill(options: Options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
+            student_bias=None, teacher_bias=None, *, num_valid_tokens=None, vocab_parallel=None,
+            return_soft_hard_loss=False):
+    """The loss for checked options: the function's and the module's body."""
+    if torch.compiler.is_compiling():  # torch.compile: the registered custom op, see _compile.py
+        # Imported here: registering the op at import would clash with a second copy of the package
+        # loaded side by side (the A/B timing of an old tree against this one).
+        from . import _compile
+
+        return _compile.compiled_distill(
+            options, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
+            teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
+            return_soft_hard_loss=return_soft_hard_loss,
         )
     check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
-                   teacher_bias, ignore_index)
-    check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
-                  teacher_precision, num_valid_tokens, cosine_via)
+                  teacher_bias, options.ignore_index, num_valid_tokens)
     if vocab_parallel is not None:
         check_vocab_parallel(vocab_parallel, student_weight, teacher_weight)
     labels = true_labels.reshape(-1).contiguous()
     flat_input = student_input.reshape(labels.numel(), student_input.shape[-1])
     needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
                        for t in (student_input, student_weight, student_bias))
+    plan = make_plan(options, student_weight, student_bias, teacher_weight, teacher_bias, labels.numel(), needs_grad,
+                     vocab_parallel)
     with on_device_of(student_input), torch.no_grad():  # the loop computes the gradients itself
-        result = loss_and_grads(
-            flat_input, student_weight, student_bias, teacher_input.reshape(labels.numel(), teacher_input.shape[-1]),
-            teacher_weight, teacher_bias, labels, needs_grad, weight_hard_loss=weight_hard_loss,
-            weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index, temperature=temperature,
-            chunk_size=chunk_size, num_valid_tokens=num_valid_tokens, accum_dtype=accum_dtype, impl=impl,
-            teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
-            student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale,
-            vocab_parallel=vocab_parallel, cosine_via=cosine_via,
-        )
+        result = run(plan, flat_input, student_weight, student_bias,
+                     teacher_input.reshape(labels.numel(), teacher_input.shape[-1]), teacher_weight, teacher_bias,
+                     labels, num_valid_tokens)
     loss = result.loss
     if result.gradients is not None:
         loss = _AttachGradients.apply(loss, result.gradients, flat_input, student_weight, student_bias)
@@ -143,31 +150,19 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
         cosine_via="auto",
     ):
         super().__init__()
-        self.options = dict(
-            weight_hard_loss=weight_hard_loss,
-            weight_soft_loss=weight_soft_loss,
-            beta=beta,
-            ignore_index=ignore_index,
-            temperature=temperature,
-            compiled=compiled,
-            chunk_size=chunk_size,
-            return_soft_hard_loss=return_soft_hard_loss,
-            accum_dtype=accum_dtype,
-            impl=impl,
-            teacher_precision=teacher_precision,
-            student_softcap=student_softcap,
-            teacher_softcap=teacher_softcap,
-            student_logit_scale=student_logit_scale,
-            teacher_logit_scale=teacher_logit_scale,
-            cosine_via=cosine_via,
+        self.options = Options(
+            weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
+            temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
+            teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+            student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale, cosine_via=cosine_via,
         )
+        self.return_soft_hard_loss = return_soft_hard_loss
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
                 teacher_bias=None, *, num_valid_tokens=None):
-        return fused_linear_cosine_distill(
-            student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
-            num_valid_tokens=num_valid_tokens, **self.options,
-        )
+        return distill(self.options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
+                       student_bias, teacher_bias, num_valid_tokens=num_valid_tokens,
+                       return_soft_hard_loss=self.return_soft_hard_loss)
 
 
 class _AttachGradients(torch.autograd.Function):

@@ -67,7 +67,7 @@ class DataParallelCosineDistillLoss(FusedLinearCosineDistillLoss):
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
                 teacher_bias=None, *, num_valid_tokens=None):
         if num_valid_tokens is None:
-            num_valid_tokens = data_parallel_num_valid_tokens(true_labels, self.options["ignore_index"], self.group)
+            num_valid_tokens = data_parallel_num_valid_tokens(true_labels, self.options.ignore_index, self.group)
         return super().forward(
             student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
             num_valid_tokens=num_valid_tokens,

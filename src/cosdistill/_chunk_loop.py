@@ -1,37 +1,22 @@
 """The chunk loop: logits GEMMs into preallocated buffers, the fused row step, gradient GEMMs.
 
-Everything the loss costs happens in ``chunked_loss_and_grads``, called by the loss itself (the API
-queues its first GEMM earlier, ``start_student_logits``): per chunk of tokens, two cuBLAS GEMMs write
-the student and teacher logits into reused buffers (the teacher's in sub-chunks), the row step turns
-the student buffer into d loss / d logits in place, and two more GEMMs turn that into grad_input
+Everything the loss costs happens in ``chunked_loss_and_grads``: per chunk of tokens, a cuBLAS GEMM
+writes the student's logits into a reused buffer, the teacher side (``TeacherSide``: its logits GEMM in
+sub-chunks, _teacher_logits.py, or its Gram matrices, _teacher_gram.py) runs the fused row step, which
+turns the student buffer into d loss / d logits in place, and two more GEMMs turn that into grad_input
 (written straight into its slice) and grad_weight (accumulated). Backward applies grad_output, folding
 it into the last chunk's grad_weight GEMM (``Gradients.finish``), and runs the last chunk's grad_input
 GEMM while the host reads grad_output.
-On the Gram path (``gram``, gram.py) there is no teacher GEMM or buffer: the row step gets the
-teacher's terms from Gram matrices, and adds the soft term's share to grad_input's rows and, after
-the loop, to grad_weight.
 """
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
-from .device import HostCopy, addmm_into
-from .grad_output import scale_unless_one_
-from .row_step import RowStepImpl, RowStepScales, combine_row_stats
-
-if TYPE_CHECKING:
-    from .gram import GramTeacher
-
-
-class GramOutOfRange(Exception):
-    """The Gram path's fp32 products could overflow for this call's inputs (``GramTeacher.out_of_range``):
-    the caller runs it on the logits path instead, or raises."""
-
-
-RowStep = Callable[..., None]  # (student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None)
+from ._device import HostCopy, addmm_into
+from ._teacher_logits import logits_into as _logits_into
 
 
 class Normaliser(Protocol):
@@ -40,53 +25,9 @@ class Normaliser(Protocol):
 
     def launch(self) -> None: ...
 
-    def mean_losses(self, token_losses: torch.Tensor, weight_hard: float, weight_soft: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # loss, soft, hard
+    def mean_losses(self, token_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # loss, soft, hard
 
     def wait(self) -> float: ...
-
-
-class VocabParallel(Protocol):
-    """Both LM heads split along the vocabulary over ranks: this rank holds the teacher's rows
-    [start, stop) and the student's rows from start up to min(stop, vocab_student).
-    ``cosdistill.distributed.VocabParallelOptions`` implements it with torch.distributed."""
-
-    start: int
-    stop: int
-    vocab_student: int  # the student's whole vocabulary
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...  # [ranks, *tensor.shape]
-
-    def all_reduce(self, tensor: torch.Tensor) -> None: ...  # sum, in place
-
-
-def split_row_step(impl: RowStepImpl, vocab_parallel: VocabParallel) -> RowStep:
-    """The row step over a split vocabulary: each rank's row statistics, combined across ranks (O(rows)
-    traffic, never the logits), then each rank's losses and the gradient of its own logits."""
-
-    def row_step(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None):
-        shard_stats = impl.stats(student_logits, teacher_logits, labels, scales)
-        stats = combine_row_stats(vocab_parallel.all_gather(shard_stats))  # every rank: the same lifts
-        impl.grad(student_logits, teacher_logits, labels, stats, scales, token_losses, write_grad, grad_lifts)
-
-    return row_step
-
-# At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole grad_weight,
-# and below ~1024 rows that traffic shows (V = 262144 at 512 rows: 1.34x the floor, at 1024: 1.25x).
-# More rows while the two logits buffers stay small (small vocabularies: V = 32000's bare chunk loop
-# ran 1.02x the floor at 4096 rows, 1.05x at 2048), and fewer than 1024 only past a
-# hard budget. The seed vocabulary's chunks are set by the rules below, not by this one.
-MIN_PREFERRED_ROWS = 1024
-SMALL_BUFFER_BYTES = 512 * 2**20  # grow the chunk up to this...
-MAX_BUFFER_BYTES = 5 * 2**28  # ...and shrink it below MIN_PREFERRED_ROWS only past this (1.25 GiB)
-CHUNK_MULTIPLE = 64
-# The student's chunk (its logits GEMM and the two gradient GEMMs) this long where the hard budget
-# allows, the teacher's logits computed in sub-chunks: the gradient GEMMs cost less per token at 2048
-# rows (the grad_weight traffic per chunk halves), for a larger student buffer only. The
-# teacher's sub-chunks shrink to MIN_TEACHER_ROWS first to make room (V = 262144: 2048 / 512 ran 3%
-# faster than 1024 / 1024; docs/design.md, Chunking and buffers).
-MIN_STUDENT_ROWS = 2048
-MIN_TEACHER_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -95,34 +36,31 @@ class ChunkRows:
     teacher: int  # tokens per teacher logits GEMM and row step, inside a chunk (<= student)
 
 
-def _budget_rows(row_bytes: int) -> int:
-    rows = max(MIN_PREFERRED_ROWS, SMALL_BUFFER_BYTES // row_bytes)
-    return min(rows, max(CHUNK_MULTIPLE, MAX_BUFFER_BYTES // row_bytes)) // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+class TeacherSide(Protocol):
+    """What the chunk loop asks of the teacher; everything that depends on how its terms are formed."""
 
+    adds_grad_input_share: bool  # whether it adds a share of grad_input beside d loss / d s's GEMM
+    poison: torch.Tensor | None  # 0-d, NaN where a cached copy of the teacher weight was stale; None: nothing cached
 
-@functools.lru_cache(maxsize=256)  # a pure function of its arguments, called every step: ~10 us of host time
-def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, vocab_teacher: int,
-               itemsize: int, write_grad: bool = True) -> ChunkRows:
-    """Rows per chunk: ``chunk_size`` for both heads if given, else from T, the vocabularies and the
-    budgets above (docs/design.md, Chunking and buffers). Without gradients (no grad_weight buffer) the teacher's
-    sub-chunks grow to the student's chunk where both buffers fit the hard budget: fewer teacher
-    GEMMs, each reading the whole teacher weight."""
-    if chunk_size is not None:
-        rows = max(1, min(chunk_size, num_tokens))
-        return ChunkRows(rows, rows)
-    student_row, teacher_row = max(1, vocab_student * itemsize), max(1, vocab_teacher * itemsize)
-    teacher = _budget_rows(student_row + teacher_row)
-    student = max(teacher, MIN_STUDENT_ROWS)
-    room = (MAX_BUFFER_BYTES - student * student_row) // teacher_row // CHUNK_MULTIPLE * CHUNK_MULTIPLE
-    if room >= MIN_TEACHER_ROWS:  # the long student chunk fits, with teacher sub-chunks of at most `room` rows
-        teacher = min(teacher, room)
-    else:  # student rows within what the teacher's buffer leaves of the hard budget
-        student_cap = (MAX_BUFFER_BYTES - teacher * teacher_row) // student_row
-        student = max(teacher, min(MIN_STUDENT_ROWS, student_cap) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
-    student = max(1, min(student, num_tokens))
-    if not write_grad and student * (student_row + teacher_row) <= MAX_BUFFER_BYTES:
-        teacher = student
-    return ChunkRows(student, min(teacher, student))
+    def start(self, student_input: torch.Tensor, teacher_input: torch.Tensor) -> None:
+        """Queued once the first chunk's student GEMM is: buffers, cached matrices."""
+
+    def row_step(self, student_logits, student_hidden, teacher_hidden, labels, token_losses, write_grad,
+                 lifts=None) -> None:
+        """One chunk's losses into token_losses and (write_grad) d loss / d s into student_logits, in place;
+        lifts: fp16's powers of two per row (the row step's grad_lifts)."""
+
+    def check_range(self) -> None:
+        """Raise if this call's inputs were out of the side's range (read once N is read)."""
+
+    def grad_input_share_into(self, grad_input_rows: torch.Tensor, inv_normaliser: float) -> bool:
+        """Write its share of the last chunk's grad_input rows; whether it wrote (adds_grad_input_share)."""
+
+    def accumulate(self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> None:
+        """The last chunk's part of its grad_weight share."""
+
+    def grad_weight_share_into(self, grad_weight: torch.Tensor, alpha: float, beta: float) -> bool:
+        """grad_weight = beta * grad_weight + alpha * its share, after the loop; whether it wrote."""
 
 
 @dataclass
@@ -148,6 +86,7 @@ class Gradients:
     last_grad_input: torch.Tensor | None = None  # the last chunk's rows of grad_input, their GEMM not run yet
     student_weight: torch.Tensor | None = None  # for that GEMM
     poison: torch.Tensor | None = None  # the teacher side's (NaN where a cached teacher copy was stale), added to grad_output
+    scale_unless_one: Callable | None = None  # the backend's (_backends.py): grad_input's and grad_bias's scaling
 
     @torch.no_grad()  # backward(create_graph=True) runs it in grad mode; the views here were made in no_grad
     def finish(self, grad_output: torch.Tensor | None = None):
@@ -168,10 +107,10 @@ class Gradients:
                 rows = self.grad_input[start : start + self.chunk_rows]
                 factors = 1.0 / self.grad_input_lifts[start : start + self.chunk_rows, None]  # exact: powers of two
                 rows.copy_(rows.float() * (factors if grad_output is None else factors * grad_output))
-        elif self.grad_input is not None:
-            scale_unless_one_(self.grad_input, grad_output)
-        if self.grad_bias is not None:
-            scale_unless_one_(self.grad_bias, grad_output)
+        elif self.grad_input is not None and grad_output is not None:
+            self.scale_unless_one(self.grad_input, grad_output)
+        if self.grad_bias is not None and grad_output is not None:
+            self.scale_unless_one(self.grad_bias, grad_output)
         return self.grad_input, self.grad_weight, self.grad_bias
 
     def _scale_on_host(self) -> bool:
@@ -190,7 +129,7 @@ class Gradients:
             alpha, beta = alpha * scale, beta * scale
         elif grad_output is not None:
             hidden = hidden.clone()
-            scale_unless_one_(hidden, grad_output)
+            self.scale_unless_one(hidden, grad_output)
         _grad_weight_gemm(self.grad_weight, self.last_grad_logits, hidden, alpha=alpha, beta=beta)
 
 
@@ -200,34 +139,6 @@ class ChunkResult:
     soft_loss: torch.Tensor
     hard_loss: torch.Tensor
     gradients: Gradients | None  # None when no gradient was asked for
-
-
-def _logits_into(out, hidden, weight, bias):
-    if bias is None:
-        torch.mm(hidden, weight.t(), out=out)
-    else:
-        torch.addmm(bias, hidden, weight.t(), out=out)
-
-
-class TeacherHead:
-    """The teacher's logits GEMM in the weight's own dtype (fp8.Fp8TeacherHead is the FP8 one)."""
-
-    poison = None  # a head built from a cached copy of the weight: NaN where that copy was stale (weight_cache.py)
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.weight, self.bias = weight, bias
-        self.vocab, self.logits_dtype = weight.shape[0], weight.dtype
-
-    def buffer_rows(self, rows: int) -> int:
-        return rows
-
-    def start_chunk(self, hidden: torch.Tensor) -> None:
-        """The chunk's teacher hidden rows, which ``logits_into`` then takes in sub-chunks."""
-        self.chunk_hidden = hidden
-
-    def logits_into(self, out: torch.Tensor, start: int, stop: int) -> None:
-        """out[:stop - start] = the chunk's rows start..stop @ weight.T (+ bias)."""
-        _logits_into(out[: stop - start], self.chunk_hidden[start:stop], self.weight, self.bias)
 
 
 def _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha, beta):
@@ -306,9 +217,9 @@ class _Unlift:
 
 
 def start_student_logits(student_input, student_weight, student_bias, rows: ChunkRows) -> torch.Tensor:
-    """The student's logits buffer with the first chunk's GEMM queued into it. The API calls this as soon as
-    the chunk rows are known, before the rest of its set-up, so that the GPU starts while the host works
-    (the bench times a call from an idle GPU; docs/design.md, Host latency)."""
+    """The student's logits buffer with the first chunk's GEMM queued into it. The set-up calls this as soon as
+    the chunk rows are known, before the teacher side's, so that the GPU starts while the host works (the
+    bench times a call from an idle GPU; docs/design.md, Host latency)."""
     student_logits = torch.empty(rows.student, student_weight.shape[0], dtype=student_weight.dtype,
                                  device=student_input.device)
     first_rows = min(rows.student, student_input.shape[0])
@@ -321,21 +232,19 @@ def chunked_loss_and_grads(
     student_weight: torch.Tensor,  # [Vs, Hs]
     student_bias: torch.Tensor | None,
     teacher_input: torch.Tensor,  # [T, Ht]
-    teacher: TeacherHead,
+    teacher: TeacherSide,
     labels: torch.Tensor,  # [T]
-    scales: RowStepScales,
     normaliser: Normaliser,
-    row_step: RowStep,
     rows: ChunkRows,
     needs_grad: tuple[bool, bool, bool],  # input, weight, bias
     accum_dtype: torch.dtype,
+    scale_unless_one: Callable,  # the backend's, for grad_output in backward
     reduce_grad_input: Callable[[torch.Tensor], None] | None = None,  # sums it over a vocabulary split
-    gram: "GramTeacher | None" = None,  # the teacher through Gram matrices instead of `teacher` (gram.py)
     student_logits: torch.Tensor | None = None,  # from start_student_logits, if the caller queued it; None: here
 ) -> ChunkResult:
     """The row step does not need N (1/N is the gradient GEMMs' alpha), so N is counted behind the first
-    chunk's student logits GEMM and, with gradients, waited for once the first row step is queued: the
-    GPU never idles on it. The loss is divided by N on the device, so that without gradients the host
+    chunk's student logits GEMM and, with gradients, waited for once the first chunk's row step is queued:
+    the GPU never idles on it. The loss is divided by N on the device, so that without gradients the host
     reads N (to raise on bad labels) only once everything is queued."""
     num_tokens, hidden_student = student_input.shape
     vocab_student = student_weight.shape[0]
@@ -348,12 +257,7 @@ def chunked_loss_and_grads(
     if student_logits is None:
         student_logits = start_student_logits(student_input, student_weight, student_bias, rows)
     normaliser.launch()
-    if gram is not None:
-        gram.check_range(student_input, teacher_input, scales)
-    teacher_logits = None
-    if gram is None:
-        teacher_logits = torch.empty(teacher.buffer_rows(rows.teacher), teacher.vocab, dtype=teacher.logits_dtype,
-                                     device=device)
+    teacher.start(student_input, teacher_input)
     token_losses = torch.empty(num_tokens, 2, dtype=torch.float32, device=device)
     grad_input = torch.empty(num_tokens, hidden_student, dtype=student_input.dtype, device=device) if needs_grad[0] else None
     grad_weight = None
@@ -366,46 +270,31 @@ def chunked_loss_and_grads(
     # The last chunk's grad_input GEMM runs in backward where backward waits to read grad_output on the
     # host: several chunks (Gradients). With one chunk nothing waits, and the GPU would idle instead
     # while the host went from the row step to backward. Not with fp16's lifted rows either, nor when
-    # grad_input is summed over a vocabulary split here in forward, nor on the Gram path (its GEMM adds
-    # to the soft term's share, written first).
+    # grad_input is summed over a vocabulary split here in forward, nor when the teacher side adds its
+    # share of grad_input (written first).
     defer_grad_input = (num_tokens > chunk and grad_input is not None and grad_weight is not None and unlift is None
-                        and reduce_grad_input is None and gram is None)
+                        and reduce_grad_input is None and not teacher.adds_grad_input_share)
 
     inv_normaliser = None  # 1 / N on the host, for the gradient GEMMs
     weight_started = False  # whether grad_weight holds a sum yet (the first GEMM overwrites it)
     for start in range(0, num_tokens, chunk):
         stop = min(start + chunk, num_tokens)
-        hidden = student_input[start:stop]
-        chunk_student = student_logits[: stop - start]
+        hidden, teacher_hidden = student_input[start:stop], teacher_input[start:stop]
+        grad_logits = student_logits[: stop - start]  # the chunk's logits, d loss / d logits after the row step
         if start:  # the first chunk's is queued above
-            _logits_into(chunk_student, hidden, student_weight, student_bias)
-        if gram is not None:
-            gram.row_step(chunk_student, hidden, teacher_input[start:stop], labels[start:stop], scales,
-                          token_losses[start:stop], write_grad)
-        else:
-            teacher.start_chunk(teacher_input[start:stop])
-            for part in range(start, stop, rows.teacher):
-                part_stop = min(part + rows.teacher, stop)
-                teacher.logits_into(teacher_logits, part - start, part_stop - start)
-                lifts = () if unlift is None else (unlift.lifts[part - start : part_stop - start],)
-                row_step(student_logits[part - start : part_stop - start], teacher_logits[: part_stop - part],
-                         labels[part:part_stop], scales, token_losses[part:part_stop], write_grad, *lifts)
-                if write_grad and inv_normaliser is None:
-                    inv_normaliser = 1.0 / normaliser.wait()
-        if write_grad and inv_normaliser is None:  # the Gram path: once its row step is queued
+            _logits_into(grad_logits, hidden, student_weight, student_bias)
+        teacher.row_step(grad_logits, hidden, teacher_hidden, labels[start:stop], token_losses[start:stop], write_grad,
+                         None if unlift is None else unlift.lifts[: stop - start])
+        if write_grad and inv_normaliser is None:
             inv_normaliser = 1.0 / normaliser.wait()
-            if gram.out_of_range():
-                raise GramOutOfRange
-        grad_logits = chunk_student  # overwritten in place by the row step
+            teacher.check_range()
         if grad_input is not None and unlift is not None:
             unlift.grad_input_into(grad_input, start, grad_logits, student_weight, inv_normaliser, reduce_grad_input)
-        elif grad_input is not None and gram is not None:
-            gram.grad_input_into(grad_input[start:stop], inv_normaliser)
-            grad_input[start:stop].addmm_(grad_logits, student_weight, beta=1.0, alpha=inv_normaliser)
         elif grad_input is not None and not (defer_grad_input and stop == num_tokens):
-            grad_input[start:stop].addmm_(grad_logits, student_weight, beta=0.0, alpha=inv_normaliser)
-        if gram is not None and grad_weight is not None:
-            gram.accumulate(hidden, teacher_input[start:stop])
+            shared = teacher.grad_input_share_into(grad_input[start:stop], inv_normaliser)
+            grad_input[start:stop].addmm_(grad_logits, student_weight, beta=1.0 if shared else 0.0, alpha=inv_normaliser)
+        if grad_weight is not None:
+            teacher.accumulate(hidden, teacher_hidden)
         correct = unlift is not None and (grad_weight is not None or grad_bias is not None)
         raw_hidden = hidden
         if correct:
@@ -425,17 +314,15 @@ def chunked_loss_and_grads(
 
     if grad_input is not None and reduce_grad_input is not None and unlift is None:
         reduce_grad_input(grad_input)
-    if gram is not None and grad_weight is not None and num_tokens:  # before the last chunk's GEMM, in backward
-        gram.grad_weight_into(grad_weight, alpha=inv_normaliser, beta=1.0 if weight_started else 0.0)
+    if grad_weight is not None and num_tokens and teacher.grad_weight_share_into(  # before the last chunk's GEMM
+            grad_weight, alpha=inv_normaliser, beta=1.0 if weight_started else 0.0):
         weight_started = True
-    loss, soft_loss, hard_loss = normaliser.mean_losses(token_losses, scales.weight_hard, scales.weight_soft)
+    loss, soft_loss, hard_loss = normaliser.mean_losses(token_losses)
     if inv_normaliser is None:  # no gradients (or no tokens): read now, everything else is queued
         inv_normaliser = 1.0 / normaliser.wait()
-        if gram is not None and gram.out_of_range():
-            raise GramOutOfRange
-    poison = gram.poison if gram is not None else teacher.poison
-    if poison is not None:
-        loss, soft_loss, hard_loss = loss + poison, soft_loss + poison, hard_loss + poison
+        teacher.check_range()
+    if teacher.poison is not None:
+        loss, soft_loss, hard_loss = loss + teacher.poison, soft_loss + teacher.poison, hard_loss + teacher.poison
     gradients = None
     if write_grad:
         last_start = (num_tokens - 1) // chunk * chunk if num_tokens else 0
@@ -452,6 +339,7 @@ def chunked_loss_and_grads(
                                            inv_normaliser) if num_tokens and correct else None,
             last_grad_input=grad_input[last_start:] if defer_grad_input else None,
             student_weight=student_weight if defer_grad_input else None,
-            poison=poison,
+            poison=teacher.poison,
+            scale_unless_one=scale_unless_one,
         )
     return ChunkResult(loss, soft_loss, hard_loss, gradients)

@@ -8,7 +8,7 @@ A value is reused only for the same weight with the same contents, checked two w
   ``load_state_dict``, ``torch.nn.utils.vector_to_parameters``.
 * Contents, on the device: writes that keep the identity (in-place ops through ``weight.data``, a
   fused optimizer step, a weight made under ``torch.inference_mode``, which has no version counter)
-  change the weight's hash (fingerprint.py), taken when the value is built and again at every reuse.
+  change the weight's hash (_fingerprint.py), taken when the value is built and again at every reuse.
   On the CPU a changed hash raises at once. On a GPU the comparison stays on the device, since
   reading it on the host would stall the queue: that call's loss and gradients come out NaN
   (``Cached.poison``) and the next call with the weight raises ``StaleWeightError`` saying why.
@@ -20,8 +20,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .device import HostCopy
-from .fingerprint import fingerprint
+from ._device import HostCopy
 
 
 class StaleWeightError(ValueError):
@@ -63,8 +62,9 @@ class WeightCache:
         self.what, self.build = what, build
         self.entries = WeakIdKeyDictionary()
 
-    def get(self, weight: torch.Tensor) -> Cached:
-        """The value for the weight as it is now, rebuilt where its identity changed."""
+    def get(self, weight: torch.Tensor, fingerprint: Callable[[torch.Tensor], torch.Tensor]) -> Cached:
+        """The value for the weight as it is now, rebuilt where its identity changed; ``fingerprint``: the
+        backend's hash of the weight (every backend's gives the same numbers)."""
         storage, entry = self._lookup(weight)
         if entry is None or entry.value is None or entry.identity != _identity(weight):
             entry = _Entry(_identity(weight))
@@ -72,9 +72,9 @@ class WeightCache:
                 entry.value, entry.hash = self.build(weight), fingerprint(weight)
             self.entries[storage] = entry
             return Cached(entry.value, None)
-        return Cached(entry.value, self.check_contents(weight, storage, entry))
+        return Cached(entry.value, self.check_contents(weight, storage, entry, fingerprint))
 
-    def check_contents(self, weight: torch.Tensor, storage, entry: _Entry) -> torch.Tensor | None:
+    def check_contents(self, weight: torch.Tensor, storage, entry: _Entry, fingerprint) -> torch.Tensor | None:
         """The reuse's poison (see Cached), or None after a comparison read at once; raises if it differs."""
         changed = (fingerprint(weight) != entry.hash).any()
         if compared_on_host(weight):

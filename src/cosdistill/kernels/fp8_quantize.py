@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import FP8_MAX
+from .._teacher_fp8 import FP8_MAX
 from .row_step_triton import FLOAT32_TINY, INTERPRET
 
 FP8_MAX_CONST: tl.constexpr = tl.constexpr(FP8_MAX)  # a jit global must be a constexpr

@@ -264,3 +264,16 @@ def row_step_torch(student_logits, teacher_logits, labels, scales: RowStepScales
 
 
 TORCH_ROW_STEP = RowStepImpl(row_step_torch, row_stats_torch, row_grad_torch)
+
+
+def split_row_step(impl: RowStepImpl, all_gather: Callable[[torch.Tensor], torch.Tensor]):
+    """The row step over a vocabulary split across ranks: each rank's row statistics, combined across ranks
+    (``all_gather``: [ranks, *shape]; O(rows) traffic, never the logits), then each rank's losses and the
+    gradient of its own logits."""
+
+    def row_step(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None):
+        shard_stats = impl.stats(student_logits, teacher_logits, labels, scales)
+        stats = combine_row_stats(all_gather(shard_stats))  # every rank: the same lifts
+        impl.grad(student_logits, teacher_logits, labels, stats, scales, token_losses, write_grad, grad_lifts)
+
+    return row_step

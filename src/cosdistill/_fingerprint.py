@@ -12,13 +12,11 @@ term. Two lanes with different keys make an accidental match of a larger change 
 Integer sums do not depend on their order, so the hash is exact and reproducible.
 
 ``fingerprint_torch`` is the spec and the CPU path; its products mod 2^32 are taken from 16-bit halves,
-whose sums float64 matrix products give exactly. The Triton kernel computes the same numbers in one
-read, with int32 arithmetic that wraps mod 2^32.
+whose sums float64 matrix products give exactly. Its Triton twin (kernels/fingerprint.py) computes the
+same numbers in one read, with int32 arithmetic that wraps mod 2^32.
 """
 
 import torch
-import triton
-import triton.language as tl
 
 MASK = 2**32 - 1
 # Per lane: (row multiplier, row increment, column multiplier, column increment) of the keys mod 2^32, as
@@ -68,44 +66,3 @@ def fingerprint_torch(weight: torch.Tensor) -> torch.Tensor:
         row_keys = torch.stack([_keys(row, *lane[:2]) for lane in LANE_KEYS], 1)
         lanes += _times_mod(inner, row_keys).sum(0)
     return lanes & MASK
-
-
-@triton.jit
-def _fingerprint_kernel(words_ptr, rows, cols, stride_row, stride_col, partials_ptr, KEYS_0: tl.constexpr,
-                        KEYS_1: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    """partials[program] = both lanes over BLOCK_ROWS rows, in int32 arithmetic (wrapping: mod 2^32). The
-    column sums are kept per column until the end: one multiply-add per word and lane in the loop."""
-    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    offsets = tl.arange(0, BLOCK_COLS)
-    inner_0 = tl.zeros([BLOCK_ROWS, BLOCK_COLS], tl.int32)
-    inner_1 = tl.zeros([BLOCK_ROWS, BLOCK_COLS], tl.int32)
-    for start in range(0, cols, BLOCK_COLS):
-        col = start + offsets
-        inside = (row < rows)[:, None] & (col < cols)[None, :]
-        pointers = words_ptr + row.to(tl.int64)[:, None] * stride_row + col[None, :].to(tl.int64) * stride_col
-        bits = tl.load(pointers, mask=inside, other=0).to(tl.int32)
-        inner_0 += bits * ((col * KEYS_0[2] + KEYS_0[3]) | 1)[None, :]
-        inner_1 += bits * ((col * KEYS_1[2] + KEYS_1[3]) | 1)[None, :]
-    lane_0 = tl.sum(tl.sum(inner_0, axis=1) * ((row * KEYS_0[0] + KEYS_0[1]) | 1), axis=0)
-    lane_1 = tl.sum(tl.sum(inner_1, axis=1) * ((row * KEYS_1[0] + KEYS_1[1]) | 1), axis=0)
-    tl.store(partials_ptr + 2 * tl.program_id(0), lane_0)
-    tl.store(partials_ptr + 2 * tl.program_id(0) + 1, lane_1)
-
-
-BLOCK_ROWS, BLOCK_COLS, WARPS = 16, 512, 8  # the fastest tile measured on the H200 (docs/design.md)
-
-
-def fingerprint_triton(weight: torch.Tensor) -> torch.Tensor:
-    """fingerprint_torch's numbers in one Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1)."""
-    words = as_words(weight)
-    rows, cols = words.shape
-    programs = max(1, triton.cdiv(rows, BLOCK_ROWS))
-    partials = torch.empty(programs, 2, dtype=torch.int32, device=words.device)
-    _fingerprint_kernel[(programs,)](words, rows, cols, words.stride(0), words.stride(1), partials, LANE_KEYS[0],
-                                     LANE_KEYS[1], BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, num_warps=WARPS)
-    return (partials.to(torch.int64) & MASK).sum(0) & MASK
-
-
-def fingerprint(weight: torch.Tensor) -> torch.Tensor:
-    """The weight's hash, [2] int64, computed on its device without a host read."""
-    return fingerprint_triton(weight) if weight.is_cuda else fingerprint_torch(weight)

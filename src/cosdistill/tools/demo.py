@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .api import fused_linear_cosine_distill
+from ..api import fused_linear_cosine_distill
 
 SUCCESSORS = 4  # likely next tokens per token in the Markov chain
 HELD_OUT_SEQUENCES = 64

@@ -1,7 +1,7 @@
 """The teacher's logits GEMM in FP8 (e4m3) with row-wise scales: opt in with teacher_precision="fp8".
 
 The teacher weight is quantized once, one scale per vocabulary row, and the result is kept across
-calls while the weight is unchanged (weight_cache.py). Each chunk's
+calls while the weight is unchanged (_weight_cache.py). Each chunk's
 teacher activations are quantized per token. ``torch._scaled_mm`` then computes
     logits[i, v] = (x_q[i] . w_q[v]) * scale_x[i] * scale_w[v]
 on the FP8 tensor cores of Hopper-class GPUs, with fast accumulation (``FAST_ACCUMULATION``). Shapes
@@ -11,7 +11,7 @@ zero weight row adds a zero teacher logit, which changes neither |t|^2 nor s.t.
 
 import torch
 
-from .weight_cache import WeightCache
+from ._weight_cache import WeightCache
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -72,15 +72,15 @@ quantized_weights = WeightCache("FP8 copy", _quantize_weight)
 
 
 class Fp8TeacherHead:
-    """Teacher logits through the FP8 GEMM; the same interface as chunked.TeacherHead."""
+    """Teacher logits through the FP8 GEMM; the same interface as _teacher_logits.TeacherHead."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int, quantize=quantize_rows):
-        """max_rows: the most rows a chunk has (``start_chunk``). quantize: quantize_rows, or its Triton twin
-        fp8_triton.quantize_rows_triton (one launch)."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int, quantize, fingerprint):
+        """max_rows: the most rows a chunk has (``start_chunk``). quantize, fingerprint: the backend's
+        (quantize_rows or its Triton twin; the cached weight's hash)."""
         self.quantize = quantize
-        cached = quantized_weights.get(weight)
+        cached = quantized_weights.get(weight, fingerprint)
         (self.weight_fp8, self.weight_scales), self.poison = cached.value, cached.poison
-        self.bias, self.logits_dtype = bias, weight.dtype
+        self.bias, self.logits_dtype = None if bias is None else bias.detach(), weight.dtype
         self.hidden = weight.shape[1]
         self.vocab = self.weight_fp8.shape[0]  # padded rows give zero logits
         # A sub-chunk's GEMM reads its rows rounded up to GEMM_MULTIPLE from its start: at most this many.

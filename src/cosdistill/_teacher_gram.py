@@ -6,7 +6,7 @@ t = h_t W_t^T (W_t cut to the student's Vs rows where only those meet s):
     s . t     = h_s . (h_t W_t^T W_s)                     the cross Gram matrix  C = W_t[:Vs]^T W_s  [Ht, Hs]
     |t|^2     = h_t . (h_t W_t^T W_t)                     the teacher's Gram matrix  G = W_t^T W_t  [Ht, Ht]
 
-and the soft term's gradient is c_i * t_i per row (row_step.teacher_grad_coefficient), whose share of
+and the soft term's gradient is c_i * t_i per row (_row_step.teacher_grad_coefficient), whose share of
 the gradient GEMMs is
 
     grad_input_i  += c_i * (h_t,i C)                      (h_t C: the same product as s . t's)
@@ -18,7 +18,7 @@ while the teacher weight is unchanged, like the FP8 weight) and per-token produc
 wins once T passes about 2 Hs (``gram_is_cheaper``), and the logits it never forms are also never
 rounded to bf16: s . t and |t|^2 come out in fp32 from the exact products.
 
-The row step then reads and writes only the student logits (row_step with teacher_logits None).
+The row step then reads and writes only the student logits (the row step with teacher_logits None).
 bf16 products with an fp32 Gram matrix are taken as two bf16 GEMMs, hi + lo parts of the matrix,
 each into fp32: the matrix's rounding stays at ~2^-16 instead of bf16's 2^-9.
 
@@ -28,14 +28,14 @@ bounds them from the largest entries of the hidden states and Gram matrices (``R
 the host with N, after the first chunk is queued): past it, "auto" runs the call again on the logits
 path and "gram" raises. No LM head comes near it.
 
-The teacher's Gram matrix is kept across calls while the teacher weight is unchanged (weight_cache.py).
+The teacher's Gram matrix is kept across calls while the teacher weight is unchanged (_weight_cache.py).
 """
 
 import torch
 
-from .device import HostCopy, addmm_into
-from .row_step import RowStepImpl, RowStepScales, teacher_grad_coefficient, with_teacher_products
-from .weight_cache import WeightCache
+from ._device import HostCopy, addmm_into
+from ._row_step import RowStepScales, teacher_grad_coefficient, with_teacher_products
+from ._weight_cache import WeightCache
 
 # The largest bound on the Gram path's fp32 products (s.t and |t|^2, after the logit scales and the
 # temperature) for which it runs: far below fp32's 3.4e38, far above any LM head's.
@@ -92,32 +92,46 @@ def gram_is_cheaper(num_tokens: int, vocab_student: int, vocab_teacher: int, hid
     return fixed + num_tokens * per_token < GRAM_MARGIN * 2 * num_tokens * vocab_teacher * hidden_teacher
 
 
-class GramTeacher:
-    """The teacher side of the chunk loop on the Gram path: per chunk, the row step without teacher
-    logits and the soft term's share of grad_input; after the loop, its share of grad_weight."""
+class GramOutOfRange(Exception):
+    """This call's inputs could overflow the Gram path's fp32 products (``GramTeacher.check_range``): the
+    caller runs it on the logits path instead, or raises."""
 
-    def __init__(self, teacher_weight: torch.Tensor, student_weight: torch.Tensor, row_step_impl: RowStepImpl,
+
+class GramTeacher:
+    """_chunk_loop.TeacherSide through the Gram matrices: per chunk, the row step without teacher logits and
+    the soft term's share of grad_input; after the loop, its share of grad_weight."""
+
+    adds_grad_input_share = True
+
+    def __init__(self, teacher_weight: torch.Tensor, student_weight: torch.Tensor, backend, scales: RowStepScales,
                  write_grad_weight: bool):
-        vocab_student, dtype = student_weight.shape[0], student_weight.dtype
-        self.teacher_weight = teacher_weight.detach()[:vocab_student]
-        self.impl = row_step_impl
-        cached = teacher_grams.get(teacher_weight)
-        (self.teacher_gram, self.teacher_gram_max), self.poison = cached.value, cached.poison
-        with torch.no_grad():
-            cross_gram = _mm_fp32(self.teacher_weight.t(), student_weight.detach())
-            self.cross_gram, self.cross_gram_max = _split(cross_gram, dtype), cross_gram.abs().amax()
+        self.full_teacher_weight, self.student_weight = teacher_weight, student_weight
+        self.teacher_weight = teacher_weight.detach()[: student_weight.shape[0]]
+        self.backend, self.impl, self.scales = backend, backend.row_step, scales
+        self.write_grad_weight = write_grad_weight
         self.cross_rows = None  # the last chunk's h_t C [n, Hs] and coefficients c [n]
         self.coefficients = None
-        self.outer = None  # A [Ht, Hs] in fp32, summed over chunks
-        if write_grad_weight:
-            self.outer = torch.zeros(teacher_weight.shape[1], student_weight.shape[1], dtype=torch.float32,
-                                     device=student_weight.device)
-
-    def check_range(self, student_input: torch.Tensor, teacher_input: torch.Tensor, scales: RowStepScales) -> None:
-        """Queue the bound on this call's products (s.t and |t|^2 as the row step scales them) and its copy
-        to the host, for ``out_of_range``. |x_i . y_i| <= H max|x| max|y| for each product taken."""
-        hidden_teacher, hidden_student = self.cross_gram[0].shape
         self.in_range = None
+
+    def start(self, student_input: torch.Tensor, teacher_input: torch.Tensor) -> None:
+        """The Gram matrices (the teacher's from the cache), A's buffer, and the range bound, queued once the
+        first student GEMM is."""
+        cached = teacher_grams.get(self.full_teacher_weight, self.backend.fingerprint)
+        (self.teacher_gram, self.teacher_gram_max), self.poison = cached.value, cached.poison
+        with torch.no_grad():
+            cross_gram = _mm_fp32(self.teacher_weight.t(), self.student_weight.detach())
+            self.cross_gram, self.cross_gram_max = _split(cross_gram, self.student_weight.dtype), cross_gram.abs().amax()
+        self.outer = None  # A [Ht, Hs] in fp32, summed over chunks
+        if self.write_grad_weight:
+            self.outer = torch.zeros(self.teacher_weight.shape[1], self.student_weight.shape[1], dtype=torch.float32,
+                                     device=self.student_weight.device)
+        self._bound_range(student_input, teacher_input)
+
+    def _bound_range(self, student_input: torch.Tensor, teacher_input: torch.Tensor) -> None:
+        """Queue the bound on this call's products (s.t and |t|^2 as the row step scales them) and its copy
+        to the host, for ``check_range``. |x_i . y_i| <= H max|x| max|y| for each product taken."""
+        scales = self.scales
+        hidden_teacher, hidden_student = self.cross_gram[0].shape
         if student_input.numel() == 0 or teacher_input.numel() == 0:  # no products to bound
             return
         with torch.no_grad():
@@ -129,14 +143,15 @@ class GramTeacher:
             bound = torch.maximum(dot, square) * max(1.0, scales.temperature**-2)
             self.in_range = HostCopy(bound < RANGE_LIMIT)  # False for inf and NaN too
 
-    def out_of_range(self) -> bool:
-        """Whether ``check_range``'s bound is past RANGE_LIMIT (waits for its copy to the host)."""
-        return self.in_range is not None and not self.in_range.get().item()
+    def check_range(self) -> None:
+        """Raise GramOutOfRange where the bound passed RANGE_LIMIT (waits for its copy to the host)."""
+        if self.in_range is not None and not self.in_range.get().item():
+            raise GramOutOfRange
 
-    def row_step(self, student_logits, student_hidden, teacher_hidden, labels, scales: RowStepScales,
-                 token_losses, write_grad) -> None:
+    def row_step(self, student_logits, student_hidden, teacher_hidden, labels, token_losses, write_grad, lifts=None):
         """The row step of one chunk: the statistics of the student logits, completed with s . t and
         |t|^2, then the losses and (write_grad) the gradient without its teacher term, in place."""
+        scales = self.scales
         self.cross_rows = _times(teacher_hidden, self.cross_gram)
         dot = (self.cross_rows * student_hidden).sum(1)
         sum_sq_teacher = (_times(teacher_hidden, self.teacher_gram) * teacher_hidden).sum(1)
@@ -150,15 +165,18 @@ class GramTeacher:
         self.impl.grad(student_logits, None, labels, stats, scales, token_losses, write_grad)
         self.coefficients = teacher_grad_coefficient(stats, labels, student_logits.shape[1], scales)
 
-    def grad_input_into(self, grad_input_rows: torch.Tensor, inv_normaliser: float) -> None:
+    def grad_input_share_into(self, grad_input_rows: torch.Tensor, inv_normaliser: float) -> bool:
         """grad_input_rows = c_i * h_t,i C / N for the last chunk (the GEMM of d L / d s adds the rest)."""
         grad_input_rows.copy_(self.cross_rows.mul_((self.coefficients * inv_normaliser)[:, None]))
+        return True
 
     def accumulate(self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> None:
-        """A += sum over the last chunk's rows of c_i h_t,i^T h_s,i."""
-        scaled = (teacher_hidden.float() * self.coefficients[:, None]).to(teacher_hidden.dtype)
-        addmm_into(self.outer, scaled.t(), student_hidden, alpha=1.0, beta=1.0)
+        """A += sum over the last chunk's rows of c_i h_t,i^T h_s,i (with grad_weight)."""
+        if self.outer is not None:
+            scaled = (teacher_hidden.float() * self.coefficients[:, None]).to(teacher_hidden.dtype)
+            addmm_into(self.outer, scaled.t(), student_hidden, alpha=1.0, beta=1.0)
 
-    def grad_weight_into(self, grad_weight: torch.Tensor, alpha: float, beta: float) -> None:
+    def grad_weight_share_into(self, grad_weight: torch.Tensor, alpha: float, beta: float) -> bool:
         """grad_weight = beta * grad_weight + alpha * W_t[:Vs] @ A."""
         addmm_into(grad_weight, self.teacher_weight, self.outer.to(self.teacher_weight.dtype), alpha=alpha, beta=beta)
+        return True

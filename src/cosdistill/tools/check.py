@@ -20,12 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .api import fused_linear_cosine_distill
-from .chunked import chunk_rows
-from .plan import default_accum_dtype
-from .reference import naive_cosine_distill
-from .row_step import RowStepImpl, RowStepScales, combine_row_stats, row_step_torch
-from .testing import float64_reference, random_student_teacher, rel_err
+from .._plan import chunk_rows, default_accum_dtype
+from .._row_step import RowStepImpl, RowStepScales, combine_row_stats, row_step_torch
+from ..api import fused_linear_cosine_distill
+from ..reference import naive_cosine_distill
+from ..testing import float64_reference, random_student_teacher, rel_err
 
 POISON = 12345.0
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -233,8 +232,8 @@ def split_in_two(impl: RowStepImpl, student, teacher, labels, scales, token_loss
 
 
 def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
-    from . import row_step_cuda
-    from .row_step_triton import TRITON_ROW_STEP  # imports triton: only on CUDA or under the interpreter
+    from ..kernels import row_step_cuda
+    from ..kernels.row_step_triton import TRITON_ROW_STEP  # imports triton: only on CUDA or under the interpreter
 
     runs = {
         "row step triton vs torch": TRITON_ROW_STEP.step,
@@ -328,7 +327,7 @@ def mutation_outcome(run, head, mutate, generator, tolerance=1e-5) -> tuple[str,
     says what the calls after gave: "rebuilt" (the answer of a fresh copy), "raised" (StaleWeightError,
     then the fresh copy's answer), "NaN, then raised" (every output NaN, the next call the error, the one
     after the fresh copy's answer) or "WRONG"; with the largest relative error against the fresh copy."""
-    from .weight_cache import StaleWeightError
+    from .._weight_cache import StaleWeightError
 
     def error_to_fresh(got):
         want = run(head.weight.detach().clone())
@@ -356,7 +355,7 @@ def mutation_outcome(run, head, mutate, generator, tolerance=1e-5) -> tuple[str,
 def check_teacher_caches(device, vocab=1000, hidden_teacher=64, tokens=512) -> list[CheckResult]:
     """The teacher's cached copies (its Gram matrix; on FP8 GPUs its FP8 copy) against every mutation in
     TEACHER_MUTATIONS: each call gives a fresh copy's answer or raises, never a stale number (weight_cache.py)."""
-    from . import fp8
+    from .. import _teacher_fp8 as fp8
 
     options = {"Gram matrix": dict(cosine_via="gram")}
     try:
@@ -397,7 +396,7 @@ def failed(name, case, error) -> CheckResult:
 
 
 def _cuda_row_step_available(device) -> bool:
-    from . import row_step_cuda  # imports triton: only on CUDA or under the interpreter
+    from ..kernels import row_step_cuda  # imports triton: only on CUDA or under the interpreter
 
     return row_step_cuda.available(torch.device(device))
 

@@ -38,13 +38,3 @@ def scale_unless_one_triton(values: torch.Tensor, factor: torch.Tensor) -> None:
         programs = 2
     grid = (max(1, min(programs, triton.cdiv(values.numel(), BLOCK))),)
     _scale_unless_one_kernel[grid](values, values.numel(), factor, BLOCK=BLOCK)
-
-
-def scale_unless_one_(values: torch.Tensor, factor: torch.Tensor | None) -> None:
-    """values *= factor in place unless factor (a 0-d tensor, None meaning 1) is 1; no host read on CUDA."""
-    if factor is None:
-        return
-    if values.is_cuda:
-        scale_unless_one_triton(values, factor)
-    elif factor.item() != 1.0:  # on the CPU the read costs nothing
-        values.mul_(factor)  # in fp32 (a 0-d factor), rounded once

@@ -1,10 +1,10 @@
 """The loss as a registered custom op (torch.library), the form ``torch.compile`` sees.
 
-The eager path (api.fused_linear_cosine_distill, api._AttachGradients) cannot be traced by Dynamo: its
+The eager path (api.distill, api._AttachGradients) cannot be traced by Dynamo: its
 forward reads label counts on the host, raises on bad labels and launches Triton kernels, and its backward
 reads grad_output on the host to fold it into the last grad_weight GEMM. Each would break the graph.
 
-So while compiling, ``api.fused_linear_cosine_distill`` hands over to ``compiled_distill`` here. It runs
+So while compiling, ``api.distill`` hands over to ``compiled_distill`` here. It runs
 the checks that need no host read at trace time (the same rules and messages as eager), flattens 3-D
 inputs and calls ``cosdistill::fused_linear_cosine_distill``, an opaque op: the compiler sees only its
 fake (meta) implementation, and at run time the real one runs eagerly as one call into the same chunk
@@ -27,11 +27,13 @@ What differs from eager:
 Gradients not asked for come back from the op as empty tensors (custom ops cannot return None).
 """
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
-from . import plan
-from .device import on_device_of
+from ._device import on_device_of
+from ._plan import Options, check_tensors, default_accum_dtype, make_plan, run
 
 # The body reads label counts on the host, which a CUDA graph cannot capture ("reduce-overhead" mode).
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -49,6 +51,8 @@ def fused_linear_cosine_distill_op(
     num_valid_tokens: Tensor | None,
     *,
     num_valid_count: float | None,  # num_valid_tokens given as a number
+    needs_grad: list[bool],  # input, weight, bias
+    # Options' fields, as the op's schema takes them:
     weight_hard_loss: float,
     weight_soft_loss: float,
     beta: float,
@@ -60,7 +64,6 @@ def fused_linear_cosine_distill_op(
     teacher_precision: str | None,
     student_softcap: float | None,
     teacher_softcap: float | None,
-    needs_grad: list[bool],  # input, weight, bias
     student_logit_scale: float = 1.0,
     teacher_logit_scale: float = 1.0,
     cosine_via: str = "auto",
@@ -68,16 +71,18 @@ def fused_linear_cosine_distill_op(
     """(loss, soft, hard, grad_input, grad_weight, grad_bias) for grad_output = 1; runs eagerly.
 
     grad_weight comes in the accum dtype and grad_bias in fp32, cast to their leaves' dtypes in backward."""
+    options = Options(
+        weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
+        temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
+        teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+        student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale, cosine_via=cosine_via,
+    )
+    plan = make_plan(options, student_weight, student_bias, teacher_weight, teacher_bias, labels.numel(),
+                     tuple(needs_grad))
     given = num_valid_tokens if num_valid_tokens is not None else num_valid_count
     with on_device_of(student_input), torch.no_grad():
-        result = plan.loss_and_grads(
-            student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
-            tuple(needs_grad), weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
-            ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size, num_valid_tokens=given,
-            accum_dtype=accum_dtype, impl=impl, teacher_precision=teacher_precision, student_softcap=student_softcap,
-            teacher_softcap=teacher_softcap, student_logit_scale=student_logit_scale,
-            teacher_logit_scale=teacher_logit_scale, vocab_parallel=None, cosine_via=cosine_via,
-        )
+        result = run(plan, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias,
+                     labels, given)
         grads = result.gradients.finish() if result.gradients is not None else (None, None, None)
     grads = [student_weight.new_empty(0) if grad is None else grad for grad in grads]
     return result.loss, result.soft_loss, result.hard_loss, *grads
@@ -87,7 +92,7 @@ def fused_linear_cosine_distill_op(
 def _(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
       num_valid_tokens, *, accum_dtype, needs_grad, **options):
     scalars = [student_input.new_empty((), dtype=torch.float32) for _ in range(3)]
-    grad_dtypes = (student_input.dtype, accum_dtype or plan.default_accum_dtype(student_weight.dtype), torch.float32)
+    grad_dtypes = (student_input.dtype, accum_dtype or default_accum_dtype(student_weight.dtype), torch.float32)
     grads = [
         leaf.new_empty(leaf.shape, dtype=dtype) if need else student_weight.new_empty(0)
         for need, leaf, dtype in zip(needs_grad, (student_input, student_weight, student_bias), grad_dtypes)
@@ -113,23 +118,27 @@ def _backward(ctx, grad_loss, _grad_soft, _grad_hard, *_grad_grads):
 fused_linear_cosine_distill_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def compiled_distill(
-    student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
-    teacher_bias=None, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100,
-    temperature=1.0, compiled=True, chunk_size=None, return_soft_hard_loss=False, *, num_valid_tokens=None,
-    accum_dtype=None, impl="auto", teacher_precision=None, student_softcap=None, teacher_softcap=None,
-    student_logit_scale=1.0, teacher_logit_scale=1.0, vocab_parallel=None, cosine_via="auto",
-):
-    """``api.fused_linear_cosine_distill`` through the custom op: traceable, no host reads."""
+def _op_options(options: Options) -> dict:
+    """The options as the op's schema takes them: Python floats and ints (not NumPy or 0-d tensor scalars)."""
+    values = {}
+    for field in dataclasses.fields(options):
+        value, kinds = getattr(options, field.name), (field.type, *getattr(field.type, "__args__", ()))
+        values[field.name] = value if value is None else float(value) if float in kinds else int(value) if int in kinds else value
+    return values
+
+
+def compiled_distill(options: Options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
+                     student_bias=None, teacher_bias=None, *, num_valid_tokens=None, vocab_parallel=None,
+                     return_soft_hard_loss=False):
+    """``api.distill`` through the custom op: traceable, no host reads."""
     if vocab_parallel is not None:
         raise ValueError("vocab_parallel is not supported under torch.compile: call the loss outside the compiled "
                          "region (torch.compiler.disable) or without vocab_parallel")
-    plan.check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
-                       teacher_bias, ignore_index)
-    plan.check_options(student_weight, temperature, student_softcap, teacher_softcap, chunk_size, accum_dtype,
-                      teacher_precision, num_valid_tokens, cosine_via)
-    if impl not in plan.IMPLS:  # pick_row_step checks it where the op runs; fail at compile time already
-        raise ValueError(f"impl must be one of {plan.IMPLS}, got {impl!r}")
+    check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
+                  teacher_bias, options.ignore_index, num_valid_tokens)
+    if options.accum_dtype not in (None, torch.float32, student_weight.dtype):  # make_plan's rule, at trace time
+        raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {student_weight.dtype}, "
+                        f"got {options.accum_dtype}")
     grad_on = torch.is_grad_enabled()
     needs_grad = [grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias)]
     given_tensor = torch.is_tensor(num_valid_tokens)
@@ -143,21 +152,8 @@ def compiled_distill(
         true_labels.reshape(-1).contiguous(),
         num_valid_tokens if given_tensor else None,
         num_valid_count=None if given_tensor or num_valid_tokens is None else float(num_valid_tokens),
-        weight_hard_loss=float(weight_hard_loss),
-        weight_soft_loss=float(weight_soft_loss),
-        beta=float(beta),
-        ignore_index=int(ignore_index),
-        temperature=float(temperature),
-        chunk_size=chunk_size,
-        accum_dtype=accum_dtype,
-        impl=impl,
-        teacher_precision=teacher_precision,
-        student_softcap=None if student_softcap is None else float(student_softcap),
-        teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
-        student_logit_scale=float(student_logit_scale),
-        teacher_logit_scale=float(teacher_logit_scale),
-        cosine_via=cosine_via,
         needs_grad=needs_grad,
+        **_op_options(options),
     )
     soft, hard = soft.detach(), hard.detach()  # for logging, as in eager
     return (loss, soft, hard) if return_soft_hard_loss else loss

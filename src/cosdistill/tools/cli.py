@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from . import bench, demo, selfcheck
+from . import bench, check, demo
 
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
@@ -207,9 +207,9 @@ def run_demo_command(args):
 
 
 def run_check_command(args):
-    header, results = selfcheck.run_selfcheck(resolve_device(args.device))
+    header, results = check.run_selfcheck(resolve_device(args.device))
     print(header)
-    print(selfcheck.results_table(results), end="")
+    print(check.results_table(results), end="")
     return 0 if all(result.passed for result in results) else EXIT_CHECK_FAILED
 
 

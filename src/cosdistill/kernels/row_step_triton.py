@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .row_step import COSINE_EPS, MAX_LIFT_EXPONENT, MAX_STORED_EXPONENT, NUM_STATS, RowStepImpl, RowStepScales
+from .._row_step import COSINE_EPS, MAX_LIFT_EXPONENT, MAX_STORED_EXPONENT, NUM_STATS, RowStepImpl, RowStepScales
 
 # H200 sweeps (docs/design.md, The row step). STAGES: each hot loop's loads go through
 # shared memory STAGES - 1 blocks ahead (cp.async; 1: plain loads into registers).

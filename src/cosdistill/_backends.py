@@ -1,0 +1,73 @@
+"""The kernels a call runs, chosen once from ``impl`` and the device: every kernel of one kind, so that
+``impl="torch"`` runs torch alone and ``impl="triton"`` Triton alone.
+
+- torch: the plain-torch specs, the CPU path (and any device, slowly).
+- triton: the Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1).
+- cuda: Triton's, with the row step of kernels/row_step_cuda.py (Hopper clusters) where it applies.
+"""
+
+import dataclasses
+import functools
+import os
+from typing import Callable
+
+import torch
+
+from . import _fingerprint, _labels, _row_step, _teacher_fp8
+
+IMPLS = ("auto", "torch", "triton", "cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    row_step: _row_step.RowStepImpl
+    count_labels: Callable  # (labels, ignore_index, vocab_student) -> [counted, out of range]
+    mean_losses: Callable  # (token_losses, counts, given, weight_hard, weight_soft) -> (loss, soft, hard)
+    scale_unless_one: Callable  # (values, factor): values *= factor in place unless factor (0-d) is 1
+    quantize_rows: Callable  # (rows, out, scales): row-wise FP8
+    fingerprint: Callable  # (weight) -> its hash, [2] int64 (the cached teacher copies' check)
+
+
+def scale_unless_one_torch(values: torch.Tensor, factor: torch.Tensor) -> None:
+    """values *= factor in place, in fp32 (a 0-d factor) and rounded once, unless factor is 1 (read on the host)."""
+    if factor.item() != 1.0:
+        values.mul_(factor)
+
+
+TORCH = Backend("torch", _row_step.TORCH_ROW_STEP, _labels.count_labels_torch, _labels.mean_losses_torch,
+                scale_unless_one_torch, _teacher_fp8.quantize_rows, _fingerprint.fingerprint_torch)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton() -> Backend:
+    from .kernels import fingerprint, fp8_quantize, grad_output, labels, row_step_triton
+
+    return Backend("triton", row_step_triton.TRITON_ROW_STEP, labels.count_labels_triton, labels.mean_losses_triton,
+                   grad_output.scale_unless_one_triton, fp8_quantize.quantize_rows_triton,
+                   fingerprint.fingerprint_triton)
+
+
+def backend_for(impl: str, device: torch.device) -> Backend:
+    """The backend ``impl`` names on this device ("auto": cuda on Hopper or newer, triton on other GPUs, torch
+    on the CPU)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "torch" or (impl == "auto" and device.type != "cuda"):
+        return TORCH
+    from .kernels import row_step_cuda
+
+    clusters = row_step_cuda.available(device)
+    if impl == "cuda" and not clusters:
+        raise ValueError(f"impl='cuda' needs a CUDA GPU with thread block clusters (compute capability 9.0 or "
+                         f"newer) and torch.cuda._compile_kernel (NVRTC); tensors are on {device}")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU); tensors are on {device}")
+    return _cuda() if impl in ("cuda", "auto") and clusters else _triton()
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda() -> Backend:
+    from .kernels import row_step_cuda
+
+    return dataclasses.replace(_triton(), name="cuda", row_step=row_step_cuda.CUDA_ROW_STEP)

@@ -1,0 +1,320 @@
+"""Options checked and turned into one ``Plan`` for a call: which backend (_backends.py), which teacher
+side (its bf16 logits, its FP8 logits or the Gram matrices), how many rows per chunk, the normaliser.
+The eager function and module (api.py) and the torch.compile op (_compile.py) all build the plan here
+and run it with ``run``.
+"""
+
+import dataclasses
+import functools
+from typing import Protocol
+
+import torch
+
+from . import _teacher_fp8, _teacher_gram
+from ._backends import IMPLS, Backend, backend_for
+from ._chunk_loop import ChunkResult, ChunkRows, chunked_loss_and_grads, start_student_logits
+from ._labels import LabelCounts
+from ._row_step import RowStepScales, split_row_step
+from ._teacher_logits import LogitsTeacher, TeacherHead
+
+COSINE_VIA = ("auto", "logits", "gram")
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class VocabParallel(Protocol):
+    """Both LM heads split along the vocabulary over ranks: this rank holds the teacher's rows
+    [start, stop) and the student's rows from start up to min(stop, vocab_student).
+    ``cosdistill.distributed.VocabParallelOptions`` implements it with torch.distributed."""
+
+    start: int
+    stop: int
+    vocab_student: int  # the student's whole vocabulary
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...  # [ranks, *tensor.shape]
+
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...  # sum, in place
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The loss's options (api.fused_linear_cosine_distill documents each), checked when made: a module
+    checks them once, when it is built."""
+
+    weight_hard_loss: float = 0.5
+    weight_soft_loss: float = 0.5
+    beta: float = 0.5
+    ignore_index: int = -100
+    temperature: float = 1.0
+    chunk_size: int | None = None
+    accum_dtype: torch.dtype | None = None
+    impl: str = "auto"
+    teacher_precision: str | None = None
+    student_softcap: float | None = None
+    teacher_softcap: float | None = None
+    student_logit_scale: float = 1.0
+    teacher_logit_scale: float = 1.0
+    cosine_via: str = "auto"
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        for name in ("student_softcap", "teacher_softcap"):
+            cap = getattr(self, name)
+            if cap is not None and not cap > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {cap}")
+        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
+            raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
+        if self.accum_dtype not in (None, *FLOAT_DTYPES):
+            raise TypeError(f"accum_dtype must be None, torch.float32 or the student weight's dtype, got {self.accum_dtype}")
+        if self.teacher_precision not in (None, "fp8"):
+            raise ValueError(f"teacher_precision must be None or 'fp8', got {self.teacher_precision!r}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.cosine_via not in COSINE_VIA:
+            raise ValueError(f"cosine_via must be one of {COSINE_VIA}, got {self.cosine_via!r}")
+
+    @property
+    def scales(self) -> RowStepScales:
+        """The row step's constants."""
+        optional = lambda value: None if value is None else float(value)  # noqa: E731
+        return RowStepScales(
+            float(self.weight_hard_loss), float(self.weight_soft_loss), float(self.beta), float(self.temperature),
+            int(self.ignore_index), student_softcap=optional(self.student_softcap),
+            teacher_softcap=optional(self.teacher_softcap), student_logit_scale=float(self.student_logit_scale),
+            teacher_logit_scale=float(self.teacher_logit_scale),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one call runs, decided from the options and the tensors' shapes, dtypes and device (and, for
+    "auto", whether the teacher's Gram matrix is cached), never from their values."""
+
+    options: Options
+    backend: Backend
+    teacher: str  # "logits", "fp8" or "gram"
+    rows: ChunkRows
+    needs_grad: tuple[bool, bool, bool]  # input, weight, bias
+    accum_dtype: torch.dtype
+    vocab_parallel: VocabParallel | None
+    fall_back: bool  # on the Gram path: run on the logits path where its range check fails (else raise)
+
+
+def make_plan(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens: int,
+              needs_grad, vocab_parallel: VocabParallel | None = None) -> Plan:
+    if options.accum_dtype not in (None, torch.float32, student_weight.dtype):
+        raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {student_weight.dtype}, "
+                        f"got {options.accum_dtype}")
+    backend = backend_for(options.impl, student_weight.device)
+    if options.teacher_precision == "fp8":
+        _teacher_fp8.check_supported(teacher_weight.device)
+    teacher = "fp8" if options.teacher_precision == "fp8" else "logits"
+    if gram_applies(options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens, needs_grad,
+                    vocab_parallel):
+        teacher = "gram"
+    vocab_student, vocab_teacher = student_weight.shape[0], teacher_weight.shape[0]
+    if vocab_parallel is not None:  # the whole student vocabulary sizes the chunks: every rank runs as many
+        vocab_student = vocab_teacher = vocab_parallel.vocab_student
+    rows = chunk_rows(options.chunk_size, num_tokens, vocab_student, 0 if teacher == "gram" else vocab_teacher,
+                      student_weight.element_size(), write_grad=any(needs_grad))
+    return Plan(options, backend, teacher, rows, tuple(needs_grad),
+                options.accum_dtype or default_accum_dtype(student_weight.dtype), vocab_parallel,
+                fall_back=options.cosine_via == "auto")
+
+
+def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
+        num_valid_tokens=None) -> ChunkResult:
+    """The loss and, for grad_output = 1, the gradients the plan asks for. 2-D inputs, 1-D labels."""
+    # The GPU starts on the first chunk's student GEMM before the teacher side's set-up, whose host time
+    # (and any cached teacher copy's check) it then covers.
+    student_logits = start_student_logits(student_input, student_weight, student_bias, plan.rows)
+    options, backend, scales = plan.options, plan.backend, plan.options.scales
+    row_step, reduce_grad_input = backend.row_step.step, None
+    vocab_student = student_weight.shape[0]
+    if plan.vocab_parallel is not None:
+        vocab_student = plan.vocab_parallel.vocab_student
+        scales = dataclasses.replace(scales, vocab_start=plan.vocab_parallel.start, vocab_student_total=vocab_student)
+        row_step = split_row_step(backend.row_step, plan.vocab_parallel.all_gather)
+        reduce_grad_input = plan.vocab_parallel.all_reduce
+    if plan.teacher == "gram":
+        teacher = _teacher_gram.GramTeacher(teacher_weight, student_weight, backend, scales,
+                                            write_grad_weight=plan.needs_grad[1])
+    elif plan.teacher == "fp8":
+        head = _teacher_fp8.Fp8TeacherHead(teacher_weight, teacher_bias, plan.rows.student, backend.quantize_rows,
+                                           backend.fingerprint)
+        teacher = LogitsTeacher(head, row_step, scales, plan.rows.teacher)
+    else:
+        teacher = LogitsTeacher(TeacherHead(teacher_weight, teacher_bias), row_step, scales, plan.rows.teacher)
+    normaliser = LabelCounts(labels, options.ignore_index, vocab_student, num_valid_tokens, backend,
+                             scales.weight_hard, scales.weight_soft)
+    try:
+        return chunked_loss_and_grads(
+            student_input, student_weight, student_bias, teacher_input, teacher, labels, normaliser, plan.rows,
+            plan.needs_grad, plan.accum_dtype, backend.scale_unless_one, reduce_grad_input, student_logits,
+        )
+    except _teacher_gram.GramOutOfRange:
+        if not plan.fall_back:
+            raise ValueError(
+                "cosine_via='gram': this call's hidden states and heads are too large for the Gram path's fp32 "
+                f"products (their bound passes {_teacher_gram.RANGE_LIMIT:.3g}); use cosine_via='logits' or 'auto'"
+            ) from None
+        logits_plan = dataclasses.replace(plan, teacher="logits", rows=chunk_rows(
+            options.chunk_size, len(labels), vocab_student, teacher_weight.shape[0], student_weight.element_size(),
+            write_grad=any(plan.needs_grad)))
+        return run(logits_plan, student_input, student_weight, student_bias, teacher_input, teacher_weight,
+                   teacher_bias, labels, num_valid_tokens)
+
+
+def gram_applies(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens,
+                 needs_grad, vocab_parallel) -> bool:
+    """Whether the call takes the Gram path: cosine_via="gram" (raising where it cannot run), or "auto" where
+    it can and costs fewer FLOPs."""
+    if options.cosine_via == "logits":
+        return False
+    blockers = {
+        "a student_bias or teacher_bias": student_bias is not None or teacher_bias is not None,
+        "a softcap": options.student_softcap is not None or options.teacher_softcap is not None,
+        "teacher_precision='fp8'": options.teacher_precision is not None,
+        "vocab_parallel": vocab_parallel is not None,
+        f"{student_weight.dtype} and {teacher_weight.dtype} weights (bf16 or fp32, both alike)": (
+            student_weight.dtype == torch.float16 or teacher_weight.dtype != student_weight.dtype),
+    }
+    blocked = [name for name, present in blockers.items() if present]
+    if blocked and options.cosine_via == "gram":
+        raise ValueError(f"cosine_via='gram' cannot run with {' and '.join(blocked)}: use cosine_via='logits' or 'auto'")
+    if blocked:
+        return False
+    (vocab_student, hidden_student), (vocab_teacher, hidden_teacher) = student_weight.shape, teacher_weight.shape
+    return options.cosine_via == "gram" or _teacher_gram.gram_is_cheaper(
+        num_tokens, vocab_student, vocab_teacher, hidden_student, hidden_teacher, write_grad_weight=needs_grad[1],
+        teacher_gram_cached=_teacher_gram.teacher_grams.will_hold(teacher_weight))
+
+
+def default_accum_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """grad_weight's accumulator when accum_dtype is None: the weight's dtype, except fp16, whose
+    partial sums (d loss / d logits times hidden, over N, before grad_output -- a loss scale -- can
+    lift them) fall into its subnormals; bf16 has fp32's exponent range."""
+    return torch.float32 if weight_dtype == torch.float16 else weight_dtype
+
+
+# At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole grad_weight,
+# and below ~1024 rows that traffic shows (V = 262144 at 512 rows: 1.34x the floor, at 1024: 1.25x).
+# More rows while the two logits buffers stay small (small vocabularies: V = 32000's bare chunk loop
+# ran 1.02x the floor at 4096 rows, 1.05x at 2048), and fewer than 1024 only past a
+# hard budget. The seed vocabulary's chunks are set by the rules below, not by this one.
+MIN_PREFERRED_ROWS = 1024
+SMALL_BUFFER_BYTES = 512 * 2**20  # grow the chunk up to this...
+MAX_BUFFER_BYTES = 5 * 2**28  # ...and shrink it below MIN_PREFERRED_ROWS only past this (1.25 GiB)
+CHUNK_MULTIPLE = 64
+# The student's chunk (its logits GEMM and the two gradient GEMMs) this long where the hard budget
+# allows, the teacher's logits computed in sub-chunks: the gradient GEMMs cost less per token at 2048
+# rows (the grad_weight traffic per chunk halves), for a larger student buffer only. The
+# teacher's sub-chunks shrink to MIN_TEACHER_ROWS first to make room (V = 262144: 2048 / 512 ran 3%
+# faster than 1024 / 1024; docs/design.md, Chunking and buffers).
+MIN_STUDENT_ROWS = 2048
+MIN_TEACHER_ROWS = 512
+
+
+def _budget_rows(row_bytes: int) -> int:
+    rows = max(MIN_PREFERRED_ROWS, SMALL_BUFFER_BYTES // row_bytes)
+    return min(rows, max(CHUNK_MULTIPLE, MAX_BUFFER_BYTES // row_bytes)) // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+
+
+@functools.lru_cache(maxsize=256)  # a pure function of its arguments, called every step: ~10 us of host time
+def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, vocab_teacher: int,
+               itemsize: int, write_grad: bool = True) -> ChunkRows:
+    """Rows per chunk: ``chunk_size`` for both heads if given, else from T, the vocabularies and the
+    budgets above (docs/design.md, Chunking and buffers). Without gradients (no grad_weight buffer) the teacher's
+    sub-chunks grow to the student's chunk where both buffers fit the hard budget: fewer teacher
+    GEMMs, each reading the whole teacher weight."""
+    if chunk_size is not None:
+        rows = max(1, min(chunk_size, num_tokens))
+        return ChunkRows(rows, rows)
+    student_row, teacher_row = max(1, vocab_student * itemsize), max(1, vocab_teacher * itemsize)
+    teacher = _budget_rows(student_row + teacher_row)
+    student = max(teacher, MIN_STUDENT_ROWS)
+    room = (MAX_BUFFER_BYTES - student * student_row) // teacher_row // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+    if room >= MIN_TEACHER_ROWS:  # the long student chunk fits, with teacher sub-chunks of at most `room` rows
+        teacher = min(teacher, room)
+    else:  # student rows within what the teacher's buffer leaves of the hard budget
+        student_cap = (MAX_BUFFER_BYTES - teacher * teacher_row) // student_row
+        student = max(teacher, min(MIN_STUDENT_ROWS, student_cap) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+    student = max(1, min(student, num_tokens))
+    if not write_grad and student * (student_row + teacher_row) <= MAX_BUFFER_BYTES:
+        teacher = student
+    return ChunkRows(student, min(teacher, student))
+
+
+def check_vocab_parallel(vocab_parallel: VocabParallel, student_weight, teacher_weight) -> None:
+    """The local weight shards against the split."""
+    start, stop, vocab_student = vocab_parallel.start, vocab_parallel.stop, vocab_parallel.vocab_student
+    if not 0 <= start < stop:
+        raise ValueError(f"vocab_parallel needs 0 <= start < stop, got start={start}, stop={stop}")
+    student_rows = max(0, min(stop, vocab_student) - start)
+    if teacher_weight.shape[0] != stop - start or student_weight.shape[0] != student_rows:
+        raise ValueError(
+            f"vocab_parallel rows [{start}, {stop}) with vocab_student={vocab_student} need a teacher_weight shard "
+            f"of {stop - start} rows and a student_weight shard of {student_rows} rows, got "
+            f"{tuple(teacher_weight.shape)} and {tuple(student_weight.shape)}"
+        )
+
+
+def check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
+                  ignore_index, num_valid_tokens=None):
+    """The call's tensors against each other and the options (shapes, dtypes, devices: no host read)."""
+    if num_valid_tokens is not None and not torch.is_tensor(num_valid_tokens) and not num_valid_tokens > 0:
+        raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
+    named = dict(
+        student_input=student_input, student_weight=student_weight, teacher_input=teacher_input,
+        teacher_weight=teacher_weight, true_labels=true_labels, student_bias=student_bias, teacher_bias=teacher_bias,
+    )
+    for name, tensor in named.items():
+        if tensor is not None and not torch.is_tensor(tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor is None and name not in ("student_bias", "teacher_bias"):
+            raise TypeError(f"{name} is required, got None")
+    devices = {name: t.device for name, t in named.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    for name in ("student_input", "student_weight", "teacher_input", "teacher_weight", "student_bias", "teacher_bias"):
+        tensor = named[name]
+        if tensor is not None and tensor.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {tensor.dtype}")
+    for prefix in ("student", "teacher"):
+        hidden, weight = named[f"{prefix}_input"], named[f"{prefix}_weight"]
+        if weight.dim() != 2:
+            raise ValueError(f"{prefix}_weight must be 2-D [vocab, hidden], got shape {tuple(weight.shape)}")
+        if hidden.dim() not in (2, 3):
+            raise ValueError(f"{prefix}_input must be [T, H] or [B, L, H], got shape {tuple(hidden.shape)}")
+        if hidden.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"{prefix}_input hidden size {hidden.shape[-1]} does not match {prefix}_weight "
+                f"shape {tuple(weight.shape)} (expected [vocab, {hidden.shape[-1]}])"
+            )
+        if hidden.dtype != weight.dtype:
+            raise TypeError(f"{prefix}_input dtype {hidden.dtype} differs from {prefix}_weight dtype {weight.dtype}")
+        bias = named[f"{prefix}_bias"]
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(
+                f"{prefix}_bias must have shape ({weight.shape[0]},) to match {prefix}_weight {tuple(weight.shape)}, "
+                f"got {tuple(bias.shape)}"
+            )
+    if teacher_input.shape[:-1] != student_input.shape[:-1]:
+        raise ValueError(
+            f"token counts differ: student_input {tuple(student_input.shape)} vs teacher_input {tuple(teacher_input.shape)}"
+        )
+    if true_labels.shape != student_input.shape[:-1]:
+        raise ValueError(
+            f"true_labels shape {tuple(true_labels.shape)} does not match student_input tokens {tuple(student_input.shape[:-1])}"
+        )
+    if true_labels.dtype.is_floating_point or true_labels.dtype.is_complex or true_labels.dtype == torch.bool:
+        raise TypeError(f"true_labels must be an integer tensor, got {true_labels.dtype}")
+    label_range = torch.iinfo(true_labels.dtype)
+    if not label_range.min <= ignore_index <= label_range.max:  # the comparison with it would wrap around
+        raise TypeError(f"true_labels of dtype {true_labels.dtype} cannot hold ignore_index={ignore_index}: "
+                        f"pass int64 (or int32) labels")
+    if teacher_weight.shape[0] < student_weight.shape[0]:
+        raise ValueError(
+            f"teacher vocab must be >= student vocab: teacher_weight {tuple(teacher_weight.shape)}, "
+            f"student_weight {tuple(student_weight.shape)}"
+        )

@@ -1,0 +1,283 @@
+// The row step in one pass over each logit, for Hopper clusters: row_step_cuda.py prepends its #defines
+// (vocabulary, layout, label type) and compiles it with NVRTC at run time. The math is _row_step.py's.
+typedef unsigned short bf16_t;
+#define NUM_WARPS (THREADS / 32)
+#define ITERS ((SLICE_VECS + THREADS - 1) / THREADS)  // vectors per thread: i = tid + k * THREADS, k < ITERS
+// Vector k < REGISTER_COLS of each thread stays in its registers, the others in shared memory: less shared
+// memory per block, so more blocks share an SM.
+#define TILE_VECS (SLICE_VECS - REGISTER_COLS * THREADS)  // per model, in shared memory
+#define TILE_INDEX(i) ((i) - REGISTER_COLS * THREADS)  // of vector i, k >= REGISTER_COLS
+// vector i = tid + k * THREADS of the slice
+#define VECTOR(model, k, i) ((k) < REGISTER_COLS ? model##_regs[k] : model##_tile[TILE_INDEX(i)])
+#define NUM_PARTS 5  // max, sum of exp, s.t, |s|^2, |t|^2
+#define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h
+#define QUIET_NAN __int_as_float(0x7fc00000)
+
+#define LOG2E 1.4426950408889634f
+__device__ __forceinline__ float exp2_fast(float x) {  // ex2.approx.ftz, as the Triton kernel's _exp
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float exp_fast(float x) { return exp2_fast(x * LOG2E); }
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  unsigned long long a;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+  return (unsigned)a;
+}
+__device__ __forceinline__ void copy_async(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(shared_address(shared)), "l"(global) : "memory");
+}
+#define WAIT_CASE(n) case n: asm volatile("cp.async.wait_group " #n ";" ::: "memory"); break;
+__device__ __forceinline__ void wait_copies(int pending) {  // at most `pending` of this thread's groups in flight
+  switch (pending) {  // the count is an immediate; `pending` is a constant in the unrolled loops
+    WAIT_CASE(0) WAIT_CASE(1) WAIT_CASE(2) WAIT_CASE(3) WAIT_CASE(4) WAIT_CASE(5) WAIT_CASE(6) WAIT_CASE(7)
+    WAIT_CASE(8) WAIT_CASE(9) WAIT_CASE(10) WAIT_CASE(11) WAIT_CASE(12) WAIT_CASE(13) WAIT_CASE(14)
+    default: asm volatile("cp.async.wait_group 15;" ::: "memory"); break;
+  }
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+// Orders nothing: ptxas makes a release arrive a MEMBAR.ALL.GPU, which would wait for this block's
+// outstanding global stores (the losses), not only for the shared memory the other blocks read.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ float peer_load(const float* local, unsigned rank) {  // the same address in block `rank`
+  unsigned remote;
+  float value;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
+  return value;
+}
+__device__ __forceinline__ void unpack(uint4 v, float* x) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    x[2 * j] = __uint_as_float(w[j] << 16);
+    x[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ float element(uint4 v, int j) {  // logit j of a packed vector, j at run time
+  const unsigned w = j < 4 ? (j < 2 ? v.x : v.y) : (j < 6 ? v.z : v.w);
+  return __uint_as_float(j & 1 ? w & 0xffff0000u : w << 16);
+}
+__device__ __forceinline__ unsigned pack(float lo, float hi) {  // round to nearest even, as .to(bf16)
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// Merges running (max, sum of exp(x - max)) pairs; a pair that has seen nothing is (-inf, 0).
+__device__ __forceinline__ void merge_softmax(float& run_max, float& run_sum, float other_max, float other_sum) {
+  const float new_max = fmaxf(run_max, other_max);
+  run_sum = new_max == NEG_INF ? 0.f : run_sum * exp_fast(run_max - new_max) + other_sum * exp_fast(other_max - new_max);
+  run_max = new_max;
+}
+__device__ __forceinline__ void reduce_warp(float* part) {
+  #pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other_max = __shfl_xor_sync(0xffffffffu, part[0], offset);
+    const float other_sum = __shfl_xor_sync(0xffffffffu, part[1], offset);
+    merge_softmax(part[0], part[1], other_max, other_sum);
+    #pragma unroll
+    for (int k = 2; k < NUM_PARTS; ++k) part[k] += __shfl_xor_sync(0xffffffffu, part[k], offset);
+  }
+}
+
+#if REGISTER_COLS  // cap the registers at what MIN_BLOCKS blocks per SM leave each thread
+#define LAUNCH_BOUNDS __launch_bounds__(THREADS, MIN_BLOCKS)
+#else  // ptxas's own choice (even a minimum of 1 block changes it)
+#define LAUNCH_BOUNDS __launch_bounds__(THREADS)
+#endif
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) LAUNCH_BOUNDS
+cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, float* losses,
+                 int student_stride, int teacher_stride, int ignore_index,
+                 double weight_hard, double weight_soft, double beta, double inv_temp_sq,
+                 const float* teacher_products, float* teacher_coefs) {
+  // TEACHER 0 (the Gram path, gram.py): no teacher logits; each row's s.t and |t|^2 come in teacher_products
+  // and the coefficient of t in d L / d s goes out in teacher_coefs (row_step.teacher_grad_coefficient).
+  extern __shared__ uint4 tiles[];  // this block's slice but its register vectors: TILE_VECS student vectors, then the teacher's
+  __shared__ float warp_parts[NUM_WARPS][NUM_PARTS];
+  __shared__ float block_parts[NUM_PARTS];  // read by the cluster's other blocks
+  __shared__ float row_coefs[6];  // row max, log sum exp, the three gradient coefficients, usable
+  const int rank = blockIdx.x % CLUSTER;  // == %cluster_ctarank: clusters are consecutive blocks along x
+  const long long row = blockIdx.x / CLUSTER;
+  const int tid = threadIdx.x;
+  const long long label = (long long)labels[row];
+  const bool valid = label != ignore_index && label >= 0 && label < VOCAB;
+  bf16_t* student_row = student + row * student_stride;
+  const int first_vec = rank * SLICE_VECS;
+  const int slice_vecs = min(SLICE_VECS, VOCAB / 8 - first_vec);  // <= 0 for blocks past a short row
+  uint4* grad_out = reinterpret_cast<uint4*>(student_row) + first_vec;
+  if (!valid) {  // an ignored token: no gradient, zero losses (the whole cluster leaves here)
+    for (int i = tid; i < slice_vecs; i += THREADS) grad_out[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (rank == 0 && tid == 0) {
+      losses[2 * row] = losses[2 * row + 1] = 0.f;
+#if !TEACHER
+      teacher_coefs[row] = 0.f;
+#endif
+    }
+    return;
+  }
+  const float target = (rank == 0 && tid == 0) ? __uint_as_float((unsigned)student_row[label] << 16) : 0.f;
+  const uint4* student_src = reinterpret_cast<const uint4*>(student_row) + first_vec;
+  uint4* student_tile = tiles;
+  uint4 student_regs[REGISTER_COLS + 1];  // + 1: no zero-length arrays
+#if TEACHER
+  const uint4* teacher_src = reinterpret_cast<const uint4*>(teacher + row * teacher_stride) + first_vec;
+  uint4* teacher_tile = tiles + TILE_VECS;
+  uint4 teacher_regs[REGISTER_COLS + 1];
+#endif
+  #pragma unroll
+  for (int k = 0; k < REGISTER_COLS; ++k) {
+    const int i = tid + k * THREADS;
+    if (i < slice_vecs) {
+      student_regs[k] = __ldcg(student_src + i);
+#if TEACHER
+      teacher_regs[k] = __ldcg(teacher_src + i);
+#endif
+    }
+  }
+  #pragma unroll
+  for (int k = REGISTER_COLS; k < ITERS; ++k) {  // one copy group per k, so the reduction starts on the first early
+    const int i = tid + k * THREADS;
+    if (i < slice_vecs) {
+      copy_async(student_tile + TILE_INDEX(i), student_src + i);
+#if TEACHER
+      copy_async(teacher_tile + TILE_INDEX(i), teacher_src + i);
+#endif
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+
+  // Each thread reduces the vectors it copied itself: no block barrier before the reduction.
+  float part[NUM_PARTS] = {NEG_INF, 0.f, 0.f, 0.f, 0.f};
+  #pragma unroll
+  for (int k = 0; k < ITERS; ++k) {
+    if (k >= REGISTER_COLS) wait_copies(ITERS - 1 - k);
+    const int i = tid + k * THREADS;
+    if (i < slice_vecs) {
+      float s[8];
+      unpack(VECTOR(student, k, i), s);
+#if TEACHER
+      float t[8];
+      unpack(VECTOR(teacher, k, i), t);
+#endif
+      float vec_max = s[0];
+      #pragma unroll
+      for (int j = 1; j < 8; ++j) vec_max = fmaxf(vec_max, s[j]);
+      const float new_max = fmaxf(part[0], vec_max);  // an inf or NaN logit overflows the sums below
+      const float scaled_max = new_max * LOG2E;  // exp(s - max) as one FFMA and ex2
+      float vec_sum = 0.f;
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        vec_sum += exp2_fast(fmaf(s[j], LOG2E, -scaled_max));
+        part[3] += s[j] * s[j];
+#if TEACHER
+        part[2] += s[j] * t[j];
+        part[4] += t[j] * t[j];
+#endif
+      }
+      part[1] = part[1] * exp_fast(part[0] - new_max) + vec_sum;
+      part[0] = new_max;
+    }
+  }
+  reduce_warp(part);
+  const int warp = tid / 32, lane = tid % 32;
+  if (lane == 0)
+    #pragma unroll
+    for (int k = 0; k < NUM_PARTS; ++k) warp_parts[warp][k] = part[k];
+  __syncthreads();
+  if (warp == 0) {
+    #pragma unroll
+    for (int k = 0; k < NUM_PARTS; ++k) part[k] = lane < NUM_WARPS ? warp_parts[lane][k] : (k == 0 ? NEG_INF : 0.f);
+    reduce_warp(part);
+    if (lane == 0)
+      #pragma unroll
+      for (int k = 0; k < NUM_PARTS; ++k) block_parts[k] = part[k];
+  }
+  cluster_arrive();  // block_parts written
+  cluster_wait();
+  if (warp == 0) {  // lane r reads block r's parts
+    #pragma unroll
+    for (int k = 0; k < NUM_PARTS; ++k)
+      part[k] = lane < CLUSTER ? peer_load(&block_parts[k], lane) : (k == 0 ? NEG_INF : 0.f);
+    reduce_warp(part);
+    if (lane == 0) {  // row_step.py's losses and gradient coefficients (Triton: _row_losses, _grad_coefficients)
+#if !TEACHER
+      part[2] = teacher_products[2 * row];
+      part[4] = teacher_products[2 * row + 1];
+#endif
+      const float eps = COSINE_EPS;
+      const float inv_t2 = (float)inv_temp_sq;
+      const float total = part[3] + part[4] + fabsf(part[2]);
+      const bool usable = !(total > 3.4028234663852886e38f || total != total);
+      const float log_sum_exp = logf(part[1]);
+      const float norm_student = sqrtf(part[3] * inv_t2);
+      const float clamped_student = fmaxf(norm_student, eps);
+      const float clamped_teacher = fmaxf(sqrtf(part[4] * inv_t2), eps);
+      const float cos = part[2] * inv_t2 / clamped_student / clamped_teacher;
+      if (rank == 0) {
+        losses[2 * row] = usable ? (part[0] - target) + log_sum_exp : QUIET_NAN;
+        losses[2 * row + 1] = usable ? (float)beta * (1.f - cos) : QUIET_NAN;
+      }
+      const float soft_scale = (float)weight_soft * (float)beta;
+      const float coef_teacher = inv_t2 / (clamped_student * clamped_teacher);
+      const float coef_student = norm_student >= eps ? cos * inv_t2 / (clamped_student * clamped_student) : 0.f;
+      row_coefs[0] = part[0];
+      row_coefs[1] = log_sum_exp;
+      row_coefs[2] = (float)weight_hard;
+      row_coefs[3] = -soft_scale * coef_teacher;
+      row_coefs[4] = soft_scale * coef_student;
+      row_coefs[5] = usable ? 1.f : 0.f;
+#if !TEACHER  // no Triton rescue on the Gram path: a row whose sums overflow gets NaN losses and gradient
+      if (!usable) row_coefs[2] = row_coefs[3] = row_coefs[4] = QUIET_NAN;
+      row_coefs[5] = 1.f;
+      if (rank == 0) teacher_coefs[row] = row_coefs[3];
+#endif
+    }
+  }
+  // Done reading the other blocks' parts (their values are in registers): they may exit once all arrived.
+  cluster_arrive_relaxed();
+  __syncthreads();
+  const float row_max = row_coefs[0], log_sum_exp = row_coefs[1];
+  const float prob_coef = row_coefs[2], teacher_coef = row_coefs[3], student_coef = row_coefs[4];
+  const float scaled_shift = (row_max + log_sum_exp) * LOG2E;  // softmax as one FFMA and ex2 per logit
+  if (row_coefs[5] != 0.f) {  // else the row keeps its logits for the Triton RESCUE launch
+    const long long label_vec = label / 8 - first_vec;
+    #pragma unroll
+    for (int k = 0; k < ITERS; ++k) {
+      const int i = tid + k * THREADS;
+      if (i < slice_vecs) {
+        float s[8], g[8];
+        unpack(VECTOR(student, k, i), s);
+#if TEACHER
+        float t[8];
+        unpack(VECTOR(teacher, k, i), t);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j)
+          g[j] = fmaf(prob_coef, exp2_fast(fmaf(s[j], LOG2E, -scaled_shift)), fmaf(teacher_coef, t[j], student_coef * s[j]));
+#else
+        #pragma unroll
+        for (int j = 0; j < 8; ++j)
+          g[j] = fmaf(prob_coef, exp2_fast(fmaf(s[j], LOG2E, -scaled_shift)), student_coef * s[j]);
+#endif
+        if (i == label_vec) {  // the label's entry at full precision, as the Triton kernel's; its two logits
+          // come from the packed vectors again, so that s and t die above (fewer registers)
+          const int j_label = label % 8;
+          const float s_label = element(VECTOR(student, k, i), j_label);
+#if TEACHER
+          const float t_label = element(VECTOR(teacher, k, i), j_label);
+#else
+          const float t_label = 0.f;
+#endif
+          const float label_grad = prob_coef * (expf((s_label - row_max) - log_sum_exp) - 1.f) + teacher_coef * t_label
+                                   + student_coef * s_label;
+          #pragma unroll
+          for (int j = 0; j < 8; ++j)  // a constant index keeps g in registers
+            if (j == j_label) g[j] = label_grad;
+        }
+        grad_out[i] = make_uint4(pack(g[0], g[1]), pack(g[2], g[3]), pack(g[4], g[5]), pack(g[6], g[7]));
+      }
+    }
+  }
+  cluster_wait();  // no block leaves while another may still read its parts
+}
