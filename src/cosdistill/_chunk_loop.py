@@ -154,7 +154,7 @@ SCALED_DOWN_GROUP = 256  # rows of scaled-down gradients widened to fp32 at a ti
 
 
 class _Unlift:
-    """fp16 only: the row step writes each row's gradient times a power of two (row_step.py, so that
+    """fp16 only: the row step writes each row's gradient times a power of two (_row_step.py, so that
     it does not sink into fp16's subnormals); its inverse goes onto the row's hidden state for
     grad_weight, and onto grad_input's and grad_bias's rows through fp32 (exact: powers of two).
     grad_input then waits for grad_output (a loss scale, say) in fp16, so each of its rows is kept

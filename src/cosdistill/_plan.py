@@ -92,6 +92,7 @@ class Plan:
 
     options: Options
     backend: Backend
+    scales: RowStepScales  # the row step's constants (with the vocabulary split's, if any)
     teacher: str  # "logits", "fp8" or "gram"
     rows: ChunkRows
     needs_grad: tuple[bool, bool, bool]  # input, weight, bias
@@ -112,12 +113,13 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
     if gram_applies(options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens, needs_grad,
                     vocab_parallel):
         teacher = "gram"
-    vocab_student, vocab_teacher = student_weight.shape[0], teacher_weight.shape[0]
+    vocab_student, vocab_teacher, scales = student_weight.shape[0], teacher_weight.shape[0], options.scales
     if vocab_parallel is not None:  # the whole student vocabulary sizes the chunks: every rank runs as many
         vocab_student = vocab_teacher = vocab_parallel.vocab_student
+        scales = dataclasses.replace(scales, vocab_start=vocab_parallel.start, vocab_student_total=vocab_student)
     rows = chunk_rows(options.chunk_size, num_tokens, vocab_student, 0 if teacher == "gram" else vocab_teacher,
                       student_weight.element_size(), write_grad=any(needs_grad))
-    return Plan(options, backend, teacher, rows, tuple(needs_grad),
+    return Plan(options, backend, scales, teacher, rows, tuple(needs_grad),
                 options.accum_dtype or default_accum_dtype(student_weight.dtype), vocab_parallel,
                 fall_back=options.cosine_via == "auto")
 
@@ -128,12 +130,9 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
     # The GPU starts on the first chunk's student GEMM before the teacher side's set-up, whose host time
     # (and any cached teacher copy's check) it then covers.
     student_logits = start_student_logits(student_input, student_weight, student_bias, plan.rows)
-    options, backend, scales = plan.options, plan.backend, plan.options.scales
+    backend, scales = plan.backend, plan.scales
     row_step, reduce_grad_input = backend.row_step.step, None
-    vocab_student = student_weight.shape[0]
     if plan.vocab_parallel is not None:
-        vocab_student = plan.vocab_parallel.vocab_student
-        scales = dataclasses.replace(scales, vocab_start=plan.vocab_parallel.start, vocab_student_total=vocab_student)
         row_step = split_row_step(backend.row_step, plan.vocab_parallel.all_gather)
         reduce_grad_input = plan.vocab_parallel.all_reduce
     if plan.teacher == "gram":
@@ -145,8 +144,8 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
         teacher = LogitsTeacher(head, row_step, scales, plan.rows.teacher)
     else:
         teacher = LogitsTeacher(TeacherHead(teacher_weight, teacher_bias), row_step, scales, plan.rows.teacher)
-    normaliser = LabelCounts(labels, options.ignore_index, vocab_student, num_valid_tokens, backend,
-                             scales.weight_hard, scales.weight_soft)
+    normaliser = LabelCounts(labels, scales.ignore_index, scales.vocab_student_total or student_weight.shape[0],
+                             num_valid_tokens, backend, scales.weight_hard, scales.weight_soft)
     try:
         return chunked_loss_and_grads(
             student_input, student_weight, student_bias, teacher_input, teacher, labels, normaliser, plan.rows,
@@ -159,8 +158,8 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
                 f"products (their bound passes {_teacher_gram.RANGE_LIMIT:.3g}); use cosine_via='logits' or 'auto'"
             ) from None
         logits_plan = dataclasses.replace(plan, teacher="logits", rows=chunk_rows(
-            options.chunk_size, len(labels), vocab_student, teacher_weight.shape[0], student_weight.element_size(),
-            write_grad=any(plan.needs_grad)))
+            plan.options.chunk_size, len(labels), student_weight.shape[0], teacher_weight.shape[0],
+            student_weight.element_size(), write_grad=any(plan.needs_grad)))
         return run(logits_plan, student_input, student_weight, student_bias, teacher_input, teacher_weight,
                    teacher_bias, labels, num_valid_tokens)
 

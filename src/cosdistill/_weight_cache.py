@@ -1,5 +1,5 @@
-"""Values derived from a teacher weight and kept across calls (its Gram matrix, gram.py; its FP8 copy,
-fp8.py), used only while they are provably those of the weight as it is now.
+"""Values derived from a teacher weight and kept across calls (its Gram matrix, _teacher_gram.py; its FP8 copy,
+_teacher_fp8.py), used only while they are provably those of the weight as it is now.
 
 A value is reused only for the same weight with the same contents, checked two ways:
 

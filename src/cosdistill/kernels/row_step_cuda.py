@@ -14,11 +14,11 @@ CUDA build (``torch.cuda._compile_kernel``), so users need no compiler.
 Only the common case takes this path (``supported``): bf16 logits of one vocabulary size V (a multiple
 of 8), gradients wanted, no softcap, logit scale, fp16 lifts or vocabulary split. Everything else, and
 rows whose sums overflow fp32 (left untouched with NaN losses, as the Triton kernel's first launch
-leaves them), goes through the Triton kernels. The math is row_step.py's, as in the Triton twin.
+leaves them), goes through the Triton kernels. The math is _row_step.py's, as in the Triton twin.
 
-Compiled with TEACHER 0 (``models=1``) it is the Gram path's row step (gram.py, ``gram_row_step_cuda``):
+Compiled with TEACHER 0 (``models=1``) it is the Gram path's row step (_teacher_gram.py, ``gram_row_step_cuda``):
 the student's logits alone, each row's s.t and |t|^2 given, each row's coefficient of t written out;
-no rescue there (a row whose sums overflow gets NaN losses and gradient, as gram.py's range says).
+no rescue there (a row whose sums overflow gets NaN losses and gradient, as _teacher_gram.py's range says).
 """
 
 import ctypes
@@ -112,7 +112,7 @@ def available(device: torch.device) -> bool:
 
 
 def applies(dtype: torch.dtype, vocab_student: int, vocab_teacher: int, scales: RowStepScales) -> bool:
-    """Whether the kernel computes row_step.py's step for logits of this kind (layout and device aside)."""
+    """Whether the kernel computes _row_step.py's step for logits of this kind (layout and device aside)."""
     plain = (scales.student_softcap is None and scales.teacher_softcap is None and scales.student_logit_scale == 1.0
              and scales.teacher_logit_scale == 1.0 and scales.vocab_start == 0
              and scales.vocab_student_total in (None, vocab_student) and -2**31 <= scales.ignore_index < 2**31)
@@ -121,7 +121,7 @@ def applies(dtype: torch.dtype, vocab_student: int, vocab_teacher: int, scales: 
 
 
 def supported(student_logits, teacher_logits, labels, scales: RowStepScales, write_grad, grad_lifts) -> bool:
-    """Whether this kernel computes exactly what row_step.py asks for these arguments."""
+    """Whether this kernel computes exactly what _row_step.py asks for these arguments."""
     rows, vocab = student_logits.shape
     return (write_grad and grad_lifts is None and rows > 0 and teacher_logits.dtype == student_logits.dtype
             and teacher_logits.shape[0] == rows and applies(student_logits.dtype, vocab, teacher_logits.shape[1], scales)
@@ -238,10 +238,10 @@ def row_step_cuda(student_logits, teacher_logits, labels, scales: RowStepScales,
 
 def gram_row_step_cuda(student_logits, labels, scales: RowStepScales, token_losses, teacher_products,
                        teacher_coefs) -> bool:
-    """The Gram path's row step (gram.py) in one launch of the one-model kernel, where it applies: the
+    """The Gram path's row step (_teacher_gram.py) in one launch of the one-model kernel, where it applies: the
     losses, d L / d s without its teacher term in place, and each row's coefficient of t (0 for ignored
     rows) into teacher_coefs, from each row's raw s.t and |t|^2 in teacher_products [n, 2]. A row whose
-    sums overflow fp32 gets NaN losses and gradient (no rescue; gram.py's range). Whether it ran."""
+    sums overflow fp32 gets NaN losses and gradient (no rescue; _teacher_gram.py's range). Whether it ran."""
     rows, vocab = student_logits.shape
     runs = (rows > 0 and applies(student_logits.dtype, vocab, vocab, scales) and labels.dtype in _LABEL_TYPES
             and labels.is_contiguous() and token_losses.is_contiguous() and teacher_products.is_contiguous()

@@ -1,4 +1,4 @@
-"""The fused row step in Triton: the twin of ``row_step.py`` (read that first).
+"""The fused row step in Triton: the twin of ``_row_step.py`` (read that first).
 
 One program per token row. ``_row_stats`` streams the row's student and teacher logits once and keeps
 per-lane running statistics (max and sum of exp for the softmax, s.t, |s|^2, |t|^2);
@@ -62,7 +62,7 @@ def _softcap(x, cap):
 @triton.jit
 def _load_logits(row, cols, mask, logit_scale, cap, CAP: tl.constexpr, MASKED: tl.constexpr = True):
     """Logits as the loss sees them: fp32, times the logit scale (None: 1), softcapped; 0 where masked,
-    and 0 everywhere for a row of None (no teacher logits: the Gram path, gram.py)."""
+    and 0 everywhere for a row of None (no teacher logits: the Gram path, _teacher_gram.py)."""
     if row is None:  # one if-elif chain: code after a return in a static branch is still compiled
         x = tl.zeros(cols.shape, tl.float32)
     elif MASKED:
@@ -133,7 +133,7 @@ def _unit_scaled_sums(student_row, teacher_row, vocab_student, vocab_teacher, st
 def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale,
                teacher_scale, student_cap, teacher_cap, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr,
                UNIT_SCALED: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """The row's ROW_STATS (row_step.py): plain sums (scales 1), or with UNIT_SCALED sums of s / max|s|
+    """The row's ROW_STATS (_row_step.py): plain sums (scales 1), or with UNIT_SCALED sums of s / max|s|
     and t / max|t| (two more passes, for rows whose plain sums overflow fp32)."""
     offsets = tl.arange(0, BLOCK)
     run_max = tl.full([BLOCK], float("-inf"), tl.float32)

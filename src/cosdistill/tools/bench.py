@@ -8,13 +8,13 @@ One process, one workload, every provider on the same tensors:
 * ``ours-fp8`` - the same with ``teacher_precision="fp8"`` (automatic chunk size, default accumulator),
   where the device has FP8 tensor cores;
 * ``ours-unchecked`` / ``ours-fp8-unchecked`` - ours and ours-fp8 with the teacher caches reused without
-  their content check (weight_cache.py): the A/B of what that check costs;
+  their content check (_weight_cache.py): the A/B of what that check costs;
 * ``ours-changing-teacher`` - ours with the teacher weight's version counter moved before every call, as
   an EMA or online-distillation teacher's is (no kernel runs for it): what "auto" costs there;
 * ``naive`` - ``naive_cosine_distill``: full logits and autograd;
 * ``liger`` - Liger-Kernel's ``LigerFusedLinearCosineSimilarityLoss``, if it can be imported;
 * ``floor`` - the four GEMMs of the loss computed from both heads' logits (two in forward mode), on the
-  whole T; the Gram path (gram.py) replaces the teacher's with smaller ones and can run under it.
+  whole T; the Gram path (_teacher_gram.py) replaces the teacher's with smaller ones and can run under it.
 
 Mode "full" times forward + ``loss.backward()``; mode "forward" times the forward under ``no_grad``.
 Each provider is timed in steady state: its own calls first run for ``settle_s`` seconds (3 on CUDA),

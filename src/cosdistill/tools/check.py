@@ -207,7 +207,7 @@ def check_loss(impls, device, cases=LOSS_CASES) -> list[CheckResult]:
     for case in cases:
         args = random_problem(case, device)
         want = float64_reference(args, **case.options())
-        # the teacher's logits GEMM, and where it applies the Gram path too (gram.py)
+        # the teacher's logits GEMM, and where it applies the Gram path too (_teacher_gram.py)
         for impl, cosine_via in itertools.product(impls, ("logits", "gram") if case.gram_applies() else ("logits",)):
             name = f"loss {impl}{' gram' if cosine_via == 'gram' else ''} vs float64"
             try:
@@ -259,7 +259,7 @@ def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
         teacher = (torch.randn(case.rows, case.vocab_teacher, device=device) * 3).to(case.dtype)
         labels = torch.randint(0, case.vocab_student, (case.rows,), device=device)
         labels[::4] = -100
-        # fp16: the gradients lifted by powers of two, as the chunk loop asks for (row_step.py)
+        # fp16: the gradients lifted by powers of two, as the chunk loop asks for (_row_step.py)
         lifts = [torch.full((case.rows,), POISON, device=device) for _ in range(2)] if case.dtype == torch.float16 else []
         want_grad, want_losses = student.clone(), torch.full((case.rows, 2), POISON, device=device)
         row_step_torch(want_grad, teacher, labels, scales, want_losses, True, *lifts[:1])
@@ -354,7 +354,7 @@ def mutation_outcome(run, head, mutate, generator, tolerance=1e-5) -> tuple[str,
 
 def check_teacher_caches(device, vocab=1000, hidden_teacher=64, tokens=512) -> list[CheckResult]:
     """The teacher's cached copies (its Gram matrix; on FP8 GPUs its FP8 copy) against every mutation in
-    TEACHER_MUTATIONS: each call gives a fresh copy's answer or raises, never a stale number (weight_cache.py)."""
+    TEACHER_MUTATIONS: each call gives a fresh copy's answer or raises, never a stale number (_weight_cache.py)."""
     from .. import _teacher_fp8 as fp8
 
     options = {"Gram matrix": dict(cosine_via="gram")}
