@@ -23,13 +23,15 @@ def lm_head(model, name="model"):
     return head
 
 
-def final_hidden_states(model, input_ids, attention_mask=None, head=None):
+def final_hidden_states(model, input_ids, attention_mask=None, head=None, **model_inputs):
     """The input of the model's LM head [B, L, H]: the final hidden states, after the final norm.
 
     For Llama, Gemma-2, Cohere, Qwen2 and GPT-2 this is the backbone's ``last_hidden_state``. It is
     taken from the model's own forward (so wrappers such as DDP and accelerate's autocast apply),
     with the head handed zero positions, so no logits are computed. ``head`` is the model's LM head,
     by default ``model.get_output_embeddings()``; pass it when ``model`` is a wrapper without that method.
+    ``model_inputs``: the batch's other forward inputs (position_ids and the flash-attention sequence
+    boundaries of packed batches, token_type_ids, ...), passed on as they are.
     """
     head = lm_head(model) if head is None else head
     captured = []
@@ -40,7 +42,7 @@ def final_hidden_states(model, input_ids, attention_mask=None, head=None):
 
     handle = head.register_forward_pre_hook(keep_input_and_feed_nothing)
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_inputs)
     finally:
         handle.remove()
     if len(captured) != 1:
@@ -48,22 +50,46 @@ def final_hidden_states(model, input_ids, attention_mask=None, head=None):
     return captured[0]
 
 
-def next_token_targets(labels, attention_mask=None, ignore_index=-100):
-    """Position i's target, shaped [B, L] like the hidden states so that these need no slicing.
+def loss_labels(labels, attention_mask=None, position_ids=None, ignore_index=-100, cu_seq_lens=None):
+    """labels with ignore_index wherever the loss has no target, so that any count of labels !=
+    ignore_index (the Trainer's num_items_in_batch, shifted or not) is the loss's own count.
 
-    As in Hugging Face's causal LM loss, position i predicts labels[:, i + 1]; the last position gets
-    ignore_index, and so does every position i where i or i + 1 is padding (attention_mask == 0).
+    Label j is the target of position j - 1: none for j = 0, for a padding position j or j - 1
+    (attention_mask == 0; left padding too), or for the first token of a packed sequence (where
+    position_ids does not increase, or at a boundary of ``cu_seq_lens``, the flash-attention
+    cumulative lengths of a one-row packed batch): labels never cross a sequence boundary.
     """
     if labels.dim() != 2:
         raise ValueError(f"labels must be [batch, length], got shape {tuple(labels.shape)}")
-    targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1)
-    if attention_mask is None:
-        return targets
-    if attention_mask.shape != labels.shape:
-        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match labels {tuple(labels.shape)}")
-    real = attention_mask.bool()
-    real_pair = real & torch.cat([real[:, 1:], torch.zeros_like(real[:, :1])], dim=1)
-    return targets.masked_fill(~real_pair, ignore_index)
+    no_target = torch.zeros_like(labels, dtype=torch.bool)
+    no_target[:, 0] = True
+    if attention_mask is not None:
+        if attention_mask.shape != labels.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match labels "
+                             f"{tuple(labels.shape)}")
+        padding = ~attention_mask.bool()
+        no_target |= padding
+        no_target[:, 1:] |= padding[:, :-1]
+    if position_ids is not None:
+        if position_ids.shape != labels.shape:
+            raise ValueError(f"position_ids shape {tuple(position_ids.shape)} does not match labels "
+                             f"{tuple(labels.shape)}")
+        no_target[:, 1:] |= position_ids[:, 1:] <= position_ids[:, :-1]
+    if cu_seq_lens is not None:
+        starts = cu_seq_lens.flatten().long()
+        no_target[:, starts[(starts > 0) & (starts < labels.shape[1])]] = True
+    return labels.masked_fill(no_target, ignore_index)
+
+
+def next_token_targets(labels, attention_mask=None, ignore_index=-100, position_ids=None, cu_seq_lens=None):
+    """Position i's target, shaped [B, L] like the hidden states so that these need no slicing.
+
+    As in Hugging Face's causal LM loss, position i predicts labels[:, i + 1]; the last position gets
+    ignore_index, and so does every position whose next label ``loss_labels`` leaves without a target
+    (padding at i or i + 1, a packed sequence starting at i + 1).
+    """
+    targets = loss_labels(labels, attention_mask, position_ids, ignore_index, cu_seq_lens)
+    return torch.cat([targets[:, 1:], targets.new_full((targets.shape[0], 1), ignore_index)], dim=1)
 
 
 def head_inputs(model, hidden, name="model"):
@@ -105,6 +131,7 @@ def cosine_distill_loss(
     ignore_index=-100,
     num_valid_tokens=None,
     return_soft_hard_loss=False,
+    model_inputs=None,
     **loss_options,
 ):
     """``fused_linear_cosine_distill`` between two causal LMs on a batch, never building their logits.
@@ -115,6 +142,8 @@ def cosine_distill_loss(
     targets are the labels shifted by one (``next_token_targets``), padding and ignore_index skipped.
     student_hidden / teacher_hidden: precomputed ``final_hidden_states`` [B, L, H], used instead of
     running that model (input_ids is then not needed for it).
+    model_inputs: the batch's other forward inputs, for both models (a packed batch's position_ids or
+    ``cu_seq_lens_q``: they also keep each target within its sequence).
     Each model's logit scale and softcapping are applied as its config says (``head_inputs``), so the
     loss equals the one computed from ``model(...).logits``. ``num_valid_tokens`` (e.g. the count over
     all micro-batches of a gradient accumulation step) and ``**loss_options`` (chunk_size, impl,
@@ -124,12 +153,16 @@ def cosine_distill_loss(
         raise TypeError("labels is required, got None")
     if input_ids is None and (student_hidden is None or teacher_hidden is None):
         raise TypeError("input_ids is required unless both student_hidden and teacher_hidden are given")
-    targets = next_token_targets(labels, attention_mask, ignore_index)
+    model_inputs = model_inputs or {}
+    targets = next_token_targets(labels, attention_mask, ignore_index, model_inputs.get("position_ids"),
+                                 model_inputs.get("cu_seq_lens_q"))
     if student_hidden is None:
-        student_hidden = final_hidden_states(student, input_ids, attention_mask, lm_head(student, "student"))
+        student_hidden = final_hidden_states(student, input_ids, attention_mask, lm_head(student, "student"),
+                                             **model_inputs)
     with torch.no_grad():
         if teacher_hidden is None:
-            teacher_hidden = final_hidden_states(teacher, input_ids, attention_mask, lm_head(teacher, "teacher"))
+            teacher_hidden = final_hidden_states(teacher, input_ids, attention_mask, lm_head(teacher, "teacher"),
+                                                 **model_inputs)
         teacher_args = head_inputs(teacher, teacher_hidden, "teacher")
     hidden, weight, bias, softcap, logit_scale = head_inputs(student, student_hidden, "student")
     with torch.autocast(hidden.device.type, enabled=False):  # the inputs are already in the autocast dtype
@@ -143,23 +176,38 @@ def cosine_distill_loss(
         )
 
 
+# Trainer options that change the loss in ways this loss does not follow: each raises at construction.
+UNSUPPORTED_ARGS = {
+    "label_smoothing_factor": (0, "label smoothing is not part of this loss (its hard term is plain cross-entropy)"),
+}
+
+
 class CosineDistillationTrainer(Trainer):
     """A ``transformers.Trainer`` whose loss is ``cosine_distill_loss`` against a frozen teacher.
 
     ``teacher_model`` is put in eval mode, frozen and moved to the student's device. The loss is
-    normalised by ``num_items_in_batch`` (the Trainer's count of labels != -100 over all micro-batches
-    of a step, across processes), so gradient accumulation gives the gradient of one big batch; set
-    the labels of padding to -100 (as Hugging Face's collators do) for that count to match ours.
-    Training logs gain ``soft_loss`` and ``hard_loss`` next to ``loss``. The student's LM head must be
-    whole on each process (single device or DDP; not FSDP or DeepSpeed ZeRO-3, which shard it, nor
-    torch.nn.DataParallel). ``loss_options`` (chunk_size, impl, ...) go to ``fused_linear_cosine_distill``.
+    normalised by ``num_items_in_batch``, the Trainer's count of labels over all micro-batches of a step
+    (across processes), so gradient accumulation gives the gradient of one big batch; each batch's labels
+    are first set to -100 where the loss has no target (``loss_labels``: left or right padding, the first
+    token of each packed sequence), so that the count is exactly the loss's. Every model input the batch
+    holds (position_ids and flash-attention boundaries of packed batches, ...) reaches both models.
+    Training logs gain ``soft_loss`` and ``hard_loss`` next to ``loss``, evaluation ``eval_soft_loss`` and
+    ``eval_hard_loss``. The student's LM head must be whole on each process (single device or DDP; not FSDP
+    or DeepSpeed ZeRO-3, which shard it, nor torch.nn.DataParallel). ``loss_options`` (chunk_size, impl, ...)
+    go to ``fused_linear_cosine_distill``. Trainer options the loss cannot honour (``UNSUPPORTED_ARGS``, a
+    ``compute_loss_func``) raise a ValueError.
     """
 
     def __init__(
         self, *args, teacher_model, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, temperature=1.0,
         loss_options=None, **kwargs,
     ):
+        if kwargs.get("compute_loss_func") is not None:
+            raise ValueError("CosineDistillationTrainer computes its own loss: compute_loss_func cannot be used with it")
         super().__init__(*args, **kwargs)
+        for name, (default, why) in UNSUPPORTED_ARGS.items():
+            if getattr(self.args, name, default) != default:
+                raise ValueError(f"CosineDistillationTrainer does not support {name}={getattr(self.args, name)!r}: {why}")
         device = next(self.model.parameters()).device
         self.teacher_model = teacher_model.to(device).eval().requires_grad_(False)
         self.loss_options = dict(
@@ -168,35 +216,65 @@ class CosineDistillationTrainer(Trainer):
         )
         # Makes the Trainer count num_items_in_batch and take our loss as already normalised over the step.
         self.model_accepts_loss_kwargs = True
-        self._soft_hard_sums = None
+        self._soft_hard_sums = None  # training: soft and hard summed since the last log
         self._soft_hard_since_step = 0
+        self._eval_sums = None  # evaluation: soft and hard times rows, and the rows
+
+    @staticmethod
+    def _with_loss_labels(batch):
+        """The batch with its labels set to -100 where the loss has no target (in place: the collator's tensors)."""
+        if isinstance(batch, dict) and torch.is_tensor(batch.get("labels")) and batch["labels"].dim() == 2:
+            batch["labels"] = loss_labels(batch["labels"], batch.get("attention_mask"), batch.get("position_ids"),
+                                          cu_seq_lens=batch.get("cu_seq_lens_q"))
+        return batch
+
+    def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
+        """The Trainer's, on batches whose labels are the loss's targets, so that it counts exactly those."""
+        return super().get_batch_samples(map(self._with_loss_labels, epoch_iterator), num_batches, *args, **kwargs)
+
+    def prediction_step(self, model, inputs, *args, **kwargs):
+        return super().prediction_step(model, self._with_loss_labels(inputs), *args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         student = self.accelerator.unwrap_model(model)
+        model_inputs = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask", "labels")}
         input_ids, attention_mask = inputs["input_ids"], inputs.get("attention_mask")
         if torch.is_tensor(num_items_in_batch):  # a step whose labels are all -100: loss 0, not an error
             num_items_in_batch = num_items_in_batch.clamp(min=1)
         elif num_items_in_batch is not None:
             num_items_in_batch = max(1, num_items_in_batch)
         with self.accelerator.autocast():
-            hidden = final_hidden_states(model, input_ids, attention_mask, lm_head(student, "student"))
+            hidden = final_hidden_states(model, input_ids, attention_mask, lm_head(student, "student"), **model_inputs)
             loss, soft, hard = cosine_distill_loss(
                 student, self.teacher_model, input_ids, attention_mask, inputs["labels"], student_hidden=hidden,
-                num_valid_tokens=num_items_in_batch, return_soft_hard_loss=True, **self.loss_options,
+                num_valid_tokens=num_items_in_batch, return_soft_hard_loss=True, model_inputs=model_inputs,
+                **self.loss_options,
             )
         if num_items_in_batch is not None and getattr(self.args, "average_tokens_across_devices", False):
             # num_items_in_batch counts all processes' tokens and DDP averages the gradients: undo the average.
             loss, soft, hard = (value * self.accelerator.num_processes for value in (loss, soft, hard))
+        sums = torch.stack([soft, hard]).detach()
         if model.training:
-            sums = torch.stack([soft, hard]).detach()
             self._soft_hard_sums = sums if self._soft_hard_sums is None else self._soft_hard_sums + sums
+        else:  # evaluation: the mean over rows, as the Trainer's eval_loss (each batch's loss once per row)
+            rows = input_ids.shape[0]
+            sums = torch.cat([sums * rows, sums.new_full((1,), rows)])
+            self._eval_sums = sums if self._eval_sums is None else self._eval_sums + sums
         return (loss, {"soft_loss": soft, "hard_loss": hard}) if return_outputs else loss
 
     def log(self, logs, *args, **kwargs):
-        """Adds the mean soft and hard loss per optimizer step since the last training log."""
+        """Adds the mean soft and hard loss per optimizer step since the last training log, and per row (as
+        eval_loss) to an evaluation's log (``eval_soft_loss``, ``eval_hard_loss``, with the evaluation's prefix)."""
         if "loss" in logs and self._soft_hard_sums is not None:
             steps = max(1, self.state.global_step - self._soft_hard_since_step)
             soft, hard = (self.accelerator.gather(self._soft_hard_sums[None]).mean(0) / steps).tolist()
             logs.update(soft_loss=soft, hard_loss=hard)
             self._soft_hard_sums, self._soft_hard_since_step = None, self.state.global_step
+        eval_loss_keys = [key for key in logs if key.endswith("_loss") and key.removesuffix("_loss") + "_runtime" in logs]
+        if eval_loss_keys:  # every process logs an evaluation's metrics: each takes part in the gather
+            sums = self._eval_sums if self._eval_sums is not None else torch.zeros(3, device=self.args.device)
+            soft, hard, rows = self.accelerator.gather(sums[None]).sum(0).tolist()
+            prefix = eval_loss_keys[0].removesuffix("_loss")
+            logs.update({f"{prefix}_soft_loss": soft / max(1.0, rows), f"{prefix}_hard_loss": hard / max(1.0, rows)})
+            self._eval_sums = None
         super().log(logs, *args, **kwargs)

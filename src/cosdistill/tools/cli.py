@@ -185,6 +185,9 @@ def run_bench_command(args):
         bench.append_to_ledger(result, workload, device, args.ledger, args.command_line)
     if args.plot:
         bench.write_plot(result, args.plot)
+    for what, path in (("table", args.markdown), ("results", args.json), ("ledger rows", args.ledger), ("plot", args.plot)):
+        if path:
+            print(f"{what}: {os.path.abspath(path)}")
     return 0 if result.check_passed else EXIT_CHECK_FAILED
 
 
