@@ -174,3 +174,57 @@ def test_final_hidden_states_passes_model_inputs_on():
     plain = final_hidden_states(model, input_ids)
     torch.testing.assert_close(restarted[:, :3], plain[:, :3])
     assert rel_err(restarted[:, 3:], plain[:, 3:]) > 1e-3
+
+
+# PEFT students
+
+peft = pytest.importorskip("peft")
+
+
+def lora_student(targets=("q_proj", "v_proj")):
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0, init_lora_weights=False)
+    return peft.get_peft_model(tiny_model("llama"), config)
+
+
+def test_a_lora_student_matches_the_naive_loss_and_skips_the_frozen_heads_gradient(monkeypatch):
+    """Through PeftModel's wrappers the loss finds the head and the hidden states; the head is frozen, so no
+    grad_weight is computed, and the adapters' gradients are the naive loss's."""
+    from cosdistill import api
+    from test_hf import make_batch, naive_loss
+
+    plans, make_plan = [], api.make_plan
+    monkeypatch.setattr(api, "make_plan", lambda *a, **k: plans.append(make_plan(*a, **k)) or plans[-1])
+    student, teacher, batch = lora_student(), tiny_model("llama", vocab=144, seed=1), make_batch(vocab=128)
+    reference_student = copy.deepcopy(student)
+    losses = cosine_distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
+    losses[0].backward()
+    want = naive_loss(reference_student, teacher, **batch, **OPTIONS)
+    want[0].backward()
+    for got, expected in zip(losses, want):
+        assert rel_err(got, expected) < 1e-5
+    trained = [(name, p, q) for (name, p), q in zip(student.named_parameters(), reference_student.parameters())
+               if p.requires_grad]
+    assert trained and all("lora_" in name for name, _, _ in trained)
+    for _, got, expected in trained:
+        assert rel_err(got.grad, expected.grad) < 1e-5
+    assert [plan.needs_grad for plan in plans] == [(True, False, False)]
+
+
+def test_the_trainer_trains_a_lora_student(tmp_path):
+    student, teacher = lora_student(), tiny_model("llama", vocab=144, seed=1)
+    rows = dataset([9, 4, 6, 2])
+    trainer_batch = make_trainer(tmp_path, student, teacher, rows).data_collator(rows)
+    batch = {key: value.clone() for key, value in trainer_batch.items()}
+    want_losses, want_grads = direct_loss_and_grads(student, teacher, batch)
+    log, step = one_sgd_step(tmp_path, student, teacher, rows, lambda rows: trainer_batch, per_device_train_batch_size=4)
+    assert log["loss"] == pytest.approx(want_losses[0].item(), rel=1e-5)
+    trainable = [p.requires_grad for p in student.parameters()]
+    for got, want, trains in zip(step, want_grads, trainable):
+        assert (rel_err(got, want) < 1e-5) if trains else (want is None and not got.any())
+
+
+def test_an_adapter_on_the_lm_head_is_a_clear_error():
+    student, teacher, rows = lora_student(("q_proj", "lm_head")), tiny_model("llama", vocab=144, seed=1), dataset([5, 5])
+    batch = dict(input_ids=torch.tensor(rows), labels=torch.tensor(rows))
+    with pytest.raises(TypeError, match="LM head carries an adapter"):
+        cosine_distill_loss(student, teacher, **batch)

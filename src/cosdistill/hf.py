@@ -18,6 +18,11 @@ from .api import fused_linear_cosine_distill
 def lm_head(model, name="model"):
     """``model.get_output_embeddings()``, checked to be a torch.nn.Linear (tied or not, with or without bias)."""
     head = model.get_output_embeddings()
+    if hasattr(head, "base_layer"):  # a PEFT adapter (LoRA, ...) around the head
+        raise TypeError(
+            f"{name}'s LM head carries an adapter ({type(head).__module__}.{type(head).__name__}); the fused loss needs "
+            "the head as one weight matrix: leave the LM head out of the adapter's target_modules, or merge the adapter"
+        )
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"{name}.get_output_embeddings() must be a torch.nn.Linear, got {type(head).__name__}")
     return head
