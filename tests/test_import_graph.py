@@ -9,7 +9,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cosdistill"
 # Modules built on the core: no core module may import them.
-OUTER = {"hf", "distributed", "distributed.data_parallel", "distributed.vocab_parallel", "tools", "tools.bench",
+OUTER = {"hf", "trl", "distributed", "distributed.data_parallel", "distributed.vocab_parallel", "tools", "tools.bench",
          "tools.cli", "tools.demo", "tools.check", "testing", "__main__", "__init__"}
 
 

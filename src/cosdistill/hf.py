@@ -187,8 +187,13 @@ UNSUPPORTED_ARGS = {
 }
 
 
-class CosineDistillationTrainer(Trainer):
-    """A ``transformers.Trainer`` whose loss is ``cosine_distill_loss`` against a frozen teacher.
+# Batch entries that are not the models' inputs: the labels, and masks that data collators add for a loss.
+NOT_MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "labels", "completion_mask", "assistant_masks"})
+
+
+class CosineDistillationMixin:
+    """``cosine_distill_loss`` against a frozen teacher as the loss of a ``transformers.Trainer`` subclass
+    (``CosineDistillationTrainer`` here, ``cosdistill.trl.CosineDistillationSFTTrainer`` for TRL).
 
     ``teacher_model`` is put in eval mode, frozen and moved to the student's device. The loss is
     normalised by ``num_items_in_batch``, the Trainer's count of labels over all micro-batches of a step
@@ -203,16 +208,18 @@ class CosineDistillationTrainer(Trainer):
     ``compute_loss_func``) raise a ValueError.
     """
 
+    unsupported_args = UNSUPPORTED_ARGS
+
     def __init__(
         self, *args, teacher_model, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, temperature=1.0,
         loss_options=None, **kwargs,
     ):
         if kwargs.get("compute_loss_func") is not None:
-            raise ValueError("CosineDistillationTrainer computes its own loss: compute_loss_func cannot be used with it")
+            raise ValueError(f"{type(self).__name__} computes its own loss: compute_loss_func cannot be used with it")
         super().__init__(*args, **kwargs)
-        for name, (default, why) in UNSUPPORTED_ARGS.items():
+        for name, (default, why) in self.unsupported_args.items():
             if getattr(self.args, name, default) != default:
-                raise ValueError(f"CosineDistillationTrainer does not support {name}={getattr(self.args, name)!r}: {why}")
+                raise ValueError(f"{type(self).__name__} does not support {name}={getattr(self.args, name)!r}: {why}")
         device = next(self.model.parameters()).device
         self.teacher_model = teacher_model.to(device).eval().requires_grad_(False)
         self.loss_options = dict(
@@ -224,6 +231,7 @@ class CosineDistillationTrainer(Trainer):
         self._soft_hard_sums = None  # training: soft and hard summed since the last log
         self._soft_hard_since_step = 0
         self._eval_sums = None  # evaluation: soft and hard times rows, and the rows
+        self._evaluation_prefix = None  # the metrics' prefix while evaluate() runs
 
     @staticmethod
     def _with_loss_labels(batch):
@@ -242,7 +250,7 @@ class CosineDistillationTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         student = self.accelerator.unwrap_model(model)
-        model_inputs = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask", "labels")}
+        model_inputs = {key: value for key, value in inputs.items() if key not in NOT_MODEL_INPUTS}
         input_ids, attention_mask = inputs["input_ids"], inputs.get("attention_mask")
         if torch.is_tensor(num_items_in_batch):  # a step whose labels are all -100: loss 0, not an error
             num_items_in_batch = num_items_in_batch.clamp(min=1)
@@ -275,11 +283,22 @@ class CosineDistillationTrainer(Trainer):
             soft, hard = (self.accelerator.gather(self._soft_hard_sums[None]).mean(0) / steps).tolist()
             logs.update(soft_loss=soft, hard_loss=hard)
             self._soft_hard_sums, self._soft_hard_since_step = None, self.state.global_step
-        eval_loss_keys = [key for key in logs if key.endswith("_loss") and key.removesuffix("_loss") + "_runtime" in logs]
-        if eval_loss_keys:  # every process logs an evaluation's metrics: each takes part in the gather
+        prefix = self._evaluation_prefix
+        if prefix is not None and f"{prefix}_loss" in logs:  # every process logs it: each takes part in the gather
             sums = self._eval_sums if self._eval_sums is not None else torch.zeros(3, device=self.args.device)
             soft, hard, rows = self.accelerator.gather(sums[None]).sum(0).tolist()
-            prefix = eval_loss_keys[0].removesuffix("_loss")
             logs.update({f"{prefix}_soft_loss": soft / max(1.0, rows), f"{prefix}_hard_loss": hard / max(1.0, rows)})
             self._eval_sums = None
         super().log(logs, *args, **kwargs)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        self._evaluation_prefix, self._eval_sums = metric_key_prefix, None
+        try:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        finally:
+            self._evaluation_prefix = None
+
+
+class CosineDistillationTrainer(CosineDistillationMixin, Trainer):
+    """A ``transformers.Trainer`` whose loss is ``cosine_distill_loss`` against a frozen teacher
+    (``CosineDistillationMixin`` says how)."""

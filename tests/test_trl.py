@@ -1,0 +1,80 @@
+"""cosdistill.trl: SFTTrainer's data handling (completion-only labels, packing) with the cosine loss."""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+
+from cosdistill.hf import cosine_distill_loss  # noqa: E402
+from cosdistill.testing import rel_err  # noqa: E402
+from cosdistill.trl import CosineDistillationSFTTrainer  # noqa: E402
+from test_hf import OPTIONS, tiny_model  # noqa: E402
+
+VOCAB = 128
+
+
+SPECIAL = ("<pad>", "<s>", "</s>", "<unk>")
+
+
+def word_tokenizer():
+    """A whitespace tokenizer over four special tokens and the words w4 .. w127, built without downloads."""
+    vocab = {**{token: i for i, token in enumerate(SPECIAL)}, **{f"w{i}": i for i in range(len(SPECIAL), VOCAB)}}
+    model = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", bos_token="<s>",
+                                                eos_token="</s>", unk_token="<unk>")
+
+
+def prompt_completion_dataset(lengths=((5, 3), (2, 6), (4, 4), (3, 2)), seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def words(n):
+        return " ".join(f"w{int(i)}" for i in torch.randint(len(SPECIAL), VOCAB, (n,), generator=generator))
+
+    return datasets.Dataset.from_list([{"prompt": words(p), "completion": " " + words(c)} for p, c in lengths])
+
+
+def make_sft_trainer(tmp_path, student, teacher, **config):
+    args = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+                         logging_steps=1, seed=0, max_steps=1, per_device_train_batch_size=4, optim="sgd",
+                         learning_rate=1.0, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                         max_grad_norm=0.0, bf16=False, **config)  # SFTConfig turns bf16 on by default
+    return CosineDistillationSFTTrainer(model=student, teacher_model=teacher, args=args,
+                                        train_dataset=prompt_completion_dataset(), processing_class=word_tokenizer(),
+                                        **OPTIONS)
+
+
+@pytest.mark.parametrize("config", [{}, dict(packing=True, padding_free=True)], ids=["completion-only", "packed"])
+def test_one_step_is_the_cosine_loss_on_sfts_batch(tmp_path, config):
+    """The loss logged and the step taken are the cosine loss's on the batch SFTTrainer builds: prompt tokens
+    carry no target, and a packed batch keeps each sequence to itself."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
+    before = copy.deepcopy(student)
+    trainer = make_sft_trainer(tmp_path, student, teacher, **config)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
+    labels, data = batch["labels"], prompt_completion_dataset()
+    completions = sum(len(completion.split()) + 1 for completion in data["completion"])  # each with its end token
+    assert (labels != -100).sum() == completions  # no prompt token is a label
+    model_inputs = {key: value for key, value in batch.items() if key not in ("input_ids", "attention_mask", "labels")}
+    assert ("position_ids" in model_inputs) == bool(config)
+    reference = copy.deepcopy(before)
+    want = cosine_distill_loss(reference, teacher, batch["input_ids"], batch.get("attention_mask"), labels,
+                               model_inputs=model_inputs, **OPTIONS)
+    want.backward()
+    trainer.train()
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(want.item(), rel=1e-5)
+    for old, new, ref in zip(before.parameters(), student.parameters(), reference.parameters()):
+        assert rel_err(old.detach() - new.detach(), ref.grad) < 1e-4
+
+
+@pytest.mark.parametrize("option", [dict(loss_type="dft"), dict(use_liger_kernel=True), dict(label_smoothing_factor=0.1)])
+def test_sft_options_the_loss_cannot_honour_raise(tmp_path, option):
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=f"does not support {name}="):
+        make_sft_trainer(tmp_path, tiny_model("llama"), tiny_model("llama", seed=1), **option)
