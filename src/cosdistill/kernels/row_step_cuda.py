@@ -205,7 +205,7 @@ def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales
 
 def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scales, token_losses,
            teacher_products=None, teacher_coefs=None) -> None:
-    """One launch of a compiled kernel of this source (benchmarks/cluster_row_step_study.py times variants);
+    """One launch of a compiled kernel of this source (benchmarks/diagnose.py row-step times variants);
     teacher_logits None: the one-model kernel with teacher_products and teacher_coefs (gram_row_step_cuda)."""
     rows, vocab = student_logits.shape
     device = student_logits.device
