@@ -228,3 +228,24 @@ def test_an_adapter_on_the_lm_head_is_a_clear_error():
     batch = dict(input_ids=torch.tensor(rows), labels=torch.tensor(rows))
     with pytest.raises(TypeError, match="LM head carries an adapter"):
         cosine_distill_loss(student, teacher, **batch)
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(is_deepspeed_enabled=True, deepspeed_plugin=dict(zero_stage=3)), "DeepSpeed ZeRO-3"),
+    (dict(is_fsdp_enabled=True, fsdp_plugin=dict(fsdp_version=1)), "FSDP1"),
+    (dict(n_gpu=2), "DataParallel"),
+])
+def test_sharding_the_loss_cannot_read_raises(setting, message):
+    from types import SimpleNamespace
+
+    from cosdistill.hf import check_sharding
+
+    state = SimpleNamespace(**{key: SimpleNamespace(**value) for key, value in setting.items() if key.endswith("plugin")})
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(state=state), args=SimpleNamespace(n_gpu=setting.get("n_gpu", 1)),
+                              **{key: value for key, value in setting.items() if key.startswith("is_")})
+    with pytest.raises(ValueError, match=message):
+        check_sharding(trainer)
+    fine = dict(setting, n_gpu=1, deepspeed_plugin=dict(zero_stage=2), fsdp_plugin=dict(fsdp_version=2))
+    state = SimpleNamespace(**{key: SimpleNamespace(**value) for key, value in fine.items() if key.endswith("plugin")})
+    check_sharding(SimpleNamespace(accelerator=SimpleNamespace(state=state), args=SimpleNamespace(n_gpu=1),
+                                   **{key: value for key, value in fine.items() if key.startswith("is_")}))

@@ -97,6 +97,25 @@ def next_token_targets(labels, attention_mask=None, ignore_index=-100, position_
     return torch.cat([targets[:, 1:], targets.new_full((targets.shape[0], 1), ignore_index)], dim=1)
 
 
+def whole_head_weight(model, head):
+    """The head's weight, whole. Under FSDP2 (``fully_shard``) the forward may have sharded it again
+    (``reshard_after_forward``, or the head in a unit of its own), and with it the root's parameters that
+    the hidden states' backward reads (the final norm): the loss's graph starts at the hidden states, not at
+    the model's outputs, so FSDP's pre-backward hooks would not gather them. Each FSDP module that holds the
+    head gathers its parameters again (``unshard``); their gradients go through FSDP's reduction as usual."""
+    if type(head.weight).__name__ != "DTensor":  # DTensor only exists where torch.distributed does
+        return head.weight
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():  # outermost first
+        if isinstance(module, FSDPModule) and any(sub is head for sub in module.modules()):
+            module.unshard()
+    if type(head.weight).__name__ == "DTensor":
+        raise TypeError(f"the LM head's weight is a sharded DTensor that no FSDP2 module above it gathers "
+                        f"({type(head).__name__}); the fused loss needs it whole")
+    return head.weight
+
+
 def head_inputs(model, hidden, name="model"):
     """(hidden, weight, bias, softcap, logit_scale) for the fused loss, reproducing the model's logits.
 
@@ -114,7 +133,7 @@ def head_inputs(model, hidden, name="model"):
     device_type = hidden.device.type
     autocast = torch.is_autocast_enabled(device_type)
     dtype = torch.get_autocast_dtype(device_type) if autocast else head.weight.dtype
-    hidden, weight = hidden.to(dtype), head.weight.to(dtype)
+    hidden, weight = hidden.to(dtype), whole_head_weight(model, head).to(dtype)
     bias = None if head.bias is None else head.bias.to(dtype)
     scale = getattr(config, "logit_scale", None)
     return hidden, weight, bias, getattr(config, "final_logit_softcapping", None), 1.0 if scale is None else scale
@@ -191,6 +210,23 @@ UNSUPPORTED_ARGS = {
 NOT_MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "labels", "completion_mask", "assistant_masks"})
 
 
+def check_sharding(trainer) -> None:
+    """Raise for the ways of spreading the student over devices that the loss cannot read the head whole
+    from: DeepSpeed ZeRO-3 and FSDP1 (FSDP2 works, ``whole_head_weight``), and torch.nn.DataParallel."""
+    state = trainer.accelerator.state
+    deepspeed = getattr(state, "deepspeed_plugin", None)
+    if getattr(trainer, "is_deepspeed_enabled", False) and getattr(deepspeed, "zero_stage", 0) == 3:
+        raise ValueError("DeepSpeed ZeRO-3 shards the student's LM head, which the fused loss reads whole: use FSDP2 "
+                         "(fsdp_config={'fsdp_version': 2}) or ZeRO stage 1 or 2")
+    fsdp = getattr(state, "fsdp_plugin", None)
+    if getattr(trainer, "is_fsdp_enabled", False) and getattr(fsdp, "fsdp_version", 1) != 2:
+        raise ValueError("FSDP1 flattens the student's parameters, so the fused loss cannot read the LM head: use FSDP2 "
+                         "(fsdp_config={'fsdp_version': 2})")
+    if trainer.args.n_gpu > 1:
+        raise ValueError(f"torch.nn.DataParallel over {trainer.args.n_gpu} GPUs is not supported: launch one process "
+                         "per GPU (torchrun, accelerate launch)")
+
+
 class CosineDistillationMixin:
     """``cosine_distill_loss`` against a frozen teacher as the loss of a ``transformers.Trainer`` subclass
     (``CosineDistillationTrainer`` here, ``cosdistill.trl.CosineDistillationSFTTrainer`` for TRL).
@@ -202,8 +238,9 @@ class CosineDistillationMixin:
     token of each packed sequence), so that the count is exactly the loss's. Every model input the batch
     holds (position_ids and flash-attention boundaries of packed batches, ...) reaches both models.
     Training logs gain ``soft_loss`` and ``hard_loss`` next to ``loss``, evaluation ``eval_soft_loss`` and
-    ``eval_hard_loss``. The student's LM head must be whole on each process (single device or DDP; not FSDP
-    or DeepSpeed ZeRO-3, which shard it, nor torch.nn.DataParallel). ``loss_options`` (chunk_size, impl, ...)
+    ``eval_hard_loss``. The student may be on one device, under DDP or under FSDP2 (the head's weight is
+    gathered whole for the loss, ``whole_head_weight``); DeepSpeed ZeRO-3, FSDP1 and torch.nn.DataParallel
+    raise at construction (``check_sharding``). ``loss_options`` (chunk_size, impl, ...)
     go to ``fused_linear_cosine_distill``. Trainer options the loss cannot honour (``UNSUPPORTED_ARGS``, a
     ``compute_loss_func``) raise a ValueError.
     """
@@ -217,6 +254,7 @@ class CosineDistillationMixin:
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError(f"{type(self).__name__} computes its own loss: compute_loss_func cannot be used with it")
         super().__init__(*args, **kwargs)
+        check_sharding(self)
         for name, (default, why) in self.unsupported_args.items():
             if getattr(self.args, name, default) != default:
                 raise ValueError(f"{type(self).__name__} does not support {name}={getattr(self.args, name)!r}: {why}")
