@@ -235,3 +235,20 @@ def test_soak_peak_check_fails_past_grad_input_growth():
     assert soak.peak_check(small, large)["passed"] is True
     large["peak_bytes_above_inputs"] += 2 * soak.PER_TOKEN_SLACK * (131072 - 8192)  # e.g. a [T, 16] fp32 buffer
     assert soak.peak_check(small, large)["passed"] is False
+
+
+def test_the_training_step_benchmark_runs_every_loss_and_they_agree(tmp_path):
+    step = load("step")
+    path, ledger = tmp_path / "step.json", tmp_path / "ledger.csv"
+    assert step.main(["--tiny", "--device", "cpu", "--tokens", "64", "--row-len", "32", "--rounds", "2", "--reps", "1",
+                      "--warmup", "1", "--max-tokens", "128", "--json", str(path), "--ledger", str(ledger)]) == 0
+    report = json.loads(path.read_text())
+    losses = report["start_losses"]
+    assert set(losses) == set(report["results"]) == set(report["largest_tokens"]) == {"naive", "liger", "ours"}
+    for name in ("liger", "ours"):  # the same loss on the same weights and batch (bf16 models)
+        assert abs(losses[name] - losses["naive"]) < 2e-3 * losses["naive"]
+    for result in report["results"].values():
+        assert 0 < result["loss_ms"] < result["step_ms"] and len(result["step_ms_by_round"]) == 2
+    assert all(tokens == 128 for tokens in report["largest_tokens"].values())
+    rows = ledger.read_text().splitlines()
+    assert rows[0].startswith("date,commit") and len(rows) == 1 + 3 * 2 + 3
