@@ -1,6 +1,16 @@
+"""Shared by the tests: the random problem and its float64 reference, the ``impl`` fixture, and the ``gpu``
+marker's machinery.
+
+Triton runs in its interpreter on the CPU (TRITON_INTERPRET=1, set before triton is imported), except in a
+run of the GPU tests alone (``pytest -m gpu``) on a CUDA machine, where the kernels run compiled. Tests
+marked ``gpu`` are left out by default (pyproject.toml's addopts) and skipped, with the reason, where they
+cannot run.
+"""
+
 import os
 
-# The Triton kernel runs on the CPU through Triton's interpreter; it must be set before triton is imported.
+# The Triton kernels run on the CPU through Triton's interpreter; it must be set before triton is imported.
+INTERPRETER_SET_HERE = "TRITON_INTERPRET" not in os.environ
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dataclasses import dataclass  # noqa: E402
@@ -8,9 +18,56 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from cosdistill.testing import float64_reference, random_student_teacher, rel_err  # noqa: E402, F401
+from cosdistill import fused_linear_cosine_distill  # noqa: E402
+from cosdistill.testing import chunk_rows, float64_reference, random_student_teacher, rel_err  # noqa: E402, F401
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (5e-3, 2e-2), torch.float16: (2e-3, 5e-3)}  # (loss, grads)
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("cosdistill GPU tests (-m gpu)")
+    group.addoption("--fuzz-cases", type=int, default=240, help="random cases of tests/gpu/test_fuzz.py on the GPU")
+    group.addoption("--fuzz-seed", type=int, default=0, help="the seed they are drawn from")
+    group.addoption("--seed-tokens", type=int, default=8192, help="T of the accumulator check at the seed workload")
+
+
+def runs_only_gpu_tests(config) -> bool:
+    """Whether the -m expression keeps the tests marked gpu and leaves the others out (``-m gpu``)."""
+    from _pytest.mark.expression import Expression
+
+    expression = Expression.compile(config.option.markexpr or "gpu or not gpu")
+    return (expression.evaluate(lambda name, **kwargs: name == "gpu")
+            and not expression.evaluate(lambda name, **kwargs: False))
+
+
+def pytest_configure(config):
+    if INTERPRETER_SET_HERE and runs_only_gpu_tests(config) and torch.cuda.is_available():
+        del os.environ["TRITON_INTERPRET"]  # no test has imported triton yet: the kernels run compiled
+
+
+def gpu_skip_reason() -> str | None:
+    """Why the tests marked gpu cannot run in this process, or None."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "Triton runs in its interpreter in this run: run the GPU tests on their own, pytest -m gpu"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = gpu_skip_reason()
+    for item in items:
+        if reason and item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def on_devices(cpu_cases, cuda_cases, describe=str) -> list:
+    """(device, case) parameters: the CPU's cases as ordinary tests, the CUDA ones marked gpu."""
+    return ([pytest.param("cpu", case, id=f"cpu-{describe(case)}") for case in cpu_cases]
+            + [pytest.param("cuda", case, id=f"cuda-{describe(case)}", marks=pytest.mark.gpu) for case in cuda_cases])
 
 
 @dataclass
@@ -44,7 +101,7 @@ def make_problem(tokens=37, hidden_student=16, hidden_teacher=24, vocab_student=
 
 def problem_around(labels, hidden_student, hidden_teacher, vocab_student, vocab_teacher, dtype, student_bias,
                    teacher_bias, generator=None) -> Problem:
-    """A Problem for these labels: cosdistill.selfcheck.random_student_teacher's tensors."""
+    """A Problem for these labels: cosdistill.testing.random_student_teacher's tensors."""
     return Problem(*random_student_teacher(labels, hidden_student, hidden_teacher, vocab_student, vocab_teacher,
                                            dtype, student_bias, teacher_bias, generator))
 
@@ -54,10 +111,41 @@ def reference(problem: Problem, grad_output=1.0, **kwargs):
     return float64_reference(problem.args(), grad_output, **kwargs)
 
 
+def run_fused(problem, grad_output=1.0, **kwargs):
+    """[loss, soft, hard] of the fused loss, and the student gradients of grad_output * loss."""
+    kwargs.setdefault("return_soft_hard_loss", True)
+    losses = fused_linear_cosine_distill(*problem.args(), **kwargs)
+    (losses[0] * grad_output).backward()
+    return list(losses), [leaf.grad for leaf in problem.student_leaves()]
+
+
+def assert_matches_reference(problem, dtype, grad_output=1.0, ref_kwargs=None, **kwargs):
+    """The fused loss's losses and student gradients within TOLERANCE[dtype] of the float64 reference."""
+    losses, grads = run_fused(problem, grad_output, **kwargs)
+    ref_losses, ref_grads = reference(problem, grad_output, **(ref_kwargs or {}))
+    loss_tol, grad_tol = TOLERANCE[dtype]
+    for name, got, want in zip(("loss", "soft", "hard"), losses, ref_losses):
+        assert got.dtype == torch.float32 and torch.isfinite(got)
+        assert rel_err(got, want) < loss_tol, (name, got.item(), want.item())
+    for leaf, got, want in zip(problem.student_leaves(), grads, ref_grads):
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape
+        assert rel_err(got, want) < grad_tol, (tuple(leaf.shape), rel_err(got, want))
+
+
+POISON = 12345.0  # what the row step's outputs hold before it writes them
+
+
+def random_chunk(rows, vocab_student, vocab_teacher, dtype):
+    """(student logits, teacher logits, labels) of one chunk, every third label ignored (-7)."""
+    student = (torch.randn(rows, vocab_student) * 3).to(dtype)
+    teacher = (torch.randn(rows, vocab_teacher) * 3).to(dtype)
+    labels = torch.randint(0, vocab_student, (rows,))
+    labels[::3] = -7  # ignored
+    return student, teacher, labels
+
+
 def record_write_grad(monkeypatch, module) -> list:
     """Replaces ``module.chunk_rows`` with one that records each call's ``write_grad``; the list it fills."""
-    from cosdistill._plan import chunk_rows
-
     seen = []
 
     def recording_chunk_rows(*args, **kwargs):

@@ -2,7 +2,7 @@
 
 Triton's interpreter, which runs the kernels in the other tests, skips the compiler's front end, so it
 misses errors only a GPU run would show (e.g. a plain Python global read inside @triton.jit). Run as
-a script without TRITON_INTERPRET (test_kernels_compile.py does), it prints one line per variant.
+a script without TRITON_INTERPRET (kernels/test_compile_for_hopper.py does), it prints one line per variant.
 """
 
 import itertools
@@ -11,9 +11,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from cosdistill.kernels import fingerprint, grad_output, labels
-from cosdistill.kernels import fp8_quantize as fp8_kernels
-from cosdistill.kernels import row_step_triton as kernels
+from cosdistill.testing import kernels
+
+fingerprint, fp8_quantize, grad_output = kernels.fingerprint, kernels.fp8_quantize, kernels.grad_output
+labels, row_step = kernels.labels, kernels.row_step_triton  # row_step: the Triton row step
 
 HOPPER = GPUTarget("cuda", 90, 32)
 INTS = ("student_row_stride", "teacher_row_stride", "vocab_student", "vocab_teacher", "ignore_index",
@@ -26,7 +27,7 @@ ALIGNED = ("student_ptr", "teacher_ptr", "labels_ptr", "stats_ptr", "losses_ptr"
            "teacher_row_stride", "vocab_student", "vocab_teacher")
 
 
-def compile_for_hopper(kernel, logits_type, constants, aligned=False, num_warps=kernels.DEFAULT_WARPS):
+def compile_for_hopper(kernel, logits_type, constants, aligned=False, num_warps=row_step.DEFAULT_WARPS):
     """With ``aligned``, as Triton specialises a launch whose pointers, strides and vocabularies are
     multiples of 16 (e.g. V = 128256): vectorised loads, and the STAGES prefetch through shared memory."""
     types = dict(student_ptr=logits_type, teacher_ptr=logits_type, labels_ptr="*i64", stats_ptr="*fp32",
@@ -43,32 +44,32 @@ def compile_for_hopper(kernel, logits_type, constants, aligned=False, num_warps=
 def variants():
     """(name, kernel, logits type, constants): the launches' settings; "aligned" as at V = 128256."""
     for logits_type, caps in itertools.product(("*bf16", "*fp16", "*fp32"), ((False, False), (True, True))):
-        common = dict(STUDENT_CAP=caps[0], TEACHER_CAP=caps[1], BLOCK=kernels.DEFAULT_BLOCK, STAGES=kernels.DEFAULT_STAGES)
+        common = dict(STUDENT_CAP=caps[0], TEACHER_CAP=caps[1], BLOCK=row_step.DEFAULT_BLOCK, STAGES=row_step.DEFAULT_STAGES)
         lift = logits_type == "*fp16"  # the chunk loop lifts fp16 gradients only
         for name in ("row step", "row step aligned"):  # aligned: vector loads prefetched through shared memory
-            yield name, kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, RESCUE=False)
+            yield name, row_step._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, RESCUE=False)
         if logits_type != "*fp32":
-            yield "rescue", kernels._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, RESCUE=True)
-            yield "gradient", kernels._row_grad_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, NUM_STATS=8)
+            yield "rescue", row_step._row_step_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, RESCUE=True)
+            yield "gradient", row_step._row_grad_kernel, logits_type, dict(common, WRITE_GRAD=True, LIFT=lift, NUM_STATS=8)
         if logits_type == "*bf16":
-            yield "loss only aligned", kernels._row_step_kernel, logits_type, dict(
-                common, BLOCK=kernels.LOSS_ONLY_BLOCK, STAGES=kernels.LOSS_ONLY_STAGES, WRITE_GRAD=False, LIFT=False,
+            yield "loss only aligned", row_step._row_step_kernel, logits_type, dict(
+                common, BLOCK=row_step.LOSS_ONLY_BLOCK, STAGES=row_step.LOSS_ONLY_STAGES, WRITE_GRAD=False, LIFT=False,
                 RESCUE=False)
-            yield "statistics", kernels._row_stats_kernel, logits_type, dict(common, NUM_STATS=8)
+            yield "statistics", row_step._row_stats_kernel, logits_type, dict(common, NUM_STATS=8)
         if logits_type in ("*bf16", "*fp32") and not any(caps):  # the Gram path: no teacher logits (gram.py)
-            yield "gram statistics", kernels._row_stats_kernel, logits_type, dict(common, NUM_STATS=8, teacher_ptr=None)
-            yield "gram gradient", kernels._row_grad_kernel, logits_type, dict(
+            yield "gram statistics", row_step._row_stats_kernel, logits_type, dict(common, NUM_STATS=8, teacher_ptr=None)
+            yield "gram gradient", row_step._row_grad_kernel, logits_type, dict(
                 common, WRITE_GRAD=True, LIFT=False, NUM_STATS=8, teacher_ptr=None)
 
 
 def compile_fp8_quantization(rows_type):
-    kernel = fp8_kernels._quantize_rows_kernel
+    kernel = fp8_quantize._quantize_rows_kernel
     types = dict(rows=rows_type, out="*fp8e4nv", scales="*fp32", row_stride="i32", out_stride="i32",
                  scale_stride="i32", hidden="i32")
     signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
-    constexprs = {(kernel.arg_names.index("BLOCK"),): fp8_kernels.BLOCK}
+    constexprs = {(kernel.arg_names.index("BLOCK"),): fp8_quantize.BLOCK}
     return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER,
-                          options=dict(num_warps=fp8_kernels.WARPS))
+                          options=dict(num_warps=fp8_quantize.WARPS))
 
 
 def compile_small_kernels():
@@ -98,7 +99,7 @@ def compile_small_kernels():
 def compiled_variants():
     """(name, logits type, constants, compiled kernel) for each of ``variants``, with its launch's warps."""
     for name, kernel, logits_type, constants in variants():
-        warps = kernels.LOSS_ONLY_WARPS if name.startswith("loss only") else kernels.DEFAULT_WARPS
+        warps = row_step.LOSS_ONLY_WARPS if name.startswith("loss only") else row_step.DEFAULT_WARPS
         compiled = compile_for_hopper(kernel, logits_type, constants, aligned="aligned" in name, num_warps=warps)
         yield name, logits_type, constants, compiled
 

@@ -1,4 +1,4 @@
-"""torch.compile: the loss runs as the custom op cosdistill::fused_linear_cosine_distill (ops.py),
+"""torch.compile: the loss runs as the custom op cosdistill::fused_linear_cosine_distill (_compile.py),
 with no graph break under fullgraph=True and the numbers of eager."""
 
 import shutil
@@ -10,7 +10,7 @@ import torch._inductor.config
 
 from conftest import make_problem, record_write_grad, rel_err
 from cosdistill import fused_linear_cosine_distill
-from cosdistill._compile import fused_linear_cosine_distill_op
+from cosdistill.testing import Options, compiled_distill, fused_linear_cosine_distill_op, plan
 
 TOL = 1e-5  # fp32, compiled against eager
 
@@ -55,8 +55,6 @@ def test_opcheck(dtype, bias, needs_grad, overrides):
 
 @pytest.mark.parametrize("needs_grad", [(True, True, False), (False, False, False)])
 def test_op_tells_chunk_rows_whether_gradients_are_wanted(needs_grad, monkeypatch):
-    from cosdistill import _plan as plan
-
     seen = record_write_grad(monkeypatch, plan)  # the op runs plan.loss_and_grads
     problem = make_problem(tokens=12, bias=False)
     args = (problem.student_input.detach(), problem.student_weight.detach(), None, problem.teacher_input,
@@ -304,3 +302,15 @@ def test_bad_options_raise_at_trace_time():
         messages.append(str(error))
         error = error.__cause__ or error.__context__
     assert any("temperature must be > 0" in message for message in messages), messages
+
+
+def test_the_compiled_op_returns_the_forward_time_gradient_of_a_student_changed_before_backward():
+    """The op computes its gradients in forward (_compile.py): a later change of the student does not reach them."""
+    problem = make_problem(tokens=40, bias=False)
+    want = torch.autograd.grad(fused_linear_cosine_distill(*problem.args()), problem.student_leaves())
+    loss = compiled_distill(Options(), *problem.args())
+    with torch.no_grad():
+        problem.student_input.mul_(3.0)
+    got = torch.autograd.grad(loss, problem.student_leaves())
+    for got_grad, want_grad in zip(got, want):
+        torch.testing.assert_close(got_grad, want_grad)

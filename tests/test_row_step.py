@@ -1,111 +1,13 @@
-"""The Triton row step, run by Triton's interpreter, against the torch row step (the spec)."""
+"""The row step's spec (_row_step.py), held by each implementation: a vocabulary split's statistics combine
+to the whole row's step, and fp16 rows are lifted out of fp16's subnormals and kept below its largest value."""
 
 from dataclasses import replace
 
 import pytest
 import torch
 
-from cosdistill._row_step import RowStepScales, row_step_torch, scale_and_softcap
-from cosdistill.kernels.row_step_triton import row_step_triton
-
-POISON = 12345.0
-
-
-def random_chunk(rows, vocab_student, vocab_teacher, dtype):
-    student = (torch.randn(rows, vocab_student) * 3).to(dtype)
-    teacher = (torch.randn(rows, vocab_teacher) * 3).to(dtype)
-    labels = torch.randint(0, vocab_student, (rows,))
-    labels[::3] = -7  # ignored
-    return student, teacher, labels
-
-
-def term_bound(student, scales):
-    """Per row, a bound on the size of the terms each gradient entry sums: weight_hard * (p + 1) and
-    weight_soft * beta * (|t_v| / (|s| |t|) + |cos| |s_v| / |s|^2) <= 2 |weight_soft * beta| / |s|."""
-    s = scale_and_softcap(student.double(), scales.student_logit_scale, scales.student_softcap)
-    soft = 2 * abs(scales.weight_soft * scales.beta) / s.norm(dim=1).clamp(min=1e-30)
-    return ((2 * abs(scales.weight_hard) + soft) * abs(scales.student_logit_scale)).clamp(min=1.0).float()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "vocab_student, vocab_teacher, block",
-    [(1, 1, 16), (5, 5, 16), (97, 97, 32), (97, 131, 32), (300, 301, 64), (257, 1000, 128), (64, 64, 64)],
-)
-@pytest.mark.parametrize("write_grad", [True, False])
-@pytest.mark.parametrize("softcaps, logit_scales", [((None, None), (1.0, 1.0)), ((4.0, 6.0), (0.5, 1.5))])
-def test_triton_row_step_matches_torch(dtype, vocab_student, vocab_teacher, block, write_grad, softcaps, logit_scales):
-    rows = 11
-    student, teacher, labels = random_chunk(rows, vocab_student, vocab_teacher, dtype)
-    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-7,
-                           student_softcap=softcaps[0], teacher_softcap=softcaps[1],
-                           student_logit_scale=logit_scales[0], teacher_logit_scale=logit_scales[1])
-    expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, write_grad)
-    got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_triton(got_grad, teacher, labels, scales, got_losses, write_grad, block_size=block)
-
-    assert not (got_losses == POISON).any()
-    torch.testing.assert_close(got_losses, expected_losses, rtol=2e-5, atol=2e-5)
-    if write_grad:
-        assert not (got_grad == POISON).any()
-        # atol covers entries that cancel to ~0 (p = 1 when V = 1, cos = 1): the rounding of the terms
-        # that cancel, whose size the row's bound on them gives (the soft term's grows as 1 / |s|).
-        rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else (1e-2, 1e-4)
-        error_bound = atol * term_bound(student, scales)[:, None] + rtol * expected_grad.float().abs()
-        assert ((got_grad.float() - expected_grad.float()).abs() <= error_bound).all()
-        ignored = labels == -7
-        assert torch.count_nonzero(got_grad[ignored]) == 0
-    else:
-        assert torch.equal(got_grad, student)  # the logits are left alone when no gradient is wanted
-
-
-def test_softcap_of_logits_small_against_the_cap():
-    """fp32 rows whose logits are 1e-5..10 times the cap (Gemma-2's 30): tanh(a) must keep its relative
-    accuracy as a -> 0, where 1 - exp(-2a) would cancel (the Triton kernel's tanh, before its Taylor
-    branch, erred by ~6e-8 / a: 3e-4 in these losses; a property test found 1.3e-5 in a soft loss)."""
-    rows, vocab, cap = 12, 97, 30.0
-    row_scales = cap * torch.logspace(-5, 1, rows)[:, None]
-    student = torch.randn(rows, vocab) * row_scales
-    teacher = torch.randn(rows, vocab) * row_scales.flip(0)
-    labels = torch.randint(0, vocab, (rows,))
-    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.0, ignore_index=-7,
-                           student_softcap=cap, teacher_softcap=cap)
-    expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
-    got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_triton(got_grad, teacher, labels, scales, got_losses, True, block_size=32)
-    torch.testing.assert_close(got_losses, expected_losses, rtol=1e-5, atol=0.0)
-    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-6 * expected_grad.abs().amax().item())
-
-
-def test_triton_row_step_on_strided_rows():
-    """Rows of a larger buffer (row stride > vocab), as the chunk loop's last, short chunk produces."""
-    student, teacher, labels = random_chunk(6, 80, 90, torch.float32)
-    wide_student = torch.full((6, 100), POISON)
-    wide_student[:, :80] = student
-    scales = RowStepScales(0.5, 0.5, 0.5, 1.0, -7)
-    expected_grad, expected_losses = student.clone(), torch.empty(6, 2)
-    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
-    got_losses = torch.empty(6, 2)
-    row_step_triton(wide_student[:, :80], teacher, labels, scales, got_losses, True, block_size=32)
-    torch.testing.assert_close(got_losses, expected_losses)
-    torch.testing.assert_close(wide_student[:, :80], expected_grad)
-    assert (wide_student[:, 80:] == POISON).all()  # nothing written past the row's vocabulary
-
-
-def test_out_of_range_labels_count_as_ignored_in_the_kernel():
-    """The API raises on them, but only after the first chunk's row step is queued: it must not read out of bounds."""
-    student, teacher, labels = random_chunk(5, 40, 40, torch.float32)
-    labels[1], labels[3] = 40, -3
-    scales = RowStepScales(0.5, 0.5, 0.5, 1.0, -7)
-    expected_grad, expected_losses = student.clone(), torch.empty(5, 2)
-    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
-    got_grad, got_losses = student.clone(), torch.empty(5, 2)
-    row_step_triton(got_grad, teacher, labels, scales, got_losses, True, block_size=16)
-    assert (expected_losses[[1, 3]] == 0).all() and torch.count_nonzero(expected_grad[[1, 3]]) == 0
-    torch.testing.assert_close(got_losses, expected_losses)
-    torch.testing.assert_close(got_grad, expected_grad)
+from conftest import POISON, random_chunk
+from cosdistill.testing import TORCH_ROW_STEP, TRITON_ROW_STEP, RowStepScales, combine_row_stats, row_step_torch, row_step_triton
 
 
 def shard_bounds(vocab_teacher, shards, generator):
@@ -121,9 +23,6 @@ def shard_bounds(vocab_teacher, shards, generator):
 def test_statistics_of_vocabulary_shards_combine_to_the_whole_row_step(impl_name, vocab_student, vocab_teacher,
                                                                        shards, softcaps):
     """Each shard's statistics, combined, then each shard's gradient: the unsplit row step, column for column."""
-    from cosdistill._row_step import TORCH_ROW_STEP, combine_row_stats
-    from cosdistill.kernels.row_step_triton import TRITON_ROW_STEP
-
     impl = {"torch": TORCH_ROW_STEP, "triton": TRITON_ROW_STEP}[impl_name]
     generator = torch.Generator().manual_seed(vocab_teacher * shards)
     rows = 9
@@ -141,19 +40,6 @@ def test_statistics_of_vocabulary_shards_combine_to_the_whole_row_step(impl_name
         impl.grad(s, t, labels, stats, sc, losses, True)
         torch.testing.assert_close(losses, whole_losses, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(torch.cat([s for s, _, _ in pieces], 1), whole_grad, rtol=1e-5, atol=1e-6)
-
-
-def test_triton_statistics_and_gradient_kernels_match_the_fused_kernel():
-    from cosdistill.kernels.row_step_triton import row_grad_triton, row_stats_triton
-
-    student, teacher, labels = random_chunk(7, 300, 301, torch.bfloat16)
-    scales = RowStepScales(0.37, 0.81, 0.6, 1.7, -7)
-    fused_grad, fused_losses = student.clone(), torch.full((7, 2), POISON)
-    row_step_triton(fused_grad, teacher, labels, scales, fused_losses, True, block_size=64)
-    split_grad, split_losses = student.clone(), torch.full((7, 2), POISON)
-    stats = row_stats_triton(split_grad, teacher, labels, scales, block_size=64)
-    row_grad_triton(split_grad, teacher, labels, stats, scales, split_losses, True, block_size=64)
-    assert torch.equal(split_losses, fused_losses) and torch.equal(split_grad, fused_grad)
 
 
 @pytest.mark.parametrize("weights", [(0.0, 0.05), (0.5, 0.5), (0.0, 0.0)])
@@ -189,26 +75,3 @@ def test_fp16_lifts_match_torch_and_keep_gradients_in_fp16_range(weights, softca
         assert ((unlifted[valid] - plain_grad[valid]).abs() <= 2e-3 * plain_grad[valid].abs() + atol).all()
     assert torch.equal(results["torch"][1], results["triton"][1])
     torch.testing.assert_close(results["triton"][0].float(), results["torch"][0].float(), rtol=1e-2, atol=1e-4)
-
-
-@pytest.mark.parametrize("vocab, block", [(96, 32), (97, 32), (64, 64), (65, 64)])
-def test_label_entry_in_whole_blocks_and_in_the_partial_last_block(vocab, block):
-    """The kernel streams whole blocks without masks and the last, partial one with them, and stores the
-    label's entry (softmax minus one) after the loop: labels at the first and last column and on both
-    sides of a block boundary, each in a row of its own; an ignored row gets zeros even from
-    non-finite logits (no 0 * inf)."""
-    columns = [0, vocab - 1, block - 1, min(block, vocab - 1), vocab // 2]
-    rows = len(columns) + 1
-    student, teacher, _ = random_chunk(rows, vocab, vocab, torch.float32)
-    labels = torch.tensor(columns + [-7])
-    student[-1, 3] = float("inf")
-    scales = RowStepScales(0.7, 0.4, 0.6, 1.3, -7)
-    expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
-    got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_triton(got_grad, teacher, labels, scales, got_losses, True, block_size=block)
-    torch.testing.assert_close(got_losses, expected_losses, rtol=2e-5, atol=2e-5)
-    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-6)
-    assert torch.equal(got_grad[-1], torch.zeros(vocab))
-    label_entries = got_grad[torch.arange(len(columns)), labels[:-1]]
-    assert (label_entries < 0).all()  # the one-hot's -weight_hard dominates the label's entry

@@ -1,5 +1,9 @@
 """What the tests, the benchmarks and ``cosdistill check`` share: a random problem, the float64 reference
-of the loss and its gradients, and the relative error between two results."""
+of the loss and its gradients, and the relative error between two results.
+
+Below them, in a section of its own, the internal pieces that the tests hold against their specs (no
+stable API): code outside the package reaches the private modules through here and nowhere else.
+"""
 
 import torch
 
@@ -45,3 +49,80 @@ def float64_reference(args, grad_output=1.0, **options):
         (losses[0] * grad_output).backward()
     grads = [upcast[i].grad for i in (0, 1, 5) if upcast[i] is not None]
     return [loss.detach() for loss in losses], grads
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Internals the tests hold against their specs. Not a stable API: they change with the package.
+#
+# Modules, where a test replaces a name that the module looks up when it runs
+# (``monkeypatch.setattr(plan, "chunk_rows", ...)``: a re-exported function could not be replaced so):
+from . import _backends as backends  # noqa: E402
+from . import _chunk_loop as chunk_loop  # noqa: E402
+from . import _plan as plan  # noqa: E402
+from . import _teacher_fp8 as teacher_fp8  # noqa: E402
+from . import _teacher_gram as teacher_gram  # noqa: E402
+from . import _weight_cache as weight_cache  # noqa: E402
+
+# The torch specs and the pieces of the chunk loop, by name:
+from ._backends import TORCH, backend_for, scale_unless_one_torch  # noqa: E402
+from ._chunk_loop import ChunkRows, chunked_loss_and_grads  # noqa: E402
+from ._fingerprint import fingerprint_torch  # noqa: E402
+from ._labels import LabelCounts, count_labels_torch, mean_losses_torch  # noqa: E402
+from ._plan import Options, chunk_rows  # noqa: E402
+from ._row_step import (  # noqa: E402
+    TORCH_ROW_STEP,
+    RowStepImpl,
+    RowStepScales,
+    combine_row_stats,
+    row_step_torch,
+    scale_and_softcap,
+    teacher_grad_coefficient,
+    with_teacher_products,
+)
+from ._teacher_logits import LogitsTeacher, TeacherHead  # noqa: E402
+
+# Imported on first use (see __getattr__): the kernels import triton, which reads TRITON_INTERPRET once, and
+# importing _compile registers the torch.compile op (a second copy of the package loaded beside this one must
+# not register it twice).
+_KERNEL_NAMES = {  # name -> the kernels module that defines it
+    "TRITON_ROW_STEP": "row_step_triton", "row_step_triton": "row_step_triton", "row_stats_triton": "row_step_triton",
+    "row_grad_triton": "row_step_triton", "count_labels_triton": "labels", "mean_losses_triton": "labels",
+    "scale_unless_one_triton": "grad_output", "quantize_rows_triton": "fp8_quantize",
+    "fingerprint_triton": "fingerprint",
+}
+_COMPILE_NAMES = ("compiled_distill", "fused_linear_cosine_distill_op")
+
+
+def _kernels():
+    """The package cosdistill.kernels with every kernel module imported (its attributes)."""
+    from . import kernels
+    from .kernels import fingerprint, fp8_quantize, grad_output, labels, row_step_cuda, row_step_triton  # noqa: F401
+
+    return kernels
+
+
+def __getattr__(name):
+    if name == "kernels":  # every kernel module, e.g. kernels.row_step_cuda (the CUDA twin), kernels.labels.BLOCK
+        return _kernels()
+    if name in _KERNEL_NAMES:
+        return getattr(getattr(_kernels(), _KERNEL_NAMES[name]), name)
+    if name in _COMPILE_NAMES:
+        from . import _compile
+
+        return getattr(_compile, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    # shared by the tests, the benchmarks and cosdistill check
+    "float64_reference", "random_student_teacher", "rel_err",
+    # internals: modules
+    "backends", "chunk_loop", "kernels", "plan", "teacher_fp8", "teacher_gram", "weight_cache",  # noqa: F822 (kernels: __getattr__)
+    # internals: the torch specs and the chunk loop's pieces
+    "TORCH", "backend_for", "scale_unless_one_torch", "ChunkRows", "chunked_loss_and_grads", "fingerprint_torch",
+    "LabelCounts", "count_labels_torch", "mean_losses_torch", "Options", "chunk_rows", "TORCH_ROW_STEP", "RowStepImpl",
+    "RowStepScales", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
+    "with_teacher_products", "LogitsTeacher", "TeacherHead",
+    # internals imported on first use: the Triton twins and the torch.compile op
+    *_KERNEL_NAMES, *_COMPILE_NAMES,
+]

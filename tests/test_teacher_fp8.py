@@ -1,20 +1,21 @@
 """The FP8 teacher path. FP8 GEMMs run on the CPU through torch's reference _scaled_mm, so the math is
 tested here with the hardware check switched off; the public API refuses FP8 off FP8-capable GPUs."""
 
-import dataclasses
-
 import pytest
 import torch
 
 from conftest import make_problem, reference, rel_err
-from cosdistill import _plan as plan
-from cosdistill import _teacher_fp8 as fp8
 from cosdistill import fused_linear_cosine_distill
-from cosdistill._backends import TORCH, backend_for
-from cosdistill._chunk_loop import ChunkRows, chunked_loss_and_grads
-from cosdistill._fingerprint import fingerprint_torch
-from cosdistill._labels import LabelCounts
-from cosdistill._teacher_logits import LogitsTeacher
+from cosdistill.testing import (
+    TORCH,
+    ChunkRows,
+    LabelCounts,
+    LogitsTeacher,
+    chunked_loss_and_grads,
+    fingerprint_torch,
+    plan,
+)
+from cosdistill.testing import teacher_fp8 as fp8
 
 
 def test_fp8_is_refused_on_the_cpu():
@@ -77,59 +78,6 @@ def test_quantize_rows_is_the_rounded_division_by_the_row_scale(dtype):
     assert torch.equal(buffer[:37, :40].view(torch.uint8), want.view(torch.uint8))
     assert buffer[:37, :40].float().abs().amax(1).eq(fp8.FP8_MAX).sum() == 36  # each nonzero row reaches the top code
     assert buffer[37:].float().isnan().all() and buffer[:, 40:].float().isnan().all()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("hidden", [40, 1500])  # one column block, and a masked second one
-def test_triton_quantization_is_quantize_rows_bit_for_bit(dtype, hidden):
-    from cosdistill.kernels.fp8_quantize import quantize_rows_triton
-
-    rows = (torch.randn(21, hidden) * torch.logspace(-3, 3, 21)[:, None]).to(dtype)
-    rows[5] = 0.0
-    # in row 7, under the scale 1: signed zeros, the top code, ties to even (168, 2^-8 * 2.5), values that
-    # round up into the next binade (1.99, 125.4), subnormals
-    special = [-0.0, 0.0, 448.0, -448.0, 168.0, -168.0, 1.99, 125.4, 2**-7, -(2**-7), 1.5 * 2**-9, 2.5 * 2**-9,
-               -(2**-10), 1.01 * 2**-10, 3 * 2**-11, 0.01]
-    rows[7] = 0.0
-    rows[7, : len(special)] = torch.tensor(special).to(dtype)
-    codes = {}
-    for name, quantize in (("torch", fp8.quantize_rows), ("triton", quantize_rows_triton)):
-        buffer = torch.full((32, hidden + 16), float("nan")).to(fp8.FP8)
-        scales = torch.full((21, 1), float("nan"))
-        quantize(rows, buffer[:21, :hidden], scales)
-        codes[name] = buffer.view(torch.uint8), scales
-    assert torch.equal(codes["triton"][1], codes["torch"][1])
-    assert torch.equal(codes["triton"][0], codes["torch"][0])  # the poisoned margins included
-
-
-def test_triton_quantization_of_non_finite_rows():
-    """A NaN makes its row's scale and codes NaN, an infinity makes the scale infinite, as in torch's version."""
-    from cosdistill.kernels.fp8_quantize import quantize_rows_triton
-
-    rows = torch.randn(3, 1100)
-    rows[1, 1050], rows[2, 3] = float("nan"), float("inf")
-    codes = torch.empty(3, 1100, dtype=fp8.FP8)
-    scales = torch.full((3, 1), -1.0)
-    quantize_rows_triton(rows, codes, scales)
-    assert scales[0].isfinite().all() and scales[1].isnan().all() and scales[2].isinf().all()
-    assert not codes[0].float().isnan().any() and codes[1].float().isnan().all() and codes[2, 3].float().isnan()
-
-
-def test_each_backend_quantizes_the_chunks_with_its_own_kernel(impl, monkeypatch):
-    """impl="torch" quantizes with torch, "triton" with the Triton kernel: each chunk's rows once, through
-    the backend the plan picked (the cached weight is quantized by torch's function, once)."""
-    from cosdistill.kernels.fp8_quantize import quantize_rows_triton
-
-    monkeypatch.setattr(fp8, "check_supported", lambda device: None)
-    backend = backend_for(impl, torch.device("cpu"))
-    assert backend.quantize_rows is (quantize_rows_triton if impl == "triton" else fp8.quantize_rows)
-    calls = []
-    recording = dataclasses.replace(backend, quantize_rows=lambda *args: calls.append(len(args[0])) or
-                                    backend.quantize_rows(*args))
-    monkeypatch.setattr(plan, "backend_for", lambda impl, device: recording)
-    problem = make_problem(tokens=20)
-    fused_linear_cosine_distill(*problem.args(), teacher_precision="fp8", impl=impl, chunk_size=8)
-    assert calls == [8, 8, 4]
 
 
 @pytest.mark.parametrize("hidden_teacher", [24, 32])

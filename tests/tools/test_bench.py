@@ -1,3 +1,6 @@
+"""``cosdistill bench`` (tools/bench.py): the providers' table, its check against float64, the rounds, the
+ledger and the plot, on the CPU."""
+
 import json
 import sys
 import time
@@ -206,7 +209,7 @@ def test_the_ledger_gets_one_row_per_timing_appended_and_renders_as_markdown(cap
     assert {row["commit"] for row in rows} == {"abc1234"} and {row["T"] for row in rows} == {"32"}
     assert all(float(row["ms"]) > 0 and row["command"].startswith("cosdistill bench") for row in rows)
     assert [row["ratio_to_floor"] for row in rows if row["provider"] == "floor"] == ["1.0000", "1.0000"]
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ledger.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "ledger.py"
     table = subprocess.run([sys.executable, str(script), "--ledger", str(ledger), "--commit", "abc1234"],
                            capture_output=True, text=True, check=True).stdout
     assert "| provider | T = 32 | peak GB above inputs |" in table

@@ -1,16 +1,24 @@
-"""The Gram path (gram.py, cosine_via="gram"): no teacher logits, against float64 and the logits path."""
+"""The Gram path (_teacher_gram.py, cosine_via="gram"): no teacher logits, against float64 and the logits path,
+and "auto" on inputs whose products the Gram path cannot hold."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from conftest import TOLERANCE, make_problem, reference, rel_err
-from cosdistill import _backends, fused_linear_cosine_distill
-from cosdistill import _plan as plan
-from cosdistill import _teacher_gram as gram
-from cosdistill._fingerprint import fingerprint_torch
-from cosdistill._row_step import TORCH_ROW_STEP, RowStepScales, with_teacher_products
+from conftest import TOLERANCE, assert_matches_reference, make_problem, reference, rel_err, run_fused
+from cosdistill import fused_linear_cosine_distill
 from cosdistill.reference import naive_cosine_distill
-from test_loss import assert_matches_reference, run_fused
+from cosdistill.testing import (
+    TORCH_ROW_STEP,
+    backends,
+    fingerprint_torch,
+    plan,
+    teacher_grad_coefficient,
+    with_teacher_products,
+)
+from cosdistill.testing import teacher_gram as gram
+from test_weight_cache import assert_same, gram_calls, student_and_labels, teacher_module
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -165,28 +173,6 @@ def test_bf16_products_keep_fp32_accuracy():
     assert rel_err(rows.double() @ matrix.bfloat16().double(), want) > 1e-3
 
 
-def test_row_step_without_teacher_logits_matches_torch():
-    """The row step's two stages with teacher_logits None, Triton against the torch spec."""
-    from cosdistill.kernels.row_step_triton import TRITON_ROW_STEP
-
-    rows, vocab = 13, 300
-    student = (torch.randn(rows, vocab) * 3).bfloat16()
-    labels = torch.randint(0, vocab, (rows,))
-    labels[::4] = -100
-    scales = RowStepScales(0.4, 0.6, 0.5, 1.5, -100, student_logit_scale=0.7)
-    dot, sum_sq_teacher = torch.randn(rows) * 20, torch.rand(rows) * 100 + 1
-    results = []
-    for row_step in (TORCH_ROW_STEP, TRITON_ROW_STEP):
-        logits = student.clone()
-        losses = torch.full((rows, 2), float("nan"))
-        stats = with_teacher_products(row_step.stats(logits, None, labels, scales), dot, sum_sq_teacher, scales)
-        row_step.grad(logits, None, labels, stats, scales, losses, True)
-        results.append((losses, logits.float()))
-    (torch_losses, torch_grad), (triton_losses, triton_grad) = results
-    assert rel_err(triton_losses, torch_losses) < 1e-6
-    assert rel_err(triton_grad, torch_grad) < 1e-2  # bf16 storage of either
-
-
 def test_overflowing_products_raise_for_gram_and_auto_takes_the_logits_path():
     """Logits near bf16's max: the Gram path's fp32 products would overflow. cosine_via="gram" raises
     saying so; "auto" finds the bound past RANGE_LIMIT and runs the call on the logits path."""
@@ -206,10 +192,6 @@ def test_a_one_kernel_gram_step_is_used_where_the_impl_has_one(monkeypatch):
     """GramTeacher.row_step hands the row step to the implementation's gram_step (the CUDA one-model kernel)
     with each row's raw s.t and |t|^2, and keeps the coefficients it writes; where gram_step declines, the
     two stages run. The stand-in computes what the kernel must: the torch spec's two stages."""
-    import dataclasses
-
-    from cosdistill._row_step import teacher_grad_coefficient
-
     calls = []
 
     def gram_step(student_logits, labels, scales, token_losses, products, coefficients):
@@ -222,8 +204,40 @@ def test_a_one_kernel_gram_step_is_used_where_the_impl_has_one(monkeypatch):
         coefficients.copy_(teacher_grad_coefficient(stats, labels, student_logits.shape[1], scales))
         return True
 
-    monkeypatch.setattr(_backends, "TORCH", dataclasses.replace(
-        _backends.TORCH, row_step=dataclasses.replace(TORCH_ROW_STEP, gram_step=gram_step)))
+    monkeypatch.setattr(backends, "TORCH", dataclasses.replace(
+        backends.TORCH, row_step=dataclasses.replace(TORCH_ROW_STEP, gram_step=gram_step)))
     problem = make_problem(tokens=30, bias=False, vocab_teacher=131, ignore_every=4)
     assert_matches_reference(problem, torch.float32, impl="torch", chunk_size=16, cosine_via="gram")
     assert calls == [(16, 2), (14, 2)]
+
+
+def test_auto_gives_the_finite_answer_for_huge_student_logits(monkeypatch):
+    """Student logits ~1e37 beside a moderate teacher: the Gram path's products would overflow, so "auto"
+    runs the call on the logits path (the bound is read with N), and "gram" raises."""
+    calls = gram_calls(monkeypatch)
+    generator = torch.Generator().manual_seed(6)
+    student_input, student_weight, teacher_input, labels = student_and_labels(generator=generator)
+    huge_weight = (student_weight.detach() * 1e36).requires_grad_()
+    args = (student_input, huge_weight, teacher_input, teacher_module(generator=generator).weight, labels)
+    got = fused_linear_cosine_distill(*args, return_soft_hard_loss=True)
+    want = fused_linear_cosine_distill(*args, cosine_via="logits", return_soft_hard_loss=True)
+    assert calls[0] and all(torch.isfinite(part) for part in got)
+    assert_same(got, want)
+    with pytest.raises(ValueError, match="too large for the Gram path"):
+        fused_linear_cosine_distill(*args, cosine_via="gram")
+
+
+def test_the_gram_path_s_range_check_takes_no_tokens_and_non_finite_inputs():
+    """No tokens: nothing to bound (loss 0, zero gradients); an inf hidden state: "auto" runs the logits
+    path, which gives a non-finite loss, never a finite one."""
+    generator = torch.Generator().manual_seed(8)
+    student_input, student_weight, teacher_input, labels = student_and_labels(generator=generator)
+    teacher_weight = teacher_module(generator=generator).weight
+    empty = (student_input[:0].detach().requires_grad_(), student_weight, teacher_input[:0], teacher_weight, labels[:0])
+    loss = fused_linear_cosine_distill(*empty, cosine_via="gram")
+    loss.backward()
+    assert loss == 0 and not student_weight.grad.any()
+    poisoned = teacher_input.clone()
+    poisoned[6, 3] = float("inf")  # a token that counts (every fifth is ignored)
+    loss = fused_linear_cosine_distill(student_input, student_weight, poisoned, teacher_weight, labels)
+    assert not torch.isfinite(loss)

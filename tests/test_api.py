@@ -1,37 +1,12 @@
-"""The fused loss against the float64 naive reference: losses and every student gradient."""
-
-import dataclasses
+"""The public function and module (api.py) against the float64 naive reference: losses and every student
+gradient, the options, the autograd contract, and every bad-input rule (a ValueError or TypeError naming the
+argument and the shapes seen)."""
 
 import pytest
 import torch
 
-from conftest import TOLERANCE, make_problem, record_write_grad, reference, rel_err
+from conftest import TOLERANCE, assert_matches_reference, make_problem, reference, rel_err, run_fused
 from cosdistill import FusedLinearCosineDistillLoss, api, fused_linear_cosine_distill
-from cosdistill import _plan as plan
-from cosdistill._backends import TORCH
-from cosdistill._chunk_loop import ChunkRows, chunked_loss_and_grads
-from cosdistill._labels import LabelCounts
-from cosdistill._plan import Options, chunk_rows
-from cosdistill._teacher_logits import LogitsTeacher, TeacherHead
-
-
-def run_fused(problem, grad_output=1.0, **kwargs):
-    kwargs.setdefault("return_soft_hard_loss", True)
-    losses = fused_linear_cosine_distill(*problem.args(), **kwargs)
-    (losses[0] * grad_output).backward()
-    return list(losses), [leaf.grad for leaf in problem.student_leaves()]
-
-
-def assert_matches_reference(problem, dtype, grad_output=1.0, ref_kwargs=None, **kwargs):
-    losses, grads = run_fused(problem, grad_output, **kwargs)
-    ref_losses, ref_grads = reference(problem, grad_output, **(ref_kwargs or {}))
-    loss_tol, grad_tol = TOLERANCE[dtype]
-    for name, got, want in zip(("loss", "soft", "hard"), losses, ref_losses):
-        assert got.dtype == torch.float32 and torch.isfinite(got)
-        assert rel_err(got, want) < loss_tol, (name, got.item(), want.item())
-    for leaf, got, want in zip(problem.student_leaves(), grads, ref_grads):
-        assert got.dtype == leaf.dtype and got.shape == leaf.shape
-        assert rel_err(got, want) < grad_tol, (tuple(leaf.shape), rel_err(got, want))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -46,56 +21,6 @@ def test_matches_reference(impl, dtype, bias, vocab_teacher):
 def test_chunk_sizes(impl, chunk_size):
     problem = make_problem(tokens=37, ignore_every=3)
     assert_matches_reference(problem, torch.float32, impl=impl, chunk_size=chunk_size)
-
-
-@pytest.mark.parametrize("rows", [ChunkRows(16, 5), ChunkRows(10, 3), ChunkRows(37, 36), ChunkRows(8, 8)])
-@pytest.mark.parametrize("fp8_like_buffer", [False, True])
-def test_teacher_logits_in_sub_chunks(impl, rows, fp8_like_buffer, monkeypatch):
-    """The automatic sizes give the teacher's logits GEMM and the row step fewer rows than the student's
-    chunk (seed workload: 1024 of 2048); small sizes here, forced, with odd remainders at both levels.
-    ``fp8_like_buffer``: a teacher buffer with more rows than asked for, as the FP8 head's padding."""
-    monkeypatch.setattr(plan, "chunk_rows", lambda *args, **kwargs: rows)
-    if fp8_like_buffer:
-        monkeypatch.setattr(TeacherHead, "buffer_rows", lambda self, n: n + 3)
-    problem = make_problem(tokens=37, vocab_teacher=131, ignore_every=4)
-    assert_matches_reference(problem, torch.float32, impl=impl)
-
-
-@pytest.mark.parametrize("grad_enabled, student_requires_grad, want_write_grad",
-                         [(True, True, True), (False, True, False), (True, False, False)])
-def test_chunk_rows_are_told_whether_gradients_are_wanted(grad_enabled, student_requires_grad, want_write_grad,
-                                                          monkeypatch):
-    """Without gradients the teacher's sub-chunks may be longer (chunk_rows' write_grad)."""
-    seen = record_write_grad(monkeypatch, plan)
-    problem = make_problem(tokens=9)
-    for leaf in problem.student_leaves():
-        leaf.requires_grad_(student_requires_grad)
-    with torch.set_grad_enabled(grad_enabled):
-        fused_linear_cosine_distill(*problem.args())
-    assert seen == [want_write_grad]
-
-
-def test_automatic_chunk_rows():
-    seed = dict(vocab_student=128256, vocab_teacher=128256, itemsize=2)
-    assert chunk_rows(None, 8192, **seed) == ChunkRows(2048, 1024)  # 0.79 GB of logits buffers
-    assert chunk_rows(None, 3000, **seed) == ChunkRows(2048, 1024)
-    assert chunk_rows(None, 1024, **seed) == ChunkRows(1024, 1024)
-    assert chunk_rows(None, 100, **seed) == ChunkRows(100, 100)
-    assert chunk_rows(None, 8192, 32000, 32000, 2) == ChunkRows(4160, 4160)  # 512 MiB of buffers for both
-    assert chunk_rows(None, 4096, 32000, 32000, 2) == ChunkRows(4096, 4096)
-    assert chunk_rows(None, 8192, 50257, 50257, 2) == ChunkRows(2624, 2624)
-    assert chunk_rows(None, 8192, 262144, 262144, 2) == ChunkRows(2048, 512)  # the teacher's rows shrink first
-    assert chunk_rows(None, 8192, 151936, 151936, 2) == ChunkRows(2048, 1024)
-    assert chunk_rows(None, 8192, 300000, 300000, 2) == ChunkRows(1152, 1024)  # 2048 / 512 would pass 1.25 GiB
-    assert chunk_rows(None, 8192, 600000, 600000, 4) == ChunkRows(256, 256)  # past the 1.25 GiB budget: fewer
-    assert chunk_rows(None, 0, **seed) == ChunkRows(1, 1)
-    # without gradients the teacher's sub-chunks grow to the student's chunk where both fit 1.25 GiB
-    assert chunk_rows(None, 8192, **seed, write_grad=False) == ChunkRows(2048, 2048)
-    assert chunk_rows(None, 1024, **seed, write_grad=False) == ChunkRows(1024, 1024)
-    assert chunk_rows(None, 8192, 262144, 262144, 2, write_grad=False) == ChunkRows(2048, 512)  # 2 GiB would not
-    assert chunk_rows(512, 8192, **seed, write_grad=False) == ChunkRows(512, 512)
-    assert chunk_rows(512, 8192, **seed) == ChunkRows(512, 512)  # a given chunk_size holds for both
-    assert chunk_rows(512, 100, **seed) == ChunkRows(100, 100)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -212,21 +137,6 @@ def test_the_loss_may_be_scaled_in_place_before_backward(impl):
         assert rel_err(leaf.grad, want) < 1e-5
 
 
-def test_the_first_gemm_is_queued_before_the_rest_of_the_set_up(monkeypatch):
-    """The bench times a call from an idle GPU: the first student GEMM goes out as soon as the plan is made,
-    before the teacher side, the label count and the autograd Function."""
-    order = []
-    for name in ("start_student_logits", "TeacherHead", "LabelCounts"):
-        original = getattr(plan, name)
-        monkeypatch.setattr(plan, name, lambda *a, _f=original, _n=name, **k: order.append(_n) or _f(*a, **k))
-    original_apply = api._AttachGradients.apply
-    monkeypatch.setattr(api._AttachGradients, "apply", lambda *a: order.append("apply") or original_apply(*a))
-    problem = make_problem()
-    fused_linear_cosine_distill(*problem.args()).backward()
-    assert order == ["start_student_logits", "TeacherHead", "LabelCounts", "apply"]
-    assert rel_err(problem.student_weight.grad, reference(problem)[1][1]) < 1e-5
-
-
 def test_same_inputs_give_bitwise_equal_outputs(impl):
     problem = make_problem(dtype=torch.bfloat16, ignore_every=3)
     first_losses, first_grads = run_fused(problem, impl=impl, chunk_size=8)
@@ -293,37 +203,6 @@ def test_logit_softcapping_and_scale(impl, dtype, caps, logit_scales):
     assert_matches_reference(problem, dtype, ref_kwargs=options, impl=impl, chunk_size=10, **options)
 
 
-@pytest.mark.parametrize("dtype, weight_grad, tokens, deferred", [
-    (torch.float32, True, 37, True), (torch.bfloat16, True, 37, True),
-    (torch.float32, True, 16, False),  # one chunk: backward does not wait for grad_output
-    (torch.float32, False, 37, False),  # nothing deferred without grad_weight
-    (torch.float16, True, 37, False),  # fp16: grad_input's rows are written with their lifts in forward
-])
-def test_last_chunk_grad_input_gemm_runs_in_backward(monkeypatch, dtype, weight_grad, tokens, deferred):
-    """Where backward reads grad_output on the host before the last grad_weight GEMM (several chunks), the
-    last chunk's grad_input GEMM waits for backward too, so the GPU has it to run meanwhile: those rows,
-    poisoned after forward, come out right after a backward with grad_output != 1."""
-    results = []
-
-    def recording(*args, **kwargs):
-        results.append(chunked_loss_and_grads(*args, **kwargs))
-        return results[-1]
-
-    monkeypatch.setattr(plan, "chunked_loss_and_grads", recording)
-    problem = make_problem(tokens=tokens, dtype=dtype)
-    problem.student_weight.requires_grad_(weight_grad)
-    losses = fused_linear_cosine_distill(*problem.args(), chunk_size=16, return_soft_hard_loss=True)
-    gradients = results[0].gradients
-    assert (gradients.last_grad_input is not None) == deferred
-    if deferred:
-        assert gradients.last_grad_input.data_ptr() == gradients.grad_input[32].data_ptr()
-        assert gradients.last_grad_input.shape == (5, problem.student_input.shape[1])
-        gradients.last_grad_input.fill_(float("nan"))
-    (losses[0] * -1.5).backward()
-    _, ref_grads = reference(problem, -1.5)
-    assert rel_err(problem.student_input.grad, ref_grads[0]) < TOLERANCE[dtype][1]
-
-
 @pytest.mark.parametrize("chunk_size", [16, None])
 def test_backward_with_create_graph(chunk_size):
     """backward(create_graph=True) (e.g. a gradient penalty elsewhere in the model) runs backward in grad mode:
@@ -334,34 +213,6 @@ def test_backward_with_create_graph(chunk_size):
     _, ref_grads = reference(problem, 0.75)
     for leaf, want in zip(problem.student_leaves(), ref_grads):
         assert rel_err(leaf.grad, want) < TOLERANCE[torch.float32][1]
-
-
-@pytest.mark.parametrize("grad", [True, False])
-def test_host_reads_n_only_where_gradients_need_it(grad):
-    """With gradients the host reads N once the first chunk's row steps are queued (1/N is the gradient
-    GEMMs' alpha); without, only after every chunk is queued, the loss divided by N on the device."""
-    problem = make_problem(tokens=37, ignore_every=3)
-    row_steps, steps_before_read = [], []
-    row_step = TORCH.row_step.step
-
-    def counting_row_step(*args, **kwargs):
-        row_steps.append(1)
-        return row_step(*args, **kwargs)
-
-    class RecordingCounts(LabelCounts):
-        def wait(self):
-            steps_before_read.append(len(row_steps))
-            return super().wait()
-
-    labels = problem.labels
-    teacher = LogitsTeacher(TeacherHead(problem.teacher_weight, None), counting_row_step, Options().scales, 8)
-    result = chunked_loss_and_grads(
-        problem.student_input.detach(), problem.student_weight.detach(), None, problem.teacher_input, teacher, labels,
-        RecordingCounts(labels, -100, problem.student_weight.shape[0], None, TORCH, 0.5, 0.5), ChunkRows(16, 8),
-        (grad, grad, False), torch.float32, TORCH.scale_unless_one)
-    assert len(row_steps) == 5 and steps_before_read == ([2] if grad else [5])
-    ref_losses, _ = reference(dataclasses.replace(problem, student_bias=None, teacher_bias=None))
-    assert rel_err(0.5 * result.hard_loss + 0.5 * result.soft_loss, ref_losses[0]) < TOLERANCE[torch.float32][0]
 
 
 @pytest.mark.parametrize("given", [40, 40.0, torch.tensor(40), torch.tensor(40.0), torch.tensor([40.0])],
@@ -381,3 +232,143 @@ def test_num_valid_tokens_forms(given, grad):
         losses[0].backward()
         for leaf, want in zip(problem.student_leaves(), ref_grads):
             assert rel_err(leaf.grad, want) < TOLERANCE[torch.float32][1]
+
+
+@pytest.mark.parametrize("chunk_size", [None, 16])
+@pytest.mark.parametrize("changed", ["student_input", "student_weight"])
+def test_the_student_changed_in_place_before_backward_raises(changed, chunk_size):
+    """The last chunk's gradient GEMMs read the live student tensors in backward; as plain torch does, an
+    in-place change after the forward raises instead of a gradient that mixes both versions."""
+    problem = make_problem(tokens=40)
+    loss = fused_linear_cosine_distill(*problem.args(), chunk_size=chunk_size)
+    with torch.no_grad():
+        getattr(problem, changed).mul_(3.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_temperature_does_not_change_the_loss():
+    """Cosine is scale-invariant and the hard term uses unscaled logits (as in Liger)."""
+    problem = make_problem(tokens=30)
+    want = fused_linear_cosine_distill(*problem.args(), return_soft_hard_loss=True)
+    for temperature in (0.1, 3.0):
+        got = fused_linear_cosine_distill(*problem.args(), temperature=temperature, return_soft_hard_loss=True)
+        assert all(rel_err(got_part, want_part) < 1e-6 for got_part, want_part in zip(got, want))
+
+
+# Bad inputs
+
+
+def call(problem, **kwargs):
+    return fused_linear_cosine_distill(*problem.args(), **kwargs)
+
+
+def test_mismatched_token_counts():
+    problem = make_problem(tokens=10)
+    problem.teacher_input = torch.randn(9, 24)
+    with pytest.raises(ValueError, match=r"token counts.*\(10, 16\).*\(9, 24\)"):
+        call(problem)
+
+
+def test_labels_of_other_shape():
+    problem = make_problem(tokens=10)
+    problem.labels = torch.zeros(11, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"true_labels shape \(11,\)"):
+        call(problem)
+
+
+@pytest.mark.parametrize("prefix", ["student", "teacher"])
+def test_hidden_size_mismatch(prefix):
+    problem = make_problem()
+    setattr(problem, f"{prefix}_weight", torch.randn(101, 7))
+    with pytest.raises(ValueError, match=rf"{prefix}_input hidden size \d+ .*{prefix}_weight shape \(101, 7\)"):
+        call(problem)
+
+
+@pytest.mark.parametrize("prefix", ["student", "teacher"])
+def test_bias_length(prefix):
+    problem = make_problem()
+    setattr(problem, f"{prefix}_bias", torch.randn(100))
+    with pytest.raises(ValueError, match=rf"{prefix}_bias must have shape \(101,\).*got \(100,\)"):
+        call(problem)
+
+
+def test_teacher_vocab_smaller_than_student():
+    problem = make_problem(vocab_student=101, bias=False)
+    problem.teacher_weight = torch.randn(100, 24)
+    with pytest.raises(ValueError, match=r"teacher vocab must be >= student vocab.*\(100, 24\).*\(101, 16\)"):
+        call(problem)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_non_integer_labels(dtype):
+    problem = make_problem()
+    problem.labels = problem.labels.to(dtype)
+    with pytest.raises(TypeError, match="true_labels must be an integer tensor"):
+        call(problem)
+
+
+@pytest.mark.parametrize("name", ["student_weight", "teacher_weight"])
+def test_weights_not_2d(name):
+    problem = make_problem()
+    setattr(problem, name, getattr(problem, name).detach()[None])
+    with pytest.raises(ValueError, match=rf"{name} must be 2-D.*\(1, 101, \d+\)"):
+        call(problem)
+
+
+def test_tensors_on_different_devices():
+    problem = make_problem()
+    problem.teacher_weight = problem.teacher_weight.to("meta")
+    with pytest.raises(ValueError, match="one device.*meta"):
+        call(problem)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -3, 2.5])
+def test_bad_chunk_size(chunk_size):
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        call(make_problem(), chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("bad_label", [-1, 101, 10**6])
+def test_label_out_of_range(bad_label):
+    problem = make_problem()
+    problem.labels[3] = bad_label
+    with pytest.raises(ValueError, match=rf"outside \[0, 101\).*{bad_label}"):
+        call(problem)
+
+
+def test_input_dtype_differs_from_weight():
+    problem = make_problem()
+    problem.student_input = problem.student_input.detach().double()
+    with pytest.raises(TypeError, match="student_input must be bfloat16, float16 or float32"):
+        call(problem)
+    problem = make_problem()
+    problem.teacher_input = problem.teacher_input.half()
+    with pytest.raises(TypeError, match="teacher_input dtype torch.float16 differs from teacher_weight"):
+        call(problem)
+
+
+def test_bad_scalars_and_options():
+    problem = make_problem()
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        call(problem, temperature=0.0)
+    with pytest.raises(ValueError, match="student_softcap must be > 0 or None"):
+        call(problem, student_softcap=0.0)
+    with pytest.raises(ValueError, match="num_valid_tokens must be > 0"):
+        call(problem, num_valid_tokens=0)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        call(problem, impl="fast")
+    with pytest.raises(ValueError, match="impl='cuda' needs a CUDA GPU with thread block clusters"):
+        call(problem, impl="cuda")
+    with pytest.raises(TypeError, match="accum_dtype"):
+        call(problem, accum_dtype=torch.float16)
+    with pytest.raises(TypeError, match="student_input must be a torch.Tensor"):
+        fused_linear_cosine_distill([1.0], *problem.args()[1:])
+
+
+def test_backward_twice_is_refused():
+    problem = make_problem()
+    loss = call(problem)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward only once"):
+        loss.backward()

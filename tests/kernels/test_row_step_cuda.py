@@ -1,7 +1,6 @@
-"""The CUDA cluster row step (row_step_cuda.py) on the CPU: its source compiles for Hopper with NVRTC (the
-pip wheel, as torch's CUDA build ships it) without local memory, and it is dispatched only where it
-computes exactly the spec. Its results are checked on the H200 (benchmarks/gpu_check.py, gpu_fuzz.py,
-cluster_row_step_study.py)."""
+"""The CUDA cluster row step (kernels/row_step_cuda.py) on the CPU: its source compiles for Hopper with NVRTC
+(the pip wheel, as torch's CUDA build ships it) without local memory, and it is dispatched only where it
+computes exactly the spec. Its results are checked on the H200 by the gpu tests (tests/gpu, pytest -m gpu)."""
 
 import ctypes
 import re
@@ -11,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosdistill._backends import TORCH, backend_for
-from cosdistill._row_step import RowStepScales, row_step_torch
-from cosdistill.kernels import row_step_cuda
+from cosdistill.testing import RowStepScales, kernels, row_step_torch
+
+row_step_cuda = kernels.row_step_cuda
 
 PLAIN = RowStepScales(weight_hard=0.4, weight_soft=0.6, beta=0.9, temperature=1.5, ignore_index=-100)
 
@@ -170,13 +169,6 @@ def test_supported_only_where_the_kernel_is_the_spec(monkeypatch):
     assert not row_step_cuda.supported(student, teacher, labels, PLAIN, True, None)
 
 
-def test_not_available_on_the_cpu():
-    assert not row_step_cuda.available(torch.device("cpu"))
-    with pytest.raises(ValueError, match="thread block clusters"):
-        backend_for("cuda", torch.device("cpu"))
-    assert backend_for("auto", torch.device("cpu")) is TORCH
-
-
 def test_falls_back_to_triton_where_unsupported():
     """Off Hopper (here: the CPU, Triton in its interpreter) the step is the Triton step, equal to the spec."""
     student, teacher, labels = plain_case(rows=5, vocab=300)
@@ -214,38 +206,3 @@ def test_launch_walks_past_spilling_layouts_and_falls_back_to_8_blocks(monkeypat
     compiled.clear()
     assert launch(128256, torch.int64, 0) is None
     assert compiled == row_step_cuda.launch_configs(128256) + [(8, 256, 0)]
-
-
-def test_auto_picks_the_cluster_step_where_available(monkeypatch):
-    from cosdistill.kernels.row_step_triton import TRITON_ROW_STEP
-
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(row_step_cuda, "available", lambda device: True)
-    assert backend_for("auto", cuda).row_step is row_step_cuda.CUDA_ROW_STEP
-    assert backend_for("cuda", cuda).row_step is row_step_cuda.CUDA_ROW_STEP
-    assert backend_for("triton", cuda).row_step is TRITON_ROW_STEP
-    monkeypatch.setattr(row_step_cuda, "available", lambda device: False)  # before Hopper
-    assert backend_for("auto", cuda).row_step is TRITON_ROW_STEP
-    with pytest.raises(ValueError, match="thread block clusters"):
-        backend_for("cuda", cuda)
-
-
-def test_selfcheck_runs_the_cluster_kernel_where_it_applies(monkeypatch):
-    """gpu_check's "row step cuda vs torch" rows: the kernel gets plain scales and is called (its Triton
-    fallback would pass vacuously); a case it does not apply to is left to the Triton rows."""
-    from cosdistill._row_step import RowStepImpl
-    from cosdistill.tools import check as selfcheck
-
-    calls = []
-
-    def recording_step(student, teacher, labels, scales, losses, write_grad, *lifts):
-        assert row_step_cuda.supported(student, teacher, labels, scales, write_grad, None)
-        calls.append(student.shape)
-        row_step_torch(student, teacher, labels, scales, losses, write_grad, *lifts)
-
-    monkeypatch.setattr(row_step_cuda, "available", lambda device: True)
-    monkeypatch.setattr(row_step_cuda, "CUDA_ROW_STEP", RowStepImpl(recording_step, None, None))
-    cases = (selfcheck.RowStepCase(4, 64, 64, torch.bfloat16), selfcheck.RowStepCase(3, 40, 41, torch.bfloat16))
-    results = [result for result in selfcheck.check_row_step("cpu", cases) if "cuda" in result.name]
-    assert [result.case for result in results] == [cases[0].describe()] and results[0].passed
-    assert calls == [(4, 64)]

@@ -1,11 +1,12 @@
-"""The Triton kernels compile for the H200 (sm_90) with Triton's real compiler, on this CPU machine."""
+"""The Triton kernels compile for the H200 (sm_90) with Triton's real compiler, on this CPU machine
+(tests/kernel_compile.py, which benchmarks/sass_compare.py reuses)."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def compiler_env():

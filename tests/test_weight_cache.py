@@ -1,6 +1,5 @@
-"""Never a silently wrong number: the teacher-derived caches against every way a user changes a weight,
-the student changed in place between forward and backward, labels that cannot hold ignore_index, and
-"auto" on inputs the Gram path cannot take or a teacher that changes every call.
+"""Never a silently wrong number from a cached teacher copy (_weight_cache.py): the Gram matrix and the FP8
+copy against every way a user changes a weight, and "auto" with a teacher that changes every call.
 
 Each mutation of the teacher weight must give what a call on a fresh copy of it gives, or raise
 StaleWeightError. On the CPU the hash comparison is read at once; on a GPU it stays on the device, so
@@ -13,15 +12,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import make_problem, rel_err
 from cosdistill import StaleWeightError, fused_linear_cosine_distill
-from cosdistill import _plan as plan
-from cosdistill import _teacher_fp8 as fp8
-from cosdistill import _teacher_gram as gram
-from cosdistill import _weight_cache as weight_cache
-from cosdistill._fingerprint import fingerprint_torch
-from cosdistill._plan import Options
-from cosdistill.kernels.fingerprint import fingerprint_triton
+from cosdistill.testing import (
+    Options,
+    compiled_distill,
+    fingerprint_torch,
+    plan,
+    weight_cache,
+)
+from cosdistill.testing import teacher_fp8 as fp8
+from cosdistill.testing import teacher_gram as gram
 from cosdistill.tools.check import TEACHER_MUTATIONS, check_teacher_caches
 
 VOCAB, HIDDEN_STUDENT, HIDDEN_TEACHER, TOKENS = 97, 8, 12, 120  # the Gram path is cheaper at these sizes
@@ -139,8 +139,6 @@ def test_on_a_gpu_the_stale_call_is_nan_and_the_next_one_raises(on_device_compar
 
 
 def test_on_a_gpu_a_stale_no_grad_call_and_the_compiled_op_are_nan_too(on_device_comparison):
-    from cosdistill._compile import compiled_distill
-
     generator = torch.Generator().manual_seed(3)
     head, (student_input, student_weight, teacher_input, labels) = (teacher_module(generator=generator),
                                                                     student_and_labels(generator=generator))
@@ -241,88 +239,6 @@ def test_property_any_mutation_between_calls_matches_a_fresh_copy(seed, name, vo
             assert torch.equal(cached.value[0].view(torch.uint8), fresh_fp8[0].view(torch.uint8))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 1), (37, 19), (300, 48), (17, 1030)])
-def test_the_triton_fingerprint_is_the_torch_spec_and_sees_any_one_changed_element(dtype, shape):
-    weight = torch.randn(shape).to(dtype)
-    want = fingerprint_torch(weight)
-    assert torch.equal(fingerprint_triton(weight), want)
-    assert torch.equal(fingerprint_triton(weight.t().contiguous().t()), fingerprint_torch(weight.t().contiguous().t()))
-    for index in {0, weight.numel() // 2, weight.numel() - 1}:
-        changed = weight.clone()
-        bits = changed.view(-1).view(torch.int16 if dtype != torch.float32 else torch.int32)
-        bits[index] ^= 1  # one bit of one element
-        assert not torch.equal(fingerprint_torch(changed), want)
-        assert torch.equal(fingerprint_triton(changed), fingerprint_torch(changed))
-    swapped = weight.clone()
-    swapped[[0, -1]] = swapped[[-1, 0]]
-    assert shape[0] == 1 or torch.equal(swapped, weight) or not torch.equal(fingerprint_torch(swapped), want)
-
-
-@pytest.mark.parametrize("chunk_size", [None, 16])
-@pytest.mark.parametrize("changed", ["student_input", "student_weight"])
-def test_the_student_changed_in_place_before_backward_raises(changed, chunk_size):
-    """The last chunk's gradient GEMMs read the live student tensors in backward; as plain torch does, an
-    in-place change after the forward raises instead of a gradient that mixes both versions."""
-    problem = make_problem(tokens=40)
-    loss = fused_linear_cosine_distill(*problem.args(), chunk_size=chunk_size)
-    with torch.no_grad():
-        getattr(problem, changed).mul_(3.0)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward()
-
-
-def test_the_compiled_op_returns_the_forward_time_gradient_of_a_student_changed_before_backward():
-    """The op computes its gradients in forward (_compile.py): a later change of the student does not reach them."""
-    from cosdistill._compile import compiled_distill
-
-    problem = make_problem(tokens=40, bias=False)
-    want = torch.autograd.grad(fused_linear_cosine_distill(*problem.args()), problem.student_leaves())
-    loss = compiled_distill(Options(), *problem.args())
-    with torch.no_grad():
-        problem.student_input.mul_(3.0)
-    got = torch.autograd.grad(loss, problem.student_leaves())
-    for got_grad, want_grad in zip(got, want):
-        torch.testing.assert_close(got_grad, want_grad)
-
-
-@pytest.mark.parametrize("dtype", [torch.uint8])
-def test_labels_that_cannot_hold_ignore_index_raise(dtype):
-    problem = make_problem(tokens=12)
-    labels = problem.labels.clamp(max=200).to(dtype)
-    with pytest.raises(TypeError, match=r"true_labels of dtype torch.uint8 cannot hold ignore_index=-100"):
-        fused_linear_cosine_distill(*problem.args()[:4], labels)
-
-
-@pytest.mark.parametrize("dtype, ignore_index", [(torch.uint8, 255), (torch.int8, -100), (torch.int16, -100),
-                                                 (torch.int32, -100)])
-def test_narrow_labels_that_hold_ignore_index_give_the_int64_answer(dtype, ignore_index):
-    problem = make_problem(tokens=30, vocab_student=97)
-    labels = problem.labels.clone()
-    labels[::3] = ignore_index
-    labels[1] = 96
-    args = problem.args()[:4]
-    want = fused_linear_cosine_distill(*args, labels, ignore_index=ignore_index, return_soft_hard_loss=True)
-    got = fused_linear_cosine_distill(*args, labels.to(dtype), ignore_index=ignore_index, return_soft_hard_loss=True)
-    assert_same(got, want)
-
-
-def test_auto_gives_the_finite_answer_for_huge_student_logits(monkeypatch):
-    """Student logits ~1e37 beside a moderate teacher: the Gram path's products would overflow, so "auto"
-    runs the call on the logits path (the bound is read with N), and "gram" raises."""
-    calls = gram_calls(monkeypatch)
-    generator = torch.Generator().manual_seed(6)
-    student_input, student_weight, teacher_input, labels = student_and_labels(generator=generator)
-    huge_weight = (student_weight.detach() * 1e36).requires_grad_()
-    args = (student_input, huge_weight, teacher_input, teacher_module(generator=generator).weight, labels)
-    got = fused_linear_cosine_distill(*args, return_soft_hard_loss=True)
-    want = fused_linear_cosine_distill(*args, cosine_via="logits", return_soft_hard_loss=True)
-    assert calls[0] and all(torch.isfinite(part) for part in got)
-    assert_same(got, want)
-    with pytest.raises(ValueError, match="too large for the Gram path"):
-        fused_linear_cosine_distill(*args, cosine_via="gram")
-
-
 def test_auto_counts_the_teacher_gram_matrix_where_the_teacher_changes_every_call(monkeypatch):
     """A teacher updated in place at every call (an EMA teacher) would pay W_t^T W_t at every call: "auto"
     counts it then and takes the logits path; once the teacher stops changing, the Gram path again."""
@@ -347,28 +263,3 @@ def test_auto_counts_the_teacher_gram_matrix_where_the_teacher_changes_every_cal
     step()
     step()
     assert calls == [True, False, False, False, True, True]
-
-
-def test_temperature_does_not_change_the_loss():
-    """Cosine is scale-invariant and the hard term uses unscaled logits (as in Liger)."""
-    problem = make_problem(tokens=30)
-    want = fused_linear_cosine_distill(*problem.args(), return_soft_hard_loss=True)
-    for temperature in (0.1, 3.0):
-        got = fused_linear_cosine_distill(*problem.args(), temperature=temperature, return_soft_hard_loss=True)
-        assert all(rel_err(got_part, want_part) < 1e-6 for got_part, want_part in zip(got, want))
-
-
-def test_the_gram_path_s_range_check_takes_no_tokens_and_non_finite_inputs():
-    """No tokens: nothing to bound (loss 0, zero gradients); an inf hidden state: "auto" runs the logits
-    path, which gives a non-finite loss, never a finite one."""
-    generator = torch.Generator().manual_seed(8)
-    student_input, student_weight, teacher_input, labels = student_and_labels(generator=generator)
-    teacher_weight = teacher_module(generator=generator).weight
-    empty = (student_input[:0].detach().requires_grad_(), student_weight, teacher_input[:0], teacher_weight, labels[:0])
-    loss = fused_linear_cosine_distill(*empty, cosine_via="gram")
-    loss.backward()
-    assert loss == 0 and not student_weight.grad.any()
-    poisoned = teacher_input.clone()
-    poisoned[6, 3] = float("inf")  # a token that counts (every fifth is ignored)
-    loss = fused_linear_cosine_distill(student_input, student_weight, poisoned, teacher_weight, labels)
-    assert not torch.isfinite(loss)

@@ -21,7 +21,7 @@ from cosdistill import FusedLinearCosineDistillLoss
 from cosdistill.distributed import DataParallelCosineDistillLoss, data_parallel_num_valid_tokens
 from cosdistill.testing import rel_err
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FEATURES, HIDDEN_STUDENT, HIDDEN_TEACHER = 6, 8, 12
 VOCAB_STUDENT, VOCAB_TEACHER = 37, 41  # neither divisible by 2 or 3
 SEQUENCES_PER_RANK, SEQ_LEN = 2, 5

@@ -1,0 +1,354 @@
+"""Correctness on a CUDA GPU before any timing is trusted (pytest -m gpu, on an H200), each check also run on
+the CPU at small sizes (Triton in its interpreter) as an ordinary test.
+
+1. The row step: Triton, Triton split in two and, where it applies, the CUDA cluster kernel against the torch
+   spec at odd and LLM-sized vocabularies, into poisoned outputs (cosdistill.tools.check.check_row_step);
+   the Gram path's one-model cluster kernel.
+2. The whole loss (each impl, the logits and the Gram path) against the float64 naive reference at a few
+   odd shapes (check_loss).
+3. FP8: the quantization against its formula; the FP8 teacher path against float64 fed the dequantized
+   teacher. fp16 with a zero student head; with two GPUs, the loss on the second while the first is current.
+4. Never a silently wrong number: the teacher caches against every mutation, the fingerprint kernel on a
+   seed-sized head, a student changed before backward, uint8 labels, "auto" on huge student logits.
+5. At the seed workload (V = 128256, teacher H = 4096, student H = 2048, bf16, T = --seed-tokens): the error
+   against float64 of each grad_weight accumulator dtype and chunk size, and the peak memory above the inputs.
+"""
+
+import pytest
+import torch
+
+from conftest import DEVICES, on_devices
+from cosdistill import fused_linear_cosine_distill
+from cosdistill.testing import (
+    TORCH_ROW_STEP,
+    RowStepScales,
+    fingerprint_torch,
+    fingerprint_triton,
+    float64_reference,
+    kernels,
+    quantize_rows_triton,
+    rel_err,
+    teacher_grad_coefficient,
+    with_teacher_products,
+)
+from cosdistill.testing import teacher_fp8 as fp8
+from cosdistill.tools.check import (
+    LOSS_TOLERANCE,
+    POISON,
+    LossCase,
+    RowStepCase,
+    accumulation_floor,
+    check_loss,
+    check_row_step,
+    check_teacher_caches,
+    compare,
+    fused_run,
+    random_problem,
+    results_table,
+)
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+row_step_cuda = kernels.row_step_cuda
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+
+
+def describe(case):
+    return case.describe()
+
+
+def assert_passed(results):
+    assert results and all(result.passed for result in results), results_table(results)
+
+
+def cluster_kernel_or_skip(device):
+    if not row_step_cuda.available(torch.device(device)):
+        pytest.skip("needs thread block clusters (compute capability 9.0) and NVRTC")
+
+
+def fp8_or_skip(device, monkeypatch):
+    """On the CPU the FP8 GEMMs run through torch's reference _scaled_mm; a GPU needs FP8 tensor cores."""
+    if device == "cpu":
+        monkeypatch.setattr(fp8, "check_supported", lambda device: None)
+        return
+    try:
+        fp8.check_supported(torch.device(device))
+    except ValueError as error:
+        pytest.skip(str(error))
+
+
+ROW_STEP_CASES = on_devices([
+    RowStepCase(7, 1283, 1283, BF16), RowStepCase(7, 1283, 1347, BF16), RowStepCase(5, 3201, 3201, FP32),
+    RowStepCase(9, 1519, 1527, FP16), RowStepCase(3, 1, 1, FP32), RowStepCase(3, 1, 2, FP32),
+    RowStepCase(3, 2, 2, FP32), RowStepCase(4, 2, 3, FP32), RowStepCase(4, 17, 17, BF16), RowStepCase(4, 1000, 1000, FP32),
+    RowStepCase(7, 1283, 1347, BF16, softcap=30.0), RowStepCase(5, 3201, 3201, FP32, softcap=5.0, logit_scale=0.5),
+    RowStepCase(9, 500, 1283, BF16), RowStepCase(3, 2624, 2624, BF16), RowStepCase(11, 320, 320, BF16),
+    RowStepCase(5, 8, 8, BF16),
+], [
+    RowStepCase(37, 128256, 128256, BF16), RowStepCase(37, 128256, 128320, BF16), RowStepCase(5, 32001, 32001, FP32),
+    RowStepCase(9, 151936, 152064, FP16), RowStepCase(3, 1, 1, FP32), RowStepCase(3, 1, 2, FP32),
+    RowStepCase(3, 2, 2, FP32), RowStepCase(4, 2, 3, FP32), RowStepCase(4, 17, 17, BF16), RowStepCase(4, 1000, 1000, FP32),
+    RowStepCase(37, 128256, 128320, BF16, softcap=30.0), RowStepCase(5, 32001, 32001, FP32, softcap=5.0, logit_scale=0.5),
+    RowStepCase(9, 50000, 128256, BF16),  # split in two: the upper half holds no student columns
+    RowStepCase(9, 262144, 262144, BF16), RowStepCase(11, 32000, 32000, BF16), RowStepCase(5, 8, 8, BF16),  # CUDA
+], describe)
+
+
+@pytest.mark.parametrize("device, case", ROW_STEP_CASES)
+def test_row_step_matches_the_spec(device, case):
+    """Triton, Triton split over two vocabulary shards, and the cluster kernel where it applies: the torch spec."""
+    assert_passed(check_row_step(device, [case]))
+
+
+GRAM_ROW_STEP_CASES = on_devices([], [
+    RowStepCase(37, 128256, 128256, BF16), RowStepCase(9, 262144, 262144, BF16), RowStepCase(11, 32000, 32000, BF16),
+    RowStepCase(5, 8, 8, BF16), RowStepCase(7, 151936, 151936, BF16),
+], describe)
+
+
+@pytest.mark.parametrize("device, case", GRAM_ROW_STEP_CASES)
+def test_gram_cluster_row_step_matches_the_spec(device, case):
+    """The one-model cluster kernel (the Gram path's row step) against the torch spec's two stages with
+    teacher_logits None: losses, gradient and each row's coefficient of t, every output poisoned first; a
+    quarter of the rows ignored, one row whose products overflow (NaN there)."""
+    cluster_kernel_or_skip(device)
+    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100)
+    student = (torch.randn(case.rows, case.vocab_student, device=device) * 3).to(BF16)
+    labels = torch.randint(0, case.vocab_student, (case.rows,), device=device)
+    labels[::4] = -100
+    norms = student.float().norm(dim=1)
+    sum_sq_teacher = (torch.rand(case.rows, device=device) + 0.5) * norms**2
+    dot = (torch.rand(case.rows, device=device) * 2 - 1) * norms * sum_sq_teacher.sqrt()
+    dot[1], sum_sq_teacher[1] = float("inf"), float("inf")  # row 1 (not ignored): NaN loss and gradient
+    want_grad, want_losses = student.clone(), torch.full((case.rows, 2), POISON, device=device)
+    stats = with_teacher_products(TORCH_ROW_STEP.stats(want_grad, None, labels, scales), dot, sum_sq_teacher, scales)
+    TORCH_ROW_STEP.grad(want_grad, None, labels, stats, scales, want_losses, True)
+    want_coefs = teacher_grad_coefficient(stats, labels, case.vocab_student, scales)
+    got_grad, got_losses = student.clone(), torch.full((case.rows, 2), POISON, device=device)
+    got_coefs = torch.full((case.rows,), float("nan"), device=device)
+    assert row_step_cuda.gram_row_step_cuda(got_grad, labels, scales, got_losses,
+                                            torch.stack((dot, sum_sq_teacher), 1), got_coefs)
+    finite = torch.ones(case.rows, dtype=torch.bool, device=device)
+    finite[1] = False
+    assert rel_err(got_losses[finite], want_losses[finite]) < 1e-5
+    assert rel_err(got_grad[finite], want_grad[finite]) < 1e-2
+    assert rel_err(got_coefs[finite], want_coefs[finite]) < 1e-5
+    assert got_losses[1].isnan().all() and got_grad[1].isnan().all() and got_coefs[1].isnan()
+
+
+LOSS_CASES = on_devices([
+    LossCase(30, 3203, 3203, 32, FP32, True, 7, 13),
+    LossCase(30, 3203, 3290, 32, BF16, False, 7, 10),
+    LossCase(60, 1283, 1283, 64, BF16, False, 7, None),
+    LossCase(26, 503, 503, 32, FP16, True, 7, 8),
+    LossCase(100, 1283, 1283, 64, FP16, True, 7, None),
+    LossCase(30, 3203, 3290, 32, BF16, True, 7, 13, softcap=10.0),
+    LossCase(130, 1283, 1283, 32, BF16, False, 7, 64),
+], [
+    LossCase(300, 32011, 32011, 256, FP32, True, 7, 128),
+    LossCase(300, 32011, 32100, 256, BF16, False, 7, 100),
+    LossCase(1000, 128256, 128256, 512, BF16, False, 7, None),
+    LossCase(257, 5003, 5003, 128, FP16, True, 7, 64),
+    LossCase(1000, 128256, 128256, 512, FP16, True, 7, None),  # fp16 at an LLM vocabulary: the lifted gradients
+    LossCase(300, 32011, 32100, 256, BF16, True, 7, 128, softcap=10.0),
+    LossCase(2500, 128256, 128256, 256, BF16, False, 7, None),  # automatic rows: chunks 2048 + 452, teacher 1024
+], describe)
+
+
+@pytest.mark.parametrize("device, case", LOSS_CASES)
+def test_loss_matches_float64(device, case):
+    """Each impl on the device (the cluster kernel's too, on Hopper), the logits and the Gram path: float64's."""
+    cluster = device == "cuda" and row_step_cuda.available(torch.device(device))
+    assert_passed(check_loss(("cuda", "triton", "torch") if cluster else ("triton", "torch"), device, [case]))
+
+
+@pytest.mark.parametrize("device, size", on_devices([(37, 1100)], [(1000, 4099)], lambda size: "x".join(map(str, size))))
+def test_fp8_quantization_is_the_formula(device, size):
+    """fp8.quantize_rows on the device against the textbook formula on the CPU: the scales may differ by one ulp
+    (CUDA divides by a Python number as a multiplication by its reciprocal); given the device's scales, the FP8
+    codes match bit for bit. The Triton twin divides as the CPU does: its scales and codes match exactly, and
+    it writes nothing outside its slice of the buffer."""
+    rows, hidden = size
+    values = (torch.randn(rows, hidden, device=device) * torch.logspace(-4, 4, rows, device=device)[:, None]).to(BF16)
+    out = torch.empty(rows + 8, hidden + 13, dtype=fp8.FP8, device=device)
+    scales = torch.empty(rows, 1, device=device)
+    fp8.quantize_rows(values, out[:rows, :hidden], scales)
+    host_values = values.cpu().float()
+    want_scales = (host_values.abs().amax(1, keepdim=True) / fp8.FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    scale_ulps = ((scales.cpu() - want_scales).abs() / torch.finfo(torch.float32).eps / want_scales).max().item()
+    want = (host_values / scales.cpu()).to(fp8.FP8)
+    assert (out[:rows, :hidden].cpu().view(torch.uint8) != want.view(torch.uint8)).sum() == 0
+    assert scale_ulps <= 1.0
+
+    triton_out = torch.full_like(out.view(torch.uint8), 0x7F).view(fp8.FP8)  # poisoned: NaN codes
+    triton_scales = torch.full_like(scales, float("nan"))
+    quantize_rows_triton(values, triton_out[:rows, :hidden], triton_scales)
+    want = (host_values / want_scales).to(fp8.FP8)
+    assert (triton_out[:rows, :hidden].cpu().view(torch.uint8) != want.view(torch.uint8)).sum() == 0
+    assert (triton_scales.cpu() != want_scales).sum() == 0
+    assert (triton_out.view(torch.uint8)[rows:] == 0x7F).all() and (triton_out.view(torch.uint8)[:, hidden:] == 0x7F).all()
+
+
+FP8_CASES = on_devices([
+    LossCase(30, 3203, 3203, 32, BF16, True, 7, 13), LossCase(100, 1283, 1290, 64, BF16, True, 7, None),
+    LossCase(250, 1283, 1290, 32, BF16, False, 7, None), LossCase(250, 1283, 1283, 32, BF16, False, 7, None),
+], [
+    LossCase(300, 32011, 32011, 256, BF16, True, 7, 128), LossCase(1000, 128256, 128320, 512, BF16, True, 7, None),
+    LossCase(2500, 128256, 128320, 256, BF16, False, 7, None), LossCase(2500, 128256, 128256, 256, BF16, False, 7, None),
+], describe)
+
+
+@pytest.mark.parametrize("device, case", FP8_CASES)
+def test_fp8_teacher_matches_float64_on_the_dequantized_teacher(device, case, monkeypatch):
+    """The FP8 teacher path against float64 fed the dequantized teacher: only rounding may differ."""
+    fp8_or_skip(device, monkeypatch)
+    args = random_problem(case, device)
+    quantized = list(args)
+    quantized[2], quantized[3] = fp8.dequantized(args[2]), fp8.dequantized(args[3])
+    got = fused_run(args, chunk_size=case.chunk_size, teacher_precision="fp8")
+    assert_passed([compare("loss fp8 teacher vs float64", case.describe(), BF16, got, float64_reference(quantized))])
+
+
+ZERO_HEAD_CASES = {"cpu": LossCase(250, 1283, 1283, 64, FP16, True, 7, 64),
+                   "cuda": LossCase(2500, 128256, 128256, 512, FP16, True, 7, None)}  # chunks 2048 + 452
+
+
+@pytest.mark.parametrize("device, impl", on_devices(["triton", "torch"], ["triton", "torch"]))
+def test_fp16_with_a_zero_student_head_matches_float64(device, impl):
+    """A zero (zero-initialised) student head: every row's d loss / d logits (~1e7) is past fp16's range and is
+    scaled down, its grad_weight and grad_bias terms taken in fp32. N = 2^32 (num_valid_tokens) so that the
+    exact gradients fit fp16."""
+    case = ZERO_HEAD_CASES[device]
+    args = random_problem(case, device)
+    with torch.no_grad():
+        args[1].zero_()
+        args[5].zero_()
+    options = dict(num_valid_tokens=2**32)
+    got = fused_run(args, impl=impl, chunk_size=case.chunk_size, **options)
+    assert_passed([compare(f"loss {impl} vs float64, fp16 zero student head", case.describe(), FP16, got,
+                           float64_reference(args, **options))])
+
+
+@pytest.mark.gpu
+def test_the_loss_on_a_second_gpu_while_the_first_is_current():
+    """impl="auto" on cuda:1 in a process whose current device is cuda:0: the cluster kernel is launched on the
+    tensors' device and stream."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    case = LossCase(2500, 128256, 128256, 256, BF16, False, 7, None)
+    args = random_problem(case, "cuda:1")
+    torch.cuda.set_device(0)
+    got = fused_run(args)
+    assert_passed([compare("loss auto on cuda:1, cuda:0 current, vs float64", case.describe(), BF16, got,
+                           float64_reference(args))])
+
+
+@pytest.mark.parametrize("device, sizes", on_devices([dict(vocab=97, hidden_teacher=12, tokens=120)],
+                                                     [dict(vocab=32000, hidden_teacher=512, tokens=2048)],
+                                                     lambda sizes: f"V={sizes['vocab']}"))
+def test_the_teacher_caches_never_give_a_stale_number(device, sizes):
+    """Every mutation of TEACHER_MUTATIONS: the fresh copy's answer, or the error (on a GPU: NaN for the changed
+    call, then the error)."""
+    assert_passed(check_teacher_caches(device, **sizes))
+
+
+@pytest.mark.parametrize("device, shape", on_devices([(300, 48)], [(128256, 4096)], lambda shape: "x".join(map(str, shape))))
+def test_the_fingerprint_kernel_is_the_spec_and_sees_one_changed_element(device, shape):
+    head = torch.randn(shape, device=device, dtype=BF16)
+    before = fingerprint_triton(head)
+    assert torch.equal(before, fingerprint_torch(head))
+    row, column = shape[0] * 3 // 5, shape[1] * 3 // 10
+    head[row, column] = -head[row, column] - 1.0
+    after = fingerprint_triton(head)
+    assert torch.equal(after, fingerprint_torch(head)) and not torch.equal(before, after)
+
+
+STUDENT_CASES = {"cpu": LossCase(300, 320, 320, 32, BF16, False, 7, 128),
+                 "cuda": LossCase(3000, 32000, 32000, 512, BF16, False, 7, 1024)}
+
+
+@pytest.mark.parametrize("device, changed", on_devices(["student_input", "student_weight"],
+                                                       ["student_input", "student_weight"]))
+def test_a_student_changed_in_place_before_backward_raises(device, changed):
+    args = random_problem(STUDENT_CASES[device], device)
+    index = ("student_input", "student_weight").index(changed)
+    loss = fused_linear_cosine_distill(*args)
+    with torch.no_grad():
+        args[index].mul_(3.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_uint8_labels_that_cannot_hold_ignore_index_raise(device):
+    args = random_problem(STUDENT_CASES[device], device)
+    with pytest.raises(TypeError, match="cannot hold"):
+        fused_linear_cosine_distill(*args[:4], args[4].clamp(min=0, max=255).to(torch.uint8))
+
+
+HUGE_LOGITS_CASES = {"cpu": LossCase(256, 300, 300, 16, BF16, False, 7, None),
+                     "cuda": LossCase(4096, 32000, 32000, 512, BF16, False, 7, None)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_auto_on_huge_student_logits_gives_the_logits_path_s_finite_answer(device):
+    """Student logits ~1e37: the Gram path's products would overflow, so "auto" runs the call on the logits path."""
+    case = HUGE_LOGITS_CASES[device]
+    args = random_problem(case, device)
+    args[1] = (args[1].detach().float() * 1e36).to(BF16).requires_grad_()
+    got = fused_run(args)
+    want = fused_run(args, cosine_via="logits")
+    assert all(torch.isfinite(part).all() for part in got[0])
+    assert_passed([compare("huge student logits: auto vs logits path", case.describe(), FP32, got, want)])
+
+
+SEED_VOCAB, SEED_HIDDEN = {"cpu": (1283, 128), "cuda": (128256, 4096)}, {"cpu": 128, "cuda": 4096}
+SEED_CHUNKS = {"cpu": {"auto": None, "small": 64, "large": 128}, "cuda": {"auto": None, "small": 1024, "large": 2048}}
+
+
+@pytest.fixture(scope="module")
+def seed_problem(request):
+    """The seed workload's inputs (on the CPU, a small one) and their float64 losses and gradients."""
+    device = request.param
+    tokens = request.config.getoption("seed_tokens") if device == "cuda" else 512
+    vocab, hidden = SEED_VOCAB[device][0], SEED_HIDDEN[device]
+    torch.manual_seed(0)
+    args = random_problem(LossCase(tokens, vocab, vocab, hidden, BF16, bias=False, ignore_every=0, chunk_size=None),
+                          device)
+    return args, float64_reference(args)
+
+
+@pytest.mark.parametrize("seed_problem", DEVICES, indirect=True)
+@pytest.mark.parametrize("accum_dtype", [BF16, FP32], ids=["bf16 accumulator", "fp32 accumulator"])
+@pytest.mark.parametrize("chunk", ["auto", "small", "large"])
+def test_grad_weight_accumulator_at_the_seed_workload(seed_problem, accum_dtype, chunk, record_property):
+    """Each accumulator dtype and chunk size: the losses and gradients within check's tolerances of float64,
+    grad_weight's widened by what its accumulator adds per chunk (accumulation_floor); the peak memory above
+    the inputs is printed and recorded, to pick the default accum_dtype by."""
+    args, (ref_losses, ref_grads) = seed_problem
+    device = args[0].device
+    tokens, vocab = args[4].numel(), args[1].shape[0]
+    chunk_size = SEED_CHUNKS[device.type][chunk]
+    fused_run(args, accum_dtype=accum_dtype, chunk_size=chunk_size)  # warm-up
+    args[0].grad = args[1].grad = None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    losses, grads = fused_run(args, accum_dtype=accum_dtype, chunk_size=chunk_size)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = round((torch.cuda.max_memory_allocated() - base) / 1e9, 3)
+        record_property("peak_gb_above_inputs", peak)
+        print(f"T={tokens} accum_dtype={accum_dtype} chunk_size={chunk_size}: {peak} GB above the inputs")
+    errors = dict(loss=rel_err(losses[0], ref_losses[0]), grad_input=rel_err(grads[0], ref_grads[0]),
+                  grad_weight=rel_err(grads[1], ref_grads[1]))
+    record_property("errors", errors)
+    loss_tolerance, grad_tolerance = LOSS_TOLERANCE[BF16]
+    accumulation = accumulation_floor(BF16, accum_dtype, chunk_size, tokens, vocab, vocab)
+    assert errors["loss"] < loss_tolerance and errors["grad_input"] < grad_tolerance, errors
+    assert errors["grad_weight"] < grad_tolerance + accumulation, (errors, accumulation)

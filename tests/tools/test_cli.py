@@ -1,0 +1,27 @@
+"""The command line (tools/cli.py): a bad argument exits 2 with one line saying what is wrong."""
+
+import pytest
+import torch
+
+from cosdistill.tools.cli import main
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["demo", "--steps", "0"], "--steps must be >= 1, got 0"),
+    (["demo", "--hidden", "1"], "--hidden must be >= 2, got 1"),
+    (["demo", "--vocab", "many"], "argument --vocab: invalid int value: 'many'"),
+    (["demo", "--out", "losses.jpg"], "--out must be a .png path, got losses.jpg"),
+    (["demo", "--out", "/no/such/folder/demo.png"], "cannot write /no/such/folder/demo.png: its folder does not exist"),
+    pytest.param(["demo", "--device", "cuda"], "--device cuda asked for, but torch sees no CUDA device", marks=NO_CUDA),
+    (["check", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["distill"], "argument command: invalid choice: 'distill'"),
+])
+def test_bad_argument_exits_2_with_one_line(capsys, bad, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(bad)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cosdistill: error: {message}")
+    assert err.count("\n") == 1
