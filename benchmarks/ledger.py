@@ -4,7 +4,8 @@
 One table per (commit, GPU, workload, mode, rounds) selected: a row per provider, a column per T, each
 cell the ratio to the floor timed in the same run, with the milliseconds and, where the run had
 several rounds, the spread of the per-round ratios; a last column with the peak memory above the
-inputs at each T.
+inputs at each T. The training step's rows (benchmarks/step.py) have no floor: their cells are ms, their
+peak the whole process's, and mode "max-tokens" marks the largest step that fitted.
 
     python benchmarks/ledger.py [--ledger benchmarks/results.csv] [--commit 5a0bf7b ...] [--mode full]
     python benchmarks/ledger.py --commit 5a0bf7b --providers ours,ours-fp8,liger,naive,floor --compact
@@ -28,11 +29,15 @@ def read(path=LEDGER) -> list[dict]:
 
 
 def cell(row: dict) -> str:
+    """The ratio to the floor and the ms; where a run has no floor (the training step), the ms, and the
+    per-round values are ms too; a row without ms (the largest step that fits) says so."""
+    if not row["ms"]:
+        return "fits"
     ratio, ms = row["ratio_to_floor"], float(row["ms"])
     text = f"{float(ratio):.3f}x ({ms:.2f} ms)" if ratio else f"{ms:.2f} ms"
     by_round = [float(value) for value in row["ratio_to_floor_by_round"].split()]
     if len(by_round) > 1:
-        text += f" [{min(by_round):.2f}-{max(by_round):.2f}]"
+        text += f" [{min(by_round):.2f}-{max(by_round):.2f}{'' if ratio else ' ms'}]"
     return text
 
 
