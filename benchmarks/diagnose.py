@@ -31,15 +31,9 @@ from torch.profiler import ProfilerActivity, record_function
 from torch.profiler import profile as torch_profile
 
 import cosdistill
-from cosdistill import _chunk_loop
-from cosdistill import _teacher_fp8 as fp8
-from cosdistill._backends import IMPLS
-from cosdistill._chunk_loop import ChunkRows
-from cosdistill._plan import Options, make_plan, run
-from cosdistill._row_step import RowStepScales, row_step_torch
-from cosdistill.api import _AttachGradients
+from cosdistill import testing
 from cosdistill.reference import naive_cosine_distill
-from cosdistill.testing import rel_err
+from cosdistill.testing import AttachGradients, ChunkRows, Options, RowStepScales, rel_err, row_step_torch
 from cosdistill.tools.bench import (
     CPU_WORKLOAD,
     CUDA_WORKLOAD,
@@ -200,11 +194,11 @@ def chunk_loop(tensors, options: Options, needs_grad, rows: ChunkRows | None = N
     """The plan the library makes for these tensors (its rows replaced if given), run without api.py's checks
     and without autograd."""
     x_s, w_s = tensors.student_input.detach(), tensors.student_weight.detach()
-    plan = make_plan(options, w_s, None, tensors.teacher_weight, None, len(tensors.labels), needs_grad)
+    plan = testing.plan.make_plan(options, w_s, None, tensors.teacher_weight, None, len(tensors.labels), needs_grad)
     if rows is not None:
         plan = dataclasses.replace(plan, rows=rows)
     with torch.no_grad():
-        return run(plan, x_s, w_s, None, tensors.teacher_input, tensors.teacher_weight, None, tensors.labels)
+        return testing.plan.run(plan, x_s, w_s, None, tensors.teacher_input, tensors.teacher_weight, None, tensors.labels)
 
 
 def no_mark():
@@ -233,7 +227,7 @@ def layer_parts(tensors, library_kwargs: dict, layouts):
     def function(engine):
         def step(mark=no_mark):
             result = chunk_loop(tensors, options, grads)
-            loss = _AttachGradients.apply(result.loss, result.gradients, x_s, w_s, None)
+            loss = AttachGradients.apply(result.loss, result.gradients, x_s, w_s, None)
             mark()
             if engine:  # autograd's engine runs a CUDA backward on its own thread
                 loss.backward()
@@ -529,7 +523,7 @@ def host_path(tensors, options, device, calls, profiler=None, until_first_gemm=F
     """Per call, the host's seconds from the call to its first GEMM's call, to the loss's return, and through
     backward, stamped without a profiler; on CUDA each call behind a sleep kernel, so that the host never waits
     for the GPU. ``profiler`` (cProfile) runs over each whole call, or only until its first GEMM."""
-    first_gemm, stamps, logits_into = [], [], _chunk_loop._logits_into
+    first_gemm, stamps, logits_into = [], [], testing.chunk_loop._logits_into
 
     def stamped_logits_into(*call_args):
         if not first_gemm:
@@ -538,7 +532,7 @@ def host_path(tensors, options, device, calls, profiler=None, until_first_gemm=F
                 profiler.disable()
         return logits_into(*call_args)
 
-    with mock.patch.object(_chunk_loop, "_logits_into", stamped_logits_into):
+    with mock.patch.object(testing.chunk_loop, "_logits_into", stamped_logits_into):
         for _ in range(calls):
             synchronize(device)
             tensors.clear_grads()
@@ -664,8 +658,9 @@ def triton_sweep(impls, student, teacher, labels, scales, copy_ms, configs, stag
 
 def cluster_step(layout):
     """The cluster kernel at ``layout`` (None: _launch's), then the Triton RESCUE launch, as row_step_cuda runs them."""
-    from cosdistill.kernels import row_step_cuda
-    from cosdistill.kernels.row_step_triton import row_step_triton
+    from cosdistill.testing import row_step_triton
+
+    row_step_cuda = testing.kernels.row_step_cuda
 
     def step(student, teacher, labels, scales, losses, write_grad=True):
         row_step_cuda.cluster_kernel(student, teacher, labels, scales, losses, layout)
@@ -675,7 +670,7 @@ def cluster_step(layout):
 
 def cluster_fits(vocab, layout) -> bool:
     """Whether the layout holds a vocab-sized row and compiles to a kernel that fits on the device without spilling."""
-    from cosdistill.kernels import row_step_cuda
+    row_step_cuda = testing.kernels.row_step_cuda
 
     if layout is None:
         return True
@@ -707,7 +702,7 @@ def cluster_checks(layout, device) -> list[dict]:
 
 def cluster_alone(student, teacher, labels, layouts, copy_ms, old_step) -> list[dict]:
     """The cluster kernel (and --old's CUDA row step) alone on these rows, by layout, less the student buffer's copy."""
-    from cosdistill.kernels import row_step_cuda
+    row_step_cuda = testing.kernels.row_step_cuda
 
     vocab, records = student.shape[1], []
     scratch, losses = student.clone(), torch.empty(len(student), 2, device=student.device)
@@ -772,8 +767,9 @@ def row_step(args):
     beside a copy of one buffer. Where the CUDA cluster kernel runs (Hopper): checked against the spec at odd shapes
     for each layout (_launch's and --launches), timed alone (3 passes), and with --in-step right after a teacher
     GEMM, the --ignored fraction of rows ignored."""
-    from cosdistill.kernels import row_step_cuda
-    from cosdistill.kernels.row_step_triton import row_step_triton
+    from cosdistill.testing import row_step_triton
+
+    row_step_cuda = testing.kernels.row_step_cuda
 
     device = torch.device(args.device)
     scales = dataclasses.replace(ROW_STEP_SCALES, student_softcap=args.softcap, teacher_softcap=args.softcap)
@@ -945,10 +941,10 @@ def fp8_accuracy(args):
             print(f"teacher logits (first 256 tokens): std {logits.std():.2f}, max {logits.max():.1f}, top1 - top2 median "
                   f"{(top[:, 0] - top[:, 1]).median():.2f}, kurtosis {kurtosis:.1f}")
         exact, bf16 = float64_loss_and_grads(problem), loss_and_grads(problem)
-        on_quantized = float64_loss_and_grads(problem, fp8.dequantized(problem["teacher_input"]),
-                                              fp8.dequantized(problem["teacher_weight"]))
+        on_quantized = float64_loss_and_grads(problem, testing.teacher_fp8.dequantized(problem["teacher_input"]),
+                                              testing.teacher_fp8.dequantized(problem["teacher_weight"]))
         try:
-            fp8.check_supported(device)
+            testing.teacher_fp8.check_supported(device)
             with_fp8 = loss_and_grads(problem, teacher_precision="fp8")
         except ValueError as why:
             print(f"the FP8 columns are empty: {why}")
@@ -994,7 +990,7 @@ def add_settle_argument(parser):
 
 def add_library_arguments(parser):
     parser.add_argument("--fp8", action="store_true", help="the library with teacher_precision='fp8'")
-    parser.add_argument("--impl", choices=IMPLS, default="auto", help="the library's impl")
+    parser.add_argument("--impl", choices=testing.backends.IMPLS, default="auto", help="the library's impl")
 
 
 def build_parser() -> argparse.ArgumentParser:

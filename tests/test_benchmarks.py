@@ -175,7 +175,7 @@ def test_row_step_sweeps_this_and_an_old_triton_kernel_against_the_spec(tmp_path
 
 
 def test_the_spec_comparison_fails_a_wrong_row_step():
-    from cosdistill.kernels.row_step_triton import row_step_triton
+    from cosdistill.testing import row_step_triton
 
     student, teacher, labels = diagnose.row_inputs(4, 64, torch.device("cpu"))
     scales = diagnose.ROW_STEP_SCALES
@@ -252,3 +252,16 @@ def test_the_training_step_benchmark_runs_every_loss_and_they_agree(tmp_path):
     assert all(tokens == 128 for tokens in report["largest_tokens"].values())
     rows = ledger.read_text().splitlines()
     assert rows[0].startswith("date,commit") and len(rows) == 1 + 3 * 2 + 3
+
+
+def test_the_fsdp2_parity_script_runs_its_loop_on_gloo(tmp_path):
+    """The two-GPU script's hand-written fully_shard loop, on two CPU ranks: gradients equal one process's."""
+    pytest.importorskip("transformers")
+    env = os.environ | {"PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             str(BENCHMARKS / "fsdp2_parity.py"), "--shape", "tiny", "--device", "cpu", "--tokens", "256",
+                             "--row-len", "32"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("fsdp2-loop:")]
+    assert float(line.split("against one process ")[1].split(";")[0]) < 1e-5

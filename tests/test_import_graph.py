@@ -8,8 +8,6 @@ Every import of a cosdistill module counts, at module level or inside a function
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cosdistill"
 # Modules built on the core: no core module may import them.
 OUTER = {"hf", "trl", "distributed", "distributed.data_parallel", "distributed.vocab_parallel", "tools", "tools.bench",
@@ -149,6 +147,5 @@ def test_the_tests_import_internals_only_through_cosdistill_testing():
     assert_public_imports_only(sorted(set((REPO / "tests").rglob("*.py")) - set(BENCHMARK_FILES)))
 
 
-@pytest.mark.xfail(strict=False, reason="benchmarks/ still imports private modules while it is reworked")
 def test_the_benchmarks_import_internals_only_through_cosdistill_testing():
     assert_public_imports_only(BENCHMARK_FILES)

@@ -80,6 +80,7 @@ from ._row_step import (  # noqa: E402
     with_teacher_products,
 )
 from ._teacher_logits import LogitsTeacher, TeacherHead  # noqa: E402
+from .api import _AttachGradients as AttachGradients  # noqa: E402
 
 # Imported on first use (see __getattr__): the kernels import triton, which reads TRITON_INTERPRET once, and
 # importing _compile registers the torch.compile op (a second copy of the package loaded beside this one must
@@ -122,7 +123,7 @@ __all__ = [
     "TORCH", "backend_for", "scale_unless_one_torch", "ChunkRows", "chunked_loss_and_grads", "fingerprint_torch",
     "LabelCounts", "count_labels_torch", "mean_losses_torch", "Options", "chunk_rows", "TORCH_ROW_STEP", "RowStepImpl",
     "RowStepScales", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
-    "with_teacher_products", "LogitsTeacher", "TeacherHead",
+    "with_teacher_products", "LogitsTeacher", "TeacherHead", "AttachGradients",
     # internals imported on first use: the Triton twins and the torch.compile op
     *_KERNEL_NAMES, *_COMPILE_NAMES,
 ]

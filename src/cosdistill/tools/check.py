@@ -7,7 +7,7 @@
 
 The Triton paths run on CUDA, and on the CPU only under Triton's interpreter, which must be switched on
 (``TRITON_INTERPRET=1``) before triton is imported, i.e. in the environment of the process.
-``benchmarks/gpu_check.py`` reuses these functions with larger cases.
+The GPU checks (tests/gpu, ``pytest -m gpu``) reuse these functions with larger cases.
 """
 
 import dataclasses
