@@ -1,7 +1,9 @@
-"""cosdistill: the fused linear cosine-distillation loss (hard cross-entropy + soft cosine on logits)."""
+"""cosdistill: fused linear distillation losses through two LM heads (hard cross-entropy plus a soft term: cosine
+similarity, or the generalized Jensen-Shannon divergence), never holding all logits."""
 
 from ._weight_cache import StaleWeightError
-from .api import FusedLinearCosineDistillLoss, fused_linear_cosine_distill
+from .api import FusedLinearCosineDistillLoss, FusedLinearJSDLoss, fused_linear_cosine_distill, fused_linear_jsd
 
-__all__ = ["FusedLinearCosineDistillLoss", "StaleWeightError", "fused_linear_cosine_distill"]
+__all__ = ["FusedLinearCosineDistillLoss", "FusedLinearJSDLoss", "StaleWeightError", "fused_linear_cosine_distill",
+           "fused_linear_jsd"]
 __version__ = "0.1.0"

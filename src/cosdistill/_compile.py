@@ -67,6 +67,7 @@ def fused_linear_cosine_distill_op(
     student_logit_scale: float = 1.0,
     teacher_logit_scale: float = 1.0,
     cosine_via: str = "auto",
+    loss: str = "cosine",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, soft, hard, grad_input, grad_weight, grad_bias) for grad_output = 1; runs eagerly.
 
@@ -76,6 +77,7 @@ def fused_linear_cosine_distill_op(
         temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
         teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
         student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale, cosine_via=cosine_via,
+        loss=loss,
     )
     plan = make_plan(options, student_weight, student_bias, teacher_weight, teacher_bias, labels.numel(),
                      tuple(needs_grad))

@@ -14,10 +14,12 @@ from . import _teacher_fp8, _teacher_gram
 from ._backends import IMPLS, Backend, backend_for
 from ._chunk_loop import ChunkResult, ChunkRows, chunked_loss_and_grads, start_student_logits
 from ._labels import LabelCounts
-from ._row_step import RowStepScales, split_row_step
+from ._row_step import RowStepImpl, RowStepScales, split_row_step
+from ._row_step_jsd import JSD_TORCH_ROW_STEP
 from ._teacher_logits import LogitsTeacher, TeacherHead
 
 COSINE_VIA = ("auto", "logits", "gram")
+LOSSES = ("cosine", "jsd")  # the soft term: cosine similarity (_row_step.py) or generalized JSD (_row_step_jsd.py)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -54,6 +56,7 @@ class Options:
     student_logit_scale: float = 1.0
     teacher_logit_scale: float = 1.0
     cosine_via: str = "auto"
+    loss: str = "cosine"
 
     def __post_init__(self):
         if self.temperature <= 0:
@@ -72,6 +75,17 @@ class Options:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
         if self.cosine_via not in COSINE_VIA:
             raise ValueError(f"cosine_via must be one of {COSINE_VIA}, got {self.cosine_via!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.loss == "jsd":
+            if not 0.0 <= self.beta <= 1.0:
+                raise ValueError(f"beta must be in [0, 1] for the generalized JSD, got {self.beta}")
+            unsupported = {"student_softcap": self.student_softcap, "teacher_softcap": self.teacher_softcap,
+                           "student_logit_scale": self.student_logit_scale != 1.0,
+                           "teacher_logit_scale": self.teacher_logit_scale != 1.0, "cosine_via='gram'": self.cosine_via == "gram"}
+            named = [name for name, value in unsupported.items() if value]
+            if named:
+                raise ValueError(f"loss='jsd' does not take {', '.join(named)}")
 
     @property
     def scales(self) -> RowStepScales:
@@ -92,6 +106,7 @@ class Plan:
 
     options: Options
     backend: Backend
+    row_step: RowStepImpl  # the backend's for the cosine loss; the JSD's torch step for loss="jsd"
     scales: RowStepScales  # the row step's constants (with the vocabulary split's, if any)
     teacher: str  # "logits", "fp8" or "gram"
     rows: ChunkRows
@@ -107,6 +122,9 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
         raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {student_weight.dtype}, "
                         f"got {options.accum_dtype}")
     backend = backend_for(options.impl, student_weight.device)
+    row_step = backend.row_step
+    if options.loss == "jsd":
+        row_step = jsd_row_step(options, student_weight, vocab_parallel)
     if options.teacher_precision == "fp8":
         _teacher_fp8.check_supported(teacher_weight.device)
     teacher = "fp8" if options.teacher_precision == "fp8" else "logits"
@@ -119,7 +137,7 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
         scales = dataclasses.replace(scales, vocab_start=vocab_parallel.start, vocab_student_total=vocab_student)
     rows = chunk_rows(options.chunk_size, num_tokens, vocab_student, 0 if teacher == "gram" else vocab_teacher,
                       student_weight.element_size(), write_grad=any(needs_grad))
-    return Plan(options, backend, scales, teacher, rows, tuple(needs_grad),
+    return Plan(options, backend, row_step, scales, teacher, rows, tuple(needs_grad),
                 options.accum_dtype or default_accum_dtype(student_weight.dtype), vocab_parallel,
                 fall_back=options.cosine_via == "auto")
 
@@ -131,9 +149,9 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
     # (and any cached teacher copy's check) it then covers.
     student_logits = start_student_logits(student_input, student_weight, student_bias, plan.rows)
     backend, scales = plan.backend, plan.scales
-    row_step, reduce_grad_input = backend.row_step.step, None
+    row_step, reduce_grad_input = plan.row_step.step, None
     if plan.vocab_parallel is not None:
-        row_step = split_row_step(backend.row_step, plan.vocab_parallel.all_gather)
+        row_step = split_row_step(plan.row_step, plan.vocab_parallel.all_gather)
         reduce_grad_input = plan.vocab_parallel.all_reduce
     if plan.teacher == "gram":
         teacher = _teacher_gram.GramTeacher(teacher_weight, student_weight, backend, scales,
@@ -164,11 +182,22 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
                    teacher_bias, labels, num_valid_tokens)
 
 
+def jsd_row_step(options: Options, student_weight, vocab_parallel) -> RowStepImpl:
+    """The generalized JSD's row step: so far its torch spec alone, for every backend's other kernels."""
+    if options.impl in ("triton", "cuda"):
+        raise ValueError(f"loss='jsd' has no {options.impl} row step yet: use impl='auto' or 'torch'")
+    if vocab_parallel is not None:
+        raise ValueError("loss='jsd' does not take vocab_parallel yet")
+    if student_weight.dtype == torch.float16:
+        raise TypeError("loss='jsd' takes bf16 or fp32 weights, got float16")
+    return JSD_TORCH_ROW_STEP
+
+
 def gram_applies(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens,
                  needs_grad, vocab_parallel) -> bool:
     """Whether the call takes the Gram path: cosine_via="gram" (raising where it cannot run), or "auto" where
     it can and costs fewer FLOPs."""
-    if options.cosine_via == "logits":
+    if options.cosine_via == "logits" or options.loss != "cosine":
         return False
     blockers = {
         "a student_bias or teacher_bias": student_bias is not None or teacher_bias is not None,

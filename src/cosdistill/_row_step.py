@@ -85,8 +85,9 @@ class RowStepImpl:
     """One implementation of the row step: whole (one process) and in its two stages."""
 
     step: Callable[..., None]  # (s, t, labels, scales, token_losses, write_grad, grad_lifts=None)
-    stats: Callable[..., torch.Tensor]  # (s, t, labels, scales) -> [n, NUM_STATS]
-    grad: Callable[..., None]  # (s, t, labels, stats, scales, token_losses, write_grad, grad_lifts=None)
+    # The two stages, for a vocabulary split over ranks; None where the step has no split form
+    stats: Callable[..., torch.Tensor] | None  # (s, t, labels, scales) -> [n, NUM_STATS]
+    grad: Callable[..., None] | None  # (s, t, labels, stats, scales, token_losses, write_grad, grad_lifts=None)
     # The Gram path's step in one kernel where the implementation has one, else None (stats, then grad):
     # (s, labels, scales, token_losses, teacher_products [n, 2], teacher_coefs [n]) -> whether it ran
     gram_step: Callable[..., bool] | None = None

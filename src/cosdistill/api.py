@@ -165,6 +165,74 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
                        return_soft_hard_loss=self.return_soft_hard_loss)
 
 
+def fused_linear_jsd(
+    student_input,
+    student_weight,
+    teacher_input,
+    teacher_weight,
+    true_labels,
+    student_bias=None,
+    teacher_bias=None,
+    weight_hard_loss=0.5,
+    weight_soft_loss=0.5,
+    beta=0.5,
+    ignore_index=-100,
+    temperature=1.0,
+    compiled=True,
+    chunk_size=None,
+    return_soft_hard_loss=False,
+    *,
+    num_valid_tokens=None,
+    accum_dtype=None,
+    impl="auto",
+    teacher_precision=None,
+):
+    """Hard cross-entropy plus the generalized Jensen-Shannon divergence through two LM heads, never holding
+    all logits. The positional order is that of Liger-Kernel's ``LigerFusedLinearJSDFunction.apply``.
+
+    With s_i, t_i, valid_i and N as in ``fused_linear_cosine_distill`` (s zero-padded to Vt if Vt > Vs),
+    p_i = softmax(s_i / temperature), q_i = softmax(t_i / temperature) and M_i = (1 - beta) p_i + beta q_i:
+
+        hard = sum over valid i of CE(s_i, label_i) / N
+        soft = sum over valid i of JSD_beta(p_i, q_i) / N,  JSD_beta = beta KL(q || M) + (1 - beta) KL(p || M),
+               with KL(q || p) at beta = 0 (forward KL) and KL(p || q) at beta = 1 (reverse KL)
+        loss = weight_hard_loss * hard + weight_soft_loss * soft
+
+    as TRL's ``GKDTrainer.generalized_jsd_loss`` and Liger-Kernel 0.8.5's ``LigerFusedLinearJSDLoss`` (no factor
+    temperature^2). The row step is so far its torch spec (_row_step_jsd.py) on every device; the GEMMs, the
+    chunking, the FP8 teacher (``teacher_precision="fp8"``) and the other keywords are the cosine loss's.
+    ``compiled`` is accepted for compatibility with Liger and changes nothing.
+    """
+    options = Options(
+        weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
+        temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
+        teacher_precision=teacher_precision, cosine_via="logits", loss="jsd",
+    )
+    return distill(options, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
+                   teacher_bias, num_valid_tokens=num_valid_tokens, return_soft_hard_loss=return_soft_hard_loss)
+
+
+class FusedLinearJSDLoss(torch.nn.Module):
+    """nn.Module form of ``fused_linear_jsd``; a drop-in for Liger-Kernel's LigerFusedLinearJSDLoss."""
+
+    def __init__(self, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100, temperature=1.0,
+                 compiled=True, chunk_size=None, return_soft_hard_loss=False, *, accum_dtype=None, impl="auto",
+                 teacher_precision=None):
+        super().__init__()
+        self.options = Options(
+            weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
+            temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
+            teacher_precision=teacher_precision, cosine_via="logits", loss="jsd",
+        )
+        self.return_soft_hard_loss = return_soft_hard_loss
+
+    def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
+                teacher_bias=None, *, num_valid_tokens=None):
+        return distill(self.options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
+                       student_bias, teacher_bias, num_valid_tokens=num_valid_tokens,
+                       return_soft_hard_loss=self.return_soft_hard_loss)
+
+
 class _AttachGradients(torch.autograd.Function):
     """Hands the chunk loop's gradients (computed in its one pass over the logits, for grad_output = 1) to
     autograd: forward passes the loss on, backward applies grad_output."""

@@ -79,6 +79,7 @@ from ._row_step import (  # noqa: E402
     teacher_grad_coefficient,
     with_teacher_products,
 )
+from ._row_step_jsd import JSD_TORCH_ROW_STEP, row_step_jsd_torch  # noqa: E402
 from ._teacher_logits import LogitsTeacher, TeacherHead  # noqa: E402
 from .api import _AttachGradients as AttachGradients  # noqa: E402
 
@@ -124,6 +125,7 @@ __all__ = [
     "LabelCounts", "count_labels_torch", "mean_losses_torch", "Options", "chunk_rows", "TORCH_ROW_STEP", "RowStepImpl",
     "RowStepScales", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
     "with_teacher_products", "LogitsTeacher", "TeacherHead", "AttachGradients",
+    "JSD_TORCH_ROW_STEP", "row_step_jsd_torch",
     # internals imported on first use: the Triton twins and the torch.compile op
     *_KERNEL_NAMES, *_COMPILE_NAMES,
 ]

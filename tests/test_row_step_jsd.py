@@ -1,0 +1,142 @@
+"""The generalized JSD: its torch row step and fused_linear_jsd against a float64 autograd reference, TRL's
+generalized_jsd_loss and Liger-Kernel's LigerFusedLinearJSDLoss."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_problem, rel_err
+from cosdistill import FusedLinearJSDLoss, fused_linear_jsd
+from cosdistill.testing import RowStepScales, row_step_jsd_torch
+
+BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
+
+
+def jsd_reference(student_logits, teacher_logits, beta, temperature):
+    """Per-token generalized JSD in float64, written as TRL and Liger write it (kl_div on log-probabilities)."""
+    vocab = teacher_logits.shape[-1]
+    s = F.pad(student_logits, (0, vocab - student_logits.shape[-1])) / temperature
+    a, b = F.log_softmax(s, -1), F.log_softmax(teacher_logits / temperature, -1)
+    if beta == 0:
+        return F.kl_div(a, b, reduction="none", log_target=True).sum(-1)
+    if beta == 1:
+        return F.kl_div(b, a, reduction="none", log_target=True).sum(-1)
+    m = torch.logsumexp(torch.stack([a + math.log(1 - beta), b + math.log(beta)]), 0)
+    return (beta * F.kl_div(m, b, reduction="none", log_target=True)
+            + (1 - beta) * F.kl_div(m, a, reduction="none", log_target=True)).sum(-1)
+
+
+def loss_reference(problem, beta, temperature, weight_hard=0.5, weight_soft=0.5, ignore_index=-100):
+    """(loss, soft, hard) and the student's gradients, from full float64 logits."""
+    leaves = [t.detach().double().requires_grad_() for t in (problem.student_input, problem.student_weight)]
+    s = leaves[0] @ leaves[1].t()
+    t = problem.teacher_input.double() @ problem.teacher_weight.double().t()
+    valid = problem.labels != ignore_index
+    n = max(1, int(valid.sum()))
+    hard = F.cross_entropy(s[valid], problem.labels[valid], reduction="sum") / n
+    soft = jsd_reference(s[valid], t[valid], beta, temperature).sum() / n
+    loss = weight_hard * hard + weight_soft * soft
+    loss.backward()
+    return (loss.detach(), soft.detach(), hard.detach()), [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("temperature", [1.0, 0.3, 4.0])
+def test_row_step_matches_autograd_of_the_reference(beta, temperature):
+    """Losses and d L / d s against autograd through the float64 reference, Vt > Vs, ignored rows."""
+    generator = torch.Generator().manual_seed(int(10 * beta + temperature))
+    s = torch.randn(9, 40, generator=generator, dtype=torch.float64) * 3
+    t = torch.randn(9, 47, generator=generator, dtype=torch.float64) * 3
+    labels = torch.randint(0, 40, (9,), generator=generator)
+    labels[[2, 5]] = -100
+    scales = RowStepScales(0.3, 1.7, beta, temperature, -100)
+    leaf = s.clone().requires_grad_()
+    valid = labels != -100
+    hard = torch.where(valid, torch.logsumexp(leaf, 1) - leaf.gather(1, labels.clamp(min=0)[:, None])[:, 0], 0.0)
+    soft = torch.where(valid, jsd_reference(leaf, t, beta, temperature), 0.0)
+    (0.3 * hard.sum() + 1.7 * soft.sum()).backward()
+    got, losses = s.float(), torch.full((9, 2), float("nan"))
+    row_step_jsd_torch(got, t.float(), labels, scales, losses, True)
+    assert rel_err(losses[:, 0], hard.detach()) < 1e-6 and rel_err(losses[:, 1], soft.detach()) < 1e-5
+    assert rel_err(got, leaf.grad) < 1e-5
+
+
+def test_peaked_teacher_and_extreme_temperatures_stay_finite():
+    s = torch.randn(4, 30) * 50
+    t = torch.full((4, 30), -1e4)
+    t[:, 3] = 1e4  # the teacher puts all its mass on one token
+    for beta in BETAS:
+        for temperature in (0.05, 20.0):
+            logits, losses = s.clone(), torch.empty(4, 2)
+            row_step_jsd_torch(logits, t, torch.tensor([1, 2, 3, -100]), RowStepScales(0.5, 0.5, beta, temperature, -100),
+                               losses, True)
+            assert torch.isfinite(losses).all() and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_fused_linear_jsd_matches_float64(beta, temperature, chunk_size):
+    problem = make_problem(tokens=37, vocab_teacher=131, bias=False, ignore_every=4)
+    losses = fused_linear_jsd(*problem.args()[:5], beta=beta, temperature=temperature, chunk_size=chunk_size,
+                              return_soft_hard_loss=True)
+    losses[0].backward()
+    want_losses, want_grads = loss_reference(problem, beta, temperature)
+    for got, want in zip(losses, want_losses):
+        assert rel_err(got, want) < 1e-5
+    for leaf, want in zip((problem.student_input, problem.student_weight), want_grads):
+        assert rel_err(leaf.grad, want) < 1e-5
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_matches_trls_generalized_jsd_loss(beta):
+    gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
+    problem = make_problem(tokens=24, vocab_teacher=101, vocab_student=101, bias=False, ignore_every=5)
+    with torch.no_grad():
+        soft = fused_linear_jsd(*problem.args()[:5], beta=beta, temperature=1.5, return_soft_hard_loss=True)[1]
+        s = (problem.student_input @ problem.student_weight.t())[None]
+        t = (problem.teacher_input @ problem.teacher_weight.t())[None]
+        want = gkd.GKDTrainer.generalized_jsd_loss(s, t, labels=problem.labels[None], beta=beta, temperature=1.5)
+    assert rel_err(soft, want) < 1e-5
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_a_drop_in_for_ligers_module(beta):
+    """The same constructor and call as LigerFusedLinearJSDLoss, and the same numbers (biases, Vt > Vs)."""
+    liger = pytest.importorskip("liger_kernel.chunked_loss")
+    problem = make_problem(tokens=30, vocab_teacher=131, ignore_every=4)
+    options = dict(weight_hard_loss=0.4, weight_soft_loss=0.6, beta=beta, temperature=2.0, return_soft_hard_loss=True)
+    ours = FusedLinearJSDLoss(**options)(*problem.args())
+    grads = torch.autograd.grad(ours[0], (problem.student_input, problem.student_weight, problem.student_bias))
+    theirs = liger.LigerFusedLinearJSDLoss(**options, compiled=False)(*problem.args())
+    their_grads = torch.autograd.grad(theirs[0], (problem.student_input, problem.student_weight, problem.student_bias))
+    for got, want in zip(ours, theirs):
+        assert rel_err(got, want) < 1e-5
+    for got, want in zip(grads, their_grads):
+        assert rel_err(got, want) < 1e-4
+
+
+def test_options_the_jsd_does_not_take_raise():
+    problem = make_problem(tokens=8, bias=False)
+    with pytest.raises(ValueError, match=r"beta must be in \[0, 1\]"):
+        fused_linear_jsd(*problem.args()[:5], beta=1.5)
+    with pytest.raises(ValueError, match="no triton row step yet"):
+        fused_linear_jsd(*problem.args()[:5], impl="triton")
+    with pytest.raises(TypeError, match="bf16 or fp32"):
+        args = [t.half() if t.is_floating_point() else t for t in problem.args()[:5]]
+        fused_linear_jsd(*args)
+
+
+def test_under_torch_compile_it_matches_eager():
+    problem = make_problem(tokens=21, vocab_teacher=111, bias=False, ignore_every=3)
+    eager = fused_linear_jsd(*problem.args()[:5], beta=0.3, temperature=1.5)
+    want = torch.autograd.grad(eager, (problem.student_input, problem.student_weight))
+    compiled = torch.compile(lambda *args: fused_linear_jsd(*args, beta=0.3, temperature=1.5), fullgraph=True,
+                             backend="aot_eager")
+    loss = compiled(*problem.args()[:5])
+    got = torch.autograd.grad(loss, (problem.student_input, problem.student_weight))
+    assert rel_err(loss, eager) < 1e-6
+    for got_grad, want_grad in zip(got, want):
+        assert rel_err(got_grad, want_grad) < 1e-6
