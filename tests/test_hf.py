@@ -521,3 +521,71 @@ def test_sharding_the_loss_cannot_read_raises(setting, message):
     state = SimpleNamespace(**{key: SimpleNamespace(**value) for key, value in fine.items() if key.endswith("plugin")})
     check_sharding(SimpleNamespace(accelerator=SimpleNamespace(state=state), args=SimpleNamespace(n_gpu=1),
                                    **{key: value for key, value in fine.items() if key.startswith("is_")}))
+
+
+# The generalized JSD through the same helper and Trainer
+
+
+def naive_jsd_loss(student, teacher, batch, beta, temperature, weight_hard=0.5, weight_soft=0.5):
+    """From both models' logits in float64: hard CE plus the generalized JSD (TRL's definition)."""
+    logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].double()
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    targets = next_token_targets(batch["labels"], batch["attention_mask"])[:, :-1]
+    valid = targets != -100
+    s, t = logits[valid], teacher_logits[valid].double()
+    count = max(1, int(valid.sum()))
+    hard = F.cross_entropy(s, targets[valid], reduction="sum") / count
+    a = F.log_softmax(F.pad(s, (0, t.shape[-1] - s.shape[-1])) / temperature, -1)
+    b = F.log_softmax(t / temperature, -1)
+    m = torch.logsumexp(torch.stack([a + torch.log1p(torch.tensor(-beta)), b + torch.log(torch.tensor(beta))]), 0)
+    soft = (beta * (b.exp() * (b - m)).sum(-1) + (1 - beta) * (a.exp() * (a - m)).sum(-1)).sum() / count
+    return weight_hard * hard + weight_soft * soft
+
+
+def test_distill_loss_with_the_jsd_matches_the_naive_logits(tmp_path):
+    from cosdistill.hf import DistillationTrainer, distill_loss
+
+    student, teacher, batch = tiny_model("llama"), tiny_model("qwen2", vocab=144, seed=1), make_batch(vocab=128)
+    reference_student = copy.deepcopy(student)
+    loss = distill_loss(student, teacher, **batch, loss="jsd", beta=0.3, temperature=2.0)
+    loss.backward()
+    want = naive_jsd_loss(reference_student, teacher, batch, beta=0.3, temperature=2.0)
+    want.backward()
+    assert rel_err(loss, want) < 1e-5
+    for p, q in zip(student.parameters(), reference_student.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-4
+    assert CosineDistillationTrainer is DistillationTrainer and hf.cosine_distill_loss is distill_loss
+
+
+def test_the_trainer_trains_with_the_jsd(tmp_path):
+    from cosdistill.hf import DistillationTrainer, distill_loss
+
+    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
+    rows = dataset([9, 4, 6, 2])
+    batch = collate(rows)
+    reference = copy.deepcopy(student)
+    options = dict(weight_hard_loss=0.3, weight_soft_loss=1.7, beta=0.6, temperature=1.5)
+    want = distill_loss(reference, teacher, **batch, loss="jsd", **options)
+    want.backward()
+    before = [p.detach().clone() for p in student.parameters()]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+        logging_steps=1, seed=0, dataloader_num_workers=0, max_steps=1, per_device_train_batch_size=4, optim="sgd",
+        learning_rate=1.0, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0)
+    trainer = DistillationTrainer(model=student, args=args, train_dataset=rows, data_collator=collate,
+                                  teacher_model=teacher, loss="jsd", **options)
+    trainer.train()
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(want.item(), rel=1e-5)
+    for old, new, ref in zip(before, student.parameters(), reference.parameters()):
+        assert rel_err(old - new.detach(), ref.grad) < 1e-5
+
+
+def test_the_jsd_refuses_softcapped_models():
+    from cosdistill.hf import distill_loss
+
+    student, teacher, batch = tiny_model("gemma2"), tiny_model("llama", vocab=144, seed=1), make_batch(vocab=128)
+    with pytest.raises(ValueError, match="loss='jsd' does not take the student's final logit softcapping"):
+        distill_loss(student, teacher, **batch, loss="jsd")
+    with pytest.raises(ValueError, match="loss must be 'cosine' or 'jsd'"):
+        distill_loss(teacher, teacher, **batch, loss="kl")

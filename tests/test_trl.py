@@ -11,9 +11,9 @@ datasets = pytest.importorskip("datasets")
 
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
-from cosdistill.hf import cosine_distill_loss  # noqa: E402
+from cosdistill.hf import distill_loss  # noqa: E402
 from cosdistill.testing import rel_err  # noqa: E402
-from cosdistill.trl import CosineDistillationSFTTrainer  # noqa: E402
+from cosdistill.trl import CosineDistillationSFTTrainer, DistillationSFTTrainer  # noqa: E402
 from test_hf import OPTIONS, tiny_model  # noqa: E402
 
 VOCAB = 128
@@ -40,23 +40,25 @@ def prompt_completion_dataset(lengths=((5, 3), (2, 6), (4, 4), (3, 2)), seed=0):
     return datasets.Dataset.from_list([{"prompt": words(p), "completion": " " + words(c)} for p, c in lengths])
 
 
-def make_sft_trainer(tmp_path, student, teacher, **config):
+def make_sft_trainer(tmp_path, student, teacher, loss="cosine", **config):
     args = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
                          logging_steps=1, seed=0, max_steps=1, per_device_train_batch_size=4, optim="sgd",
                          learning_rate=1.0, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                          max_grad_norm=0.0, bf16=False, **config)  # SFTConfig turns bf16 on by default
-    return CosineDistillationSFTTrainer(model=student, teacher_model=teacher, args=args,
+    assert CosineDistillationSFTTrainer is DistillationSFTTrainer
+    return DistillationSFTTrainer(model=student, teacher_model=teacher, args=args,
                                         train_dataset=prompt_completion_dataset(), processing_class=word_tokenizer(),
-                                        **OPTIONS)
+                                        loss=loss, **OPTIONS)
 
 
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
 @pytest.mark.parametrize("config", [{}, dict(packing=True, padding_free=True)], ids=["completion-only", "packed"])
-def test_one_step_is_the_cosine_loss_on_sfts_batch(tmp_path, config):
+def test_one_step_is_the_distillation_loss_on_sfts_batch(tmp_path, config, loss):
     """The loss logged and the step taken are the cosine loss's on the batch SFTTrainer builds: prompt tokens
     carry no target, and a packed batch keeps each sequence to itself."""
     student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
     before = copy.deepcopy(student)
-    trainer = make_sft_trainer(tmp_path, student, teacher, **config)
+    trainer = make_sft_trainer(tmp_path, student, teacher, loss=loss, **config)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
     labels, data = batch["labels"], prompt_completion_dataset()
     completions = sum(len(completion.split()) + 1 for completion in data["completion"])  # each with its end token
@@ -64,8 +66,8 @@ def test_one_step_is_the_cosine_loss_on_sfts_batch(tmp_path, config):
     model_inputs = {key: value for key, value in batch.items() if key not in ("input_ids", "attention_mask", "labels")}
     assert ("position_ids" in model_inputs) == bool(config)
     reference = copy.deepcopy(before)
-    want = cosine_distill_loss(reference, teacher, batch["input_ids"], batch.get("attention_mask"), labels,
-                               model_inputs=model_inputs, **OPTIONS)
+    want = distill_loss(reference, teacher, batch["input_ids"], batch.get("attention_mask"), labels,
+                        model_inputs=model_inputs, loss=loss, **OPTIONS)
     want.backward()
     trainer.train()
     assert trainer.state.log_history[0]["loss"] == pytest.approx(want.item(), rel=1e-5)

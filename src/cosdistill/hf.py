@@ -1,8 +1,8 @@
 """Cosine distillation of Hugging Face causal LMs, from their final hidden states (needs ``transformers``).
 
-``cosine_distill_loss`` is the loss of ``fused_linear_cosine_distill`` for a student and a teacher
-causal LM and a batch (input_ids, attention_mask, labels), computed without the full logits of
-either model; ``CosineDistillationTrainer`` is a ``transformers.Trainer`` that trains with it.
+``distill_loss`` is the loss of ``fused_linear_cosine_distill`` (or ``fused_linear_jsd``) for a student and a
+teacher causal LM and a batch (input_ids, attention_mask, labels), computed without the full logits of
+either model; ``DistillationTrainer`` is a ``transformers.Trainer`` that trains with it.
 """
 
 import torch
@@ -12,7 +12,7 @@ try:
 except ImportError as error:
     raise ImportError("cosdistill.hf needs transformers: pip install 'cosdistill[hf]'") from error
 
-from .api import fused_linear_cosine_distill
+from .api import fused_linear_cosine_distill, fused_linear_jsd
 
 
 def lm_head(model, name="model"):
@@ -139,13 +139,14 @@ def head_inputs(model, hidden, name="model"):
     return hidden, weight, bias, getattr(config, "final_logit_softcapping", None), 1.0 if scale is None else scale
 
 
-def cosine_distill_loss(
+def distill_loss(
     student,
     teacher,
     input_ids=None,
     attention_mask=None,
     labels=None,
     *,
+    loss="cosine",
     student_hidden=None,
     teacher_hidden=None,
     weight_hard_loss=0.5,
@@ -158,7 +159,9 @@ def cosine_distill_loss(
     model_inputs=None,
     **loss_options,
 ):
-    """``fused_linear_cosine_distill`` between two causal LMs on a batch, never building their logits.
+    """The fused distillation loss between two causal LMs on a batch, never building their logits:
+    ``fused_linear_cosine_distill`` (``loss="cosine"``) or ``fused_linear_jsd`` (``loss="jsd"``, the
+    generalized JSD; ``beta`` is then its mixing weight).
 
     student, teacher: causal LMs exposing their LM head through ``get_output_embeddings()``; the
     teacher runs under torch.no_grad and must have a vocabulary at least as large as the student's.
@@ -171,7 +174,7 @@ def cosine_distill_loss(
     Each model's logit scale and softcapping are applied as its config says (``head_inputs``), so the
     loss equals the one computed from ``model(...).logits``. ``num_valid_tokens`` (e.g. the count over
     all micro-batches of a gradient accumulation step) and ``**loss_options`` (chunk_size, impl,
-    accum_dtype, teacher_precision, cosine_via) go to ``fused_linear_cosine_distill``.
+    accum_dtype, teacher_precision, cosine_via) go to the fused function.
     """
     if labels is None:
         raise TypeError("labels is required, got None")
@@ -189,6 +192,21 @@ def cosine_distill_loss(
                                                  **model_inputs)
         teacher_args = head_inputs(teacher, teacher_hidden, "teacher")
     hidden, weight, bias, softcap, logit_scale = head_inputs(student, student_hidden, "student")
+    if loss not in ("cosine", "jsd"):
+        raise ValueError(f"loss must be 'cosine' or 'jsd', got {loss!r}")
+    if loss == "jsd":
+        scaled = [name for name, (cap, scale) in (("student", (softcap, logit_scale)), ("teacher", teacher_args[3:]))
+                  if cap is not None or scale != 1.0]
+        if scaled:
+            raise ValueError(f"loss='jsd' does not take the {' and '.join(scaled)}'s final logit softcapping or "
+                             "logit scale yet")
+        with torch.autocast(hidden.device.type, enabled=False):
+            return fused_linear_jsd(
+                hidden, weight, teacher_args[0], teacher_args[1], targets, bias, teacher_args[2],
+                weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
+                ignore_index=ignore_index, temperature=temperature, return_soft_hard_loss=return_soft_hard_loss,
+                num_valid_tokens=num_valid_tokens, **loss_options,
+            )
     with torch.autocast(hidden.device.type, enabled=False):  # the inputs are already in the autocast dtype
         return fused_linear_cosine_distill(
             hidden, weight, teacher_args[0], teacher_args[1], targets, bias, teacher_args[2],
@@ -198,6 +216,9 @@ def cosine_distill_loss(
             student_logit_scale=logit_scale, teacher_logit_scale=teacher_args[4],
             **loss_options,
         )
+
+
+cosine_distill_loss = distill_loss  # its name from before loss="jsd"
 
 
 # Trainer options that change the loss in ways this loss does not follow: each raises at construction.
@@ -227,9 +248,10 @@ def check_sharding(trainer) -> None:
                          "per GPU (torchrun, accelerate launch)")
 
 
-class CosineDistillationMixin:
-    """``cosine_distill_loss`` against a frozen teacher as the loss of a ``transformers.Trainer`` subclass
-    (``CosineDistillationTrainer`` here, ``cosdistill.trl.CosineDistillationSFTTrainer`` for TRL).
+class DistillationMixin:
+    """``distill_loss`` against a frozen teacher as the loss of a ``transformers.Trainer`` subclass
+    (``DistillationTrainer`` here, ``cosdistill.trl.DistillationSFTTrainer`` for TRL): ``loss="cosine"`` (the
+    default) or ``"jsd"``, with ``beta`` and ``temperature`` as ``distill_loss`` takes them.
 
     ``teacher_model`` is put in eval mode, frozen and moved to the student's device. The loss is
     normalised by ``num_items_in_batch``, the Trainer's count of labels over all micro-batches of a step
@@ -248,8 +270,8 @@ class CosineDistillationMixin:
     unsupported_args = UNSUPPORTED_ARGS
 
     def __init__(
-        self, *args, teacher_model, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, temperature=1.0,
-        loss_options=None, **kwargs,
+        self, *args, teacher_model, loss="cosine", weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5,
+        temperature=1.0, loss_options=None, **kwargs,
     ):
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError(f"{type(self).__name__} computes its own loss: compute_loss_func cannot be used with it")
@@ -261,8 +283,8 @@ class CosineDistillationMixin:
         device = next(self.model.parameters()).device
         self.teacher_model = teacher_model.to(device).eval().requires_grad_(False)
         self.loss_options = dict(
-            weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, temperature=temperature,
-            **(loss_options or {}),
+            loss=loss, weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
+            temperature=temperature, **(loss_options or {}),
         )
         # Makes the Trainer count num_items_in_batch and take our loss as already normalised over the step.
         self.model_accepts_loss_kwargs = True
@@ -296,7 +318,7 @@ class CosineDistillationMixin:
             num_items_in_batch = max(1, num_items_in_batch)
         with self.accelerator.autocast():
             hidden = final_hidden_states(model, input_ids, attention_mask, lm_head(student, "student"), **model_inputs)
-            loss, soft, hard = cosine_distill_loss(
+            loss, soft, hard = distill_loss(
                 student, self.teacher_model, input_ids, attention_mask, inputs["labels"], student_hidden=hidden,
                 num_valid_tokens=num_items_in_batch, return_soft_hard_loss=True, model_inputs=model_inputs,
                 **self.loss_options,
@@ -337,6 +359,9 @@ class CosineDistillationMixin:
             self._evaluation_prefix = None
 
 
-class CosineDistillationTrainer(CosineDistillationMixin, Trainer):
-    """A ``transformers.Trainer`` whose loss is ``cosine_distill_loss`` against a frozen teacher
-    (``CosineDistillationMixin`` says how)."""
+class DistillationTrainer(DistillationMixin, Trainer):
+    """A ``transformers.Trainer`` whose loss is ``distill_loss`` against a frozen teacher (``DistillationMixin``
+    says how)."""
+
+
+CosineDistillationTrainer = DistillationTrainer  # its name from before loss="jsd"

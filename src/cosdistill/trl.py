@@ -1,11 +1,11 @@
-"""TRL's ``SFTTrainer`` with the cosine distillation loss (needs ``trl``: ``pip install 'cosdistill[trl]'``).
+"""TRL's ``SFTTrainer`` with the distillation loss (needs ``trl``: ``pip install 'cosdistill[trl]'``).
 
-``CosineDistillationSFTTrainer`` keeps everything ``SFTTrainer`` does with the data (chat templates,
+``DistillationSFTTrainer`` keeps everything ``SFTTrainer`` does with the data (chat templates,
 completion-only and assistant-only labels, packing, padding-free batches, PEFT) and replaces its loss by
-``cosdistill.hf.cosine_distill_loss`` against a frozen teacher. The change from an ``SFTTrainer`` script
+``cosdistill.hf.distill_loss`` (cosine or generalized JSD) against a frozen teacher. The change from an ``SFTTrainer`` script
 is the class and a teacher::
 
-    trainer = CosineDistillationSFTTrainer(model=student, teacher_model=teacher, args=SFTConfig(...),
+    trainer = DistillationSFTTrainer(model=student, teacher_model=teacher, args=SFTConfig(...),
                                            train_dataset=dataset, weight_hard_loss=0.5, weight_soft_loss=0.5)
 """
 
@@ -14,7 +14,7 @@ try:
 except ImportError as error:
     raise ImportError("cosdistill.trl needs trl: pip install 'cosdistill[trl]'") from error
 
-from .hf import UNSUPPORTED_ARGS, CosineDistillationMixin
+from .hf import UNSUPPORTED_ARGS, DistillationMixin
 
 # SFTConfig options that change the loss in ways this loss does not follow.
 UNSUPPORTED_SFT_ARGS = {
@@ -24,9 +24,12 @@ UNSUPPORTED_SFT_ARGS = {
 }
 
 
-class CosineDistillationSFTTrainer(CosineDistillationMixin, SFTTrainer):
-    """``SFTTrainer`` whose loss is ``cosine_distill_loss`` against ``teacher_model`` (``CosineDistillationMixin``
-    says how); the tokens trained on are the labels SFTTrainer's data handling leaves (completion-only,
-    assistant-only, packed)."""
+class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
+    """``SFTTrainer`` whose loss is ``distill_loss`` against ``teacher_model`` (``DistillationMixin`` says how:
+    ``loss="cosine"`` or ``"jsd"``); the tokens trained on are the labels SFTTrainer's data handling leaves
+    (completion-only, assistant-only, packed)."""
 
     unsupported_args = UNSUPPORTED_SFT_ARGS
+
+
+CosineDistillationSFTTrainer = DistillationSFTTrainer  # its name from before loss="jsd"
