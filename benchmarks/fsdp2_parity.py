@@ -3,7 +3,8 @@ on the whole batch (relative error at bf16 level), in a hand-written ``fully_sha
 Trainer (accelerate's ``fsdp_version: 2``); and each GPU's peak memory.
 
     torchrun --nproc_per_node 2 benchmarks/fsdp2_parity.py [--shape 1b] [--tokens 8192] [--ledger benchmarks/results.csv]
-    torchrun --nproc_per_node 2 benchmarks/fsdp2_parity.py --shape tiny --device cpu   (the loop on gloo; no Trainer)
+    torchrun --nproc_per_node 2 benchmarks/fsdp2_parity.py --shape tiny --device cpu   (the loop on gloo; no Trainer;
+        the tests call main() in processes whose group they made)
 
 The student is Llama-3.2-1B-shaped (``--shape 1b``), the teacher a 4-layer Llama with the 8B's head (hidden 4096,
 V = 128256): the heads are what the loss reads. Each rank also runs the whole batch unsharded for the reference.
@@ -119,7 +120,9 @@ def main(argv=None):
     parser.add_argument("--ledger")
     args = parser.parse_args(argv)
     on_cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if on_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    owns_group = not dist.is_initialized()  # torchrun's environment; a caller may have made the group
+    if owns_group:
+        dist.init_process_group("nccl" if on_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
     if on_cuda:
@@ -162,7 +165,8 @@ def main(argv=None):
                                      f"{world} x {gpu}", torch.__version__, triton.__version__,
                                      f"fsdp2 parity: {args.shape} student, worst grad rel err {error:.2e}, peak=per GPU",
                                      name, args.tokens, "ours", "", "", "", "" if peak is None else f"{peak:.3f}", command])
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
     return 0
 
 

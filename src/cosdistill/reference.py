@@ -1,8 +1,10 @@
-"""The naive version: full logits and autograd. The test oracle (on float64 copies) and the benchmarks' baseline.
+"""The naive versions: full logits and autograd. The test oracle (on float64 copies) and the benchmarks' baseline.
 
 It states the loss the way a user would write it with torch.nn.functional, independently of the row
 step's hand-written gradient, so agreement between the two checks that gradient.
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -50,3 +52,43 @@ def naive_cosine_distill(
     soft = torch.where(valid, beta * (1 - cos), 0.0).sum() / normaliser
     loss = weight_hard_loss * hard + weight_soft_loss * soft
     return loss, soft, hard
+
+
+def naive_jsd(
+    student_input,
+    student_weight,
+    teacher_input,
+    teacher_weight,
+    true_labels,
+    student_bias=None,
+    teacher_bias=None,
+    weight_hard_loss=0.5,
+    weight_soft_loss=0.5,
+    beta=0.5,
+    ignore_index=-100,
+    temperature=1.0,
+    num_valid_tokens=None,
+):
+    """``fused_linear_jsd``'s loss from full logits: returns (loss, soft, hard), in fp32 or float64."""
+    compute_dtype = torch.promote_types(student_input.dtype, torch.float32)
+    labels = true_labels.reshape(-1)
+    student = F.linear(student_input, student_weight, student_bias).reshape(
+        labels.numel(), student_weight.shape[0]).to(compute_dtype)
+    with torch.no_grad():
+        teacher = F.linear(teacher_input, teacher_weight, teacher_bias).reshape(
+            labels.numel(), teacher_weight.shape[0]).to(compute_dtype)
+    valid = labels != ignore_index
+    normaliser = max(1, int(valid.sum())) if num_valid_tokens is None else num_valid_tokens
+    hard = F.cross_entropy(student, labels.long(), ignore_index=ignore_index, reduction="sum") / normaliser
+    a = F.log_softmax(F.pad(student, (0, teacher.shape[1] - student.shape[1])) / temperature, dim=-1)
+    b = F.log_softmax(teacher / temperature, dim=-1)
+    if beta == 0:
+        divergence = F.kl_div(a, b, reduction="none", log_target=True).sum(-1)
+    elif beta == 1:
+        divergence = F.kl_div(b, a, reduction="none", log_target=True).sum(-1)
+    else:
+        mixture = torch.logsumexp(torch.stack([a + math.log1p(-beta), b + math.log(beta)]), dim=0)
+        divergence = (beta * F.kl_div(mixture, b, reduction="none", log_target=True)
+                      + (1 - beta) * F.kl_div(mixture, a, reduction="none", log_target=True)).sum(-1)
+    soft = torch.where(valid, divergence, 0.0).sum() / normaliser
+    return weight_hard_loss * hard + weight_soft_loss * soft, soft, hard

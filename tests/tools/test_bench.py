@@ -214,3 +214,26 @@ def test_the_ledger_gets_one_row_per_timing_appended_and_renders_as_markdown(cap
                            capture_output=True, text=True, check=True).stdout
     assert "| provider | T = 32 | peak GB above inputs |" in table
     assert table.count("| ours-unchecked | ") == 1 and "| floor | 1.000x" in table
+
+
+def test_bench_of_the_jsd_checks_ours_against_its_naive_version_and_liger(capsys, tmp_path):
+    json_path, ledger = tmp_path / "bench.json", tmp_path / "ledger.csv"
+    code = main(TINY + ["--loss", "jsd", "--providers", "ours,naive,liger,floor", "--json", str(json_path),
+                        "--ledger", str(ledger)])
+    out = capsys.readouterr().out
+    assert code == 0 and "check: passed" in out and "loss jsd" in out
+    rows = {row["provider"]: row for row in json.loads(json_path.read_text())["rows"]}
+    assert set(rows) == {"ours", "naive", "liger", "floor"}
+    assert rows["ours"]["loss_rel_err"] < 1e-5 and rows["liger"]["loss_rel_err"] < 1e-4
+    assert rows["ours"]["small_grad_weight_rel_err"] < 1e-4
+    assert all("loss=jsd" in line for line in ledger.read_text().splitlines()[1:])
+    with pytest.raises(SystemExit):
+        main(TINY + ["--loss", "jsd", "--providers", "ours-gram"])
+
+
+def test_bench_says_where_it_wrote_its_files(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot, table = tmp_path / "speed.png", tmp_path / "table.md"
+    assert main(TINY + ["--providers", "ours,floor", "--plot", str(plot), "--markdown", str(table)]) == 0
+    out = capsys.readouterr().out
+    assert f"plot: {plot}" in out and f"table: {table}" in out and plot.stat().st_size > 0

@@ -41,13 +41,16 @@ import torch
 
 from .. import _teacher_fp8 as fp8
 from .._weight_cache import WeightCache
-from ..api import fused_linear_cosine_distill
-from ..reference import naive_cosine_distill
+from ..api import fused_linear_cosine_distill, fused_linear_jsd
+from ..reference import naive_cosine_distill, naive_jsd
 from ..testing import rel_err
 
 PROVIDERS = ("ours", "ours-logits", "ours-gram", "ours-fp8", "ours-unchecked", "ours-fp8-unchecked",
              "ours-changing-teacher", "naive", "liger", "floor")
 DEFAULT_PROVIDERS = ("ours", "ours-fp8", "naive", "liger", "floor")
+LOSSES = ("cosine", "jsd")
+JSD_PROVIDERS = ("ours", "ours-fp8", "naive", "liger", "floor")  # the providers with a JSD form
+NAIVE = {"cosine": naive_cosine_distill, "jsd": naive_jsd}
 MODES = ("full", "forward")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -77,8 +80,11 @@ class Workload:
     # timed after a light phase ran up to 12% faster than in a training job; 0.5 s of warm-up was
     # not enough, 3 s was (docs/benchmarks.md, Method).
     settle_s: float = 0.0
+    loss: str = "cosine"  # or "jsd": ours, the naive version and Liger's, of the generalized JSD
 
     def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         sizes = dict(vocab=self.vocab, hidden=self.hidden, student_hidden=self.student_hidden, reps=self.reps,
                      rounds=self.rounds)
         for name, value in sizes.items():
@@ -104,7 +110,7 @@ class Workload:
             + f", median of {self.reps}"
             + (f" in each of {self.rounds} interleaved rounds (order rotated), then the median over rounds"
                if self.rounds > 1 else "")
-            + f", seed {SEED}"
+            + f", seed {SEED}" + ("" if self.loss == "cosine" else f", loss {self.loss}")
         )
 
 
@@ -124,6 +130,7 @@ class OursSetting:
     cosine_via: str = "auto"
     content_check: bool = True  # False: the teacher caches skip their content check (A/B of its cost only)
     changing_teacher: bool = False  # True: the teacher weight's version moves before every call
+    loss: str = "cosine"  # or "jsd": fused_linear_jsd
 
 
 FP8_SETTING = OursSetting(None, None, "ours-fp8", teacher_precision="fp8")
@@ -201,6 +208,9 @@ def make_tensors(tokens, vocab, hidden, student_hidden, dtype, device, seed=SEED
 def ours_loss(setting: OursSetting, tensors: Tensors) -> torch.Tensor:
     if setting.changing_teacher:
         torch.autograd.graph.increment_version(tensors.teacher_weight)
+    if setting.loss == "jsd":
+        return fused_linear_jsd(*tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
+                                teacher_precision=setting.teacher_precision)
     with contextlib.nullcontext() if setting.content_check else content_checks_skipped():
         return fused_linear_cosine_distill(
             *tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
@@ -223,13 +233,16 @@ def ours_provider(setting: OursSetting):
     return build
 
 
-def naive_provider(tensors: Tensors, mode: str):
-    def step():
-        loss = naive_cosine_distill(*tensors.args())[0]
-        if mode == "full":
-            loss.backward()
+def naive_provider(loss_name: str):
+    def build(tensors: Tensors, mode: str):
+        def step():
+            loss = NAIVE[loss_name](*tensors.args())[0]
+            if mode == "full":
+                loss.backward()
 
-    return step
+        return step
+
+    return build
 
 
 def liger_provider(liger_loss: torch.nn.Module):
@@ -267,13 +280,14 @@ def floor_provider(tensors: Tensors, mode: str):
     return step
 
 
-def load_liger(device: torch.device):
-    """Liger's loss module, or None with the reason if it cannot be imported."""
+def load_liger(device: torch.device, loss: str = "cosine"):
+    """Liger's loss module for this loss, or None with the reason if it cannot be imported."""
     try:
-        from liger_kernel.chunked_loss import LigerFusedLinearCosineSimilarityLoss
+        from liger_kernel.chunked_loss import LigerFusedLinearCosineSimilarityLoss, LigerFusedLinearJSDLoss
     except ImportError as error:
         return None, f"liger skipped: cannot import liger_kernel.chunked_loss ({error})"
-    return LigerFusedLinearCosineSimilarityLoss(compiled=device.type == "cuda"), None
+    module = LigerFusedLinearJSDLoss if loss == "jsd" else LigerFusedLinearCosineSimilarityLoss
+    return module(compiled=device.type == "cuda"), None
 
 
 def median_ms(step, tensors: Tensors | None, device: torch.device, warmup: int, reps: int, settle_s: float = 0.0) -> float:
@@ -334,7 +348,7 @@ def small_problem_errors(setting: OursSetting, workload: Workload, device: torch
         return tensor.detach().double().requires_grad_(tensor.requires_grad)
 
     student_input, student_weight, teacher_input, teacher_weight = map(float64_copy, tensors.args()[:4])
-    expected = naive_cosine_distill(student_input, student_weight, teacher_input, teacher_weight, tensors.labels)[0]
+    expected = NAIVE[setting.loss](student_input, student_weight, teacher_input, teacher_weight, tensors.labels)[0]
     expected.backward()
     errors = (
         rel_err(loss, expected),
@@ -366,22 +380,26 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
               settings=None) -> BenchResult:
     """Check ours, then time every provider in every mode at every T, on the same tensors per T; rows in
     (T, mode, provider) order."""
+    loss = workload.loss
     unknown = set(providers) - set(PROVIDERS)
     if unknown:
         raise ValueError(f"unknown providers {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
+    if loss == "jsd" and set(providers) - set(JSD_PROVIDERS):
+        raise ValueError(f"with loss 'jsd' the providers are among {', '.join(JSD_PROVIDERS)}, got "
+                         f"{sorted(set(providers) - set(JSD_PROVIDERS))}")
     if not modes or set(modes) - set(MODES) or len(set(modes)) < len(modes):
         raise ValueError(f"modes must be one or both of {MODES}, each once, got {list(modes)}")
-    ours_setting_list = (settings or ours_settings()) if "ours" in providers else []
+    ours_setting_list = [replace(setting, loss=loss) for setting in settings or ours_settings()] if "ours" in providers else []
     settings = ours_setting_list + [setting for setting in FORCED_SETTINGS.values() if setting.label in providers]
     notes = []
 
     liger_loss = None
     if "liger" in providers:
-        liger_loss, why_not = load_liger(device)
+        liger_loss, why_not = load_liger(device, loss)
         if liger_loss is None:
             notes.append(why_not)
     fp8_settings = []  # timed; loss error reported, not checked
-    for setting in (FP8_SETTING, FP8_UNCHECKED_SETTING):
+    for setting in (replace(FP8_SETTING, loss=loss), replace(FP8_UNCHECKED_SETTING, loss=loss)):
         if setting.label in providers:
             try:
                 fp8.check_supported(device)
@@ -397,7 +415,7 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
         elif name in [setting.label for setting in fp8_settings]:
             builders[name] = ours_provider(next(setting for setting in fp8_settings if setting.label == name))
         elif name == "naive":
-            builders["naive"] = naive_provider
+            builders["naive"] = naive_provider(loss)
         elif name == "liger" and liger_loss is not None:
             builders["liger"] = liger_provider(liger_loss)
         elif name == "floor":
@@ -410,7 +428,7 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
     with progress_bar(len(workload.tokens) * len(modes) * len(builders) * workload.rounds) as bar:
         for tokens in workload.tokens:
             tensors = make_tensors(tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype, device)
-            loss_errors = bench_size_loss_errors(tensors, settings + fp8_settings, liger_loss)
+            loss_errors = bench_size_loss_errors(tensors, settings + fp8_settings, liger_loss, loss)
             ours_errors += [loss_errors[setting.label] for setting in settings]
             for mode in modes:
                 timings = time_providers(builders, tensors, device, mode, workload, notes, bar)
@@ -455,10 +473,10 @@ def progress_bar(total: int):
     return tqdm(total=total, desc="bench", unit="timing", file=sys.stderr)
 
 
-def bench_size_loss_errors(tensors: Tensors, settings, liger_loss) -> dict:
+def bench_size_loss_errors(tensors: Tensors, settings, liger_loss, loss: str = "cosine") -> dict:
     """Relative error of each ours setting's loss (and Liger's) against the naive loss."""
     with torch.no_grad():
-        naive_loss = naive_cosine_distill(*tensors.args())[0]
+        naive_loss = NAIVE[loss](*tensors.args())[0]
         errors = {setting.label: rel_err(ours_loss(setting, tensors), naive_loss) for setting in settings}
         if liger_loss is not None:
             liger_out = liger_loss(*tensors.args(), None, None)
@@ -568,6 +586,8 @@ def append_to_ledger(result: BenchResult, workload: Workload, device: torch.devi
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     shape = (f"V={workload.vocab} H={workload.hidden} Hs={workload.student_hidden} "
              f"{DTYPE_NAMES[workload.dtype]} rounds={workload.rounds}")
+    if workload.loss != "cosine":
+        shape += f" loss={workload.loss}"
     fresh = not os.path.exists(path) or os.path.getsize(path) == 0
     with open(path, "a", newline="") as file:
         writer = csv.writer(file)

@@ -89,6 +89,9 @@ def build_parser():
     bench_parser.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
     bench_parser.add_argument("--plot", metavar="PATH",
                               help="also plot time and %% of the floor vs T as a PNG (needs matplotlib)")
+    bench_parser.add_argument("--loss", choices=bench.LOSSES, default="cosine",
+                              help="the soft term: cosine similarity or the generalized JSD (providers: "
+                                   f"{', '.join(bench.JSD_PROVIDERS)}); default %(default)s")
     bench_parser.set_defaults(run=run_bench_command)
 
     defaults = demo.DemoConfig()
@@ -171,6 +174,7 @@ def run_bench_command(args):
         reps=args.reps if args.reps is not None else default.reps,
         rounds=args.rounds,
         settle_s=args.settle_s if args.settle_s is not None else default.settle_s,
+        loss=args.loss,
     )
     settings = bench.ours_settings(args.chunk_sizes, args.accum_dtypes)
     result = bench.run_bench(workload, device, providers=args.providers, modes=args.mode, settings=settings)
