@@ -38,6 +38,7 @@ from cosdistill.tools.check import (
     LossCase,
     RowStepCase,
     accumulation_floor,
+    check_jsd,
     check_loss,
     check_row_step,
     check_teacher_caches,
@@ -163,6 +164,21 @@ def test_loss_matches_float64(device, case):
     """Each impl on the device (the cluster kernel's too, on Hopper), the logits and the Gram path: float64's."""
     cluster = device == "cuda" and row_step_cuda.available(torch.device(device))
     assert_passed(check_loss(("cuda", "triton", "torch") if cluster else ("triton", "torch"), device, [case]))
+
+
+JSD_CASES = on_devices([
+    LossCase(30, 3203, 3290, 32, FP32, True, 7, 13),
+    LossCase(60, 1283, 1283, 64, BF16, False, 7, None),
+], [
+    LossCase(300, 32011, 32100, 256, BF16, True, 7, 128),
+    LossCase(1000, 128256, 128256, 512, BF16, False, 7, None),
+], describe)
+
+
+@pytest.mark.parametrize("device, case", JSD_CASES)
+def test_jsd_matches_float64(device, case):
+    """fused_linear_jsd (forward KL, JSD, reverse KL) on the device against its naive version in float64."""
+    assert_passed(check_jsd(device, [case]))
 
 
 @pytest.mark.parametrize("device, size", on_devices([(37, 1100)], [(1000, 4099)], lambda size: "x".join(map(str, size))))

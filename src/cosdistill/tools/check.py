@@ -2,6 +2,7 @@
 
 * The whole loss (each row-step path) against the naive version run on float64 copies, at small odd
   shapes: fp32 and bf16, biases, Vt > Vs, ignored tokens, chunk sizes that do not divide T.
+* The generalized JSD (fused_linear_jsd) against its naive version in float64, forward KL, JSD and reverse KL.
 * The Triton row step against the torch row step (the spec), into poisoned outputs: the fused kernel,
   and the statistics and gradient kernels as a vocabulary split over two ranks runs them.
 
@@ -22,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._plan import chunk_rows, default_accum_dtype
 from .._row_step import RowStepImpl, RowStepScales, combine_row_stats, row_step_torch
-from ..api import fused_linear_cosine_distill
+from ..api import fused_linear_cosine_distill, fused_linear_jsd
 from ..reference import naive_cosine_distill
 from ..testing import float64_reference, random_student_teacher, rel_err
 
@@ -183,12 +184,13 @@ def accumulation_floor(dtype: torch.dtype, accum_dtype: torch.dtype | None, chun
     return torch.finfo(accum_dtype).eps / 2 * math.sqrt((-(-tokens // rows) - 1) / 6)
 
 
-def fused_run(args, **kwargs):
-    """(loss, soft, hard) and the student gradients of the fused loss."""
+def fused_run(args, loss="cosine", **kwargs):
+    """(loss, soft, hard) and the student gradients of the fused loss (``loss``: "cosine" or "jsd")."""
     for i in (0, 1, 5):
         if args[i] is not None:
             args[i].grad = None
-    losses = fused_linear_cosine_distill(*args, return_soft_hard_loss=True, **kwargs)
+    fused = fused_linear_jsd if loss == "jsd" else fused_linear_cosine_distill
+    losses = fused(*args, return_soft_hard_loss=True, **kwargs)
     losses[0].backward()
     return list(losses), [args[i].grad for i in (0, 1, 5) if args[i] is not None]
 
@@ -212,6 +214,26 @@ def check_loss(impls, device, cases=LOSS_CASES) -> list[CheckResult]:
             name = f"loss {impl}{' gram' if cosine_via == 'gram' else ''} vs float64"
             try:
                 got = fused_run(args, impl=impl, chunk_size=case.chunk_size, cosine_via=cosine_via, **case.options())
+                results.append(compare(name, case.describe(), case.dtype, got, want))
+            except Exception as error:  # a crash is a failed check, reported in the table
+                results.append(failed(name, case.describe(), error))
+    return results
+
+
+JSD_BETAS = (0.0, 0.5, 1.0)  # forward KL, the JSD, reverse KL
+
+
+def check_jsd(device, cases=LOSS_CASES) -> list[CheckResult]:
+    """fused_linear_jsd against its naive version in float64, at each JSD_BETAS, on the cases without a softcap
+    or logit scale (which it does not take); its row step is the torch spec on every device so far."""
+    results = []
+    for case in (case for case in cases if case.softcap is None and case.logit_scale == 1.0):
+        args = random_problem(case, device)
+        for beta in JSD_BETAS:
+            name = f"jsd beta={beta:g} vs float64"
+            try:
+                want = float64_reference(args, loss="jsd", beta=beta, temperature=1.5)
+                got = fused_run(args, loss="jsd", chunk_size=case.chunk_size, beta=beta, temperature=1.5)
                 results.append(compare(name, case.describe(), case.dtype, got, want))
             except Exception as error:  # a crash is a failed check, reported in the table
                 results.append(failed(name, case.describe(), error))
@@ -407,7 +429,8 @@ def run_selfcheck(device) -> tuple[str, list[CheckResult]]:
     triton_too = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     from_cuda = ("cuda",) if device.type == "cuda" and _cuda_row_step_available(device) else ()
     impls = ("torch", "triton", *from_cuda) if triton_too else ("torch",)
-    results = check_loss(impls, device) + (check_row_step(device) if triton_too else []) + check_teacher_caches(device)
+    results = (check_loss(impls, device) + check_jsd(device) + (check_row_step(device) if triton_too else [])
+               + check_teacher_caches(device))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if device.type == "cuda":
         paths = f"torch, triton{' and the CUDA cluster row step' if from_cuda else ''}"
