@@ -12,7 +12,6 @@ V = 128256): the heads are what the loss reads. Each rank also runs the whole ba
 
 import argparse
 import copy
-import csv
 import datetime
 import os
 import shlex
@@ -27,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from cosdistill.distributed import data_parallel_num_valid_tokens
 from cosdistill.hf import CosineDistillationTrainer, cosine_distill_loss, next_token_targets
 from cosdistill.testing import rel_err
-from cosdistill.tools.bench import LEDGER_COLUMNS, source_commit
+from cosdistill.tools.bench import append_ledger_rows
 
 SHAPES = {  # (student, teacher, vocab)
     "1b": (dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -104,7 +103,6 @@ def under_the_trainer(student, teacher, batch, folder, device):
     )
     trainer = CosineDistillationTrainer(model=model, args=args, train_dataset=rows, data_collator=collate,
                                         teacher_model=teacher, **OPTIONS)
-    trainer.train_dataset_sampler = None
     torch.cuda.reset_peak_memory_stats(device)
     trainer.train()
     peak = torch.cuda.max_memory_allocated(device) / 2**30
@@ -152,19 +150,12 @@ def main(argv=None):
                   f"peak GB per GPU {per_gpu}")
         if args.ledger:
             command = "torchrun benchmarks/fsdp2_parity.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-            with open(args.ledger, "a", newline="") as file:
-                writer = csv.writer(file)
-                if os.path.getsize(args.ledger) == 0:
-                    writer.writerow(LEDGER_COLUMNS)
-                gpu = torch.cuda.get_device_name(device) if on_cuda else "cpu"
-                import triton
-
-                for name, (error, _) in results.items():
-                    peak = max((p for p in peaks[name] if p is not None), default=None)
-                    writer.writerow([datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), source_commit(),
-                                     f"{world} x {gpu}", torch.__version__, triton.__version__,
-                                     f"fsdp2 parity: {args.shape} student, worst grad rel err {error:.2e}, peak=per GPU",
-                                     name, args.tokens, "ours", "", "", "", "" if peak is None else f"{peak:.3f}", command])
+            gpu = f"{world} x {torch.cuda.get_device_name(device) if on_cuda else 'cpu'}"
+            for name, (error, _) in results.items():  # one workload per check: its error is part of the record
+                peak = max((p for p in peaks[name] if p is not None), default=None)
+                workload = f"fsdp2 parity: {args.shape} student, worst grad rel err {error:.2e}, peak=per GPU"
+                row = (name, args.tokens, "ours", "", "", "", "" if peak is None else f"{peak:.3f}")
+                append_ledger_rows(args.ledger, gpu, workload, [row], command)
     if owns_group:
         dist.destroy_process_group()
     return 0

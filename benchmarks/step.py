@@ -13,10 +13,7 @@ Providers interleaved in rounds, medians of CUDA-event times after a warm-up.
 """
 
 import argparse
-import csv
-import datetime
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -27,7 +24,7 @@ import torch.nn.functional as F
 import transformers
 
 from cosdistill.hf import cosine_distill_loss, final_hidden_states, next_token_targets
-from cosdistill.tools.bench import LEDGER_COLUMNS, source_commit
+from cosdistill.tools.bench import append_ledger_rows
 
 STUDENT = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, tie_word_embeddings=True)  # Llama-3.2-1B
@@ -212,29 +209,16 @@ def largest_tokens(trainee, function, row_len, vocab, device, start, limit):
 
 def append_to_ledger(path, results, fits, tokens, device, rounds, command):
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
     workload = (f"step: Llama-3.2-1B-shaped student, Llama-3.1-8B-shaped teacher, V={VOCAB} bf16 AdamW checkpointing "
                 f"rows=4096 rounds={rounds} peak=whole process")
-    fresh = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, "a", newline="") as file:
-        writer = csv.writer(file)
-        if fresh:
-            writer.writerow(LEDGER_COLUMNS)
-        prefix = [datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), source_commit(), gpu,
-                  torch.__version__, triton_version, workload]
-        for name, result in results.items():
-            peak = "" if result["peak_gb"] is None else f"{result['peak_gb']:.3f}"
-            by_round = " ".join(f"{ms:.2f}" for ms in result["step_ms_by_round"])
-            writer.writerow(prefix + ["step", tokens, name, f"{result['step_ms']:.4f}", "", by_round, peak, command])
-            writer.writerow(prefix + ["loss-in-step", tokens, name, f"{result['loss_ms']:.4f}", "", "", "", command])
-        for name, fitted in fits.items():
-            if fitted is not None:
-                writer.writerow(prefix + ["max-tokens", fitted, name, "", "", "", "", command])
+    rows = []
+    for name, result in results.items():
+        peak = "" if result["peak_gb"] is None else f"{result['peak_gb']:.3f}"
+        by_round = " ".join(f"{ms:.2f}" for ms in result["step_ms_by_round"])
+        rows.append(("step", tokens, name, f"{result['step_ms']:.4f}", "", by_round, peak))
+        rows.append(("loss-in-step", tokens, name, f"{result['loss_ms']:.4f}", "", "", ""))
+    rows += [("max-tokens", fitted, name, "", "", "", "") for name, fitted in fits.items() if fitted is not None]
+    append_ledger_rows(path, gpu, workload, rows, command)
 
 
 def main(argv=None):

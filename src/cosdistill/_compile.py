@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ._device import on_device_of
-from ._plan import Options, check_tensors, default_accum_dtype, make_plan, run
+from ._plan import Options, check_accum_dtype, check_tensors, default_accum_dtype, make_plan, run
 
 # The body reads label counts on the host, which a CUDA graph cannot capture ("reduce-overhead" mode).
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -138,9 +138,7 @@ def compiled_distill(options: Options, student_input, student_weight, teacher_in
                          "region (torch.compiler.disable) or without vocab_parallel")
     check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
                   teacher_bias, options.ignore_index, num_valid_tokens)
-    if options.accum_dtype not in (None, torch.float32, student_weight.dtype):  # make_plan's rule, at trace time
-        raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {student_weight.dtype}, "
-                        f"got {options.accum_dtype}")
+    check_accum_dtype(options.accum_dtype, student_weight.dtype)  # make_plan's rule, at trace time
     grad_on = torch.is_grad_enabled()
     needs_grad = [grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias)]
     given_tensor = torch.is_tensor(num_valid_tokens)

@@ -118,9 +118,7 @@ class Plan:
 
 def make_plan(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens: int,
               needs_grad, vocab_parallel: VocabParallel | None = None) -> Plan:
-    if options.accum_dtype not in (None, torch.float32, student_weight.dtype):
-        raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {student_weight.dtype}, "
-                        f"got {options.accum_dtype}")
+    check_accum_dtype(options.accum_dtype, student_weight.dtype)
     backend = backend_for(options.impl, student_weight.device)
     row_step = backend.row_step
     if options.loss == "jsd":
@@ -175,9 +173,8 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
                 "cosine_via='gram': this call's hidden states and heads are too large for the Gram path's fp32 "
                 f"products (their bound passes {_teacher_gram.RANGE_LIMIT:.3g}); use cosine_via='logits' or 'auto'"
             ) from None
-        logits_plan = dataclasses.replace(plan, teacher="logits", rows=chunk_rows(
-            plan.options.chunk_size, len(labels), student_weight.shape[0], teacher_weight.shape[0],
-            student_weight.element_size(), write_grad=any(plan.needs_grad)))
+        logits_plan = make_plan(dataclasses.replace(plan.options, cosine_via="logits"), student_weight, student_bias,
+                                teacher_weight, teacher_bias, len(labels), plan.needs_grad, plan.vocab_parallel)
         return run(logits_plan, student_input, student_weight, student_bias, teacher_input, teacher_weight,
                    teacher_bias, labels, num_valid_tokens)
 
@@ -216,6 +213,13 @@ def gram_applies(options: Options, student_weight, student_bias, teacher_weight,
     return options.cosine_via == "gram" or _teacher_gram.gram_is_cheaper(
         num_tokens, vocab_student, vocab_teacher, hidden_student, hidden_teacher, write_grad_weight=needs_grad[1],
         teacher_gram_cached=_teacher_gram.teacher_grams.will_hold(teacher_weight))
+
+
+def check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> None:
+    """The accumulator against the student weight's dtype (the options alone check the rest)."""
+    if accum_dtype not in (None, torch.float32, weight_dtype):
+        raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {weight_dtype}, "
+                        f"got {accum_dtype}")
 
 
 def default_accum_dtype(weight_dtype: torch.dtype) -> torch.dtype:

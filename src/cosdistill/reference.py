@@ -10,6 +10,22 @@ import torch
 import torch.nn.functional as F
 
 
+def _full_logits(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
+                 teacher_bias, ignore_index, num_valid_tokens):
+    """(student logits [T, Vs], teacher logits [T, Vt] without gradient, labels [T], which tokens count, N), the
+    logits in fp32, or in float64 if the inputs are float64."""
+    compute_dtype = torch.promote_types(student_input.dtype, torch.float32)
+    labels = true_labels.reshape(-1)
+    student = F.linear(student_input, student_weight, student_bias).reshape(
+        labels.numel(), student_weight.shape[0]).to(compute_dtype)
+    with torch.no_grad():
+        teacher = F.linear(teacher_input, teacher_weight, teacher_bias).reshape(
+            labels.numel(), teacher_weight.shape[0]).to(compute_dtype)
+    valid = labels != ignore_index
+    normaliser = max(1, int(valid.sum())) if num_valid_tokens is None else num_valid_tokens
+    return student, teacher, labels, valid, normaliser
+
+
 def naive_cosine_distill(
     student_input,
     student_weight,
@@ -30,22 +46,14 @@ def naive_cosine_distill(
     teacher_logit_scale=1.0,
 ):
     """Returns (loss, soft, hard). Computes in fp32, or in float64 if the inputs are float64."""
-    compute_dtype = torch.promote_types(student_input.dtype, torch.float32)
-    labels = true_labels.reshape(-1)
-    student = F.linear(student_input, student_weight, student_bias).reshape(
-        labels.numel(), student_weight.shape[0]).to(compute_dtype)
-    with torch.no_grad():
-        teacher = F.linear(teacher_input, teacher_weight, teacher_bias).reshape(
-            labels.numel(), teacher_weight.shape[0]).to(compute_dtype)
-
+    student, teacher, labels, valid, normaliser = _full_logits(
+        student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
+        ignore_index, num_valid_tokens)
     student, teacher = student * student_logit_scale, teacher * teacher_logit_scale
     if student_softcap is not None:
         student = student_softcap * torch.tanh(student / student_softcap)
     if teacher_softcap is not None:
         teacher = teacher_softcap * torch.tanh(teacher / teacher_softcap)
-
-    valid = labels != ignore_index
-    normaliser = max(1, int(valid.sum())) if num_valid_tokens is None else num_valid_tokens
     hard = F.cross_entropy(student, labels.long(), ignore_index=ignore_index, reduction="sum") / normaliser
     padded = F.pad(student, (0, teacher.shape[1] - student.shape[1]))
     cos = F.cosine_similarity(padded / temperature, teacher / temperature, dim=-1, eps=1e-8)
@@ -70,15 +78,9 @@ def naive_jsd(
     num_valid_tokens=None,
 ):
     """``fused_linear_jsd``'s loss from full logits: returns (loss, soft, hard), in fp32 or float64."""
-    compute_dtype = torch.promote_types(student_input.dtype, torch.float32)
-    labels = true_labels.reshape(-1)
-    student = F.linear(student_input, student_weight, student_bias).reshape(
-        labels.numel(), student_weight.shape[0]).to(compute_dtype)
-    with torch.no_grad():
-        teacher = F.linear(teacher_input, teacher_weight, teacher_bias).reshape(
-            labels.numel(), teacher_weight.shape[0]).to(compute_dtype)
-    valid = labels != ignore_index
-    normaliser = max(1, int(valid.sum())) if num_valid_tokens is None else num_valid_tokens
+    student, teacher, labels, valid, normaliser = _full_logits(
+        student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
+        ignore_index, num_valid_tokens)
     hard = F.cross_entropy(student, labels.long(), ignore_index=ignore_index, reduction="sum") / normaliser
     a = F.log_softmax(F.pad(student, (0, teacher.shape[1] - student.shape[1])) / temperature, dim=-1)
     b = F.log_softmax(teacher / temperature, dim=-1)

@@ -358,20 +358,22 @@ def small_problem_errors(setting: OursSetting, workload: Workload, device: torch
     return dict(zip(SMALL_ERROR_KEYS, errors))
 
 
-def environment_header(device: torch.device, workload: Workload, modes: str) -> str:
+def triton_version() -> str:
     try:
         import triton
-
-        triton_version = triton.__version__
     except ImportError:
-        triton_version = "not installed"
+        return "not installed"
+    return triton.__version__
+
+
+def environment_header(device: torch.device, workload: Workload, modes: str) -> str:
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name(device)
     else:
         device_name = f"CPU ({torch.get_num_threads()} threads)"
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (
-        f"device: {device_name} | torch {torch.__version__} | triton {triton_version} | {date} | "
+        f"device: {device_name} | torch {torch.__version__} | triton {triton_version()} | {date} | "
         f"mode {modes} | workload: {workload.describe()}"
     )
 
@@ -575,35 +577,35 @@ def source_commit() -> str:
     return described.stdout.strip()
 
 
+def append_ledger_rows(path: str, gpu: str, workload: str, rows, command: str) -> None:
+    """Appends rows to the ledger at path, its header first if the file is new: each row's (mode, T, provider,
+    ms, ratio to the floor, per-round values, peak GB), between today's date, the commit, the GPU and the
+    versions, and the command. Every script that measures writes through here."""
+    fresh = not os.path.exists(path) or os.path.getsize(path) == 0
+    prefix = [datetime.now(timezone.utc).strftime("%Y-%m-%d"), source_commit(), gpu, torch.__version__,
+              triton_version(), workload]
+    with open(path, "a", newline="") as file:
+        writer = csv.writer(file)
+        if fresh:
+            writer.writerow(LEDGER_COLUMNS)
+        writer.writerows(prefix + list(row) + [command] for row in rows)
+
+
 def append_to_ledger(result: BenchResult, workload: Workload, device: torch.device, path: str, command: str):
     """One CSV row per timed (T, mode, provider), appended to the ledger at path (its header first if new)."""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     shape = (f"V={workload.vocab} H={workload.hidden} Hs={workload.student_hidden} "
              f"{DTYPE_NAMES[workload.dtype]} rounds={workload.rounds}")
     if workload.loss != "cosine":
         shape += f" loss={workload.loss}"
-    fresh = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, "a", newline="") as file:
-        writer = csv.writer(file)
-        if fresh:
-            writer.writerow(LEDGER_COLUMNS)
-        for row in result.rows:
-            if row["median_ms"] is None:
-                continue
-            by_round = row["ratio_to_floor_by_round"]
-            writer.writerow([
-                datetime.now(timezone.utc).strftime("%Y-%m-%d"), source_commit(), gpu, torch.__version__,
-                triton_version, shape, row["mode"], row["T"], row["provider"], f"{row['median_ms']:.4f}",
-                "" if row["ratio_to_floor"] is None else f"{row['ratio_to_floor']:.4f}",
-                "" if not by_round else " ".join(f"{ratio:.4f}" for ratio in by_round),
-                "" if row["peak_gb_above_inputs"] is None else f"{row['peak_gb_above_inputs']:.3f}", command,
-            ])
+    rows = [
+        (row["mode"], row["T"], row["provider"], f"{row['median_ms']:.4f}",
+         "" if row["ratio_to_floor"] is None else f"{row['ratio_to_floor']:.4f}",
+         " ".join(f"{ratio:.4f}" for ratio in row["ratio_to_floor_by_round"] or ()),
+         "" if row["peak_gb_above_inputs"] is None else f"{row['peak_gb_above_inputs']:.3f}")
+        for row in result.rows if row["median_ms"] is not None
+    ]
+    append_ledger_rows(path, gpu, shape, rows, command)
 
 
 def write_json(result: BenchResult, path: str):
