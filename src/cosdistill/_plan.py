@@ -87,7 +87,7 @@ class Options:
             if named:
                 raise ValueError(f"loss='jsd' does not take {', '.join(named)}")
 
-    @property
+    @functools.cached_property  # read at every call; a frozen dataclass's __dict__ can still hold it
     def scales(self) -> RowStepScales:
         """The row step's constants."""
         optional = lambda value: None if value is None else float(value)  # noqa: E731
@@ -196,15 +196,7 @@ def gram_applies(options: Options, student_weight, student_bias, teacher_weight,
     it can and costs fewer FLOPs."""
     if options.cosine_via == "logits" or options.loss != "cosine":
         return False
-    blockers = {
-        "a student_bias or teacher_bias": student_bias is not None or teacher_bias is not None,
-        "a softcap": options.student_softcap is not None or options.teacher_softcap is not None,
-        "teacher_precision='fp8'": options.teacher_precision is not None,
-        "vocab_parallel": vocab_parallel is not None,
-        f"{student_weight.dtype} and {teacher_weight.dtype} weights (bf16 or fp32, both alike)": (
-            student_weight.dtype == torch.float16 or teacher_weight.dtype != student_weight.dtype),
-    }
-    blocked = [name for name, present in blockers.items() if present]
+    blocked = _gram_blockers(options, student_weight, student_bias, teacher_weight, teacher_bias, vocab_parallel)
     if blocked and options.cosine_via == "gram":
         raise ValueError(f"cosine_via='gram' cannot run with {' and '.join(blocked)}: use cosine_via='logits' or 'auto'")
     if blocked:
@@ -213,6 +205,22 @@ def gram_applies(options: Options, student_weight, student_bias, teacher_weight,
     return options.cosine_via == "gram" or _teacher_gram.gram_is_cheaper(
         num_tokens, vocab_student, vocab_teacher, hidden_student, hidden_teacher, write_grad_weight=needs_grad[1],
         teacher_gram_cached=_teacher_gram.teacher_grams.will_hold(teacher_weight))
+
+
+def _gram_blockers(options: Options, student_weight, student_bias, teacher_weight, teacher_bias,
+                   vocab_parallel) -> list[str]:
+    """What keeps this call off the Gram path, named for the error (empty: nothing)."""
+    blockers = (
+        ("a student_bias or teacher_bias", student_bias is not None or teacher_bias is not None),
+        ("a softcap", options.student_softcap is not None or options.teacher_softcap is not None),
+        ("teacher_precision='fp8'", options.teacher_precision is not None),
+        ("vocab_parallel", vocab_parallel is not None),
+        ("", student_weight.dtype == torch.float16 or teacher_weight.dtype != student_weight.dtype),
+    )
+    named = [name for name, present in blockers if present]
+    # The dtypes' name is formatted only when it is needed: this runs at every call.
+    return [name or f"{student_weight.dtype} and {teacher_weight.dtype} weights (bf16 or fp32, both alike)"
+            for name in named]
 
 
 def check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> None:

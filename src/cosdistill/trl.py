@@ -1,4 +1,5 @@
-"""TRL's ``SFTTrainer`` with the distillation loss (needs ``trl``: ``pip install 'cosdistill[trl]'``).
+"""TRL's ``SFTTrainer`` and ``GKDTrainer`` with the fused distillation losses (needs ``trl``:
+``pip install 'cosdistill[trl]'``).
 
 ``DistillationSFTTrainer`` keeps everything ``SFTTrainer`` does with the data (chat templates,
 completion-only and assistant-only labels, packing, padding-free batches, PEFT) and replaces its loss by
@@ -7,14 +8,28 @@ is the class and a teacher::
 
     trainer = DistillationSFTTrainer(model=student, teacher_model=teacher, args=SFTConfig(...),
                                            train_dataset=dataset, weight_hard_loss=0.5, weight_soft_loss=0.5)
+
+``DistillationGKDTrainer`` is TRL's ``GKDTrainer`` (on-policy distillation: student-generated, teacher-generated
+or dataset sequences) whose generalized JSD is computed by ``fused_linear_jsd`` from the last hidden states,
+never building either model's logits. The change from a ``GKDTrainer`` script is the class name::
+
+    trainer = DistillationGKDTrainer(model=student, teacher_model=teacher, args=GKDConfig(...),
+                                     train_dataset=dataset, processing_class=tokenizer)
+
+It is defined on first use (``from cosdistill.trl import DistillationGKDTrainer``): TRL keeps GKD in
+``trl.experimental``, whose import warns, and SFT users need not see that warning.
 """
+
+import inspect
+
+import torch
 
 try:
     from trl import SFTTrainer
 except ImportError as error:
     raise ImportError("cosdistill.trl needs trl: pip install 'cosdistill[trl]'") from error
 
-from .hf import UNSUPPORTED_ARGS, DistillationMixin
+from .hf import UNSUPPORTED_ARGS, DistillationMixin, check_sharding, distill_loss, final_hidden_states, lm_head
 
 # SFTConfig options that change the loss in ways this loss does not follow.
 UNSUPPORTED_SFT_ARGS = {
@@ -33,3 +48,125 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
 
 
 CosineDistillationSFTTrainer = DistillationSFTTrainer  # its name from before loss="jsd"
+
+
+# Model config fields that change a model's logits in ways fused_linear_jsd does not follow yet, with the
+# value that changes nothing: GKDTrainer reads them through the models' own logits, so each raises here.
+UNSUPPORTED_HEAD_CONFIG = {
+    "final_logit_softcapping": (None,),  # Gemma-2 and later: c * tanh(logits / c)
+    "logit_scale": (None, 1, 1.0),  # Cohere: logits * scale
+    "logits_scaling": (None, 1, 1.0),  # Granite, HyperCLOVA X, MiniCPM3: applied differently per family
+}
+
+# GKDTrainer arguments that read the student's logits, which this trainer never computes.
+UNSUPPORTED_GKD_ARGUMENTS = {
+    "compute_metrics": "evaluation returns no logits (the fused loss never computes them); evaluation gives eval_loss",
+    "preprocess_logits_for_metrics": "evaluation returns no logits (the fused loss never computes them)",
+}
+
+
+def check_gkd_heads(trainer, student, teacher) -> None:
+    """Raise unless both models' logits are their LM head's plain linear output (``lm_head``: a
+    torch.nn.Linear, no adapter on it) with no softcapping or scaling, which is what the fused JSD computes."""
+    name = type(trainer).__name__
+    for role, model in (("student", student), ("teacher", teacher)):
+        lm_head(model, role)
+        config = model.config.get_text_config()
+        for field, neutral in UNSUPPORTED_HEAD_CONFIG.items():
+            value = getattr(config, field, None)
+            if not any(value is v or value == v for v in neutral):
+                raise ValueError(f"{name} does not support the {role}'s config.{field}={value!r}: the fused "
+                                 "generalized JSD takes the LM head's plain logits; use trl's GKDTrainer for this model")
+
+
+def _define_gkd_trainer():
+    try:
+        from trl.experimental.gkd import GKDTrainer
+    except ImportError:  # older trl kept it at the top level
+        try:
+            from trl import GKDTrainer
+        except ImportError as error:
+            raise ImportError("cosdistill.trl.DistillationGKDTrainer needs a trl with GKDTrainer "
+                              "(trl.experimental.gkd, trl>=1.16)") from error
+
+    class DistillationGKDTrainer(GKDTrainer):
+        """TRL's ``GKDTrainer`` whose loss is ``cosdistill.fused_linear_jsd`` on the models' last hidden states
+        and LM heads: the same number as ``GKDTrainer.compute_loss``, without either model's full logits.
+
+        The same as ``GKDTrainer``: everything but ``compute_loss`` is inherited. The batches (the dataset's through
+        ``DataCollatorForChatML``; with probability ``lmbda`` the student's own completions, else with ``seq_kd`` the
+        teacher's, sampled at ``temperature`` for up to ``max_new_tokens``), the teacher's loading and preparation,
+        PEFT, dropout, logging. The loss is GKDTrainer's to the token and the divisor (trl 1.16):
+
+        - tokens: position i of ``input_ids`` predicts ``labels[:, i + 1]`` (the plain causal shift, no slicing by
+          prompt length); exactly the positions whose next label is not -100 count, whatever the attention mask
+          (TRL's ``generalized_jsd_loss`` masks by the labels alone: the collator's and the generation's labels are
+          -100 on the prompt and the padding);
+        - per token the generalized JSD of ``generalized_jsd_loss`` summed over the vocabulary: ``beta = 0``
+          forward KL(teacher || student), ``beta = 1`` reverse KL(student || teacher), between
+          ``beta KL(teacher || M) + (1 - beta) KL(student || M)`` with ``M = (1 - beta) student + beta teacher``;
+        - temperature: none in the loss. ``GKDConfig.temperature`` is the sampling temperature only, as in
+          ``GKDTrainer.compute_loss``, which calls ``generalized_jsd_loss`` with its default temperature 1;
+        - divisor: ``num_items_in_batch`` where the Trainer passes it (the count of ``labels[:, 1:] != -100`` of
+          the step's dataset batches, across processes with ``average_tokens_across_devices``, counted before any
+          generation replaced them, as TRL has it), else this batch's count of tokens (TRL's "batchmean").
+
+        Differences: no logits are computed, so evaluation returns none (``eval_loss`` is GKDTrainer's, but
+        ``compute_metrics`` and ``preprocess_logits_for_metrics`` raise a ValueError); models whose logits are not
+        their head's plain output (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling`` in the config)
+        and LM heads carrying an adapter raise at construction; so do DeepSpeed ZeRO-3, FSDP1 and
+        torch.nn.DataParallel (``check_sharding``: the fused loss reads each head whole; FSDP2 works). Where
+        ``num_items_in_batch`` is 0 the loss is 0 (TRL's 0 / 0 is NaN). Under mixed precision both heads run in
+        the autocast dtype as the models' own heads do, with the JSD accumulated in float32 (TRL takes the
+        log-softmax of the autocast-dtype logits after accelerate casts them to float32).
+        ``loss_options`` (chunk_size, impl, accum_dtype, teacher_precision) go to ``fused_linear_jsd``.
+        """
+
+        def __init__(self, *args, loss_options=None, **kwargs):
+            bound = inspect.signature(GKDTrainer.__init__).bind(self, *args, **kwargs).arguments
+            for name, why in UNSUPPORTED_GKD_ARGUMENTS.items():
+                if bound.get(name) is not None:
+                    raise ValueError(f"{type(self).__name__} does not support {name}: {why}")
+            super().__init__(*args, **kwargs)
+            check_sharding(self)
+            check_gkd_heads(self, self.accelerator.unwrap_model(self.model),
+                            self.accelerator.unwrap_model(self.teacher_model))
+            self.loss_options = dict(loss_options or {})
+            reserved = {"loss", "beta", "temperature", "weight_hard_loss", "weight_soft_loss", "num_valid_tokens",
+                        "ignore_index"} & set(self.loss_options)
+            if reserved:
+                raise ValueError(f"loss_options cannot set {sorted(reserved)}: GKDConfig sets beta, and the loss is "
+                                 "GKD's generalized JSD alone")
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            student = self.accelerator.unwrap_model(model)
+            teacher = self.accelerator.unwrap_model(self.teacher_model)
+            input_ids, attention_mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
+            if torch.is_tensor(num_items_in_batch):  # no target in the whole step: loss 0 (TRL: NaN)
+                num_items_in_batch = num_items_in_batch.clamp(min=1)
+            elif num_items_in_batch is not None:
+                num_items_in_batch = max(1, num_items_in_batch)
+            self.teacher_model.eval()
+            with self.accelerator.autocast():
+                hidden = final_hidden_states(model, input_ids, attention_mask, lm_head(student, "student"))
+                with torch.no_grad():
+                    teacher_hidden = final_hidden_states(self.teacher_model, input_ids, attention_mask,
+                                                         lm_head(teacher, "teacher"))
+                # No attention mask: the targets are labels[:, 1:] as they are, masked by -100 alone (as TRL's).
+                loss = distill_loss(
+                    student, teacher, None, None, labels, loss="jsd", student_hidden=hidden,
+                    teacher_hidden=teacher_hidden, weight_hard_loss=0.0, weight_soft_loss=1.0, beta=self.beta,
+                    temperature=1.0, num_valid_tokens=num_items_in_batch, **self.loss_options,
+                )
+            # Evaluation (prediction_step) takes the outputs' entries other than the loss as logits: none here.
+            return (loss, {"logits": None}) if return_outputs else loss
+
+    DistillationGKDTrainer.__qualname__ = "DistillationGKDTrainer"  # as stored in this module (pickle)
+    return DistillationGKDTrainer
+
+
+def __getattr__(name):
+    if name == "DistillationGKDTrainer":
+        globals()[name] = _define_gkd_trainer()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,11 +11,13 @@ TINY_DEMO = ["demo", "--device", "cpu", "--vocab", "64", "--hidden", "32", "--ba
              "--teacher-steps", "40", "--steps", "40"]
 
 
-def test_demo_writes_the_png_and_the_student_comes_to_agree_with_the_teacher(capsys, tmp_path):
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_demo_writes_the_png_and_the_student_comes_to_agree_with_the_teacher(capsys, tmp_path, loss):
     png_path = tmp_path / "demo.png"
-    code = main(TINY_DEMO + ["--out", str(png_path)])
+    code = main(TINY_DEMO + ["--out", str(png_path), "--loss", loss])
     out = capsys.readouterr().out
     assert code == 0, out
+    assert out.startswith(f"cosdistill demo on cpu: {loss} loss,"), out
     assert png_path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     before, after = map(float, re.search(r"agreement with the teacher: ([\d.]+)% before, ([\d.]+)% after", out).groups())
     assert 0 <= before / 100 <= 1 and 0 <= after / 100 <= 1

@@ -119,7 +119,9 @@ def build_parser():
                              help="weight_hard_loss (default %(default)s)")
     demo_parser.add_argument("--weight-soft", type=float, default=defaults.weight_soft,
                              help="weight_soft_loss (default %(default)s)")
-    demo_parser.add_argument("--beta", type=float, default=defaults.beta, help="beta of the soft term (default %(default)s)")
+    demo_parser.add_argument("--beta", type=float, help="beta of the soft term (default: 1 for cosine, 0.5 for jsd)")
+    demo_parser.add_argument("--loss", choices=tuple(demo.LOSSES), default="cosine",
+                             help="the soft term: cosine similarity or the generalized JSD (default %(default)s)")
     demo_parser.add_argument("--seed", type=int, default=defaults.seed,
                              help="seed of the data and the models (default %(default)s)")
     demo_parser.add_argument("--out", metavar="PATH.png", default="cosdistill-demo.png", help="the plot (default %(default)s)")
@@ -205,7 +207,7 @@ def run_demo_command(args):
     config = demo.DemoConfig(
         steps=args.steps, teacher_steps=args.teacher_steps, vocab=args.vocab, hidden=args.hidden,
         batch_size=args.batch_size, seq_len=args.seq_len, weight_hard=args.weight_hard,
-        weight_soft=args.weight_soft, beta=args.beta, seed=args.seed,
+        weight_soft=args.weight_soft, beta=args.beta, seed=args.seed, loss=args.loss,
     )
     result = demo.run_demo(config, resolve_device(args.device))
     demo.write_plot(result, config, args.out)

@@ -4,7 +4,8 @@ The data are token sequences from a random sparse Markov chain (every token has 
 successors), made from the seed, so there is something to learn. The teacher, a tiny GRU language
 model initialised at random, is first trained briefly with plain cross-entropy; then a student of half
 its width is distilled from it with ``fused_linear_cosine_distill`` (hard cross-entropy on the next
-token plus the soft cosine between student and teacher logits). The student's top-1 agreement with the
+token plus the soft cosine between student and teacher logits) or, with ``--loss jsd``, with
+``fused_linear_jsd`` (the soft term the generalized JSD of GKD). The student's top-1 agreement with the
 teacher on held-out sequences is measured before and after, and the loss curves are drawn in a PNG.
 """
 
@@ -16,11 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..api import fused_linear_cosine_distill
+from ..api import fused_linear_cosine_distill, fused_linear_jsd
 
 SUCCESSORS = 4  # likely next tokens per token in the Markov chain
 HELD_OUT_SEQUENCES = 64
 LEARNING_RATE = 3e-3
+LOSSES = {"cosine": fused_linear_cosine_distill, "jsd": fused_linear_jsd}
+DEFAULT_BETA = {"cosine": 1.0, "jsd": 0.5}  # the soft term's weight for cosine; GKD's mixing weight for jsd
 
 
 @dataclass(frozen=True)
@@ -33,18 +36,30 @@ class DemoConfig:
     seq_len: int = 64
     weight_hard: float = 0.5
     weight_soft: float = 0.5
-    beta: float = 1.0
+    beta: float | None = None  # None: DEFAULT_BETA of the loss
     seed: int = 0
+    loss: str = "cosine"
 
     def __post_init__(self):
         minimums = dict(steps=1, teacher_steps=0, vocab=SUCCESSORS, hidden=2, batch_size=1, seq_len=2)
         for name, minimum in minimums.items():
             if getattr(self, name) < minimum:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}, got {getattr(self, name)}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss}")
+
+    @property
+    def soft_beta(self) -> float:
+        return DEFAULT_BETA[self.loss] if self.beta is None else self.beta
+
+    def soft_term(self) -> str:
+        if self.loss == "jsd":
+            return f"generalized JSD (beta {self.soft_beta:g}) of student and teacher"
+        return f"{self.soft_beta:g} × (1 − cos(student logits, teacher logits))"
 
     def describe(self) -> str:
         return (
-            f"GRU language models, teacher H={self.hidden}, student H={self.hidden // 2}, V={self.vocab}, "
+            f"{self.loss} loss, GRU language models, teacher H={self.hidden}, student H={self.hidden // 2}, V={self.vocab}, "
             f"{self.batch_size} sequences x {self.seq_len} tokens per step, seed {self.seed}"
         )
 
@@ -153,10 +168,10 @@ def distill(student, teacher, chain, batches, config: DemoConfig, device) -> dic
         tokens = chain.sample(config.batch_size, config.seq_len, batches).to(device)
         with torch.no_grad():
             teacher_hidden = teacher.hidden_states(tokens)[:, :-1]
-        losses = fused_linear_cosine_distill(
+        losses = LOSSES[config.loss](
             student.hidden_states(tokens)[:, :-1], student.head.weight, teacher_hidden, teacher.head.weight,
             tokens[:, 1:], weight_hard_loss=config.weight_hard, weight_soft_loss=config.weight_soft,
-            beta=config.beta, return_soft_hard_loss=True,
+            beta=config.soft_beta, return_soft_hard_loss=True,
         )
         optimizer.zero_grad()
         losses[0].backward()
@@ -206,7 +221,7 @@ def write_plot(result: DemoResult, config: DemoConfig, path: str):
     steps = range(1, len(result.total) + 1)
     axes.plot(steps, result.total, label=f"total = {config.weight_hard:g} × hard + {config.weight_soft:g} × soft")
     axes.plot(steps, result.hard, label="hard: cross-entropy on the next token")
-    axes.plot(steps, result.soft, label=f"soft: {config.beta:g} × (1 − cos(student logits, teacher logits))")
+    axes.plot(steps, result.soft, label=f"soft: {config.soft_term()}")
     axes.set(yscale="log", xlabel="distillation step", ylabel="loss")
     axes.set_title(
         f"student top-1 agreement with the teacher: {result.agreement_before:.1%} before, "

@@ -1,0 +1,218 @@
+"""cosdistill.trl.DistillationGKDTrainer against TRL's GKDTrainer: the same loss and gradients on the same batch
+(dataset, student-generated and teacher-generated), PEFT students, evaluation, and the options it cannot honour."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+with warnings.catch_warnings():  # TRL warns on every import from trl.experimental
+    warnings.simplefilter("ignore")
+    gkd = pytest.importorskip("trl.experimental.gkd")
+
+from cosdistill.testing import rel_err  # noqa: E402
+from cosdistill.trl import DistillationGKDTrainer  # noqa: E402
+from test_hf import tiny_model  # noqa: E402
+from test_trl import SPECIAL, VOCAB, word_tokenizer  # noqa: E402
+
+GKDTrainer = gkd.GKDTrainer
+
+
+def chat_tokenizer():
+    """test_trl's word tokenizer with a chat template: each turn's words, the assistant's closed by </s>."""
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %} </s>"
+                               "{% endif %} {% endfor %}")
+    return tokenizer
+
+
+def chat_dataset(lengths=((5, 3), (2, 6), (4, 4), (3, 2)), seed=0):
+    """Conversations of a user turn (the prompt) and an assistant turn (the completion) of random words."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def words(n):
+        return " ".join(f"w{int(i)}" for i in torch.randint(len(SPECIAL), VOCAB, (n,), generator=generator))
+
+    return datasets.Dataset.from_list([{"messages": [{"role": "user", "content": words(p)},
+                                                     {"role": "assistant", "content": words(c)}]} for p, c in lengths])
+
+
+def gkd_config(tmp_path, **config):
+    defaults = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+                    logging_steps=1, seed=0, per_device_train_batch_size=4, per_device_eval_batch_size=4, optim="sgd",
+                    learning_rate=0.1, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                    max_grad_norm=0.0, bf16=False, max_new_tokens=4, lmbda=0.0)  # SFTConfig turns bf16 on by default
+    return gkd.GKDConfig(**{**defaults, **config})
+
+
+def make(trainer_class, tmp_path, student, teacher, dataset=None, **config):
+    return trainer_class(model=student, teacher_model=teacher, args=gkd_config(tmp_path, **config),
+                         train_dataset=chat_dataset() if dataset is None else dataset, processing_class=chat_tokenizer())
+
+
+def models():
+    return tiny_model("llama"), tiny_model("llama", seed=1)  # GKD needs one vocabulary for both
+
+
+def student_grads(model):
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("num_items_in_batch", [None, 37], ids=["batchmean", "num_items"])
+@pytest.mark.parametrize("labels_on_padding", [False, True], ids=["collator", "labels-on-padding"])
+def test_compute_loss_and_gradients_are_gkds(tmp_path, labels_on_padding, num_items_in_batch):
+    """On the collator's batch (left padding, prompt labels -100) our compute_loss and its gradients are those of
+    GKDTrainer.compute_loss (full logits, generalized_jsd_loss) for each beta, at any sampling temperature (TRL's
+    loss takes none), normalised as TRL does: by num_items_in_batch when given, else by this batch's token count.
+    With labels on padding positions, exactly TRL's tokens count: those whose next label is not -100."""
+    student, teacher = models()
+    for beta in (0.0, 0.5, 1.0):
+        for temperature in (1.0, 0.7):
+            ours_student, trl_student = copy.deepcopy(student), copy.deepcopy(student)
+            ours = make(DistillationGKDTrainer, tmp_path, ours_student, teacher, beta=beta, temperature=temperature)
+            theirs = make(GKDTrainer, tmp_path, trl_student, teacher, beta=beta, temperature=temperature)
+            batch = ours.data_collator([ours.train_dataset[i] for i in range(len(ours.train_dataset))])
+            padding = batch["attention_mask"] == 0
+            assert padding.any() and (batch["labels"][:, 1:] != -100).any()
+            assert (batch["labels"][~padding] == -100).any()  # prompt tokens
+            if labels_on_padding:
+                batch["labels"] = torch.where(padding, batch["input_ids"], batch["labels"])
+            got = ours.compute_loss(ours_student, dict(batch), num_items_in_batch=num_items_in_batch)
+            want = theirs.compute_loss(trl_student, dict(batch), num_items_in_batch=num_items_in_batch)
+            assert want > 1e-3 and rel_err(got, want) < 1e-5, (beta, temperature, got.item(), want.item())
+            got.backward()
+            want.backward()
+            want_grads = student_grads(trl_student)
+            for name, grad in student_grads(ours_student).items():
+                assert rel_err(grad, want_grads[name]) < 1e-5, (beta, temperature, name)
+
+
+class GradientRecorder(transformers.TrainerCallback):
+    """Each optimizer step's gradients of the trained parameters."""
+
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append(student_grads(model))
+
+
+def spy_on_training(trainer):
+    """Records each generation (the model that generated, its output) and, for each compute_loss of a training step,
+    the batch, our loss, and GKDTrainer.compute_loss's loss and student gradients on a copy of the student as it is
+    then (same batch, same num_items_in_batch). Returns (generations, steps, recorder of our gradients)."""
+    generations, steps, recorder = [], [], GradientRecorder()
+    generate, compute_loss = trainer.generate_on_policy_outputs, trainer.compute_loss
+
+    def recording_generate(model, inputs, generation_config):
+        output = generate(model, inputs, generation_config)
+        generations.append((model, output))
+        return output
+
+    def recording_compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        reference = copy.deepcopy(trainer.accelerator.unwrap_model(model))
+        want = GKDTrainer.compute_loss(trainer, reference, dict(inputs), num_items_in_batch=num_items_in_batch)
+        want.backward()
+        got = compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        steps.append(dict(batch=dict(inputs), got=got.detach().clone(), want=want.detach(),
+                          want_grads=student_grads(reference)))
+        return got
+
+    trainer.generate_on_policy_outputs = recording_generate
+    trainer.compute_loss = recording_compute_loss
+    trainer.add_callback(recorder)
+    return generations, steps, recorder
+
+
+def assert_trained_as_gkd(trainer, generations, steps, recorder, generator):
+    """Each step trained on the batch ``generator`` generated, with GKDTrainer's loss and gradients on it."""
+    assert len(generations) == len(steps) == len(recorder.grads) == trainer.args.max_steps
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    for (model, (input_ids, attention_mask, labels)), step, grads, logged in zip(generations, steps, recorder.grads,
+                                                                                 losses):
+        assert model is generator
+        batch = step["batch"]
+        assert torch.equal(batch["input_ids"], input_ids) and torch.equal(batch["labels"], labels)
+        prompt_width = batch["prompts"].shape[1]
+        assert input_ids.shape[1] > prompt_width and (labels[:, :prompt_width] == -100).all()
+        assert (labels[:, prompt_width:] != -100).any()  # generated tokens are trained on
+        assert torch.isfinite(step["got"]) and step["want"] > 1e-3
+        assert rel_err(step["got"], step["want"]) < 1e-5
+        assert logged == pytest.approx(step["want"].item(), rel=1e-5)
+        assert grads.keys() == step["want_grads"].keys()
+        for name, grad in grads.items():
+            assert rel_err(grad, step["want_grads"][name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("mode", ["on-policy", "seq_kd"])
+def test_generated_batches_train_with_gkds_loss(tmp_path, mode):
+    """lmbda=1: the student generates every batch; seq_kd (lmbda=0): the teacher does. Two steps, each on the
+    generated completions (prompt masked, padding after the end token masked), with GKDTrainer's loss and gradients
+    on that batch."""
+    student, teacher = models()
+    config = dict(lmbda=1.0) if mode == "on-policy" else dict(lmbda=0.0, seq_kd=True)
+    trainer = make(DistillationGKDTrainer, tmp_path, student, teacher, max_steps=2, per_device_train_batch_size=2,
+                   temperature=0.7, beta=0.3, **config)
+    generations, steps, recorder = spy_on_training(trainer)
+    trainer.train()
+    generator = student if mode == "on-policy" else trainer.accelerator.unwrap_model(trainer.teacher_model)
+    assert_trained_as_gkd(trainer, generations, steps, recorder, generator)
+
+
+def test_peft_lora_student(tmp_path):
+    """A LoRA student (GKDTrainer wraps it from peft_config) takes an on-policy step with GKDTrainer's loss and
+    gradients: the adapter trains, the base model stays."""
+    peft = pytest.importorskip("peft")
+    student, teacher = models()
+    base = copy.deepcopy(student)
+    trainer = DistillationGKDTrainer(
+        model=student, teacher_model=teacher, args=gkd_config(tmp_path, max_steps=1, lmbda=1.0, beta=0.5),
+        train_dataset=chat_dataset(), processing_class=chat_tokenizer(),
+        peft_config=peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]),
+    )
+    assert isinstance(trainer.model, peft.PeftModel)
+    generations, steps, recorder = spy_on_training(trainer)
+    trainer.train()
+    assert_trained_as_gkd(trainer, generations, steps, recorder, trainer.model)
+    trained = dict(trainer.model.named_parameters())
+    lora = {name: p for name, p in trained.items() if "lora_" in name}
+    assert lora and all(p.requires_grad for p in lora.values())
+    assert any(p.detach().abs().sum() > 0 for name, p in lora.items() if "lora_B" in name)  # initialised to 0
+    for name, p in base.named_parameters():
+        peft_name = next(key for key in trained if key.endswith(name) or key.endswith(name.replace(".weight",
+                                                                                                    ".base_layer.weight")))
+        assert torch.equal(trained[peft_name].detach(), p.detach()), name
+
+
+def test_evaluation_loss_is_gkds(tmp_path):
+    """evaluate(): eval_loss is GKDTrainer's (its own batches, each normalised by its own token count)."""
+    student, teacher = models()
+    dataset = chat_dataset(lengths=((5, 3), (2, 6), (4, 4), (3, 2), (6, 1)), seed=3)
+    ours = make(DistillationGKDTrainer, tmp_path, copy.deepcopy(student), teacher, beta=0.2)
+    theirs = make(GKDTrainer, tmp_path, copy.deepcopy(student), teacher, beta=0.2)
+    got, want = ours.evaluate(dataset)["eval_loss"], theirs.evaluate(dataset)["eval_loss"]
+    assert want > 1e-3 and got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("option", ["compute_metrics", "preprocess_logits_for_metrics", "student softcapping",
+                                    "teacher logit_scale", "loss_options beta"])
+def test_options_the_fused_loss_cannot_honour_raise(tmp_path, option):
+    student, teacher = models()
+    kwargs = {}
+    if option == "compute_metrics":
+        kwargs, match = dict(compute_metrics=lambda prediction: {}), "does not support compute_metrics"
+    elif option == "preprocess_logits_for_metrics":
+        kwargs = dict(preprocess_logits_for_metrics=lambda logits, labels: logits)
+        match = "does not support preprocess_logits_for_metrics"
+    elif option == "student softcapping":
+        student, match = tiny_model("gemma2"), r"the student's config.final_logit_softcapping=3.0"
+    elif option == "teacher logit_scale":
+        teacher, match = tiny_model("cohere", seed=1), r"the teacher's config.logit_scale=0.5"
+    else:
+        kwargs, match = dict(loss_options=dict(beta=0.9)), r"loss_options cannot set \['beta'\]"
+    with pytest.raises(ValueError, match=match):
+        DistillationGKDTrainer(model=student, teacher_model=teacher, args=gkd_config(tmp_path),
+                               train_dataset=chat_dataset(), processing_class=chat_tokenizer(), **kwargs)
