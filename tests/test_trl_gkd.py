@@ -2,6 +2,9 @@
 (dataset, student-generated and teacher-generated), PEFT students, evaluation, and the options it cannot honour."""
 
 import copy
+import pickle
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -54,7 +57,12 @@ def make(trainer_class, tmp_path, student, teacher, dataset=None, **config):
 
 
 def models():
-    return tiny_model("llama"), tiny_model("llama", seed=1)  # GKD needs one vocabulary for both
+    """(student, teacher): GKD needs one vocabulary for both. A third of the words end a completion (GKDTrainer takes
+    the student's eos_token_id for both models' generation), so that generated batches hold completions of different
+    lengths, padded after their end."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", seed=1)
+    student.generation_config.eos_token_id = [2, *range(len(SPECIAL), VOCAB, 3)]
+    return student, teacher
 
 
 def student_grads(model):
@@ -102,8 +110,8 @@ class GradientRecorder(transformers.TrainerCallback):
 
 def spy_on_training(trainer):
     """Records each generation (the model that generated, its output) and, for each compute_loss of a training step,
-    the batch, our loss, and GKDTrainer.compute_loss's loss and student gradients on a copy of the student as it is
-    then (same batch, same num_items_in_batch). Returns (generations, steps, recorder of our gradients)."""
+    the batch, our loss, and GKDTrainer.compute_loss's loss and student gradients on the same batch, student and
+    num_items_in_batch. Returns (generations, steps, recorder of our gradients)."""
     generations, steps, recorder = [], [], GradientRecorder()
     generate, compute_loss = trainer.generate_on_policy_outputs, trainer.compute_loss
 
@@ -113,12 +121,15 @@ def spy_on_training(trainer):
         return output
 
     def recording_compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
-        reference = copy.deepcopy(trainer.accelerator.unwrap_model(model))
-        want = GKDTrainer.compute_loss(trainer, reference, dict(inputs), num_items_in_batch=num_items_in_batch)
+        # TRL's loss and gradients first, on the model itself (a copy would run the original's forward: accelerate
+        # wraps it), then cleared for ours; gradient accumulation is off, so no step has gradients before this.
+        assert all(p.grad is None for p in model.parameters())
+        want = GKDTrainer.compute_loss(trainer, model, dict(inputs), num_items_in_batch=num_items_in_batch)
         want.backward()
+        want_grads = student_grads(model)
+        model.zero_grad(set_to_none=True)
         got = compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        steps.append(dict(batch=dict(inputs), got=got.detach().clone(), want=want.detach(),
-                          want_grads=student_grads(reference)))
+        steps.append(dict(batch=dict(inputs), got=got.detach().clone(), want=want.detach(), want_grads=want_grads))
         return got
 
     trainer.generate_on_policy_outputs = recording_generate
@@ -128,8 +139,10 @@ def spy_on_training(trainer):
 
 
 def assert_trained_as_gkd(trainer, generations, steps, recorder, generator):
-    """Each step trained on the batch ``generator`` generated, with GKDTrainer's loss and gradients on it."""
+    """Each step trained on the batch ``generator`` generated, with GKDTrainer's loss and gradients on it; some
+    completion ended early, so that its padding (attention mask 0, labels -100) is in a batch."""
     assert len(generations) == len(steps) == len(recorder.grads) == trainer.args.max_steps
+    assert any((step["batch"]["attention_mask"][:, step["batch"]["prompts"].shape[1]:] == 0).any() for step in steps)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     for (model, (input_ids, attention_mask, labels)), step, grads, logged in zip(generations, steps, recorder.grads,
                                                                                  losses):
@@ -177,24 +190,26 @@ def test_peft_lora_student(tmp_path):
     generations, steps, recorder = spy_on_training(trainer)
     trainer.train()
     assert_trained_as_gkd(trainer, generations, steps, recorder, trainer.model)
-    trained = dict(trainer.model.named_parameters())
-    lora = {name: p for name, p in trained.items() if "lora_" in name}
-    assert lora and all(p.requires_grad for p in lora.values())
-    assert any(p.detach().abs().sum() > 0 for name, p in lora.items() if "lora_B" in name)  # initialised to 0
-    for name, p in base.named_parameters():
-        peft_name = next(key for key in trained if key.endswith(name) or key.endswith(name.replace(".weight",
-                                                                                                    ".base_layer.weight")))
-        assert torch.equal(trained[peft_name].detach(), p.detach()), name
+    lora_b = [p for name, p in trainer.model.named_parameters() if "lora_B" in name]
+    assert lora_b and all(p.requires_grad for p in lora_b) and all(p.detach().abs().sum() > 0 for p in lora_b)  # from 0
+    after = trainer.model.unload().state_dict()  # the base model, adapters removed unmerged
+    assert after.keys() == base.state_dict().keys()
+    for name, p in base.state_dict().items():
+        assert torch.equal(after[name], p), name
 
 
-def test_evaluation_loss_is_gkds(tmp_path):
-    """evaluate(): eval_loss is GKDTrainer's (its own batches, each normalised by its own token count)."""
+def test_evaluation_and_prediction_losses_are_gkds(tmp_path):
+    """evaluate() (the loss alone) and predict() (the loss and the outputs): the losses are GKDTrainer's (two batches,
+    each normalised by its own token count); predict() returns no logits, there being none."""
     student, teacher = models()
     dataset = chat_dataset(lengths=((5, 3), (2, 6), (4, 4), (3, 2), (6, 1)), seed=3)
     ours = make(DistillationGKDTrainer, tmp_path, copy.deepcopy(student), teacher, beta=0.2)
     theirs = make(GKDTrainer, tmp_path, copy.deepcopy(student), teacher, beta=0.2)
     got, want = ours.evaluate(dataset)["eval_loss"], theirs.evaluate(dataset)["eval_loss"]
     assert want > 1e-3 and got == pytest.approx(want, rel=1e-5)
+    got, want = ours.predict(dataset), theirs.predict(dataset)
+    assert want.predictions is not None and got.predictions is None
+    assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("option", ["compute_metrics", "preprocess_logits_for_metrics", "student softcapping",
@@ -216,3 +231,29 @@ def test_options_the_fused_loss_cannot_honour_raise(tmp_path, option):
     with pytest.raises(ValueError, match=match):
         DistillationGKDTrainer(model=student, teacher_model=teacher, args=gkd_config(tmp_path),
                                train_dataset=chat_dataset(), processing_class=chat_tokenizer(), **kwargs)
+
+
+def test_defined_on_first_use():
+    """Importing cosdistill.trl leaves trl.experimental (whose import warns) alone until DistillationGKDTrainer is
+    asked for; the class is then GKDTrainer's subclass, importable and picklable by its name."""
+    script = """if True:
+        import pickle, sys, warnings
+        import cosdistill.trl as module
+        assert "trl.experimental" not in sys.modules, "imported with cosdistill.trl"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            from cosdistill.trl import DistillationGKDTrainer
+        assert any("trl.experimental" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        from trl.experimental.gkd import GKDTrainer
+        assert issubclass(DistillationGKDTrainer, GKDTrainer) and module.DistillationGKDTrainer is DistillationGKDTrainer
+        assert pickle.loads(pickle.dumps(DistillationGKDTrainer)) is DistillationGKDTrainer
+        try:
+            module.NoSuchTrainer
+        except AttributeError as error:
+            assert "NoSuchTrainer" in str(error)
+        else:
+            raise AssertionError("module.NoSuchTrainer did not raise")
+    """
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert pickle.loads(pickle.dumps(DistillationGKDTrainer)) is DistillationGKDTrainer

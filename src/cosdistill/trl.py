@@ -25,6 +25,7 @@ import inspect
 import torch
 
 try:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
     from trl import SFTTrainer
 except ImportError as error:
     raise ImportError("cosdistill.trl needs trl: pip install 'cosdistill[trl]'") from error
@@ -93,10 +94,11 @@ def _define_gkd_trainer():
         """TRL's ``GKDTrainer`` whose loss is ``cosdistill.fused_linear_jsd`` on the models' last hidden states
         and LM heads: the same number as ``GKDTrainer.compute_loss``, without either model's full logits.
 
-        The same as ``GKDTrainer``: everything but ``compute_loss`` is inherited. The batches (the dataset's through
-        ``DataCollatorForChatML``; with probability ``lmbda`` the student's own completions, else with ``seq_kd`` the
-        teacher's, sampled at ``temperature`` for up to ``max_new_tokens``), the teacher's loading and preparation,
-        PEFT, dropout, logging. The loss is GKDTrainer's to the token and the divisor (trl 1.16):
+        The same as ``GKDTrainer``: everything but ``compute_loss`` is inherited. The batches (the dataset's,
+        through the data collator, ``DataCollatorForChatML`` by default; with probability ``lmbda`` the student's
+        own completions, else with ``seq_kd`` the teacher's, sampled at ``temperature`` for up to
+        ``max_new_tokens``), the teacher's loading and preparation, PEFT, dropout, logging.
+        The loss is GKDTrainer's to the token and the divisor (trl 1.16):
 
         - tokens: position i of ``input_ids`` predicts ``labels[:, i + 1]`` (the plain causal shift, no slicing by
           prompt length); exactly the positions whose next label is not -100 count, whatever the attention mask
@@ -111,8 +113,9 @@ def _define_gkd_trainer():
           the step's dataset batches, across processes with ``average_tokens_across_devices``, counted before any
           generation replaced them, as TRL has it), else this batch's count of tokens (TRL's "batchmean").
 
-        Differences: no logits are computed, so evaluation returns none (``eval_loss`` is GKDTrainer's, but
-        ``compute_metrics`` and ``preprocess_logits_for_metrics`` raise a ValueError); models whose logits are not
+        Differences: no logits are computed, so evaluation and ``predict()`` return none (``eval_loss`` and
+        ``test_loss`` are GKDTrainer's, the predictions None; ``compute_metrics`` and
+        ``preprocess_logits_for_metrics`` raise a ValueError); models whose logits are not
         their head's plain output (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling`` in the config)
         and LM heads carrying an adapter raise at construction; so do DeepSpeed ZeRO-3, FSDP1 and
         torch.nn.DataParallel (``check_sharding``: the fused loss reads each head whole; FSDP2 works). Where
@@ -158,8 +161,9 @@ def _define_gkd_trainer():
                     teacher_hidden=teacher_hidden, weight_hard_loss=0.0, weight_soft_loss=1.0, beta=self.beta,
                     temperature=1.0, num_valid_tokens=num_items_in_batch, **self.loss_options,
                 )
-            # Evaluation (prediction_step) takes the outputs' entries other than the loss as logits: none here.
-            return (loss, {"logits": None}) if return_outputs else loss
+            # SFTTrainer.prediction_step (predict(), or evaluate() with prediction_loss_only=False) reads
+            # outputs.logits: there are none.
+            return (loss, CausalLMOutputWithPast(loss=loss, logits=None)) if return_outputs else loss
 
     DistillationGKDTrainer.__qualname__ = "DistillationGKDTrainer"  # as stored in this module (pickle)
     return DistillationGKDTrainer
