@@ -1,6 +1,7 @@
 """The generalized JSD: its torch row step and fused_linear_jsd against a float64 autograd reference, TRL's
 generalized_jsd_loss and Liger-Kernel's LigerFusedLinearJSDLoss."""
 
+import dataclasses
 import math
 
 import pytest
@@ -9,7 +10,14 @@ import torch.nn.functional as F
 
 from conftest import make_problem, rel_err
 from cosdistill import FusedLinearJSDLoss, fused_linear_jsd
-from cosdistill.testing import RowStepScales, row_step_jsd_torch
+from cosdistill.testing import (
+    RowStepScales,
+    combine_jsd_stats,
+    jsd_row_grad,
+    jsd_row_stats,
+    jsd_row_sums,
+    row_step_jsd_torch,
+)
 
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
 
@@ -61,6 +69,29 @@ def test_row_step_matches_autograd_of_the_reference(beta, temperature):
     row_step_jsd_torch(got, t.float(), labels, scales, losses, True)
     assert rel_err(losses[:, 0], hard.detach()) < 1e-6 and rel_err(losses[:, 1], soft.detach()) < 1e-5
     assert rel_err(got, leaf.grad) < 1e-5
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("write_grad", [True, False])
+def test_its_stages_over_a_vocabulary_split_give_the_whole_rows_step(beta, write_grad):
+    """Three shards of the columns (the last with none of the student's), each rank's stages with the two
+    combinations between them (what split_jsd_row_step does through all_gather), against the whole step."""
+    generator = torch.Generator().manual_seed(int(10 * beta))
+    s, t = torch.randn(9, 30, generator=generator) * 3, torch.randn(9, 47, generator=generator) * 3
+    labels = torch.tensor([0, 15, 16, 29, -100, 3, 40, 22, 7])  # 40: out of range, taken as ignored
+    scales = RowStepScales(0.3, 1.7, beta, 1.5, -100)
+    want, want_losses = s.clone(), torch.empty(9, 2)
+    row_step_jsd_torch(want, t, labels, scales, want_losses, write_grad)
+    bounds = [(0, 16), (16, 32), (32, 47)]
+    shards = [(s[:, min(a, 30):min(b, 30)].clone(), t[:, a:b], dataclasses.replace(
+        scales, vocab_start=a, vocab_student_total=30)) for a, b in bounds]
+    stats = combine_jsd_stats(torch.stack([jsd_row_stats(*shard[:2], labels, shard[2]) for shard in shards]))
+    sums = torch.stack([jsd_row_sums(shard[0], shard[1], stats, shard[2]) for shard in shards]).sum(0)
+    for shard in shards:
+        losses = torch.full((9, 2), float("nan"))
+        jsd_row_grad(shard[0], shard[1], labels, stats, sums, shard[2], losses, write_grad)
+        assert rel_err(losses, want_losses) < 1e-6
+    assert rel_err(torch.cat([shard[0] for shard in shards], dim=1), want) < 1e-6
 
 
 def test_peaked_teacher_and_extreme_temperatures_stay_finite():
@@ -122,8 +153,6 @@ def test_options_the_jsd_does_not_take_raise():
     problem = make_problem(tokens=8, bias=False)
     with pytest.raises(ValueError, match=r"beta must be in \[0, 1\]"):
         fused_linear_jsd(*problem.args()[:5], beta=1.5)
-    with pytest.raises(ValueError, match="no triton row step yet"):
-        fused_linear_jsd(*problem.args()[:5], impl="triton")
     with pytest.raises(TypeError, match="bf16 or fp32"):
         args = [t.half() if t.is_floating_point() else t for t in problem.args()[:5]]
         fused_linear_jsd(*args)

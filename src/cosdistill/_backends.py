@@ -3,7 +3,8 @@
 
 - torch: the plain-torch specs, the CPU path (and any device, slowly).
 - triton: the Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1).
-- cuda: Triton's, with the row step of kernels/row_step_cuda.py (Hopper clusters) where it applies.
+- cuda: Triton's, with the row step of kernels/row_step_cuda.py (Hopper clusters) where it applies (the
+  generalized JSD has no CUDA row step: Triton's runs it).
 """
 
 import dataclasses
@@ -13,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from . import _fingerprint, _labels, _row_step, _teacher_fp8
+from . import _fingerprint, _labels, _row_step, _row_step_jsd, _teacher_fp8
 
 IMPLS = ("auto", "torch", "triton", "cuda")
 
@@ -21,7 +22,8 @@ IMPLS = ("auto", "torch", "triton", "cuda")
 @dataclasses.dataclass(frozen=True)
 class Backend:
     name: str
-    row_step: _row_step.RowStepImpl
+    row_step: _row_step.RowStepImpl  # the cosine loss's
+    jsd_row_step: _row_step.RowStepImpl  # the generalized JSD's
     count_labels: Callable  # (labels, ignore_index, vocab_student) -> [counted, out of range]
     mean_losses: Callable  # (token_losses, counts, given, weight_hard, weight_soft) -> (loss, soft, hard)
     scale_unless_one: Callable  # (values, factor): values *= factor in place unless factor (0-d) is 1
@@ -35,15 +37,16 @@ def scale_unless_one_torch(values: torch.Tensor, factor: torch.Tensor) -> None:
         values.mul_(factor)
 
 
-TORCH = Backend("torch", _row_step.TORCH_ROW_STEP, _labels.count_labels_torch, _labels.mean_losses_torch,
-                scale_unless_one_torch, _teacher_fp8.quantize_rows, _fingerprint.fingerprint_torch)
+TORCH = Backend("torch", _row_step.TORCH_ROW_STEP, _row_step_jsd.JSD_TORCH_ROW_STEP, _labels.count_labels_torch,
+                _labels.mean_losses_torch, scale_unless_one_torch, _teacher_fp8.quantize_rows, _fingerprint.fingerprint_torch)
 
 
 @functools.lru_cache(maxsize=None)
 def _triton() -> Backend:
-    from .kernels import fingerprint, fp8_quantize, grad_output, labels, row_step_triton
+    from .kernels import fingerprint, fp8_quantize, grad_output, labels, row_step_jsd_triton, row_step_triton
 
-    return Backend("triton", row_step_triton.TRITON_ROW_STEP, labels.count_labels_triton, labels.mean_losses_triton,
+    return Backend("triton", row_step_triton.TRITON_ROW_STEP, row_step_jsd_triton.TRITON_JSD_ROW_STEP,
+                   labels.count_labels_triton, labels.mean_losses_triton,
                    grad_output.scale_unless_one_triton, fp8_quantize.quantize_rows_triton,
                    fingerprint.fingerprint_triton)
 

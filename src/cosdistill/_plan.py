@@ -14,8 +14,7 @@ from . import _teacher_fp8, _teacher_gram
 from ._backends import IMPLS, Backend, backend_for
 from ._chunk_loop import ChunkResult, ChunkRows, chunked_loss_and_grads, start_student_logits
 from ._labels import LabelCounts
-from ._row_step import RowStepImpl, RowStepScales, split_row_step
-from ._row_step_jsd import JSD_TORCH_ROW_STEP
+from ._row_step import RowStepImpl, RowStepScales
 from ._teacher_logits import LogitsTeacher, TeacherHead
 
 COSINE_VIA = ("auto", "logits", "gram")
@@ -106,7 +105,7 @@ class Plan:
 
     options: Options
     backend: Backend
-    row_step: RowStepImpl  # the backend's for the cosine loss; the JSD's torch step for loss="jsd"
+    row_step: RowStepImpl  # the backend's for the loss
     scales: RowStepScales  # the row step's constants (with the vocabulary split's, if any)
     teacher: str  # "logits", "fp8" or "gram"
     rows: ChunkRows
@@ -120,9 +119,9 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
               needs_grad, vocab_parallel: VocabParallel | None = None) -> Plan:
     check_accum_dtype(options.accum_dtype, student_weight.dtype)
     backend = backend_for(options.impl, student_weight.device)
-    row_step = backend.row_step
-    if options.loss == "jsd":
-        row_step = jsd_row_step(options, student_weight, vocab_parallel)
+    if options.loss == "jsd" and student_weight.dtype == torch.float16:
+        raise TypeError("loss='jsd' takes bf16 or fp32 weights, got float16")
+    row_step = backend.jsd_row_step if options.loss == "jsd" else backend.row_step
     if options.teacher_precision == "fp8":
         _teacher_fp8.check_supported(teacher_weight.device)
     teacher = "fp8" if options.teacher_precision == "fp8" else "logits"
@@ -149,7 +148,7 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
     backend, scales = plan.backend, plan.scales
     row_step, reduce_grad_input = plan.row_step.step, None
     if plan.vocab_parallel is not None:
-        row_step = split_row_step(plan.row_step, plan.vocab_parallel.all_gather)
+        row_step = plan.row_step.over_ranks(plan.vocab_parallel.all_gather)
         reduce_grad_input = plan.vocab_parallel.all_reduce
     if plan.teacher == "gram":
         teacher = _teacher_gram.GramTeacher(teacher_weight, student_weight, backend, scales,
@@ -177,17 +176,6 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
                                 teacher_weight, teacher_bias, len(labels), plan.needs_grad, plan.vocab_parallel)
         return run(logits_plan, student_input, student_weight, student_bias, teacher_input, teacher_weight,
                    teacher_bias, labels, num_valid_tokens)
-
-
-def jsd_row_step(options: Options, student_weight, vocab_parallel) -> RowStepImpl:
-    """The generalized JSD's row step: so far its torch spec alone, for every backend's other kernels."""
-    if options.impl in ("triton", "cuda"):
-        raise ValueError(f"loss='jsd' has no {options.impl} row step yet: use impl='auto' or 'torch'")
-    if vocab_parallel is not None:
-        raise ValueError("loss='jsd' does not take vocab_parallel yet")
-    if student_weight.dtype == torch.float16:
-        raise TypeError("loss='jsd' takes bf16 or fp32 weights, got float16")
-    return JSD_TORCH_ROW_STEP
 
 
 def gram_applies(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens,

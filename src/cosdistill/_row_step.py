@@ -91,6 +91,12 @@ class RowStepImpl:
     # The Gram path's step in one kernel where the implementation has one, else None (stats, then grad):
     # (s, labels, scales, token_losses, teacher_products [n, 2], teacher_coefs [n]) -> whether it ran
     gram_step: Callable[..., bool] | None = None
+    # (all_gather) -> the step over a vocabulary split, for a loss whose split is not stats-then-grad
+    split: Callable[..., Callable[..., None]] | None = None
+
+    def over_ranks(self, all_gather: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., None]:
+        """The step over a vocabulary split across ranks (``all_gather``: [ranks, *shape])."""
+        return self.split(all_gather) if self.split is not None else split_row_step(self, all_gather)
 
 
 def scale_and_softcap(logits: torch.Tensor, scale: float, cap: float | None) -> torch.Tensor:

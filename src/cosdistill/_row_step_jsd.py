@@ -25,6 +25,10 @@ the chunk loop's). Its gradient, for the student's own columns k:
 
 Every term is formed from log-probabilities, so peaked teachers (q underflowing to 0) and temperatures far
 from 1 stay finite.
+
+It runs in three stages, so that a vocabulary split over ranks can combine each row's numbers between
+them: ``jsd_row_stats`` (the three log-sum-exps and the target logit), ``jsd_row_sums`` (the divergence and
+the gradient's sum_j p_j g_j) and ``jsd_row_grad`` (the losses and the gradient).
 """
 
 import math
@@ -33,51 +37,126 @@ import torch
 
 from ._row_step import RowStepImpl, RowStepScales, label_columns
 
+# Per-row statistics of the JSD's row step, along the last dimension of a [n, 4] fp32 tensor; over a
+# vocabulary split, each rank's are combined across ranks (combine_jsd_stats) before the sums.
+JSD_STATS = (
+    "log_sum_exp",  # logsumexp of s over the student's columns (the hard term's; -inf over none)
+    "target_logit",  # s[label] if the label falls in this shard, else 0
+    "student_log_sum_exp",  # logsumexp of s / T over the teacher's columns (s zero-padded)
+    "teacher_log_sum_exp",  # logsumexp of t / T
+)
+LSE, TARGET, LSE_STUDENT, LSE_TEACHER = range(len(JSD_STATS))
 
-def _log_probs(student_logits, teacher_logits, temperature):
-    """(a, b): the log-probabilities at the temperature, s zero-padded to t's vocabulary."""
+
+def _padded_student(student_logits, vocab_teacher):
+    """s in fp32, zero-padded to the teacher's columns (the soft term's view of it)."""
     s = student_logits.float()
-    vocab_teacher = teacher_logits.shape[1]
     if vocab_teacher > s.shape[1]:
         s = torch.nn.functional.pad(s, (0, vocab_teacher - s.shape[1]))
-    return torch.log_softmax(s / temperature, dim=1), torch.log_softmax(teacher_logits.float() / temperature, dim=1)
+    return s
 
 
-def jsd_and_grad_factor(a, b, beta):
-    """(soft [n], d soft / d (s / T) [n, V]) from the log-probabilities a (student) and b (teacher)."""
+def jsd_row_stats(student_logits, teacher_logits, labels, scales: RowStepScales) -> torch.Tensor:
+    """[n, len(JSD_STATS)] over this shard's columns."""
+    rows, vocab_student = student_logits.shape
+    _, in_shard, column = label_columns(labels, vocab_student, scales)
+    s = student_logits.float()
+    stats = s.new_empty(rows, len(JSD_STATS))
+    stats[:, LSE] = torch.logsumexp(s, dim=1) if vocab_student else float("-inf")
+    target = s.gather(1, column[:, None])[:, 0] if vocab_student else s.new_zeros(rows)
+    stats[:, TARGET] = torch.where(in_shard, target, 0.0)
+    padded = _padded_student(student_logits, teacher_logits.shape[1])
+    stats[:, LSE_STUDENT] = torch.logsumexp(padded / scales.temperature, dim=1)
+    stats[:, LSE_TEACHER] = torch.logsumexp(teacher_logits.float() / scales.temperature, dim=1)
+    return stats
+
+
+def combine_jsd_stats(shard_stats: torch.Tensor) -> torch.Tensor:
+    """The whole vocabulary's statistics from its shards', [shards, n, 4] -> [n, 4]."""
+    stats = torch.logsumexp(shard_stats, dim=0)
+    stats[:, TARGET] = shard_stats[..., TARGET].sum(0)
+    return stats
+
+
+def _log_probs(student_logits, teacher_logits, stats, temperature):
+    """(a, b): the log-probabilities at the temperature over this shard's columns, s zero-padded."""
+    padded = _padded_student(student_logits, teacher_logits.shape[1])
+    a = padded / temperature - stats[:, LSE_STUDENT, None]
+    return a, teacher_logits.float() / temperature - stats[:, LSE_TEACHER, None]
+
+
+def jsd_terms(a, b, beta):
+    """(soft [n], student part [n], g [n, V]) over the given columns, from the log-probabilities a (student)
+    and b (teacher): soft the divergence's sum, g = d soft / d p up to a constant, and the student part
+    sum_j p_j g_j, which the gradient subtracts (0 where it needs none: beta = 0)."""
     p = a.exp()
     if beta == 0.0:
         q = b.exp()
-        return (q * (b - a)).sum(1), p - q
+        return (q * (b - a)).sum(1), torch.zeros_like(a[:, 0]), None
     if beta == 1.0:
         soft = (p * (a - b)).sum(1)
-        return soft, p * ((a - b) - soft[:, None])
+        return soft, soft, a - b
     m = torch.logaddexp(a + math.log1p(-beta), b + math.log(beta))
     q = b.exp()
-    student_kl = (p * (a - m)).sum(1)
-    soft = beta * (q * (b - m)).sum(1) + (1.0 - beta) * student_kl
-    return soft, (1.0 - beta) * p * ((a - m) - student_kl[:, None])
+    student_part = (p * (a - m)).sum(1)
+    soft = beta * (q * (b - m)).sum(1) + (1.0 - beta) * student_part
+    return soft, (1.0 - beta) * student_part, (1.0 - beta) * (a - m)
+
+
+def jsd_row_sums(student_logits, teacher_logits, stats, scales: RowStepScales) -> torch.Tensor:
+    """[n, 2]: the soft term and the gradient's student part (jsd_terms) over this shard's columns; a
+    vocabulary split adds them up across ranks."""
+    a, b = _log_probs(student_logits, teacher_logits, stats, scales.temperature)
+    soft, student_part, _ = jsd_terms(a, b, scales.beta)
+    return torch.stack([soft, student_part], dim=1)
+
+
+def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales: RowStepScales, token_losses,
+                 write_grad) -> None:
+    """The losses from the (combined) statistics and sums and, if asked, d L / d s of this shard's columns."""
+    rows, vocab_student = student_logits.shape
+    valid, in_shard, column = label_columns(labels, vocab_student, scales)
+    token_losses[:, 0] = torch.where(valid, stats[:, LSE] - stats[:, TARGET], 0.0)
+    token_losses[:, 1] = torch.where(valid, sums[:, 0], 0.0)
+    if not write_grad:
+        return
+    s = student_logits.float()
+    grad = scales.weight_hard * torch.exp(s - stats[:, LSE, None])
+    if vocab_student:  # a shard may hold none of the student's columns
+        grad.scatter_add_(1, column[:, None], torch.where(in_shard, -scales.weight_hard, 0.0)[:, None])
+    a, b = _log_probs(student_logits, teacher_logits, stats, scales.temperature)
+    a, b = a[:, :vocab_student], b[:, :vocab_student]  # the student has no gradient past its own columns
+    if scales.beta == 0.0:
+        soft_grad = a.exp() - b.exp()
+    else:
+        g = jsd_terms(a, b, scales.beta)[2]
+        soft_grad = a.exp() * (g - sums[:, 1, None])
+    grad += (scales.weight_soft / scales.temperature) * soft_grad
+    student_logits.copy_(torch.where(valid[:, None], grad, 0.0))
 
 
 def row_step_jsd_torch(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
                        grad_lifts=None):
     if grad_lifts is not None:
         raise ValueError("the JSD row step has no fp16 lifts: pass bf16 or fp32 logits")
-    rows, vocab_student = student_logits.shape
-    valid, _, column = label_columns(labels, vocab_student, scales)
-    s = student_logits.float()
-    log_sum_exp = torch.logsumexp(s, dim=1) if vocab_student else s.new_full((rows,), float("-inf"))
-    hard = torch.where(valid, log_sum_exp - s.gather(1, column[:, None])[:, 0], 0.0)
-    a, b = _log_probs(student_logits, teacher_logits, scales.temperature)
-    soft, soft_grad = jsd_and_grad_factor(a, b, scales.beta)
-    token_losses[:, 0] = hard
-    token_losses[:, 1] = torch.where(valid, soft, 0.0)
-    if write_grad:
-        grad = scales.weight_hard * torch.softmax(s, dim=1)
-        grad.scatter_add_(1, column[:, None], torch.full((rows, 1), -scales.weight_hard, device=s.device))
-        grad += (scales.weight_soft / scales.temperature) * soft_grad[:, :vocab_student]
-        student_logits.copy_(torch.where(valid[:, None], grad, 0.0))
+    stats = jsd_row_stats(student_logits, teacher_logits, labels, scales)
+    sums = jsd_row_sums(student_logits, teacher_logits, stats, scales)
+    jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales, token_losses, write_grad)
 
 
-# No split into statistics and gradient yet: a vocabulary split over ranks is refused for it (_plan.py).
-JSD_TORCH_ROW_STEP = RowStepImpl(row_step_jsd_torch, None, None)
+def split_jsd_row_step(all_gather):
+    """The JSD's row step over a vocabulary split across ranks: two all-gathers of O(rows) per chunk, one of
+    the statistics (the log-sum-exps need every column before any probability), one of the sums (the
+    gradient needs the whole row's student part)."""
+
+    def row_step(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None):
+        if grad_lifts is not None:
+            raise ValueError("the JSD row step has no fp16 lifts: pass bf16 or fp32 logits")
+        stats = combine_jsd_stats(all_gather(jsd_row_stats(student_logits, teacher_logits, labels, scales)))
+        sums = all_gather(jsd_row_sums(student_logits, teacher_logits, stats, scales)).sum(0)
+        jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales, token_losses, write_grad)
+
+    return row_step
+
+
+JSD_TORCH_ROW_STEP = RowStepImpl(row_step_jsd_torch, None, None, split=split_jsd_row_step)

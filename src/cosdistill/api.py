@@ -159,9 +159,9 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
         self.return_soft_hard_loss = return_soft_hard_loss
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
-                teacher_bias=None, *, num_valid_tokens=None):
+                teacher_bias=None, *, num_valid_tokens=None, vocab_parallel=None):
         return distill(self.options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
-                       student_bias, teacher_bias, num_valid_tokens=num_valid_tokens,
+                       student_bias, teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
                        return_soft_hard_loss=self.return_soft_hard_loss)
 
 
@@ -186,6 +186,7 @@ def fused_linear_jsd(
     accum_dtype=None,
     impl="auto",
     teacher_precision=None,
+    vocab_parallel=None,
 ):
     """Hard cross-entropy plus the generalized Jensen-Shannon divergence through two LM heads, never holding
     all logits. The positional order is that of Liger-Kernel's ``LigerFusedLinearJSDFunction.apply``.
@@ -201,7 +202,9 @@ def fused_linear_jsd(
     as TRL's ``GKDTrainer.generalized_jsd_loss`` and Liger-Kernel 0.8.5's ``LigerFusedLinearJSDLoss`` (no factor
     temperature^2). The row step is so far its torch spec (_row_step_jsd.py) on every device; the GEMMs, the
     chunking, the FP8 teacher (``teacher_precision="fp8"``) and the other keywords are the cosine loss's.
-    ``compiled`` is accepted for compatibility with Liger and changes nothing.
+    With ``vocab_parallel`` each chunk all-gathers two small per-token tensors (the log-sum-exps, then the
+    divergence's sums) where the cosine loss gathers one. ``compiled`` is accepted for compatibility with
+    Liger and changes nothing.
     """
     options = Options(
         weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
@@ -209,7 +212,8 @@ def fused_linear_jsd(
         teacher_precision=teacher_precision, cosine_via="logits", loss="jsd",
     )
     return distill(options, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
-                   teacher_bias, num_valid_tokens=num_valid_tokens, return_soft_hard_loss=return_soft_hard_loss)
+                   teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
+                   return_soft_hard_loss=return_soft_hard_loss)
 
 
 class FusedLinearJSDLoss(torch.nn.Module):
@@ -227,9 +231,9 @@ class FusedLinearJSDLoss(torch.nn.Module):
         self.return_soft_hard_loss = return_soft_hard_loss
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
-                teacher_bias=None, *, num_valid_tokens=None):
+                teacher_bias=None, *, num_valid_tokens=None, vocab_parallel=None):
         return distill(self.options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
-                       student_bias, teacher_bias, num_valid_tokens=num_valid_tokens,
+                       student_bias, teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
                        return_soft_hard_loss=self.return_soft_hard_loss)
 
 

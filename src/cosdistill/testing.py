@@ -79,7 +79,14 @@ from ._row_step import (  # noqa: E402
     teacher_grad_coefficient,
     with_teacher_products,
 )
-from ._row_step_jsd import JSD_TORCH_ROW_STEP, row_step_jsd_torch  # noqa: E402
+from ._row_step_jsd import (  # noqa: E402
+    JSD_TORCH_ROW_STEP,
+    combine_jsd_stats,
+    jsd_row_grad,
+    jsd_row_stats,
+    jsd_row_sums,
+    row_step_jsd_torch,
+)
 from ._teacher_logits import LogitsTeacher, TeacherHead  # noqa: E402
 from .api import _AttachGradients as AttachGradients  # noqa: E402
 
@@ -90,7 +97,8 @@ _KERNEL_NAMES = {  # name -> the kernels module that defines it
     "TRITON_ROW_STEP": "row_step_triton", "row_step_triton": "row_step_triton", "row_stats_triton": "row_step_triton",
     "row_grad_triton": "row_step_triton", "count_labels_triton": "labels", "mean_losses_triton": "labels",
     "scale_unless_one_triton": "grad_output", "quantize_rows_triton": "fp8_quantize",
-    "fingerprint_triton": "fingerprint",
+    "fingerprint_triton": "fingerprint", "TRITON_JSD_ROW_STEP": "row_step_jsd_triton",
+    "row_step_jsd_triton": "row_step_jsd_triton",
 }
 _COMPILE_NAMES = ("compiled_distill", "fused_linear_cosine_distill_op")
 
@@ -98,7 +106,15 @@ _COMPILE_NAMES = ("compiled_distill", "fused_linear_cosine_distill_op")
 def _kernels():
     """The package cosdistill.kernels with every kernel module imported (its attributes)."""
     from . import kernels
-    from .kernels import fingerprint, fp8_quantize, grad_output, labels, row_step_cuda, row_step_triton  # noqa: F401
+    from .kernels import (  # noqa: F401
+        fingerprint,
+        fp8_quantize,
+        grad_output,
+        labels,
+        row_step_cuda,
+        row_step_jsd_triton,
+        row_step_triton,
+    )
 
     return kernels
 
@@ -125,7 +141,7 @@ __all__ = [
     "LabelCounts", "count_labels_torch", "mean_losses_torch", "Options", "chunk_rows", "TORCH_ROW_STEP", "RowStepImpl",
     "RowStepScales", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
     "with_teacher_products", "LogitsTeacher", "TeacherHead", "AttachGradients",
-    "JSD_TORCH_ROW_STEP", "row_step_jsd_torch",
+    "JSD_TORCH_ROW_STEP", "combine_jsd_stats", "jsd_row_grad", "jsd_row_stats", "jsd_row_sums", "row_step_jsd_torch",
     # internals imported on first use: the Triton twins and the torch.compile op
     *_KERNEL_NAMES, *_COMPILE_NAMES,
 ]

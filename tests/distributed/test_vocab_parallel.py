@@ -1,4 +1,5 @@
-"""Vocabulary-parallel heads on gloo (CPU), 2 and 3 ranks: the loss and gradients of the unsplit heads."""
+"""Vocabulary-parallel heads on gloo (CPU), 2 and 3 ranks: the loss and gradients of the unsplit heads, for the
+cosine loss and the generalized JSD."""
 
 import datetime
 import json
@@ -10,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import make_problem, rel_err
-from cosdistill import fused_linear_cosine_distill
+from cosdistill import fused_linear_cosine_distill, fused_linear_jsd
 from cosdistill.distributed import VocabParallelOptions
 
 # (vocab_student, vocab_teacher, dtype): neither divisible by 2 or 3; with 3 ranks the last holds no
@@ -22,15 +23,17 @@ IMPLS = ("torch", "triton")  # triton through the interpreter (conftest sets TRI
 OPTIONS = dict(weight_hard_loss=0.3, weight_soft_loss=0.7, beta=0.8, temperature=1.5, chunk_size=8,
                return_soft_hard_loss=True)
 GRAD_OUTPUT = 0.5
+LOSSES = {"cosine": fused_linear_cosine_distill, "jsd": fused_linear_jsd}
+JSD_BETAS = (0.0, 0.8, 1.0)  # forward KL, the generalized JSD, reverse KL: three forms of the gradient
 
 
-def losses_and_grads(problem, student_weight, student_bias, teacher_weight, teacher_bias, **kwargs):
+def losses_and_grads(problem, student_weight, student_bias, teacher_weight, teacher_bias, loss="cosine", **kwargs):
     student_input = problem.student_input.detach().clone().requires_grad_()
     leaves = [student_input, student_weight.detach().clone().requires_grad_(),
               student_bias.detach().clone().requires_grad_()]
-    loss, soft, hard = fused_linear_cosine_distill(
+    loss, soft, hard = LOSSES[loss](
         leaves[0], leaves[1], problem.teacher_input, teacher_weight, problem.labels, leaves[2], teacher_bias,
-        **OPTIONS, **kwargs)
+        **(OPTIONS | kwargs))
     (loss * GRAD_OUTPUT).backward()
     return [loss.detach(), soft, hard], [leaf.grad for leaf in leaves]
 
@@ -51,11 +54,15 @@ def measure_rank(rank, world_size, folder):
             options = VocabParallelOptions.even_split(vocab_teacher, vocab_student)
             shards = (options.student_rows(problem.student_weight), options.student_rows(problem.student_bias),
                       options.teacher_rows(problem.teacher_weight), options.teacher_rows(problem.teacher_bias))
-            for impl in IMPLS:
-                want_losses, want_grads = losses_and_grads(problem, *whole, impl="torch")
-                got_losses, got_grads = losses_and_grads(problem, *shards, impl=impl, vocab_parallel=options)
+            runs = {impl: dict(impl=impl) for impl in IMPLS}
+            if dtype != torch.float16:  # the JSD takes bf16 or fp32
+                runs |= {f"jsd beta={beta:g}, {impl}": dict(loss="jsd", beta=beta, impl=impl)
+                         for beta in JSD_BETAS for impl in IMPLS}
+            for run, kwargs in runs.items():
+                want_losses, want_grads = losses_and_grads(problem, *whole, **(kwargs | dict(impl="torch")))
+                got_losses, got_grads = losses_and_grads(problem, *shards, **kwargs, vocab_parallel=options)
                 want_grads[1:] = [options.student_rows(grad) for grad in want_grads[1:]]
-                errors[f"{case}, {impl}"] = {
+                errors[f"{case}, {run}"] = {
                     "losses": [rel_err(got, want) for got, want in zip(got_losses, want_losses)],
                     "grads": [rel_err(got, want) for got, want in zip(got_grads, want_grads)],
                     "student rows": options.student_rows(problem.student_weight).shape[0],

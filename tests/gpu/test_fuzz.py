@@ -1,10 +1,11 @@
 """Random problems through impl="auto" (on the CPU "triton") and "torch", each against float64 and each other:
 on a CUDA GPU at LLM sizes (pytest -m gpu; --fuzz-cases, --fuzz-seed), and on the CPU in tiny sizes.
 
-Each case draws sizes (T 0..3000, 2-D or 3-D inputs, student and teacher hidden sizes, Vs 1..140000
-with tiny, prime and LLM vocabularies, Vt >= Vs), dtype, biases, ignore pattern, loss weights and beta
-(zeros included), temperature, chunk size, softcaps, logit scales, num_valid_tokens, accum_dtype and
-grad_output, plus a seed for its tensors. T is capped so that the float64 reference (the naive version
+Each case draws the soft term (the cosine loss, or in one case of four the generalized JSD), sizes (T
+0..3000, 2-D or 3-D inputs, student and teacher hidden sizes, Vs 1..140000 with tiny, prime and LLM
+vocabularies, Vt >= Vs), dtype, biases, ignore pattern, loss weights and beta (zeros included),
+temperature, chunk size, softcaps, logit scales, num_valid_tokens, accum_dtype and grad_output, plus a
+seed for its tensors. T is capped so that the float64 reference (the naive version
 on float64 copies, the oracle) stays cheap: T * Vt * (Hs + Ht) and T * Vt are bounded.
 
 Compared: loss, soft, hard and the gradients of student_input, student_weight, student_bias, by
@@ -26,8 +27,8 @@ import pytest
 import torch
 
 from conftest import on_devices
-from cosdistill import fused_linear_cosine_distill
-from cosdistill.reference import naive_cosine_distill
+from cosdistill import fused_linear_cosine_distill, fused_linear_jsd
+from cosdistill.reference import naive_cosine_distill, naive_jsd
 from cosdistill.testing import Options, float64_reference, kernels, random_student_teacher, rel_err
 from cosdistill.testing import teacher_gram as gram
 from cosdistill.tools.bench import DTYPES
@@ -40,7 +41,12 @@ QUANTITIES = ("loss", "soft", "hard", "grad_input", "grad_weight", "grad_bias")
 COMPARISONS = ("fast vs float64", "torch vs float64", "fast vs torch")
 PRIMES = (2, 3, 5, 7, 31, 97, 127, 257, 1021, 4093, 4999, 32003, 65521, 131071)
 LLM_VOCABS = (32000, 32001, 50257, 65536, 128256)
+FUSED = {"cosine": fused_linear_cosine_distill, "jsd": fused_linear_jsd}
+NAIVE = {"cosine": naive_cosine_distill, "jsd": naive_jsd}
 COVERAGE = (  # (label, test on a case's parameters): what the GPU cases must exercise
+    ("jsd", lambda c: c["loss"] == "jsd"),
+    ("jsd, forward KL (beta = 0)", lambda c: c["loss"] == "jsd" and c["beta"] == 0),
+    ("jsd, reverse KL (beta = 1)", lambda c: c["loss"] == "jsd" and c["beta"] == 1),
     ("T = 0", lambda c: c["tokens"] == 0),
     ("T = 1", lambda c: c["tokens"] == 1),
     ("3-D", lambda c: c["batch"] is not None),
@@ -101,12 +107,17 @@ class Case:
     num_valid_tokens: int | None
     accum_dtype: str | None
     grad_output: float
+    loss: str = "cosine"  # the soft term: "cosine" or "jsd"
 
     def options(self) -> dict:
         """The keyword arguments that the fused loss and the naive reference share."""
-        return dict(
+        options = dict(
             weight_hard_loss=self.weight_hard_loss, weight_soft_loss=self.weight_soft_loss, beta=self.beta,
             ignore_index=self.ignore_index, temperature=self.temperature, num_valid_tokens=self.num_valid_tokens,
+        )
+        if self.loss == "jsd":  # it takes no softcaps or logit scales
+            return options
+        return options | dict(
             student_softcap=self.student_softcap, teacher_softcap=self.teacher_softcap,
             student_logit_scale=self.student_logit_scale, teacher_logit_scale=self.teacher_logit_scale,
         )
@@ -202,14 +213,17 @@ def draw_case(rng: random.Random, index: int, limits: Limits) -> Case:
         vocab = max(8, vocab_student // 8 * 8)
         case = dataclasses.replace(case, dtype="bf16", vocab_student=vocab, vocab_teacher=vocab, student_softcap=None,
                                    teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0)
+    if rng.random() < 0.25:  # the generalized JSD: bf16 or fp32, no softcaps or logit scales
+        case = dataclasses.replace(case, loss="jsd", dtype=rng.choice(["bf16", "fp32"]), student_softcap=None,
+                                   teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0)
     return case
 
 
 def gram_taken(case: Case) -> bool:
     """Whether cosine_via="auto" takes the Gram path (gram.py; its teacher-scale guard aside: the fuzz's
     heads are of order one)."""
-    heads_allow = not (case.student_bias or case.teacher_bias or case.student_softcap or case.teacher_softcap
-                       or case.dtype == "fp16")
+    heads_allow = case.loss == "cosine" and not (
+        case.student_bias or case.teacher_bias or case.student_softcap or case.teacher_softcap or case.dtype == "fp16")
     return heads_allow and gram.gram_is_cheaper(case.tokens, case.vocab_student, case.vocab_teacher,
                                                 case.hidden_student, case.hidden_teacher, write_grad_weight=True)
 
@@ -219,8 +233,8 @@ def cluster_eligible(case: Case) -> bool:
     options = case.options()
     del options["num_valid_tokens"]  # the rest are Options fields
     scales = Options(**options).scales
-    return not gram_taken(case) and kernels.row_step_cuda.applies(DTYPES[case.dtype], case.vocab_student,
-                                                          case.vocab_teacher, scales)
+    return case.loss == "cosine" and not gram_taken(case) and kernels.row_step_cuda.applies(
+        DTYPES[case.dtype], case.vocab_student, case.vocab_teacher, scales)
 
 
 def fast_impl(device) -> str:
@@ -250,7 +264,7 @@ def fused_result(args, case: Case, impl: str):
     for i in (0, 1, 5):
         if args[i] is not None:
             args[i].grad = None
-    losses = fused_linear_cosine_distill(
+    losses = FUSED[case.loss](
         *args, chunk_size=case.chunk_size, return_soft_hard_loss=True, impl=impl,
         accum_dtype=case.accum_dtype and DTYPES[case.accum_dtype], **case.options(),
     )
@@ -260,7 +274,7 @@ def fused_result(args, case: Case, impl: str):
 
 def reference_result(args, case: Case):
     """The same from the naive version on float64 copies (grad_output applied in float64)."""
-    losses, grads = float64_reference(args, **case.options())
+    losses, grads = float64_reference(args, loss=case.loss, **case.options())
     return losses + [grad * case.grad_output for grad in grads]
 
 
@@ -304,7 +318,7 @@ def dtype_floors(args, case: Case, reference) -> list[float]:
         loss_floors = [0.0] * 3
     else:
         with torch.no_grad():
-            naive = naive_cosine_distill(*args, **case.options())
+            naive = NAIVE[case.loss](*args, **case.options())
         loss_floors = [rel_err(loss, ref) for loss, ref in zip(naive, reference)]
     return loss_floors + [rel_err(ref.to(DTYPES[case.dtype]), ref) for ref in reference[3:]]
 
@@ -339,10 +353,12 @@ def check_case(case: Case, device) -> dict:
     fast, torch_ = fused_result(args, case, fast_impl(device)), fused_result(args, case, "torch")
     labels = args[4]
     no_valid_token = not bool((labels != case.ignore_index).any())
-    weighted_out = case.weight_hard_loss == 0 and case.weight_soft_loss * case.beta == 0
+    soft_weight = case.weight_soft_loss * (case.beta if case.loss == "cosine" else 1.0)  # beta mixes the JSD's terms
+    weighted_out = case.weight_hard_loss == 0 and soft_weight == 0
     pairs = dict(zip(COMPARISONS, [(fast, reference), (torch_, reference), (fast, torch_)]))
     dtype = DTYPES[case.dtype]
-    design = logits_rounding_floors(args, dtype, case.grad_output, **case.options()) if case.tokens else [0.0] * 3
+    design = (logits_rounding_floors(args, dtype, case.grad_output, loss=case.loss, **case.options()) if case.tokens
+              else [0.0] * 3)
     accumulation = accumulation_floor(dtype, case.accum_dtype and DTYPES[case.accum_dtype], case.chunk_size,
                                       case.tokens, case.vocab_student, case.vocab_teacher)
     return {name: compare(got, want, reference, case.dtype, no_valid_token, weighted_out, floors, design, accumulation)
@@ -357,7 +373,7 @@ def failures(errors: dict) -> list[str]:
 
 
 
-CPU_CASES = 8  # tiny cases on the CPU, drawn from --fuzz-seed as the GPU's are
+CPU_CASES = 14  # tiny cases on the CPU, drawn from --fuzz-seed as the GPU's are (two of them JSD at seed 0)
 
 
 def pytest_generate_tests(metafunc):

@@ -217,15 +217,18 @@ FP8_CASES = on_devices([
 ], describe)
 
 
+@pytest.mark.parametrize("loss", [dict(loss="cosine"), dict(loss="jsd", beta=0.5, temperature=1.5)],
+                         ids=["cosine", "jsd"])
 @pytest.mark.parametrize("device, case", FP8_CASES)
-def test_fp8_teacher_matches_float64_on_the_dequantized_teacher(device, case, monkeypatch):
+def test_fp8_teacher_matches_float64_on_the_dequantized_teacher(device, case, loss, monkeypatch):
     """The FP8 teacher path against float64 fed the dequantized teacher: only rounding may differ."""
     fp8_or_skip(device, monkeypatch)
     args = random_problem(case, device)
     quantized = list(args)
     quantized[2], quantized[3] = fp8.dequantized(args[2]), fp8.dequantized(args[3])
-    got = fused_run(args, chunk_size=case.chunk_size, teacher_precision="fp8")
-    assert_passed([compare("loss fp8 teacher vs float64", case.describe(), BF16, got, float64_reference(quantized))])
+    got = fused_run(args, chunk_size=case.chunk_size, teacher_precision="fp8", **loss)
+    want = float64_reference(quantized, **loss)
+    assert_passed([compare(f"{loss['loss']} fp8 teacher vs float64", case.describe(), BF16, got, want)])
 
 
 ZERO_HEAD_CASES = {"cpu": LossCase(250, 1283, 1283, 64, FP16, True, 7, 64),

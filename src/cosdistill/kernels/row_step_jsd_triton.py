@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .._row_step import RowStepImpl, RowStepScales
+from .._row_step_jsd import split_jsd_row_step
 from .row_step_triton import FLOAT32_TINY, INTERPRET, LOG2E, _block, _check_layout, _common_args, _row_and_label
 
 # Untuned: the cosine step's (row_step_triton.py) until the H200 sweeps. STAGES: each hot loop's loads go
@@ -33,7 +34,6 @@ LOSS_ONLY_BLOCK = 2048
 LOSS_ONLY_WARPS = 8
 LOSS_ONLY_STAGES = 4
 
-LOG2E_HOST = math.log2(math.e)
 LN2: tl.constexpr = tl.constexpr(math.log(2.0))  # base-2 sums back to nats
 # The soft term's form, a compile-time branch each (the spec's three cases):
 FORWARD: tl.constexpr = tl.constexpr(0)  # beta == 0: KL(q || p)
@@ -42,12 +42,10 @@ MIXED: tl.constexpr = tl.constexpr(2)  # 0 < beta < 1: against the mixture m
 
 
 @triton.jit
-def _exp2(x, ACCURATE: tl.constexpr = False):
+def _exp2(x):
     """2^x as row_step_triton._exp's ex2.approx.ftz (results below 1e-38 flush to 0), without its multiply by
-    log2(e), which the base-2 callers have folded into their scales. ACCURATE: the row's few scalars."""
+    log2(e): the base-2 callers have folded that into their scales. The interpreter cannot run PTX."""
     if INTERPRET:
-        return tl.exp2(x)
-    elif ACCURATE:
         return tl.exp2(x)
     else:
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
@@ -66,41 +64,60 @@ def _log2(x):
 
 
 @triton.jit
-def _online(run_max, run_sum, x):
-    """Each lane's running max and sum of 2^(x - max), one exponential per logit instead of the usual two:
-    only the smaller of x and the old max is shifted by the other. The first logit (max -inf) gives
-    gap = 2^-inf = 0 and sum 1."""
-    gap = _exp2(-tl.abs(x - run_max))
-    grew = x > run_max
-    return tl.maximum(run_max, x), tl.where(grew, run_sum * gap + 1.0, run_sum + gap)
+def _online(run_max, run_sum, v, scale):
+    """Each lane's running max of the logits v and sum of 2^((v - max) scale), one exponential per logit instead
+    of the usual two: only the smaller of v and the old max is shifted by the other. The max stays in the logits'
+    own units, so that v - max is formed before the scaling, exactly where v is near the max, and large logits
+    at a small T lose nothing to the rounding of v * scale. The first logit (max -inf) gives gap 0 and sum 1."""
+    gap = _exp2(-tl.abs(v - run_max) * scale)
+    return tl.maximum(run_max, v), tl.where(v > run_max, run_sum * gap + 1.0, run_sum + gap)
 
 
 @triton.jit
-def _online_masked(run_max, run_sum, x, mask):
-    """_online where mask holds; elsewhere the lane keeps its state (x there is the load's 0, so nothing
-    computed is NaN either)."""
-    new_max, new_sum = _online(run_max, run_sum, x)
-    return tl.where(mask, new_max, run_max), tl.where(mask, new_sum, run_sum)
+def _online_two(run_max, sum_x, sum_z, v, x_scale, z_scale):
+    """_online at two scales, the student's at T and unscaled (T != 1), sharing its max."""
+    distance = -tl.abs(v - run_max)
+    gap_x = _exp2(distance * x_scale)
+    gap_z = _exp2(distance * z_scale)
+    grew = v > run_max
+    return (tl.maximum(run_max, v), tl.where(grew, sum_x * gap_x + 1.0, sum_x + gap_x),
+            tl.where(grew, sum_z * gap_z + 1.0, sum_z + gap_z))
 
 
 @triton.jit
-def _row_total(run_max, run_sum):
-    """(max, sum of 2^(x - max)) of the row from its lanes'; a lane that saw nothing holds (-inf, 0)."""
+def _row_total(run_max, run_sum, scale):
+    """(max, sum of 2^((v - max) scale)) of the row from its lanes'; a lane that saw nothing holds (-inf, 0)."""
     row_max = tl.max(run_max, axis=0)
-    return row_max, tl.sum(run_sum * tl.exp2(run_max - row_max), axis=0)
+    return row_max, tl.sum(run_sum * tl.exp2((run_max - row_max) * scale), axis=0)
 
 
 @triton.jit
-def _student_probs(s, a, z_scale, norm_z, inv_ratio, SHARED: tl.constexpr):
+def _log_probs(s, t, x_scale, shift_x, norm_x, shift_y, norm_y, MASKED: tl.constexpr):
+    """(log2 p, log2 q) of a block. MASKED, a partial block: its lanes past a vocabulary hold the loads' 0s,
+    whose log-probabilities can be large and positive (2^x = inf); a real one is <= 0, so the clamp changes
+    only those lanes, which nothing stores or sums."""
+    a = (s - shift_x) * x_scale - norm_x
+    b = (t - shift_y) * x_scale - norm_y
+    if MASKED:
+        a = tl.minimum(a, 0.0)
+        b = tl.minimum(b, 0.0)
+    return a, b
+
+
+@triton.jit
+def _student_probs(s, a, z_scale, shift_z, norm_z, inv_ratio, SHARED: tl.constexpr, MASKED: tl.constexpr):
     """(p, softmax(s)): the student's probabilities at T over the padded vocabulary (log2 p = a) and unscaled
     over its own (the hard term's). With SHARED (T == 1) they differ only by the padding's share of the
     normaliser: one exponential, and p = softmax(s) * inv_ratio with inv_ratio <= 1, so nothing overflows
-    however much the padding's zeros dominate."""
+    however much the padding's zeros dominate. MASKED: as _log_probs."""
+    log_hard = (s - shift_z) * z_scale - norm_z
+    if MASKED:
+        log_hard = tl.minimum(log_hard, 0.0)
     if SHARED:
-        hard_prob = _exp2(s * z_scale - norm_z)
+        hard_prob = _exp2(log_hard)
         return hard_prob * inv_ratio, hard_prob
     else:
-        return _exp2(a), _exp2(s * z_scale - norm_z)
+        return _exp2(a), _exp2(log_hard)
 
 
 @triton.jit
@@ -113,12 +130,10 @@ def _mixture(p, b, keep, log_beta):
 
 
 @triton.jit
-def _soft_terms(s, t, x_scale, norm_x, norm_y, keep, log_beta, MODE: tl.constexpr):
-    """Per logit pair, the soft loss's summands in base-2 units: (the student's, the teacher's); the soft loss
-    is ln 2 times their sums, and the student's alone is (1 - beta) KL(p || m) for the mixed gradient's
-    row sum. FORWARD: q (b - a), REVERSE: p (a - b), MIXED: (1 - beta) p (a - m) and beta q (b - m)."""
-    a = s * x_scale - norm_x
-    b = t * x_scale - norm_y
+def _soft_terms(a, b, keep, log_beta, MODE: tl.constexpr):
+    """The soft loss's summands in base-2 units, (the student's, the teacher's). FORWARD: (0, q (b - a));
+    REVERSE: (p (a - b), 0); MIXED: (p (a - m), beta q (b - m)). The student's sum is also the gradient's
+    row sum sum_j p_j g_j (up to the factor that _grad's log_coef carries)."""
     if MODE == FORWARD:
         return tl.zeros_like(a), _exp2(b) * (b - a)
     elif MODE == REVERSE:
@@ -126,27 +141,26 @@ def _soft_terms(s, t, x_scale, norm_x, norm_y, keep, log_beta, MODE: tl.constexp
     else:
         p = _exp2(a)
         beta_q, log_m = _mixture(p, b, keep, log_beta)
-        return (keep * p) * (a - log_m), beta_q * (b - log_m)
+        return p * (a - log_m), beta_q * (b - log_m)
 
 
 @triton.jit
-def _grad(s, t, cols, label_col, x_scale, z_scale, norm_x, norm_y, norm_z, inv_ratio, weight_hard, soft_coef,
-          log_coef, shift, keep, log_beta, MODE: tl.constexpr, SHARED: tl.constexpr):
-    """(d L / d s, the FORWARD soft summand q (b - a)) of a block: weight_hard (softmax(s) - onehot) plus
-    soft_coef = weight_soft / T times the soft term's bracket, in REVERSE and MIXED p (log_coef (a - x) - shift)
-    with x = b or log2 m and the row constants from pass 2."""
-    a = s * x_scale - norm_x
-    b = t * x_scale - norm_y
-    p, hard_prob = _student_probs(s, a, z_scale, norm_z, inv_ratio, SHARED)
+def _grad(s, a, b, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum,
+          keep, log_beta, MODE: tl.constexpr, SHARED: tl.constexpr, MASKED: tl.constexpr):
+    """(d L / d s, FORWARD's soft summand q (b - a)) of a block: weight_hard (softmax(s) - onehot) plus
+    soft_coef = weight_soft / T times the soft term's bracket; in REVERSE and MIXED p log_coef ((a - x) - row_sum)
+    with x = b or log2 m. The bracket is formed before the scaling, as the spec forms it: where p sits on one
+    column, (a - x) and row_sum are large and equal, and scaled apart they would round apart."""
+    p, hard_prob = _student_probs(s, a, z_scale, shift_z, norm_z, inv_ratio, SHARED, MASKED)
     grad = weight_hard * hard_prob - tl.where(cols == label_col, weight_hard, 0.0)
     if MODE == FORWARD:
         q = _exp2(b)
         return grad + soft_coef * (p - q), q * (b - a)
     elif MODE == REVERSE:
-        return grad + p * (log_coef * (a - b) - shift), tl.zeros_like(a)
+        return grad + p * (log_coef * ((a - b) - row_sum)), tl.zeros_like(a)
     else:
         _, log_m = _mixture(p, b, keep, log_beta)
-        return grad + p * (log_coef * (a - log_m) - shift), tl.zeros_like(a)
+        return grad + p * (log_coef * ((a - log_m) - row_sum)), tl.zeros_like(a)
 
 
 @triton.jit
@@ -161,8 +175,8 @@ def _jsd_row_step_kernel(
         row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
         vocab_student_total,
     )
-    # As the spec's label_columns: a valid label outside this shard's columns stands at column 0.
-    label_col = tl.where(in_shard, column, 0).to(tl.int32)
+    # As the spec's label_columns: a valid label outside this shard's columns has no target logit and no one-hot.
+    label_col = tl.where(in_shard, column, -1).to(tl.int32)
     teacher_row = teacher_ptr + row * teacher_row_stride
     losses_row = losses_ptr + row * 2
     offsets = tl.arange(0, BLOCK)
@@ -172,64 +186,75 @@ def _jsd_row_step_kernel(
     else:
         z_scale = LOG2E  # the unscaled student, for the hard term
     if valid:
-        # Pass 1: the three (two at T == 1) streams' running max and sum of exps; hot loop without masks.
-        max_x = tl.full([BLOCK], float("-inf"), tl.float32)
+        # Pass 1: the student's and the teacher's running max and sums of exps (the student's at T and, unless
+        # T == 1, unscaled); hot loop without masks.
+        max_s = tl.full([BLOCK], float("-inf"), tl.float32)
         sum_x = tl.zeros([BLOCK], tl.float32)
-        max_y = tl.full([BLOCK], float("-inf"), tl.float32)
-        sum_y = tl.zeros([BLOCK], tl.float32)
-        max_z = tl.full([BLOCK], float("-inf"), tl.float32)
         sum_z = tl.zeros([BLOCK], tl.float32)
+        max_t = tl.full([BLOCK], float("-inf"), tl.float32)
+        sum_y = tl.zeros([BLOCK], tl.float32)
         for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
             cols = start + offsets
             s = tl.load(student_row + cols).to(tl.float32)
             t = tl.load(teacher_row + cols).to(tl.float32)
-            max_x, sum_x = _online(max_x, sum_x, s * x_scale)
-            max_y, sum_y = _online(max_y, sum_y, t * x_scale)
-            if not SHARED:
-                max_z, sum_z = _online(max_z, sum_z, s * z_scale)
+            if SHARED:
+                max_s, sum_x = _online(max_s, sum_x, s, x_scale)
+            else:
+                max_s, sum_x, sum_z = _online_two(max_s, sum_x, sum_z, s, x_scale, z_scale)
+            max_t, sum_y = _online(max_t, sum_y, t, x_scale)
         for start in range(whole_blocks_stop, vocab_teacher, BLOCK):  # the student's last block, the teacher's rest
             cols = start + offsets
             in_student = cols < vocab_student
             in_teacher = cols < vocab_teacher
             s = tl.load(student_row + cols, mask=in_student, other=0.0).to(tl.float32)
             t = tl.load(teacher_row + cols, mask=in_teacher, other=0.0).to(tl.float32)
-            max_x, sum_x = _online_masked(max_x, sum_x, s * x_scale, in_student)
-            max_y, sum_y = _online_masked(max_y, sum_y, t * x_scale, in_teacher)
-            if not SHARED:
-                max_z, sum_z = _online_masked(max_z, sum_z, s * z_scale, in_student)
-        top_x, total_x = _row_total(max_x, sum_x)
-        top_y, total_y = _row_total(max_y, sum_y)
+            # A lane past a vocabulary keeps its state (its 0s computed nothing NaN).
+            if SHARED:
+                new_max, new_sum_x = _online(max_s, sum_x, s, x_scale)
+            else:
+                new_max, new_sum_x, new_sum_z = _online_two(max_s, sum_x, sum_z, s, x_scale, z_scale)
+                sum_z = tl.where(in_student, new_sum_z, sum_z)
+            max_s = tl.where(in_student, new_max, max_s)
+            sum_x = tl.where(in_student, new_sum_x, sum_x)
+            new_max, new_sum_y = _online(max_t, sum_y, t, x_scale)
+            max_t = tl.where(in_teacher, new_max, max_t)
+            sum_y = tl.where(in_teacher, new_sum_y, sum_y)
+        top_s, total_x = _row_total(max_s, sum_x, x_scale)
+        top_t, total_y = _row_total(max_t, sum_y, x_scale)
         if SHARED:
-            top_z, total_z = top_x, total_x
+            total_z = total_x
         else:
-            top_z, total_z = _row_total(max_z, sum_z)
-        # The padding's zeros, 2^0 each, join the student's soft normaliser (not the hard term's). The where
-        # keeps padding * 2^-top (inf for a very negative top) out of rows without padding.
-        top_padded = tl.where(padding > 0, tl.maximum(top_x, 0.0), top_x)
-        total_padded = total_x * tl.exp2(top_x - top_padded) + tl.where(padding > 0, padding * tl.exp2(-top_padded),
-                                                                        0.0)
-        norm_x = top_padded + tl.log2(total_padded)  # log2 p = s x_scale - norm_x
-        norm_y = top_y + tl.log2(total_y)  # log2 q = t x_scale - norm_y
-        norm_z = top_z + tl.log2(total_z)  # log2 softmax(s) = s z_scale - norm_z
-        inv_ratio = tl.exp2(norm_z - norm_x)  # p / softmax(s) on the student's columns: 1 without padding
-        target = tl.load(student_row + label_col, mask=label_col < vocab_student, other=0.0).to(tl.float32)
-        # (max - target) + log(sum): the two parts apart, as row_step.row_grad_torch keeps them
-        hard_loss = LN2 * ((top_z - target * z_scale) + tl.log2(total_z))
+            total_z = _row_total(max_s, sum_z, z_scale)[1]
+        # The padding's zeros join the student's soft normaliser (not the hard term's). The max keeps the
+        # padding's exponential finite in rows without padding, where it is multiplied by 0.
+        shift_x = tl.where(padding > 0, tl.maximum(top_s, 0.0), top_s)
+        total_padded = (total_x * tl.exp2((top_s - shift_x) * x_scale)
+                        + padding * tl.exp2(-tl.maximum(shift_x, 0.0) * x_scale))
+        norm_x = tl.log2(total_padded)  # log2 p = (s - shift_x) x_scale - norm_x
+        norm_y = tl.log2(total_y)  # log2 q = (t - top_t) x_scale - norm_y
+        norm_z = tl.log2(total_z)  # log2 softmax(s) = (s - top_s) z_scale - norm_z
+        if SHARED:  # p / softmax(s) on the student's columns (<= 1; 1 without padding)
+            inv_ratio = tl.exp2((top_s - shift_x) * x_scale + (norm_z - norm_x))
+        else:  # unused: the two are independent exponentials
+            inv_ratio = tl.full([], 1.0, tl.float32)
+        target = tl.load(student_row + label_col, mask=label_col >= 0, other=0.0).to(tl.float32)
+        hard_loss = (top_s - target) + LN2 * norm_z  # logsumexp(s) - s[label]
 
-        # Pass 2: the soft sums, and for FORWARD with gradients the gradient (its target read above first).
+        # Pass 2: the soft sums, and for FORWARD with gradients the gradient (the target is read above).
         student_part = tl.zeros([BLOCK], tl.float32)
         teacher_part = tl.zeros([BLOCK], tl.float32)
         for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
             cols = start + offsets
             s = tl.load(student_row + cols).to(tl.float32)
             t = tl.load(teacher_row + cols).to(tl.float32)
+            a, b = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
             if WRITE_GRAD and MODE == FORWARD:
-                grad, term = _grad(s, t, cols, label_col, x_scale, z_scale, norm_x, norm_y, norm_z, inv_ratio,
-                                   weight_hard, soft_coef, 0.0, 0.0, keep, log_beta, MODE, SHARED)
+                grad, term = _grad(s, a, b, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
+                                   0.0, keep, log_beta, MODE, SHARED, MASKED=False)
                 teacher_part += term
                 tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
             else:
-                student_term, teacher_term = _soft_terms(s, t, x_scale, norm_x, norm_y, keep, log_beta, MODE)
+                student_term, teacher_term = _soft_terms(a, b, keep, log_beta, MODE)
                 student_part += student_term
                 teacher_part += teacher_term
         for start in range(whole_blocks_stop, vocab_teacher, BLOCK):  # s is 0 on [Vs, Vt): the padding counts
@@ -238,17 +263,24 @@ def _jsd_row_step_kernel(
             in_teacher = cols < vocab_teacher
             s = tl.load(student_row + cols, mask=in_student, other=0.0).to(tl.float32)
             t = tl.load(teacher_row + cols, mask=in_teacher, other=0.0).to(tl.float32)
+            a, b = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
             if WRITE_GRAD and MODE == FORWARD:
-                grad, term = _grad(s, t, cols, label_col, x_scale, z_scale, norm_x, norm_y, norm_z, inv_ratio,
-                                   weight_hard, soft_coef, 0.0, 0.0, keep, log_beta, MODE, SHARED)
+                grad, term = _grad(s, a, b, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
+                                   0.0, keep, log_beta, MODE, SHARED, MASKED=True)
                 teacher_part += tl.where(in_teacher, term, 0.0)
                 tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_student)
             else:
-                student_term, teacher_term = _soft_terms(s, t, x_scale, norm_x, norm_y, keep, log_beta, MODE)
+                student_term, teacher_term = _soft_terms(a, b, keep, log_beta, MODE)
                 student_part += tl.where(in_teacher, student_term, 0.0)
                 teacher_part += tl.where(in_teacher, teacher_term, 0.0)
-        student_sum = tl.sum(student_part, axis=0)
-        soft_loss = LN2 * (student_sum + tl.sum(teacher_part, axis=0))
+        student_sum = tl.sum(student_part, axis=0)  # sum p (a - x), x = b or log2 m: the gradient's row sum
+        teacher_sum = tl.sum(teacher_part, axis=0)
+        if MODE == FORWARD:
+            soft_loss = LN2 * teacher_sum
+        elif MODE == REVERSE:
+            soft_loss = LN2 * student_sum
+        else:
+            soft_loss = LN2 * (keep * student_sum + teacher_sum)
         tl.store(losses_row, hard_loss)
         tl.store(losses_row + 1, soft_loss)
 
@@ -256,24 +288,24 @@ def _jsd_row_step_kernel(
         if WRITE_GRAD and MODE != FORWARD:
             if MODE == REVERSE:
                 log_coef = soft_coef * LN2
-                shift = soft_coef * soft_loss  # soft = sum p (a - b)
             else:
                 log_coef = soft_coef * keep * LN2
-                shift = soft_coef * LN2 * student_sum  # (1 - beta) KL(p || m) times soft_coef
             for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
                 cols = start + offsets
                 s = tl.load(student_row + cols).to(tl.float32)
                 t = tl.load(teacher_row + cols).to(tl.float32)
-                grad, _ = _grad(s, t, cols, label_col, x_scale, z_scale, norm_x, norm_y, norm_z, inv_ratio,
-                                weight_hard, soft_coef, log_coef, shift, keep, log_beta, MODE, SHARED)
+                a, b = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
+                grad, _ = _grad(s, a, b, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
+                                student_sum, keep, log_beta, MODE, SHARED, MASKED=False)
                 tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
             for start in range(whole_blocks_stop, vocab_student, BLOCK):  # the last, partial block
                 cols = start + offsets
                 in_student = cols < vocab_student
                 s = tl.load(student_row + cols, mask=in_student, other=0.0).to(tl.float32)
                 t = tl.load(teacher_row + cols, mask=in_student, other=0.0).to(tl.float32)
-                grad, _ = _grad(s, t, cols, label_col, x_scale, z_scale, norm_x, norm_y, norm_z, inv_ratio,
-                                weight_hard, soft_coef, log_coef, shift, keep, log_beta, MODE, SHARED)
+                a, b = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
+                grad, _ = _grad(s, a, b, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
+                                student_sum, keep, log_beta, MODE, SHARED, MASKED=True)
                 tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_student)
     else:  # an ignored token: no loss, no gradient
         tl.store(losses_row, 0.0)
@@ -320,12 +352,12 @@ def row_step_jsd_triton(student_logits, teacher_logits, labels, scales: RowStepS
     _jsd_row_step_kernel[(rows,)](
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
         vocab_student, vocab_teacher, *_common_args(vocab_student, scales),
-        scales.weight_hard, scales.weight_soft / temperature, LOG2E_HOST / temperature,
+        scales.weight_hard, scales.weight_soft / temperature, LOG2E.value / temperature,
         float(vocab_teacher - vocab_student), 1.0 - beta, math.log2(beta) if mode == 2 else 0.0,
         MODE=mode, SHARED=temperature == 1.0, WRITE_GRAD=write_grad, BLOCK=block, STAGES=stages,
         num_warps=num_warps,
     )
 
 
-# No split into statistics and gradient: a vocabulary split over ranks is refused for the JSD (_plan.py).
-TRITON_JSD_ROW_STEP = RowStepImpl(row_step_jsd_triton, None, None)
+# A vocabulary split over ranks runs the spec's three stages (split_jsd_row_step): no Triton twin of them yet.
+TRITON_JSD_ROW_STEP = RowStepImpl(row_step_jsd_triton, None, None, split=split_jsd_row_step)

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from .._plan import chunk_rows, default_accum_dtype
 from .._row_step import RowStepImpl, RowStepScales, combine_row_stats, row_step_torch
 from ..api import fused_linear_cosine_distill, fused_linear_jsd
-from ..reference import naive_cosine_distill
+from ..reference import naive_cosine_distill, naive_jsd
 from ..testing import float64_reference, random_student_teacher, rel_err
 
 POISON = 12345.0
@@ -146,18 +146,18 @@ class _KeepStudentLogits(TorchFunctionMode):
         return out
 
 
-def logits_rounding_floors(args, dtype: torch.dtype, grad_output=1.0, **options) -> list[float]:
+def logits_rounding_floors(args, dtype: torch.dtype, grad_output=1.0, loss="cosine", **options) -> list[float]:
     """[grad_input, grad_weight, grad_bias] floors: the relative error that storing d loss / d logits in
     the logits' dtype brings by itself (the design: the row step overwrites the logits buffer with
     it). The float64 gradients recomputed from the float64 d loss / d logits rounded to ``dtype`` as
     the chunk loop stores it (unnormalised, before grad_output), against the float64 gradients.
     Cancellation in the sums over tokens or vocabulary can make it large: e.g. grad_bias of a soft
     term alone in bf16, 1.5e-2 (the property test that showed it was off by 2.1e-2). ``args`` as
-    fused_linear_cosine_distill's first seven; ``options`` its loss keywords."""
+    fused_linear_cosine_distill's first seven; ``loss``: "cosine" or "jsd"; ``options`` its loss keywords."""
     upcast = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in args]
     keeper = _KeepStudentLogits()
     with keeper:
-        losses = naive_cosine_distill(*upcast, **options)
+        losses = (naive_jsd if loss == "jsd" else naive_cosine_distill)(*upcast, **options)
     (losses[0] * grad_output).backward()
     labels, vocab = args[4], args[1].shape[0]
     grad_logits = keeper.logits.grad.reshape(-1, vocab)
