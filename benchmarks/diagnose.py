@@ -89,19 +89,23 @@ def settle(steps, device, seconds: float, min_rounds: int = 1) -> None:
 
 
 def library_options(args) -> dict:
-    """The library's keyword options that --fp8 and --impl ask for."""
-    return dict(teacher_precision="fp8" if args.fp8 else None, impl=args.impl)
+    """The library's keyword options that --fp8, --impl and --loss ask for."""
+    return dict(teacher_precision="fp8" if args.fp8 else None, impl=args.impl, loss=args.loss)
 
 
 def loss_step(package, tensors, mode, options):
-    """One call of ``package``'s loss: forward and backward ("full") or the no-grad forward ("forward")."""
+    """One call of ``package``'s loss (options' "loss": "cosine" or "jsd"): forward and backward ("full") or
+    the no-grad forward ("forward")."""
+    options = dict(options)
+    loss = package.fused_linear_jsd if options.pop("loss", "cosine") == "jsd" else package.fused_linear_cosine_distill
+
     def call():
         tensors.clear_grads()
         if mode == "forward":
             with torch.no_grad():
-                package.fused_linear_cosine_distill(*tensors.args(), **options)
+                loss(*tensors.args(), **options)
         else:
-            package.fused_linear_cosine_distill(*tensors.args(), **options).backward()
+            loss(*tensors.args(), **options).backward()
     return call
 
 
@@ -524,6 +528,8 @@ def host_path(tensors, options, device, calls, profiler=None, until_first_gemm=F
     backward, stamped without a profiler; on CUDA each call behind a sleep kernel, so that the host never waits
     for the GPU. ``profiler`` (cProfile) runs over each whole call, or only until its first GEMM."""
     first_gemm, stamps, logits_into = [], [], testing.chunk_loop._logits_into
+    options = dict(options)
+    loss_of = cosdistill.fused_linear_jsd if options.pop("loss", "cosine") == "jsd" else cosdistill.fused_linear_cosine_distill
 
     def stamped_logits_into(*call_args):
         if not first_gemm:
@@ -542,7 +548,7 @@ def host_path(tensors, options, device, calls, profiler=None, until_first_gemm=F
             if profiler:
                 profiler.enable()
             start = time.perf_counter()
-            loss = cosdistill.fused_linear_cosine_distill(*tensors.args(), **options)
+            loss = loss_of(*tensors.args(), **options)
             returned = time.perf_counter()
             loss.backward()
             done = time.perf_counter()
@@ -851,7 +857,7 @@ def ab(args):
     device, workload = workload_of(args)
     settle_s = settle_seconds(args, 3.0, device)
     old = load_old(args.old)
-    options = dict(teacher_precision="fp8") if args.fp8 else {}
+    options = dict(teacher_precision="fp8" if args.fp8 else None, loss=args.loss)
     report = []
     print(f"new: {Path(cosdistill.__file__).parent}, old: {args.old}; {args.pairs} pairs, settle {settle_s} s")
     for tokens in args.tokens:
@@ -991,6 +997,7 @@ def add_settle_argument(parser):
 def add_library_arguments(parser):
     parser.add_argument("--fp8", action="store_true", help="the library with teacher_precision='fp8'")
     parser.add_argument("--impl", choices=testing.backends.IMPLS, default="auto", help="the library's impl")
+    parser.add_argument("--loss", choices=("cosine", "jsd"), default="cosine", help="the library's soft term")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1060,6 +1067,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--modes", nargs="+", choices=("full", "forward"), default=["full", "forward"])
     sub.add_argument("--pairs", type=int, default=200)
     sub.add_argument("--fp8", action="store_true", help="both versions with teacher_precision='fp8'")
+    sub.add_argument("--loss", choices=("cosine", "jsd"), default="cosine", help="both versions' soft term")
 
     sub = add("fp8-accuracy", fp8_accuracy,
               "the FP8 teacher's error on real-looking data against float64 and the bf16 path")
