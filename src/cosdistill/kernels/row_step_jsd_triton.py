@@ -240,10 +240,23 @@ def _jsd_row_step_kernel(
         target = tl.load(student_row + label_col, mask=label_col >= 0, other=0.0).to(tl.float32)
         hard_loss = (top_s - target) + LN2 * norm_z  # logsumexp(s) - s[label]
 
-        # Pass 2: the soft sums, and for FORWARD with gradients the gradient (the target is read above). It runs
-        # backwards, from the blocks pass 1 read last, which the L2 cache still holds (pass 3 runs forwards again).
+        # Pass 2: the soft sums, and for FORWARD with gradients the gradient (the target is read above).
         student_part = tl.zeros([BLOCK], tl.float32)
         teacher_part = tl.zeros([BLOCK], tl.float32)
+        for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
+            cols = start + offsets
+            s = tl.load(student_row + cols).to(tl.float32)
+            t = tl.load(teacher_row + cols).to(tl.float32)
+            a, b = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
+            if WRITE_GRAD and MODE == FORWARD:
+                grad, term = _grad(s, a, b, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
+                                   0.0, keep, log_beta, MODE, SHARED, MASKED=False)
+                teacher_part += term
+                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
+            else:
+                student_term, teacher_term = _soft_terms(a, b, keep, log_beta, MODE)
+                student_part += student_term
+                teacher_part += teacher_term
         for start in range(whole_blocks_stop, vocab_teacher, BLOCK):  # s is 0 on [Vs, Vt): the padding counts
             cols = start + offsets
             in_student = cols < vocab_student
@@ -260,20 +273,6 @@ def _jsd_row_step_kernel(
                 student_term, teacher_term = _soft_terms(a, b, keep, log_beta, MODE)
                 student_part += tl.where(in_teacher, student_term, 0.0)
                 teacher_part += tl.where(in_teacher, teacher_term, 0.0)
-        for back in tl.range(BLOCK, whole_blocks_stop + BLOCK, BLOCK, num_stages=STAGES):
-            cols = (whole_blocks_stop - back) + offsets
-            s = tl.load(student_row + cols).to(tl.float32)
-            t = tl.load(teacher_row + cols).to(tl.float32)
-            a, b = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
-            if WRITE_GRAD and MODE == FORWARD:
-                grad, term = _grad(s, a, b, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
-                                   0.0, keep, log_beta, MODE, SHARED, MASKED=False)
-                teacher_part += term
-                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
-            else:
-                student_term, teacher_term = _soft_terms(a, b, keep, log_beta, MODE)
-                student_part += student_term
-                teacher_part += teacher_term
         student_sum = tl.sum(student_part, axis=0)  # sum p (a - x), x = b or log2 m: the gradient's row sum
         teacher_sum = tl.sum(teacher_part, axis=0)
         if MODE == FORWARD:
