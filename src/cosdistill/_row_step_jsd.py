@@ -24,7 +24,10 @@ the chunk loop's). Its gradient, for the student's own columns k:
         else:      g = (1 - beta) (a - m)  (the terms in d m / d p cancel, since M = (1 - beta) p + beta q)
 
 Every term is formed from log-probabilities, so peaked teachers (q underflowing to 0) and temperatures far
-from 1 stay finite.
+from 1 stay finite. The spec computes in float64: in fp32 its sums over a whole vocabulary lose about an ulp
+of log(V) per term, which shows against a small divergence (a student padded to a much larger teacher
+vocabulary: 1.7e-5 off float64); the Triton kernel avoids that by forming b - a from the logits' distances
+to their maxima.
 
 It runs in three stages, so that a vocabulary split over ranks can combine each row's numbers between
 them: ``jsd_row_stats`` (the three log-sum-exps and the target logit), ``jsd_row_sums`` (the divergence and
@@ -37,7 +40,8 @@ import torch
 
 from ._row_step import RowStepImpl, RowStepScales, label_columns
 
-# Per-row statistics of the JSD's row step, along the last dimension of a [n, 4] fp32 tensor; over a
+SPEC_DTYPE = torch.float64
+# Per-row statistics of the JSD's row step, along the last dimension of a [n, 4] float64 tensor; over a
 # vocabulary split, each rank's are combined across ranks (combine_jsd_stats) before the sums.
 JSD_STATS = (
     "log_sum_exp",  # logsumexp of s over the student's columns (the hard term's; -inf over none)
@@ -49,8 +53,8 @@ LSE, TARGET, LSE_STUDENT, LSE_TEACHER = range(len(JSD_STATS))
 
 
 def _padded_student(student_logits, vocab_teacher):
-    """s in fp32, zero-padded to the teacher's columns (the soft term's view of it)."""
-    s = student_logits.float()
+    """s in SPEC_DTYPE, zero-padded to the teacher's columns (the soft term's view of it)."""
+    s = student_logits.to(SPEC_DTYPE)
     if vocab_teacher > s.shape[1]:
         s = torch.nn.functional.pad(s, (0, vocab_teacher - s.shape[1]))
     return s
@@ -60,14 +64,14 @@ def jsd_row_stats(student_logits, teacher_logits, labels, scales: RowStepScales)
     """[n, len(JSD_STATS)] over this shard's columns."""
     rows, vocab_student = student_logits.shape
     _, in_shard, column = label_columns(labels, vocab_student, scales)
-    s = student_logits.float()
+    s = student_logits.to(SPEC_DTYPE)
     stats = s.new_empty(rows, len(JSD_STATS))
     stats[:, LSE] = torch.logsumexp(s, dim=1) if vocab_student else float("-inf")
     target = s.gather(1, column[:, None])[:, 0] if vocab_student else s.new_zeros(rows)
     stats[:, TARGET] = torch.where(in_shard, target, 0.0)
     padded = _padded_student(student_logits, teacher_logits.shape[1])
     stats[:, LSE_STUDENT] = torch.logsumexp(padded / scales.temperature, dim=1)
-    stats[:, LSE_TEACHER] = torch.logsumexp(teacher_logits.float() / scales.temperature, dim=1)
+    stats[:, LSE_TEACHER] = torch.logsumexp(teacher_logits.to(SPEC_DTYPE) / scales.temperature, dim=1)
     return stats
 
 
@@ -79,35 +83,38 @@ def combine_jsd_stats(shard_stats: torch.Tensor) -> torch.Tensor:
 
 
 def _log_probs(student_logits, teacher_logits, stats, temperature):
-    """(a, b): the log-probabilities at the temperature over this shard's columns, s zero-padded."""
+    """(a, d): the student's log-probabilities at the temperature over this shard's columns (s zero-padded)
+    and d = b - a, the teacher's minus the student's. d is formed from the logits' difference, not from a and
+    b: each of those is off by about an ulp of log(V), which summed over a whole vocabulary would swamp a
+    small divergence."""
     padded = _padded_student(student_logits, teacher_logits.shape[1])
     a = padded / temperature - stats[:, LSE_STUDENT, None]
-    return a, teacher_logits.float() / temperature - stats[:, LSE_TEACHER, None]
+    d = (teacher_logits.to(SPEC_DTYPE) - padded) / temperature - (stats[:, LSE_TEACHER] - stats[:, LSE_STUDENT])[:, None]
+    return a, d
 
 
-def jsd_terms(a, b, beta):
-    """(soft [n], student part [n], g [n, V]) over the given columns, from the log-probabilities a (student)
-    and b (teacher): soft the divergence's sum, g = d soft / d p up to a constant, and the student part
-    sum_j p_j g_j, which the gradient subtracts (0 where it needs none: beta = 0)."""
+def jsd_terms(a, d, beta):
+    """(soft [n], student part [n], g [n, V]) over the given columns, from the student's log-probabilities a
+    and d = b - a: soft the divergence's sum, g = d soft / d p up to a constant, and the student part
+    sum_j p_j g_j, which the gradient subtracts (0 where it needs none: beta = 0). With the mixture
+    m = log((1 - beta) e^a + beta e^b), a - m = -logaddexp(log(1 - beta), log(beta) + d) and b - m = d + (a - m)."""
     p = a.exp()
     if beta == 0.0:
-        q = b.exp()
-        return (q * (b - a)).sum(1), torch.zeros_like(a[:, 0]), None
+        return ((a + d).exp() * d).sum(1), torch.zeros_like(a[:, 0]), None
     if beta == 1.0:
-        soft = (p * (a - b)).sum(1)
-        return soft, soft, a - b
-    m = torch.logaddexp(a + math.log1p(-beta), b + math.log(beta))
-    q = b.exp()
-    student_part = (p * (a - m)).sum(1)
-    soft = beta * (q * (b - m)).sum(1) + (1.0 - beta) * student_part
-    return soft, (1.0 - beta) * student_part, (1.0 - beta) * (a - m)
+        soft = -(p * d).sum(1)
+        return soft, soft, -d
+    student_minus_mixture = -torch.logaddexp(d.new_tensor(math.log1p(-beta)), d + math.log(beta))
+    student_part = (p * student_minus_mixture).sum(1)
+    soft = beta * ((a + d).exp() * (d + student_minus_mixture)).sum(1) + (1.0 - beta) * student_part
+    return soft, (1.0 - beta) * student_part, (1.0 - beta) * student_minus_mixture
 
 
 def jsd_row_sums(student_logits, teacher_logits, stats, scales: RowStepScales) -> torch.Tensor:
     """[n, 2]: the soft term and the gradient's student part (jsd_terms) over this shard's columns; a
     vocabulary split adds them up across ranks."""
-    a, b = _log_probs(student_logits, teacher_logits, stats, scales.temperature)
-    soft, student_part, _ = jsd_terms(a, b, scales.beta)
+    soft, student_part, _ = jsd_terms(*_log_probs(student_logits, teacher_logits, stats, scales.temperature),
+                                      scales.beta)
     return torch.stack([soft, student_part], dim=1)
 
 
@@ -120,16 +127,16 @@ def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales: Ro
     token_losses[:, 1] = torch.where(valid, sums[:, 0], 0.0)
     if not write_grad:
         return
-    s = student_logits.float()
+    s = student_logits.to(SPEC_DTYPE)
     grad = scales.weight_hard * torch.exp(s - stats[:, LSE, None])
     if vocab_student:  # a shard may hold none of the student's columns
-        grad.scatter_add_(1, column[:, None], torch.where(in_shard, -scales.weight_hard, 0.0)[:, None])
-    a, b = _log_probs(student_logits, teacher_logits, stats, scales.temperature)
-    a, b = a[:, :vocab_student], b[:, :vocab_student]  # the student has no gradient past its own columns
+        grad.scatter_add_(1, column[:, None], torch.where(in_shard, -scales.weight_hard, 0.0).to(SPEC_DTYPE)[:, None])
+    a, d = _log_probs(student_logits, teacher_logits, stats, scales.temperature)
+    a, d = a[:, :vocab_student], d[:, :vocab_student]  # the student has no gradient past its own columns
     if scales.beta == 0.0:
-        soft_grad = a.exp() - b.exp()
+        soft_grad = a.exp() - (a + d).exp()
     else:
-        g = jsd_terms(a, b, scales.beta)[2]
+        g = jsd_terms(a, d, scales.beta)[2]
         soft_grad = a.exp() * (g - sums[:, 1, None])
     grad += (scales.weight_soft / scales.temperature) * soft_grad
     student_logits.copy_(torch.where(valid[:, None], grad, 0.0))

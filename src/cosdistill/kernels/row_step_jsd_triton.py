@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .._row_step import RowStepImpl, RowStepScales
 from .._row_step_jsd import split_jsd_row_step
-from .row_step_triton import FLOAT32_TINY, INTERPRET, LOG2E, _block, _check_layout, _common_args, _row_and_label
+from .row_step_triton import INTERPRET, LOG2E, _block, _check_layout, _common_args, _row_and_label
 
 # Untuned: the cosine step's (row_step_triton.py) until the H200 sweeps. STAGES: each hot loop's loads go
 # through shared memory STAGES - 1 blocks ahead (1: plain loads into registers).
@@ -93,15 +93,21 @@ def _row_total(run_max, run_sum, scale):
 
 @triton.jit
 def _log_probs(s, t, x_scale, shift_x, norm_x, shift_y, norm_y, MASKED: tl.constexpr):
-    """(log2 p, log2 q) of a block. MASKED, a partial block: its lanes past a vocabulary hold the loads' 0s,
-    whose log-probabilities can be large and positive (2^x = inf); a real one is <= 0, so the clamp changes
-    only those lanes, which nothing stores or sums."""
-    a = (s - shift_x) * x_scale - norm_x
-    b = (t - shift_y) * x_scale - norm_y
+    """(log2 p, log2 q, d) of a block, d = log2 q - log2 p formed as ((t - shift_y) - (s - shift_x)) x_scale +
+    (norm_x - norm_y): from the logits' distances to their rows' maxima, not as log2 q minus log2 p, each of
+    which is off by about an ulp of its normaliser (log2 V), which summed over a whole vocabulary swamps a
+    small divergence. MASKED, a partial block: its lanes past a vocabulary hold the loads' 0s, whose
+    log-probabilities can be large and positive (2^x = inf); a real one is <= 0, so the clamps change only
+    those lanes, which nothing stores or sums."""
+    student_distance = s - shift_x
+    teacher_distance = t - shift_y
+    a = student_distance * x_scale - norm_x
+    b = teacher_distance * x_scale - norm_y
+    d = (teacher_distance - student_distance) * x_scale + (norm_x - norm_y)
     if MASKED:
         a = tl.minimum(a, 0.0)
         b = tl.minimum(b, 0.0)
-    return a, b
+    return a, b, d
 
 
 @triton.jit
@@ -121,53 +127,55 @@ def _student_probs(s, a, z_scale, shift_z, norm_z, inv_ratio, SHARED: tl.constex
 
 
 @triton.jit
-def _mixture(p, b, keep, log_beta):
-    """(beta q, log2 m) with m = (1 - beta) p + beta q; keep = 1 - beta. The max with the smallest normal
-    keeps the log finite where p and q both flush to 0, whose terms then weigh 0 (lg2.approx.ftz would
-    read a subnormal sum as 0 and give -inf, and 0 * -inf is NaN)."""
-    beta_q = _exp2(b + log_beta)
-    return beta_q, _log2(tl.maximum(keep * p + beta_q, FLOAT32_TINY))
+def _minus_mixture(d, keep, beta):
+    """(log2 p - log2 m, log2 q - log2 m), m = (1 - beta) p + beta q, from d = log2 q - log2 p alone: with
+    L = log2 of the larger weight plus the other times 2^-|d|, they are (-L - d, -L) for d >= 0 and
+    (-L, d - L) below. One exponential and one log, no overflow, and each of the two is formed without
+    cancelling large terms (as b - m = d + (a - m) would, where a teacher peaks far from the student)."""
+    smaller = _exp2(-tl.abs(d))  # the smaller of 2^d and 2^-d: never overflows
+    spread = tl.where(d >= 0.0, beta + keep * smaller, keep + beta * smaller)
+    log_spread = _log2(spread)
+    return -log_spread - tl.maximum(d, 0.0), tl.minimum(d, 0.0) - log_spread
 
 
 @triton.jit
-def _soft_terms(a, b, keep, log_beta, MODE: tl.constexpr):
-    """The soft loss's summands in base-2 units, (the student's, the teacher's). FORWARD: (0, q (b - a));
-    REVERSE: (p (a - b), 0); MIXED: (p (a - m), beta q (b - m)). The student's sum is also the gradient's
-    row sum sum_j p_j g_j (up to the factor that _grad's log_coef carries)."""
+def _soft_terms(a, b, d, keep, beta, MODE: tl.constexpr):
+    """The soft loss's summands in base-2 units, (the student's, the teacher's), from log2 p = a, log2 q = b and
+    d = log2 q - log2 p. FORWARD: (0, q d); REVERSE: (-p d, 0); MIXED: (p (a - log2 m), beta q (b - log2 m)).
+    The student's sum is also the gradient's row sum sum_j p_j g_j (up to the factor _grad's log_coef carries)."""
     if MODE == FORWARD:
-        return tl.zeros_like(a), _exp2(b) * (b - a)
+        return tl.zeros_like(a), _exp2(b) * d
     elif MODE == REVERSE:
-        return _exp2(a) * (a - b), tl.zeros_like(a)
+        return -_exp2(a) * d, tl.zeros_like(a)
     else:
-        p = _exp2(a)
-        beta_q, log_m = _mixture(p, b, keep, log_beta)
-        return p * (a - log_m), beta_q * (b - log_m)
+        student_gap, teacher_gap = _minus_mixture(d, keep, beta)
+        return _exp2(a) * student_gap, beta * _exp2(b) * teacher_gap
 
 
 @triton.jit
-def _grad(s, a, b, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum,
-          keep, log_beta, MODE: tl.constexpr, SHARED: tl.constexpr, MASKED: tl.constexpr):
-    """(d L / d s, FORWARD's soft summand q (b - a)) of a block: weight_hard (softmax(s) - onehot) plus
-    soft_coef = weight_soft / T times the soft term's bracket; in REVERSE and MIXED p log_coef ((a - x) - row_sum)
-    with x = b or log2 m. The bracket is formed before the scaling, as the spec forms it: where p sits on one
-    column, (a - x) and row_sum are large and equal, and scaled apart they would round apart."""
+def _grad(s, a, b, d, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum,
+          keep, beta, MODE: tl.constexpr, SHARED: tl.constexpr, MASKED: tl.constexpr):
+    """(d L / d s, FORWARD's soft summand q d) of a block: weight_hard (softmax(s) - onehot) plus soft_coef =
+    weight_soft / T times the soft term's bracket; in REVERSE and MIXED p log_coef ((a - x) - row_sum) with
+    a - x = -d or log2 p - log2 m. The bracket is formed before the scaling, as the spec forms it: where p
+    sits on one column, (a - x) and row_sum are large and equal, and scaled apart they would round apart."""
     p, hard_prob = _student_probs(s, a, z_scale, shift_z, norm_z, inv_ratio, SHARED, MASKED)
     grad = weight_hard * hard_prob - tl.where(cols == label_col, weight_hard, 0.0)
     if MODE == FORWARD:
         q = _exp2(b)
-        return grad + soft_coef * (p - q), q * (b - a)
+        return grad + soft_coef * (p - q), q * d
     elif MODE == REVERSE:
-        return grad + p * (log_coef * ((a - b) - row_sum)), tl.zeros_like(a)
+        return grad + p * (log_coef * (-d - row_sum)), tl.zeros_like(a)
     else:
-        _, log_m = _mixture(p, b, keep, log_beta)
-        return grad + p * (log_coef * ((a - log_m) - row_sum)), tl.zeros_like(a)
+        student_gap, _ = _minus_mixture(d, keep, beta)
+        return grad + p * (log_coef * (student_gap - row_sum)), tl.zeros_like(a)
 
 
 @triton.jit
 def _jsd_row_step_kernel(
     student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, losses_ptr,
     vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
-    weight_hard, soft_coef, x_scale, padding, keep, log_beta,
+    weight_hard, soft_coef, x_scale, padding, keep, beta,
     MODE: tl.constexpr, SHARED: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -247,14 +255,14 @@ def _jsd_row_step_kernel(
             cols = start + offsets
             s = tl.load(student_row + cols).to(tl.float32)
             t = tl.load(teacher_row + cols).to(tl.float32)
-            a, b = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
+            a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
             if WRITE_GRAD and MODE == FORWARD:
-                grad, term = _grad(s, a, b, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
-                                   0.0, keep, log_beta, MODE, SHARED, MASKED=False)
+                grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
+                                   0.0, keep, beta, MODE, SHARED, MASKED=False)
                 teacher_part += term
                 tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
             else:
-                student_term, teacher_term = _soft_terms(a, b, keep, log_beta, MODE)
+                student_term, teacher_term = _soft_terms(a, b, d, keep, beta, MODE)
                 student_part += student_term
                 teacher_part += teacher_term
         for start in range(whole_blocks_stop, vocab_teacher, BLOCK):  # s is 0 on [Vs, Vt): the padding counts
@@ -263,14 +271,14 @@ def _jsd_row_step_kernel(
             in_teacher = cols < vocab_teacher
             s = tl.load(student_row + cols, mask=in_student, other=0.0).to(tl.float32)
             t = tl.load(teacher_row + cols, mask=in_teacher, other=0.0).to(tl.float32)
-            a, b = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
+            a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
             if WRITE_GRAD and MODE == FORWARD:
-                grad, term = _grad(s, a, b, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
-                                   0.0, keep, log_beta, MODE, SHARED, MASKED=True)
+                grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
+                                   0.0, keep, beta, MODE, SHARED, MASKED=True)
                 teacher_part += tl.where(in_teacher, term, 0.0)
                 tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_student)
             else:
-                student_term, teacher_term = _soft_terms(a, b, keep, log_beta, MODE)
+                student_term, teacher_term = _soft_terms(a, b, d, keep, beta, MODE)
                 student_part += tl.where(in_teacher, student_term, 0.0)
                 teacher_part += tl.where(in_teacher, teacher_term, 0.0)
         student_sum = tl.sum(student_part, axis=0)  # sum p (a - x), x = b or log2 m: the gradient's row sum
@@ -294,18 +302,18 @@ def _jsd_row_step_kernel(
                 cols = start + offsets
                 s = tl.load(student_row + cols).to(tl.float32)
                 t = tl.load(teacher_row + cols).to(tl.float32)
-                a, b = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
-                grad, _ = _grad(s, a, b, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
-                                student_sum, keep, log_beta, MODE, SHARED, MASKED=False)
+                a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
+                grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
+                                student_sum, keep, beta, MODE, SHARED, MASKED=False)
                 tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
             for start in range(whole_blocks_stop, vocab_student, BLOCK):  # the last, partial block
                 cols = start + offsets
                 in_student = cols < vocab_student
                 s = tl.load(student_row + cols, mask=in_student, other=0.0).to(tl.float32)
                 t = tl.load(teacher_row + cols, mask=in_student, other=0.0).to(tl.float32)
-                a, b = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
-                grad, _ = _grad(s, a, b, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
-                                student_sum, keep, log_beta, MODE, SHARED, MASKED=True)
+                a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
+                grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
+                                student_sum, keep, beta, MODE, SHARED, MASKED=True)
                 tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_student)
     else:  # an ignored token: no loss, no gradient
         tl.store(losses_row, 0.0)
@@ -353,7 +361,7 @@ def row_step_jsd_triton(student_logits, teacher_logits, labels, scales: RowStepS
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
         vocab_student, vocab_teacher, *_common_args(vocab_student, scales),
         scales.weight_hard, scales.weight_soft / temperature, LOG2E.value / temperature,
-        float(vocab_teacher - vocab_student), 1.0 - beta, math.log2(beta) if mode == 2 else 0.0,
+        float(vocab_teacher - vocab_student), 1.0 - beta, beta,
         MODE=mode, SHARED=temperature == 1.0, WRITE_GRAD=write_grad, BLOCK=block, STAGES=stages,
         num_warps=num_warps,
     )
