@@ -94,6 +94,22 @@ def test_its_stages_over_a_vocabulary_split_give_the_whole_rows_step(beta, write
     assert rel_err(torch.cat([shard[0] for shard in shards], dim=1), want) < 1e-6
 
 
+@pytest.mark.parametrize("vocab_teacher", [1, 50, 61339])
+def test_a_one_column_student_gets_the_soft_terms_gradient_alone(vocab_teacher):
+    """softmax(s) is 1 on a student of one column: the hard term's gradient is exactly 0, and the soft term's,
+    of order 1 / Vt, must not drown in the hard term's rounding."""
+    generator = torch.Generator().manual_seed(vocab_teacher)
+    s = torch.randn(5, 1, generator=generator, dtype=torch.float64) * 3
+    t = torch.randn(5, vocab_teacher, generator=generator, dtype=torch.float64) * 3
+    leaf = s.clone().requires_grad_()
+    soft = jsd_reference(leaf, t, 0.5442, 1.0)
+    (1.2 * (torch.logsumexp(leaf, 1) - leaf[:, 0]).sum() + 0.26 * soft.sum()).backward()
+    got, losses = s.float(), torch.empty(5, 2)
+    row_step_jsd_torch(got, t.float(), torch.zeros(5, dtype=torch.long), RowStepScales(1.2, 0.26, 0.5442, 1.0, -1),
+                       losses, True)
+    assert rel_err(got, leaf.grad) < 1e-5
+
+
 def test_peaked_teacher_and_extreme_temperatures_stay_finite():
     s = torch.randn(4, 30) * 50
     t = torch.full((4, 30), -1e4)

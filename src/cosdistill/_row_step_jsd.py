@@ -130,7 +130,9 @@ def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales: Ro
     s = student_logits.to(SPEC_DTYPE)
     grad = scales.weight_hard * torch.exp(s - stats[:, LSE, None])
     if vocab_student:  # a shard may hold none of the student's columns
-        grad.scatter_add_(1, column[:, None], torch.where(in_shard, -scales.weight_hard, 0.0).to(SPEC_DTYPE)[:, None])
+        # The one-hot's weight in SPEC_DTYPE, as the softmax's: rounded to fp32 it would not cancel where
+        # softmax(s) is 1 (a one-column student), whose exact gradient is the soft term's alone.
+        grad.scatter_add_(1, column[:, None], in_shard.to(SPEC_DTYPE)[:, None] * -scales.weight_hard)
     a, d = _log_probs(student_logits, teacher_logits, stats, scales.temperature)
     a, d = a[:, :vocab_student], d[:, :vocab_student]  # the student has no gradient past its own columns
     if scales.beta == 0.0:
