@@ -25,13 +25,13 @@ from .._row_step import RowStepImpl, RowStepScales
 from .._row_step_jsd import split_jsd_row_step
 from .row_step_triton import INTERPRET, LOG2E, _block, _check_layout, _common_args, _row_and_label
 
-# Untuned: the cosine step's (row_step_triton.py) until the H200 sweeps. STAGES: each hot loop's loads go
-# through shared memory STAGES - 1 blocks ahead (1: plain loads into registers).
+# H200 sweeps (docs/design.md, The generalized JSD). STAGES: each hot loop's loads go through shared memory
+# STAGES - 1 blocks ahead (1: plain loads into registers).
 DEFAULT_BLOCK = 2048
 DEFAULT_WARPS = 8
 DEFAULT_STAGES = 4
 LOSS_ONLY_BLOCK = 2048
-LOSS_ONLY_WARPS = 8
+LOSS_ONLY_WARPS = 4  # the no-grad launch: fewer warps ran faster in both sweeps
 LOSS_ONLY_STAGES = 4
 
 LN2: tl.constexpr = tl.constexpr(math.log(2.0))  # base-2 sums back to nats
