@@ -137,6 +137,28 @@ def test_fused_linear_jsd_matches_float64(beta, temperature, chunk_size):
         assert rel_err(leaf.grad, want) < 1e-5
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 1.8])
+def test_softcaps_and_logit_scales_match_the_naive_version(beta, temperature):
+    """Each model's logits times its logit scale, then softcapped, before both terms (Gemma-2, Cohere): the
+    loss and the student's gradients against the naive version in float64, Vt > Vs, biases, chunks of 7."""
+    from cosdistill.testing import float64_reference
+
+    problem = make_problem(tokens=29, vocab_teacher=131, ignore_every=4)
+    heads = dict(student_softcap=3.0, teacher_softcap=4.5, student_logit_scale=0.7, teacher_logit_scale=1.6)
+    options = dict(beta=beta, temperature=temperature, **heads)
+    args = problem.args()
+    losses = fused_linear_jsd(*args, chunk_size=7, return_soft_hard_loss=True, **options)
+    grads = torch.autograd.grad(losses[0], (problem.student_input, problem.student_weight, problem.student_bias))
+    want_losses, want_grads = float64_reference(args, loss="jsd", **options)
+    for got, want in zip(losses, want_losses):
+        assert rel_err(got, want) < 1e-5
+    for got, want in zip(grads, want_grads):
+        assert rel_err(got, want) < 1e-5
+    plain = fused_linear_jsd(*args, beta=beta, temperature=temperature)
+    assert rel_err(plain, losses[0]) > 1e-3  # the caps and scales change the loss
+
+
 @pytest.mark.parametrize("beta", BETAS)
 def test_matches_trls_generalized_jsd_loss(beta):
     gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")

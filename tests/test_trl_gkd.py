@@ -98,6 +98,23 @@ def test_compute_loss_and_gradients_are_gkds(tmp_path, labels_on_padding, num_it
                 assert rel_err(grad, want_grads[name]) < 1e-5, (beta, temperature, name)
 
 
+def test_softcapped_and_scaled_heads_are_gkds(tmp_path):
+    """A Gemma-2 student (final logit softcapping) against a Cohere teacher (a logit scale): the loss and gradients
+    of GKDTrainer.compute_loss, which reads both models' own logits."""
+    student, teacher = tiny_model("gemma2"), tiny_model("cohere", seed=1)
+    ours_student, trl_student = copy.deepcopy(student), copy.deepcopy(student)
+    ours = make(DistillationGKDTrainer, tmp_path, ours_student, teacher, beta=0.5)
+    theirs = make(GKDTrainer, tmp_path, trl_student, teacher, beta=0.5)
+    batch = ours.data_collator([ours.train_dataset[i] for i in range(len(ours.train_dataset))])
+    got, want = ours.compute_loss(ours_student, dict(batch)), theirs.compute_loss(trl_student, dict(batch))
+    assert want > 1e-3 and rel_err(got, want) < 1e-5, (got.item(), want.item())
+    got.backward()
+    want.backward()
+    want_grads = student_grads(trl_student)
+    for name, grad in student_grads(ours_student).items():
+        assert rel_err(grad, want_grads[name]) < 1e-5, name
+
+
 class GradientRecorder(transformers.TrainerCallback):
     """Each optimizer step's gradients of the trained parameters."""
 
@@ -212,8 +229,8 @@ def test_evaluation_and_prediction_losses_are_gkds(tmp_path):
     assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("option", ["compute_metrics", "preprocess_logits_for_metrics", "student softcapping",
-                                    "teacher logit_scale", "loss_options beta"])
+@pytest.mark.parametrize("option", ["compute_metrics", "preprocess_logits_for_metrics", "student logits_scaling",
+                                    "loss_options beta"])
 def test_options_the_fused_loss_cannot_honour_raise(tmp_path, option):
     student, teacher = models()
     kwargs = {}
@@ -222,10 +239,9 @@ def test_options_the_fused_loss_cannot_honour_raise(tmp_path, option):
     elif option == "preprocess_logits_for_metrics":
         kwargs = dict(preprocess_logits_for_metrics=lambda logits, labels: logits)
         match = "does not support preprocess_logits_for_metrics"
-    elif option == "student softcapping":
-        student, match = tiny_model("gemma2"), r"the student's config.final_logit_softcapping=3.0"
-    elif option == "teacher logit_scale":
-        teacher, match = tiny_model("cohere", seed=1), r"the teacher's config.logit_scale=0.5"
+    elif option == "student logits_scaling":
+        student.config.logits_scaling = 4.0  # Granite's, applied differently per family
+        match = r"the student's config.logits_scaling=4.0"
     else:
         kwargs, match = dict(loss_options=dict(beta=0.9)), r"loss_options cannot set \['beta'\]"
     with pytest.raises(ValueError, match=match):

@@ -2,7 +2,9 @@
 ``fused_linear_jsd`` (api.py) and of its gradient, and its CPU path.
 
 For one chunk of tokens, student logits s [n, Vs] and teacher logits t [n, Vt] (Vt >= Vs: s is zero-padded
-to Vt, as Liger-Kernel pads it), temperature T and mixing weight beta:
+to Vt, as Liger-Kernel pads it), temperature T and mixing weight beta, each model's logits first times its
+logit scale and then softcapped where the scales say so (as in _row_step.py, the gradient then carrying
+those factors):
 
     a = log_softmax(s / T),  b = log_softmax(t / T),  p = exp(a),  q = exp(b)
     beta = 0:  soft = KL(q || p) = sum q (b - a)                       (forward KL)
@@ -38,7 +40,7 @@ import math
 
 import torch
 
-from ._row_step import RowStepImpl, RowStepScales, label_columns
+from ._row_step import RowStepImpl, RowStepScales, label_columns, scale_and_softcap
 
 SPEC_DTYPE = torch.float64
 # Per-row statistics of the JSD's row step, along the last dimension of a [n, 4] float64 tensor; over a
@@ -52,26 +54,29 @@ JSD_STATS = (
 LSE, TARGET, LSE_STUDENT, LSE_TEACHER = range(len(JSD_STATS))
 
 
-def _padded_student(student_logits, vocab_teacher):
-    """s in SPEC_DTYPE, zero-padded to the teacher's columns (the soft term's view of it)."""
-    s = student_logits.to(SPEC_DTYPE)
-    if vocab_teacher > s.shape[1]:
-        s = torch.nn.functional.pad(s, (0, vocab_teacher - s.shape[1]))
-    return s
+def _as_the_loss_sees_them(student_logits, teacher_logits, scales: RowStepScales):
+    """(s, t) in SPEC_DTYPE, each times its logit scale, then softcapped (as _row_step.py's)."""
+    s = scale_and_softcap(student_logits.to(SPEC_DTYPE), scales.student_logit_scale, scales.student_softcap)
+    t = scale_and_softcap(teacher_logits.to(SPEC_DTYPE), scales.teacher_logit_scale, scales.teacher_softcap)
+    return s, t
+
+
+def _padded(s, vocab_teacher):
+    """s zero-padded to the teacher's columns (the soft term's view of it)."""
+    return torch.nn.functional.pad(s, (0, vocab_teacher - s.shape[1])) if vocab_teacher > s.shape[1] else s
 
 
 def jsd_row_stats(student_logits, teacher_logits, labels, scales: RowStepScales) -> torch.Tensor:
     """[n, len(JSD_STATS)] over this shard's columns."""
     rows, vocab_student = student_logits.shape
     _, in_shard, column = label_columns(labels, vocab_student, scales)
-    s = student_logits.to(SPEC_DTYPE)
+    s, t = _as_the_loss_sees_them(student_logits, teacher_logits, scales)
     stats = s.new_empty(rows, len(JSD_STATS))
     stats[:, LSE] = torch.logsumexp(s, dim=1) if vocab_student else float("-inf")
     target = s.gather(1, column[:, None])[:, 0] if vocab_student else s.new_zeros(rows)
     stats[:, TARGET] = torch.where(in_shard, target, 0.0)
-    padded = _padded_student(student_logits, teacher_logits.shape[1])
-    stats[:, LSE_STUDENT] = torch.logsumexp(padded / scales.temperature, dim=1)
-    stats[:, LSE_TEACHER] = torch.logsumexp(teacher_logits.to(SPEC_DTYPE) / scales.temperature, dim=1)
+    stats[:, LSE_STUDENT] = torch.logsumexp(_padded(s, t.shape[1]) / scales.temperature, dim=1)
+    stats[:, LSE_TEACHER] = torch.logsumexp(t / scales.temperature, dim=1)
     return stats
 
 
@@ -82,14 +87,12 @@ def combine_jsd_stats(shard_stats: torch.Tensor) -> torch.Tensor:
     return stats
 
 
-def _log_probs(student_logits, teacher_logits, stats, temperature):
+def _log_probs(s, t, stats, temperature):
     """(a, d): the student's log-probabilities at the temperature over this shard's columns (s zero-padded)
-    and d = b - a, the teacher's minus the student's. d is formed from the logits' difference, not from a and
-    b: each of those is off by about an ulp of log(V), which summed over a whole vocabulary would swamp a
-    small divergence."""
-    padded = _padded_student(student_logits, teacher_logits.shape[1])
+    and d = b - a, the teacher's minus the student's."""
+    padded = _padded(s, t.shape[1])
     a = padded / temperature - stats[:, LSE_STUDENT, None]
-    d = (teacher_logits.to(SPEC_DTYPE) - padded) / temperature - (stats[:, LSE_TEACHER] - stats[:, LSE_STUDENT])[:, None]
+    d = (t - padded) / temperature - (stats[:, LSE_TEACHER] - stats[:, LSE_STUDENT])[:, None]
     return a, d
 
 
@@ -113,8 +116,8 @@ def jsd_terms(a, d, beta):
 def jsd_row_sums(student_logits, teacher_logits, stats, scales: RowStepScales) -> torch.Tensor:
     """[n, 2]: the soft term and the gradient's student part (jsd_terms) over this shard's columns; a
     vocabulary split adds them up across ranks."""
-    soft, student_part, _ = jsd_terms(*_log_probs(student_logits, teacher_logits, stats, scales.temperature),
-                                      scales.beta)
+    s, t = _as_the_loss_sees_them(student_logits, teacher_logits, scales)
+    soft, student_part, _ = jsd_terms(*_log_probs(s, t, stats, scales.temperature), scales.beta)
     return torch.stack([soft, student_part], dim=1)
 
 
@@ -127,13 +130,13 @@ def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales: Ro
     token_losses[:, 1] = torch.where(valid, sums[:, 0], 0.0)
     if not write_grad:
         return
-    s = student_logits.to(SPEC_DTYPE)
+    s, t = _as_the_loss_sees_them(student_logits, teacher_logits, scales)
     grad = scales.weight_hard * torch.exp(s - stats[:, LSE, None])
     if vocab_student:  # a shard may hold none of the student's columns
         # The one-hot's weight in SPEC_DTYPE, as the softmax's: rounded to fp32 it would not cancel where
         # softmax(s) is 1 (a one-column student), whose exact gradient is the soft term's alone.
         grad.scatter_add_(1, column[:, None], in_shard.to(SPEC_DTYPE)[:, None] * -scales.weight_hard)
-    a, d = _log_probs(student_logits, teacher_logits, stats, scales.temperature)
+    a, d = _log_probs(s, t, stats, scales.temperature)
     a, d = a[:, :vocab_student], d[:, :vocab_student]  # the student has no gradient past its own columns
     if scales.beta == 0.0:
         soft_grad = a.exp() - (a + d).exp()
@@ -141,6 +144,9 @@ def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales: Ro
         g = jsd_terms(a, d, scales.beta)[2]
         soft_grad = a.exp() * (g - sums[:, 1, None])
     grad += (scales.weight_soft / scales.temperature) * soft_grad
+    if scales.student_softcap is not None:
+        grad *= 1.0 - (s / scales.student_softcap) ** 2  # d(c tanh(z / c)) / dz
+    grad *= scales.student_logit_scale
     student_logits.copy_(torch.where(valid[:, None], grad, 0.0))
 
 

@@ -187,6 +187,10 @@ def fused_linear_jsd(
     impl="auto",
     teacher_precision=None,
     vocab_parallel=None,
+    student_softcap=None,
+    teacher_softcap=None,
+    student_logit_scale=1.0,
+    teacher_logit_scale=1.0,
 ):
     """Hard cross-entropy plus the generalized Jensen-Shannon divergence through two LM heads, never holding
     all logits. The positional order is that of Liger-Kernel's ``LigerFusedLinearJSDFunction.apply``.
@@ -200,16 +204,20 @@ def fused_linear_jsd(
         loss = weight_hard_loss * hard + weight_soft_loss * soft
 
     as TRL's ``GKDTrainer.generalized_jsd_loss`` and Liger-Kernel 0.8.5's ``LigerFusedLinearJSDLoss`` (no factor
-    temperature^2). The row step is so far its torch spec (_row_step_jsd.py) on every device; the GEMMs, the
-    chunking, the FP8 teacher (``teacher_precision="fp8"``) and the other keywords are the cosine loss's.
-    With ``vocab_parallel`` each chunk all-gathers two small per-token tensors (the log-sum-exps, then the
-    divergence's sums) where the cosine loss gathers one. ``compiled`` is accepted for compatibility with
+    temperature^2). The row step is _row_step_jsd.py's torch spec on the CPU and ``impl="torch"``, else its Triton
+    twin (``impl="cuda"`` runs Triton's: there is no CUDA JSD step); the GEMMs, the chunking, the FP8 teacher
+    (``teacher_precision="fp8"``) and the other keywords are the cosine loss's. The softcaps and logit scales
+    are ``fused_linear_cosine_distill``'s: each model's logits times its scale, then softcapped, before both
+    terms. With ``vocab_parallel`` each chunk all-gathers two small per-token tensors (the log-sum-exps, then
+    the divergence's sums) where the cosine loss gathers one. ``compiled`` is accepted for compatibility with
     Liger and changes nothing.
     """
     options = Options(
         weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
         temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
-        teacher_precision=teacher_precision, cosine_via="logits", loss="jsd",
+        teacher_precision=teacher_precision, cosine_via="logits", loss="jsd", student_softcap=student_softcap,
+        teacher_softcap=teacher_softcap, student_logit_scale=student_logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
     )
     return distill(options, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
                    teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
@@ -221,12 +229,15 @@ class FusedLinearJSDLoss(torch.nn.Module):
 
     def __init__(self, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100, temperature=1.0,
                  compiled=True, chunk_size=None, return_soft_hard_loss=False, *, accum_dtype=None, impl="auto",
-                 teacher_precision=None):
+                 teacher_precision=None, student_softcap=None, teacher_softcap=None, student_logit_scale=1.0,
+                 teacher_logit_scale=1.0):
         super().__init__()
         self.options = Options(
             weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
             temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
-            teacher_precision=teacher_precision, cosine_via="logits", loss="jsd",
+            teacher_precision=teacher_precision, cosine_via="logits", loss="jsd", student_softcap=student_softcap,
+            teacher_softcap=teacher_softcap, student_logit_scale=student_logit_scale,
+            teacher_logit_scale=teacher_logit_scale,
         )
         self.return_soft_hard_loss = return_soft_hard_loss
 

@@ -194,16 +194,9 @@ def distill_loss(
     hidden, weight, bias, softcap, logit_scale = head_inputs(student, student_hidden, "student")
     if loss not in ("cosine", "jsd"):
         raise ValueError(f"loss must be 'cosine' or 'jsd', got {loss!r}")
-    fused, head_options = fused_linear_cosine_distill, dict(
-        student_softcap=softcap, teacher_softcap=teacher_args[3], student_logit_scale=logit_scale,
-        teacher_logit_scale=teacher_args[4])
-    if loss == "jsd":
-        scaled = [name for name, (cap, scale) in (("student", (softcap, logit_scale)), ("teacher", teacher_args[3:]))
-                  if cap is not None or scale != 1.0]
-        if scaled:
-            raise ValueError(f"loss='jsd' does not take the {' and '.join(scaled)}'s final logit softcapping or "
-                             "logit scale yet")
-        fused, head_options = fused_linear_jsd, {}
+    fused = fused_linear_jsd if loss == "jsd" else fused_linear_cosine_distill
+    head_options = dict(student_softcap=softcap, teacher_softcap=teacher_args[3], student_logit_scale=logit_scale,
+                        teacher_logit_scale=teacher_args[4])
     with torch.autocast(hidden.device.type, enabled=False):  # the inputs are already in the autocast dtype
         return fused(
             hidden, weight, teacher_args[0], teacher_args[1], targets, bias, teacher_args[2],

@@ -26,6 +26,16 @@ def _full_logits(student_input, student_weight, teacher_input, teacher_weight, t
     return student, teacher, labels, valid, normaliser
 
 
+def _scaled_and_capped(student, teacher, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale):
+    """Each model's logits times its logit scale (Cohere), then softcapped (Gemma-2): c * tanh(logits / c)."""
+    student, teacher = student * student_logit_scale, teacher * teacher_logit_scale
+    if student_softcap is not None:
+        student = student_softcap * torch.tanh(student / student_softcap)
+    if teacher_softcap is not None:
+        teacher = teacher_softcap * torch.tanh(teacher / teacher_softcap)
+    return student, teacher
+
+
 def naive_cosine_distill(
     student_input,
     student_weight,
@@ -49,11 +59,8 @@ def naive_cosine_distill(
     student, teacher, labels, valid, normaliser = _full_logits(
         student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
         ignore_index, num_valid_tokens)
-    student, teacher = student * student_logit_scale, teacher * teacher_logit_scale
-    if student_softcap is not None:
-        student = student_softcap * torch.tanh(student / student_softcap)
-    if teacher_softcap is not None:
-        teacher = teacher_softcap * torch.tanh(teacher / teacher_softcap)
+    student, teacher = _scaled_and_capped(student, teacher, student_softcap, teacher_softcap, student_logit_scale,
+                                          teacher_logit_scale)
     hard = F.cross_entropy(student, labels.long(), ignore_index=ignore_index, reduction="sum") / normaliser
     padded = F.pad(student, (0, teacher.shape[1] - student.shape[1]))
     cos = F.cosine_similarity(padded / temperature, teacher / temperature, dim=-1, eps=1e-8)
@@ -76,11 +83,17 @@ def naive_jsd(
     ignore_index=-100,
     temperature=1.0,
     num_valid_tokens=None,
+    student_softcap=None,
+    teacher_softcap=None,
+    student_logit_scale=1.0,
+    teacher_logit_scale=1.0,
 ):
     """``fused_linear_jsd``'s loss from full logits: returns (loss, soft, hard), in fp32 or float64."""
     student, teacher, labels, valid, normaliser = _full_logits(
         student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
         ignore_index, num_valid_tokens)
+    student, teacher = _scaled_and_capped(student, teacher, student_softcap, teacher_softcap, student_logit_scale,
+                                          teacher_logit_scale)
     hard = F.cross_entropy(student, labels.long(), ignore_index=ignore_index, reduction="sum") / normaliser
     a = F.log_softmax(F.pad(student, (0, teacher.shape[1] - student.shape[1])) / temperature, dim=-1)
     b = F.log_softmax(teacher / temperature, dim=-1)

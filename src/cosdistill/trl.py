@@ -51,11 +51,10 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
 CosineDistillationSFTTrainer = DistillationSFTTrainer  # its name from before loss="jsd"
 
 
-# Model config fields that change a model's logits in ways fused_linear_jsd does not follow yet, with the
-# value that changes nothing: GKDTrainer reads them through the models' own logits, so each raises here.
+# Model config fields that change a model's logits in ways the fused loss does not follow, with the value that
+# changes nothing: GKDTrainer reads them through the models' own logits, so each raises here. (Gemma-2's
+# final_logit_softcapping and Cohere's logit_scale are applied, as cosdistill.hf.head_inputs reads them.)
 UNSUPPORTED_HEAD_CONFIG = {
-    "final_logit_softcapping": (None,),  # Gemma-2 and later: c * tanh(logits / c)
-    "logit_scale": (None, 1, 1.0),  # Cohere: logits * scale
     "logits_scaling": (None, 1, 1.0),  # Granite, HyperCLOVA X, MiniCPM3: applied differently per family
 }
 
@@ -67,8 +66,8 @@ UNSUPPORTED_GKD_ARGUMENTS = {
 
 
 def check_gkd_heads(trainer, student, teacher) -> None:
-    """Raise unless both models' logits are their LM head's plain linear output (``lm_head``: a
-    torch.nn.Linear, no adapter on it) with no softcapping or scaling, which is what the fused JSD computes."""
+    """Raise unless both models' logits are what the fused JSD computes: their LM head's linear output (``lm_head``:
+    a torch.nn.Linear, no adapter on it), scaled and softcapped as their configs say."""
     name = type(trainer).__name__
     for role, model in (("student", student), ("teacher", teacher)):
         lm_head(model, role)
@@ -76,8 +75,8 @@ def check_gkd_heads(trainer, student, teacher) -> None:
         for field, neutral in UNSUPPORTED_HEAD_CONFIG.items():
             value = getattr(config, field, None)
             if not any(value is v or value == v for v in neutral):
-                raise ValueError(f"{name} does not support the {role}'s config.{field}={value!r}: the fused "
-                                 "generalized JSD takes the LM head's plain logits; use trl's GKDTrainer for this model")
+                raise ValueError(f"{name} does not support the {role}'s config.{field}={value!r}: model families "
+                                 "apply it differently; use trl's GKDTrainer for this model")
 
 
 def _define_gkd_trainer():
@@ -115,13 +114,13 @@ def _define_gkd_trainer():
 
         Differences: no logits are computed, so evaluation and ``predict()`` return none (``eval_loss`` and
         ``test_loss`` are GKDTrainer's, the predictions None; ``compute_metrics`` and
-        ``preprocess_logits_for_metrics`` raise a ValueError); models whose logits are not
-        their head's plain output (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling`` in the config)
-        and LM heads carrying an adapter raise at construction; so do DeepSpeed ZeRO-3, FSDP1 and
-        torch.nn.DataParallel (``check_sharding``: the fused loss reads each head whole; FSDP2 works). Where
-        ``num_items_in_batch`` is 0 the loss is 0 (TRL's 0 / 0 is NaN). Under mixed precision both heads run in
-        the autocast dtype as the models' own heads do, with the JSD accumulated in float32 (TRL takes the
-        log-softmax of the autocast-dtype logits after accelerate casts them to float32).
+        ``preprocess_logits_for_metrics`` raise a ValueError); models with ``logits_scaling`` in the config
+        (applied differently per family) and LM heads carrying an adapter raise at construction (Gemma-2's
+        ``final_logit_softcapping`` and Cohere's ``logit_scale`` are applied, with their gradients); so do
+        DeepSpeed ZeRO-3, FSDP1 and torch.nn.DataParallel (``check_sharding``: the fused loss reads each head
+        whole; FSDP2 works). Where ``num_items_in_batch`` is 0 the loss is 0 (TRL's 0 / 0 is NaN). Under mixed
+        precision both heads run in the autocast dtype as the models' own heads do, with the JSD accumulated in
+        float32 (TRL takes the log-softmax of the autocast-dtype logits after accelerate casts them to float32).
         ``loss_options`` (chunk_size, impl, accum_dtype, teacher_precision) go to ``fused_linear_jsd``.
         """
 
