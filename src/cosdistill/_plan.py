@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from . import _teacher_fp8, _teacher_gram
-from ._backends import IMPLS, Backend, backend_for
+from ._backends import IMPLS, TORCH, Backend, backend_for
 from ._chunk_loop import ChunkResult, ChunkRows, chunked_loss_and_grads, start_student_logits
 from ._labels import LabelCounts
 from ._row_step import RowStepImpl, RowStepScales
@@ -117,6 +117,10 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
     backend = backend_for(options.impl, student_weight.device)
     if options.loss == "jsd" and student_weight.dtype == torch.float16:
         raise TypeError("loss='jsd' takes bf16 or fp32 weights, got float16")
+    if options.loss == "jsd" and backend is not TORCH and _head_transforms(options):
+        raise ValueError(f"loss='jsd' with {' and '.join(_head_transforms(options))} runs with impl='torch' only so "
+                         f"far (its Triton row step does not take them); got impl={options.impl!r} on "
+                         f"{student_weight.device}")
     row_step = backend.jsd_row_step if options.loss == "jsd" else backend.row_step
     if options.teacher_precision == "fp8":
         _teacher_fp8.check_supported(teacher_weight.device)
@@ -205,6 +209,14 @@ def _gram_blockers(options: Options, student_weight, student_bias, teacher_weigh
     # The dtypes' name is formatted only when it is needed: this runs at every call.
     return [name or f"{student_weight.dtype} and {teacher_weight.dtype} weights (bf16 or fp32, both alike)"
             for name in named]
+
+
+def _head_transforms(options: Options) -> list[str]:
+    """The softcaps and logit scales the options set, by name."""
+    return [name for name, value in (("student_softcap", options.student_softcap),
+                                     ("teacher_softcap", options.teacher_softcap),
+                                     ("student_logit_scale", options.student_logit_scale != 1.0),
+                                     ("teacher_logit_scale", options.teacher_logit_scale != 1.0)) if value]
 
 
 def check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> None:

@@ -239,29 +239,15 @@ def test_labels_outside_the_shard(beta):
     assert_matches_spec(got, expected, torch.tensor([False] * 4 + [True] * 2), torch.float32)
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("change", [
-    dict(student_softcap=3.0), dict(teacher_softcap=2.5, teacher_logit_scale=2.0),
-    dict(student_softcap=4.0, teacher_softcap=3.0, student_logit_scale=0.5, teacher_logit_scale=1.5),
-], ids=["student softcap", "teacher softcap and scale", "both"])
-def test_softcaps_and_logit_scales(change, dtype, beta):
-    """Each model's logits times its scale, then softcapped (Gemma-2, Cohere), both terms and the gradient's
-    chain through them, the teacher's vocabulary padded; T = 1 (the shared softmax) and T != 1."""
-    generator = torch.Generator().manual_seed(int(10 * beta) + len(change))
-    student = (torch.randn(7, 131, generator=generator) * 4).to(dtype)
-    teacher = (torch.randn(7, 140, generator=generator) * 4).to(dtype)
-    labels = labels_for(7, 131, generator)
-    for temperature in (1.0, 1.7):
-        scales = RowStepScales(0.37, 0.81, beta, temperature, IGNORE, **change)
-        got, expected = run_both(student, teacher, labels, scales, True, 32)
-        assert_matches_spec(got, expected, ignored(labels, 131), dtype)
-        plain, _ = run_both(student, teacher, labels, RowStepScales(0.37, 0.81, beta, temperature, IGNORE), True, 32)
-        assert rel_err(got[0].float(), plain[0].float()) > 1e-2  # the caps and scales change the result
-
-
-def test_refuses_fp16_lifts():
+@pytest.mark.parametrize("change, name", [
+    (dict(student_softcap=30.0), "student_softcap"), (dict(teacher_softcap=30.0), "teacher_softcap"),
+    (dict(student_logit_scale=0.5), "student_logit_scale"), (dict(teacher_logit_scale=2.0), "teacher_logit_scale"),
+])
+def test_refuses_what_the_spec_does_not_do(change, name):
     student, teacher, labels = torch.randn(2, 8), torch.randn(2, 8), torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=name):
+        row_step_jsd_triton(student, teacher, labels, RowStepScales(0.5, 0.5, 0.5, 1.0, IGNORE, **change),
+                            torch.empty(2, 2), True)
     with pytest.raises(ValueError, match="lifts"):
         row_step_jsd_triton(student, teacher, labels, RowStepScales(0.5, 0.5, 0.5, 1.0, IGNORE), torch.empty(2, 2),
                             True, grad_lifts=torch.empty(2))
@@ -283,8 +269,7 @@ aligned = ("student_ptr", "teacher_ptr", "labels_ptr", "losses_ptr", "student_ro
 variants = [*itertools.product(["*bf16"], (0, 1, 2), (True, False), (True, False)),
             *itertools.product(["*fp32"], (0, 1, 2), [False], [True])]
 for logits, mode, shared, write_grad in variants:
-    constants = dict(MODE=mode, SHARED=shared, WRITE_GRAD=write_grad, BLOCK=jsd.DEFAULT_BLOCK, STAGES=jsd.DEFAULT_STAGES,
-                     STUDENT_CAP=False, TEACHER_CAP=False, student_scale=None, teacher_scale=None)
+    constants = dict(MODE=mode, SHARED=shared, WRITE_GRAD=write_grad, BLOCK=jsd.DEFAULT_BLOCK, STAGES=jsd.DEFAULT_STAGES)
     types = dict(student_ptr=logits, teacher_ptr=logits, labels_ptr="*i64", losses_ptr="*fp32",
                  **{name: "i32" for name in ints})
     signature = {name: "constexpr" if name in constants else types.get(name, "fp32") for name in kernel.arg_names}

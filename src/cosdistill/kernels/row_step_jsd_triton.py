@@ -23,17 +23,7 @@ import triton.language as tl
 
 from .._row_step import RowStepImpl, RowStepScales
 from .._row_step_jsd import split_jsd_row_step
-from .row_step_triton import (
-    INTERPRET,
-    LOG2E,
-    _block,
-    _caps,
-    _check_layout,
-    _common_args,
-    _load_logits,
-    _logit_args,
-    _row_and_label,
-)
+from .row_step_triton import INTERPRET, LOG2E, _block, _check_layout, _common_args, _row_and_label
 
 # H200 sweeps (docs/design.md, The generalized JSD). STAGES: each hot loop's loads go through shared memory
 # STAGES - 1 blocks ahead (1: plain loads into registers).
@@ -182,22 +172,11 @@ def _grad(s, a, b, d, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weig
 
 
 @triton.jit
-def _through_the_head(grad, s, logit_scale, cap, CAP: tl.constexpr):
-    """d L / d raw logit from d L / d s, s the softcapped logit: times 1 - (s / cap)^2 and the logit scale."""
-    if CAP:
-        grad = grad * (1.0 - (s * (1.0 / cap)) * (s * (1.0 / cap)))
-    if logit_scale is not None:
-        grad = grad * logit_scale
-    return grad
-
-
-@triton.jit
 def _jsd_row_step_kernel(
     student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, losses_ptr,
     vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
-    weight_hard, soft_coef, x_scale, padding, keep, beta, student_cap, teacher_cap, student_scale, teacher_scale,
-    MODE: tl.constexpr, SHARED: tl.constexpr, WRITE_GRAD: tl.constexpr, STUDENT_CAP: tl.constexpr,
-    TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+    weight_hard, soft_coef, x_scale, padding, keep, beta,
+    MODE: tl.constexpr, SHARED: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     student_row, valid, in_shard, column = _row_and_label(
@@ -224,8 +203,8 @@ def _jsd_row_step_kernel(
         sum_y = tl.zeros([BLOCK], tl.float32)
         for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
             cols = start + offsets
-            s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
-            t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
+            s = tl.load(student_row + cols).to(tl.float32)
+            t = tl.load(teacher_row + cols).to(tl.float32)
             if SHARED:
                 max_s, sum_x = _online(max_s, sum_x, s, x_scale)
             else:
@@ -235,8 +214,8 @@ def _jsd_row_step_kernel(
             cols = start + offsets
             in_student = cols < vocab_student
             in_teacher = cols < vocab_teacher
-            s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
-            t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
+            s = tl.load(student_row + cols, mask=in_student, other=0.0).to(tl.float32)
+            t = tl.load(teacher_row + cols, mask=in_teacher, other=0.0).to(tl.float32)
             # A lane past a vocabulary keeps its state (its 0s computed nothing NaN).
             if SHARED:
                 new_max, new_sum_x = _online(max_s, sum_x, s, x_scale)
@@ -266,7 +245,7 @@ def _jsd_row_step_kernel(
             inv_ratio = tl.exp2((top_s - shift_x) * x_scale + (norm_z - norm_x))
         else:  # unused: the two are independent exponentials
             inv_ratio = tl.full([], 1.0, tl.float32)
-        target = _load_logits(student_row, label_col, label_col >= 0, student_scale, student_cap, STUDENT_CAP)
+        target = tl.load(student_row + label_col, mask=label_col >= 0, other=0.0).to(tl.float32)
         hard_loss = (top_s - target) + LN2 * norm_z  # logsumexp(s) - s[label]
 
         # Pass 2: the soft sums, and for FORWARD with gradients the gradient (the target is read above).
@@ -274,15 +253,14 @@ def _jsd_row_step_kernel(
         teacher_part = tl.zeros([BLOCK], tl.float32)
         for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
             cols = start + offsets
-            s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
-            t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
+            s = tl.load(student_row + cols).to(tl.float32)
+            t = tl.load(teacher_row + cols).to(tl.float32)
             a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
             if WRITE_GRAD and MODE == FORWARD:
                 grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
                                    0.0, keep, beta, MODE, SHARED, MASKED=False)
                 teacher_part += term
-                tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
-                    student_row.dtype.element_ty))
+                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
             else:
                 student_term, teacher_term = _soft_terms(a, b, d, keep, beta, MODE)
                 student_part += student_term
@@ -291,15 +269,14 @@ def _jsd_row_step_kernel(
             cols = start + offsets
             in_student = cols < vocab_student
             in_teacher = cols < vocab_teacher
-            s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
-            t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
+            s = tl.load(student_row + cols, mask=in_student, other=0.0).to(tl.float32)
+            t = tl.load(teacher_row + cols, mask=in_teacher, other=0.0).to(tl.float32)
             a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
             if WRITE_GRAD and MODE == FORWARD:
                 grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
                                    0.0, keep, beta, MODE, SHARED, MASKED=True)
                 teacher_part += tl.where(in_teacher, term, 0.0)
-                tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
-                    student_row.dtype.element_ty), mask=in_student)
+                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_student)
             else:
                 student_term, teacher_term = _soft_terms(a, b, d, keep, beta, MODE)
                 student_part += tl.where(in_teacher, student_term, 0.0)
@@ -323,23 +300,21 @@ def _jsd_row_step_kernel(
                 log_coef = soft_coef * keep * LN2
             for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
                 cols = start + offsets
-                s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
-                t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
+                s = tl.load(student_row + cols).to(tl.float32)
+                t = tl.load(teacher_row + cols).to(tl.float32)
                 a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
                 grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
                                 student_sum, keep, beta, MODE, SHARED, MASKED=False)
-                tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
-                    student_row.dtype.element_ty))
+                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
             for start in range(whole_blocks_stop, vocab_student, BLOCK):  # the last, partial block
                 cols = start + offsets
                 in_student = cols < vocab_student
-                s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
-                t = _load_logits(teacher_row, cols, in_student, teacher_scale, teacher_cap, TEACHER_CAP)
+                s = tl.load(student_row + cols, mask=in_student, other=0.0).to(tl.float32)
+                t = tl.load(teacher_row + cols, mask=in_student, other=0.0).to(tl.float32)
                 a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
                 grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
                                 student_sum, keep, beta, MODE, SHARED, MASKED=True)
-                tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
-                    student_row.dtype.element_ty), mask=in_student)
+                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_student)
     else:  # an ignored token: no loss, no gradient
         tl.store(losses_row, 0.0)
         tl.store(losses_row + 1, 0.0)
@@ -350,7 +325,13 @@ def _jsd_row_step_kernel(
 
 
 def _check_scales(scales: RowStepScales):
-    """beta in [0, 1], T > 0 (the API checks them; a direct call is checked here)."""
+    """No softcaps or logit scales (the plan runs those with the torch spec alone), beta in [0, 1], T > 0."""
+    for name in ("student_softcap", "teacher_softcap"):
+        if getattr(scales, name) is not None:
+            raise ValueError(f"the JSD row step takes no {name}, got {getattr(scales, name)}")
+    for name in ("student_logit_scale", "teacher_logit_scale"):
+        if getattr(scales, name) != 1.0:
+            raise ValueError(f"the JSD row step takes no {name} other than 1, got {getattr(scales, name)}")
     if not 0.0 <= scales.beta <= 1.0:
         raise ValueError(f"the JSD row step needs beta in [0, 1], got {scales.beta}")
     if not scales.temperature > 0.0:
@@ -380,7 +361,7 @@ def row_step_jsd_triton(student_logits, teacher_logits, labels, scales: RowStepS
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
         vocab_student, vocab_teacher, *_common_args(vocab_student, scales),
         scales.weight_hard, scales.weight_soft / temperature, LOG2E.value / temperature,
-        float(vocab_teacher - vocab_student), 1.0 - beta, beta, *_logit_args(scales), **_caps(scales),
+        float(vocab_teacher - vocab_student), 1.0 - beta, beta,
         MODE=mode, SHARED=temperature == 1.0, WRITE_GRAD=write_grad, BLOCK=block, STAGES=stages,
         num_warps=num_warps,
     )
