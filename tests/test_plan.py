@@ -59,3 +59,14 @@ def test_the_first_gemm_is_queued_before_the_rest_of_the_set_up(monkeypatch):
     fused_linear_cosine_distill(*problem.args()).backward()
     assert order == ["start_student_logits", "TeacherHead", "LabelCounts", "apply"]
     assert rel_err(problem.student_weight.grad, reference(problem)[1][1]) < 1e-5
+
+
+def test_the_function_api_checks_each_set_of_options_once():
+    """options_of hands back one checked Options per distinct set of values (the function is called with the same
+    keywords at every step); an unhashable value still gets Options' own error, naming the argument."""
+    first = plan.options_of(weight_hard_loss=0.3, beta=0.7)
+    assert plan.options_of(weight_hard_loss=0.3, beta=0.7) is first
+    assert plan.options_of(weight_hard_loss=0.3, beta=0.8) is not first
+    assert first.scales is first.scales and first.scales.beta == 0.7
+    with pytest.raises(ValueError, match="chunk_size must be a positive int or None, got \\[4\\]"):
+        plan.options_of(chunk_size=[4])

@@ -233,6 +233,21 @@ def default_accum_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if weight_dtype == torch.float16 else weight_dtype
 
 
+@functools.lru_cache(maxsize=64)
+def _checked(**fields) -> Options:
+    return Options(**fields)
+
+
+def options_of(**fields) -> Options:
+    """``Options(**fields)``, one object per distinct set of values: the loss function, called with the same
+    keywords at every step, checks them and builds the row step's constants once."""
+    try:
+        hash(tuple(fields.values()))
+    except TypeError:  # an unhashable value: Options names the argument
+        return Options(**fields)
+    return _checked(**fields)
+
+
 # At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole grad_weight,
 # and below ~1024 rows that traffic shows (V = 262144 at 512 rows: 1.34x the floor, at 1024: 1.25x).
 # More rows while the two logits buffers stay small (small vocabularies: V = 32000's bare chunk loop

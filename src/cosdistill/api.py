@@ -5,7 +5,7 @@ plan; under torch.compile the call goes to the custom op of _compile.py."""
 import torch
 
 from ._device import on_device_of
-from ._plan import Options, check_tensors, check_vocab_parallel, make_plan, run
+from ._plan import Options, check_tensors, check_vocab_parallel, make_plan, options_of, run
 
 
 def fused_linear_cosine_distill(
@@ -81,7 +81,7 @@ def fused_linear_cosine_distill(
     ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget (on the seed
     workload, 2048 tokens per chunk with the teacher's logits in halves of 1024).
     """
-    options = Options(
+    options = options_of(
         weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
         temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
         teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
@@ -212,7 +212,7 @@ def fused_linear_jsd(
     the divergence's sums) where the cosine loss gathers one. ``compiled`` is accepted for compatibility with
     Liger and changes nothing.
     """
-    options = Options(
+    options = options_of(
         weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
         temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
         teacher_precision=teacher_precision, cosine_via="logits", loss="jsd", student_softcap=student_softcap,
