@@ -93,11 +93,18 @@ def library_options(args) -> dict:
     return dict(teacher_precision="fp8" if args.fp8 else None, impl=args.impl, loss=args.loss)
 
 
+def loss_function(package, options: dict):
+    """(``package``'s loss function for options' "loss", the other options); by name, so that an older version
+    of the package without the JSD serves its cosine loss."""
+    options = dict(options)
+    name = "fused_linear_jsd" if options.pop("loss", "cosine") == "jsd" else "fused_linear_cosine_distill"
+    return getattr(package, name), options
+
+
 def loss_step(package, tensors, mode, options):
     """One call of ``package``'s loss (options' "loss": "cosine" or "jsd"): forward and backward ("full") or
     the no-grad forward ("forward")."""
-    options = dict(options)
-    loss = package.fused_linear_jsd if options.pop("loss", "cosine") == "jsd" else package.fused_linear_cosine_distill
+    loss, options = loss_function(package, options)
 
     def call():
         tensors.clear_grads()
@@ -528,8 +535,7 @@ def host_path(tensors, options, device, calls, profiler=None, until_first_gemm=F
     backward, stamped without a profiler; on CUDA each call behind a sleep kernel, so that the host never waits
     for the GPU. ``profiler`` (cProfile) runs over each whole call, or only until its first GEMM."""
     first_gemm, stamps, logits_into = [], [], testing.chunk_loop._logits_into
-    options = dict(options)
-    loss_of = cosdistill.fused_linear_jsd if options.pop("loss", "cosine") == "jsd" else cosdistill.fused_linear_cosine_distill
+    loss_of, options = loss_function(cosdistill, options)
 
     def stamped_logits_into(*call_args):
         if not first_gemm:

@@ -177,8 +177,8 @@ def test_autocast_runs_the_heads_in_bf16(monkeypatch):
         seen.append((student_input.dtype, student_weight.dtype, teacher_input.dtype, teacher_weight.dtype))
         return fused(student_input, student_weight, teacher_input, teacher_weight, *args, **kwargs)
 
-    fused = hf.fused_linear_cosine_distill
-    monkeypatch.setattr(hf, "fused_linear_cosine_distill", spy)
+    fused = hf.FUSED_LOSSES["cosine"]
+    monkeypatch.setitem(hf.FUSED_LOSSES, "cosine", spy)
     student, teacher, batch = tiny_model("gemma2"), tiny_model("llama", vocab=144, seed=1).eval(), make_batch()
     (ref_loss, _, _), ref_grads = reference(student, teacher, batch)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -275,8 +275,8 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
 
 def test_trainer_bf16_gradient_checkpointing_and_evaluate(tmp_path, monkeypatch):
     seen = []
-    fused = hf.fused_linear_cosine_distill
-    monkeypatch.setattr(hf, "fused_linear_cosine_distill", lambda s, sw, *a, **k: seen.append(s.dtype) or fused(s, sw, *a, **k))
+    fused = hf.FUSED_LOSSES["cosine"]
+    monkeypatch.setitem(hf.FUSED_LOSSES, "cosine", lambda s, sw, *a, **k: seen.append(s.dtype) or fused(s, sw, *a, **k))
     student, teacher = tiny_model("gemma2", tie=True), tiny_model("llama", vocab=144, seed=1).to(torch.bfloat16)
     rows = dataset([12, 7, 10, 5])
     trainer = make_trainer(tmp_path, student, teacher, rows, per_device_train_batch_size=2, max_steps=3, bf16=True,

@@ -115,12 +115,8 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
               needs_grad, vocab_parallel: VocabParallel | None = None) -> Plan:
     check_accum_dtype(options.accum_dtype, student_weight.dtype)
     backend = backend_for(options.impl, student_weight.device)
-    if options.loss == "jsd" and student_weight.dtype == torch.float16:
-        raise TypeError("loss='jsd' takes bf16 or fp32 weights, got float16")
-    if options.loss == "jsd" and backend is not TORCH and _head_transforms(options):
-        raise ValueError(f"loss='jsd' with {' and '.join(_head_transforms(options))} runs with impl='torch' only so "
-                         f"far (its Triton row step does not take them); got impl={options.impl!r} on "
-                         f"{student_weight.device}")
+    if options.loss == "jsd":
+        check_jsd_row_step(options, backend, student_weight)
     row_step = backend.jsd_row_step if options.loss == "jsd" else backend.row_step
     if options.teacher_precision == "fp8":
         _teacher_fp8.check_supported(teacher_weight.device)
@@ -211,12 +207,18 @@ def _gram_blockers(options: Options, student_weight, student_bias, teacher_weigh
             for name in named]
 
 
-def _head_transforms(options: Options) -> list[str]:
-    """The softcaps and logit scales the options set, by name."""
-    return [name for name, value in (("student_softcap", options.student_softcap),
-                                     ("teacher_softcap", options.teacher_softcap),
-                                     ("student_logit_scale", options.student_logit_scale != 1.0),
-                                     ("teacher_logit_scale", options.teacher_logit_scale != 1.0)) if value]
+def check_jsd_row_step(options: Options, backend: Backend, student_weight) -> None:
+    """What the JSD's row steps cannot take: fp16 weights (no lifted gradient), and softcaps or logit scales
+    outside the torch spec (its Triton twin does not take them)."""
+    if student_weight.dtype == torch.float16:
+        raise TypeError("loss='jsd' takes bf16 or fp32 weights, got float16")
+    transforms = [name for name, value in (("student_softcap", options.student_softcap),
+                                           ("teacher_softcap", options.teacher_softcap),
+                                           ("student_logit_scale", options.student_logit_scale != 1.0),
+                                           ("teacher_logit_scale", options.teacher_logit_scale != 1.0)) if value]
+    if transforms and backend is not TORCH:
+        raise ValueError(f"loss='jsd' with {' and '.join(transforms)} runs with impl='torch' only so far (its Triton "
+                         f"row step does not take them); got impl={options.impl!r} on {student_weight.device}")
 
 
 def check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> None:

@@ -224,6 +224,9 @@ def fused_linear_jsd(
                    return_soft_hard_loss=return_soft_hard_loss)
 
 
+FUSED_LOSSES = {"cosine": fused_linear_cosine_distill, "jsd": fused_linear_jsd}  # the loss function of each Options.loss
+
+
 class FusedLinearJSDLoss(torch.nn.Module):
     """nn.Module form of ``fused_linear_jsd``; a drop-in for Liger-Kernel's LigerFusedLinearJSDLoss."""
 

@@ -12,7 +12,7 @@ try:
 except ImportError as error:
     raise ImportError("cosdistill.hf needs transformers: pip install 'cosdistill[hf]'") from error
 
-from .api import fused_linear_cosine_distill, fused_linear_jsd
+from .api import FUSED_LOSSES
 
 
 def lm_head(model, name="model"):
@@ -194,7 +194,7 @@ def distill_loss(
     hidden, weight, bias, softcap, logit_scale = head_inputs(student, student_hidden, "student")
     if loss not in ("cosine", "jsd"):
         raise ValueError(f"loss must be 'cosine' or 'jsd', got {loss!r}")
-    fused = fused_linear_jsd if loss == "jsd" else fused_linear_cosine_distill
+    fused = FUSED_LOSSES[loss]
     head_options = dict(student_softcap=softcap, teacher_softcap=teacher_args[3], student_logit_scale=logit_scale,
                         teacher_logit_scale=teacher_args[4])
     with torch.autocast(hidden.device.type, enabled=False):  # the inputs are already in the autocast dtype

@@ -107,3 +107,6 @@ def naive_jsd(
                       + (1 - beta) * F.kl_div(mixture, a, reduction="none", log_target=True)).sum(-1)
     soft = torch.where(valid, divergence, 0.0).sum() / normaliser
     return weight_hard_loss * hard + weight_soft_loss * soft, soft, hard
+
+
+NAIVE_LOSSES = {"cosine": naive_cosine_distill, "jsd": naive_jsd}  # the naive version of each fused loss

@@ -7,7 +7,7 @@ stable API): code outside the package reaches the private modules through here a
 
 import torch
 
-from .reference import naive_cosine_distill, naive_jsd
+from .reference import NAIVE_LOSSES
 
 
 def rel_err(actual, expected) -> float:
@@ -44,7 +44,7 @@ def float64_reference(args, grad_output=1.0, loss="cosine", **options):
     where it does not require grad), from the naive version (``loss``: "cosine" or "jsd") on float64 copies
     of args (the seven of random_student_teacher), for this grad_output."""
     upcast = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in args]
-    losses = (naive_jsd if loss == "jsd" else naive_cosine_distill)(*upcast, **options)
+    losses = NAIVE_LOSSES[loss](*upcast, **options)
     if losses[0].requires_grad:
         (losses[0] * grad_output).backward()
     grads = [upcast[i].grad for i in (0, 1, 5) if upcast[i] is not None]

@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import make_problem, rel_err
-from cosdistill import fused_linear_cosine_distill, fused_linear_jsd
+from cosdistill import fused_linear_cosine_distill
+from cosdistill.api import FUSED_LOSSES
 from cosdistill.distributed import VocabParallelOptions
 
 # (vocab_student, vocab_teacher, dtype): neither divisible by 2 or 3; with 3 ranks the last holds no
@@ -23,7 +24,6 @@ IMPLS = ("torch", "triton")  # triton through the interpreter (conftest sets TRI
 OPTIONS = dict(weight_hard_loss=0.3, weight_soft_loss=0.7, beta=0.8, temperature=1.5, chunk_size=8,
                return_soft_hard_loss=True)
 GRAD_OUTPUT = 0.5
-LOSSES = {"cosine": fused_linear_cosine_distill, "jsd": fused_linear_jsd}
 JSD_BETAS = (0.0, 0.8, 1.0)  # forward KL, the generalized JSD, reverse KL: three forms of the gradient
 
 
@@ -31,7 +31,7 @@ def losses_and_grads(problem, student_weight, student_bias, teacher_weight, teac
     student_input = problem.student_input.detach().clone().requires_grad_()
     leaves = [student_input, student_weight.detach().clone().requires_grad_(),
               student_bias.detach().clone().requires_grad_()]
-    loss, soft, hard = LOSSES[loss](
+    loss, soft, hard = FUSED_LOSSES[loss](
         leaves[0], leaves[1], problem.teacher_input, teacher_weight, problem.labels, leaves[2], teacher_bias,
         **(OPTIONS | kwargs))
     (loss * GRAD_OUTPUT).backward()

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from conftest import on_devices
-from cosdistill import fused_linear_cosine_distill, fused_linear_jsd
-from cosdistill.reference import naive_cosine_distill, naive_jsd
+from cosdistill.api import FUSED_LOSSES
+from cosdistill.reference import NAIVE_LOSSES
 from cosdistill.testing import Options, float64_reference, kernels, random_student_teacher, rel_err
 from cosdistill.testing import teacher_gram as gram
 from cosdistill.tools.bench import DTYPES
@@ -41,8 +41,6 @@ QUANTITIES = ("loss", "soft", "hard", "grad_input", "grad_weight", "grad_bias")
 COMPARISONS = ("fast vs float64", "torch vs float64", "fast vs torch")
 PRIMES = (2, 3, 5, 7, 31, 97, 127, 257, 1021, 4093, 4999, 32003, 65521, 131071)
 LLM_VOCABS = (32000, 32001, 50257, 65536, 128256)
-FUSED = {"cosine": fused_linear_cosine_distill, "jsd": fused_linear_jsd}
-NAIVE = {"cosine": naive_cosine_distill, "jsd": naive_jsd}
 COVERAGE = (  # (label, test on a case's parameters): what the GPU cases must exercise
     ("jsd", lambda c: c["loss"] == "jsd"),
     ("jsd, forward KL (beta = 0)", lambda c: c["loss"] == "jsd" and c["beta"] == 0),
@@ -260,7 +258,7 @@ def fused_result(args, case: Case, impl: str):
     for i in (0, 1, 5):
         if args[i] is not None:
             args[i].grad = None
-    losses = FUSED[case.loss](
+    losses = FUSED_LOSSES[case.loss](
         *args, chunk_size=case.chunk_size, return_soft_hard_loss=True, impl=impl,
         accum_dtype=case.accum_dtype and DTYPES[case.accum_dtype], **case.options(),
     )
@@ -314,7 +312,7 @@ def dtype_floors(args, case: Case, reference) -> list[float]:
         loss_floors = [0.0] * 3
     else:
         with torch.no_grad():
-            naive = NAIVE[case.loss](*args, **case.options())
+            naive = NAIVE_LOSSES[case.loss](*args, **case.options())
         loss_floors = [rel_err(loss, ref) for loss, ref in zip(naive, reference)]
     return loss_floors + [rel_err(ref.to(DTYPES[case.dtype]), ref) for ref in reference[3:]]
 

@@ -42,7 +42,7 @@ import torch
 from .. import _teacher_fp8 as fp8
 from .._weight_cache import WeightCache
 from ..api import fused_linear_cosine_distill, fused_linear_jsd
-from ..reference import naive_cosine_distill, naive_jsd
+from ..reference import NAIVE_LOSSES
 from ..testing import rel_err
 
 PROVIDERS = ("ours", "ours-logits", "ours-gram", "ours-fp8", "ours-unchecked", "ours-fp8-unchecked",
@@ -50,7 +50,6 @@ PROVIDERS = ("ours", "ours-logits", "ours-gram", "ours-fp8", "ours-unchecked", "
 DEFAULT_PROVIDERS = ("ours", "ours-fp8", "naive", "liger", "floor")
 LOSSES = ("cosine", "jsd")
 JSD_PROVIDERS = ("ours", "ours-fp8", "naive", "liger", "floor")  # the providers with a JSD form
-NAIVE = {"cosine": naive_cosine_distill, "jsd": naive_jsd}
 MODES = ("full", "forward")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -236,7 +235,7 @@ def ours_provider(setting: OursSetting):
 def naive_provider(loss_name: str):
     def build(tensors: Tensors, mode: str):
         def step():
-            loss = NAIVE[loss_name](*tensors.args())[0]
+            loss = NAIVE_LOSSES[loss_name](*tensors.args())[0]
             if mode == "full":
                 loss.backward()
 
@@ -348,7 +347,7 @@ def small_problem_errors(setting: OursSetting, workload: Workload, device: torch
         return tensor.detach().double().requires_grad_(tensor.requires_grad)
 
     student_input, student_weight, teacher_input, teacher_weight = map(float64_copy, tensors.args()[:4])
-    expected = NAIVE[setting.loss](student_input, student_weight, teacher_input, teacher_weight, tensors.labels)[0]
+    expected = NAIVE_LOSSES[setting.loss](student_input, student_weight, teacher_input, teacher_weight, tensors.labels)[0]
     expected.backward()
     errors = (
         rel_err(loss, expected),
@@ -478,7 +477,7 @@ def progress_bar(total: int):
 def bench_size_loss_errors(tensors: Tensors, settings, liger_loss, loss: str = "cosine") -> dict:
     """Relative error of each ours setting's loss (and Liger's) against the naive loss."""
     with torch.no_grad():
-        naive_loss = NAIVE[loss](*tensors.args())[0]
+        naive_loss = NAIVE_LOSSES[loss](*tensors.args())[0]
         errors = {setting.label: rel_err(ours_loss(setting, tensors), naive_loss) for setting in settings}
         if liger_loss is not None:
             liger_out = liger_loss(*tensors.args(), None, None)

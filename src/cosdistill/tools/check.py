@@ -23,8 +23,8 @@ from torch.overrides import TorchFunctionMode
 
 from .._plan import chunk_rows, default_accum_dtype
 from .._row_step import RowStepImpl, RowStepScales, combine_row_stats, row_step_torch
-from ..api import fused_linear_cosine_distill, fused_linear_jsd
-from ..reference import naive_cosine_distill, naive_jsd
+from ..api import FUSED_LOSSES
+from ..reference import NAIVE_LOSSES
 from ..testing import float64_reference, random_student_teacher, rel_err
 
 POISON = 12345.0
@@ -157,7 +157,7 @@ def logits_rounding_floors(args, dtype: torch.dtype, grad_output=1.0, loss="cosi
     upcast = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in args]
     keeper = _KeepStudentLogits()
     with keeper:
-        losses = (naive_jsd if loss == "jsd" else naive_cosine_distill)(*upcast, **options)
+        losses = NAIVE_LOSSES[loss](*upcast, **options)
     (losses[0] * grad_output).backward()
     labels, vocab = args[4], args[1].shape[0]
     grad_logits = keeper.logits.grad.reshape(-1, vocab)
@@ -189,8 +189,7 @@ def fused_run(args, loss="cosine", **kwargs):
     for i in (0, 1, 5):
         if args[i] is not None:
             args[i].grad = None
-    fused = fused_linear_jsd if loss == "jsd" else fused_linear_cosine_distill
-    losses = fused(*args, return_soft_hard_loss=True, **kwargs)
+    losses = FUSED_LOSSES[loss](*args, return_soft_hard_loss=True, **kwargs)
     losses[0].backward()
     return list(losses), [args[i].grad for i in (0, 1, 5) if args[i] is not None]
 

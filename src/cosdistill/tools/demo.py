@@ -17,12 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..api import fused_linear_cosine_distill, fused_linear_jsd
+from ..api import FUSED_LOSSES
 
 SUCCESSORS = 4  # likely next tokens per token in the Markov chain
 HELD_OUT_SEQUENCES = 64
 LEARNING_RATE = 3e-3
-LOSSES = {"cosine": fused_linear_cosine_distill, "jsd": fused_linear_jsd}
 DEFAULT_BETA = {"cosine": 1.0, "jsd": 0.5}  # the soft term's weight for cosine; GKD's mixing weight for jsd
 
 
@@ -45,8 +44,8 @@ class DemoConfig:
         for name, minimum in minimums.items():
             if getattr(self, name) < minimum:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}, got {getattr(self, name)}")
-        if self.loss not in LOSSES:
-            raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss}")
+        if self.loss not in FUSED_LOSSES:
+            raise ValueError(f"--loss must be one of {', '.join(FUSED_LOSSES)}, got {self.loss}")
 
     @property
     def soft_beta(self) -> float:
@@ -168,7 +167,7 @@ def distill(student, teacher, chain, batches, config: DemoConfig, device) -> dic
         tokens = chain.sample(config.batch_size, config.seq_len, batches).to(device)
         with torch.no_grad():
             teacher_hidden = teacher.hidden_states(tokens)[:, :-1]
-        losses = LOSSES[config.loss](
+        losses = FUSED_LOSSES[config.loss](
             student.hidden_states(tokens)[:, :-1], student.head.weight, teacher_hidden, teacher.head.weight,
             tokens[:, 1:], weight_hard_loss=config.weight_hard, weight_soft_loss=config.weight_soft,
             beta=config.soft_beta, return_soft_hard_loss=True,
