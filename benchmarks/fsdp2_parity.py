@@ -13,6 +13,7 @@ V = 128256): the heads are what the loss reads. Each rank also runs the whole ba
 import argparse
 import copy
 import datetime
+import gc
 import os
 import shlex
 import sys
@@ -157,6 +158,8 @@ def main(argv=None):
                 row = (name, args.tokens, "ours", "", "", "", "" if peak is None else f"{peak:.3f}")
                 append_ledger_rows(args.ledger, gpu, workload, [row], command)
     if owns_group:
+        dist.barrier()  # rank 0 may still be writing: a rank that leaves first can abort in gloo's teardown
+        gc.collect()  # FSDP2's modules, in reference cycles, hold the group
         dist.destroy_process_group()
     return 0
 

@@ -258,6 +258,7 @@ def parity_rank(rank, folder):
     """One gloo rank of fsdp2_parity.main, in a group made here (torchrun's store can abort at exit on the CPU)."""
     import contextlib
     import datetime
+    import gc
 
     import torch.distributed as dist
 
@@ -266,6 +267,8 @@ def parity_rank(rank, folder):
     torch.set_num_threads(1)
     with open(os.path.join(folder, f"out{rank}.txt"), "w") as out, contextlib.redirect_stdout(out):
         load("fsdp2_parity").main(["--shape", "tiny", "--device", "cpu", "--tokens", "256", "--row-len", "32"])
+    dist.barrier()  # a rank that exits while the other still writes its report can abort in gloo's teardown
+    gc.collect()  # FSDP2's modules, in reference cycles, hold the group
     dist.destroy_process_group()
 
 
