@@ -9,6 +9,7 @@ peak the whole process's, and mode "max-tokens" marks the largest step that fitt
 
     python benchmarks/ledger.py [--ledger benchmarks/results.csv] [--commit 5a0bf7b ...] [--mode full]
     python benchmarks/ledger.py --commit 5a0bf7b --providers ours,ours-fp8,liger,naive,floor --compact
+    python benchmarks/ledger.py --commit c4e12e7 --workload "V=128256 " --compact
     python benchmarks/ledger.py --commit 5a0bf7b --providers ours,ours-fp8,liger,naive --plot docs/speed.png
 
 The plot (needs matplotlib) draws each provider's ratio to the floor against T, one line per provider,
@@ -110,12 +111,14 @@ def main():
     parser.add_argument("--commit", nargs="*", help="only these commits (default: all)")
     parser.add_argument("--mode", help="only this mode (full or forward)")
     parser.add_argument("--providers", help="only these providers, comma separated")
+    parser.add_argument("--workload", help="only rows whose workload contains this text (e.g. 'V=128256 ', 'loss=jsd')")
     parser.add_argument("--compact", action="store_true", help="one table of ratios over the selected runs")
     parser.add_argument("--plot", metavar="PATH.png", help="plot the selected rows (mode full) instead of printing tables")
     args = parser.parse_args()
     providers = args.providers.split(",") if args.providers else None
     rows = [row for row in read(args.ledger) if (not args.commit or row["commit"] in args.commit)
-            and (not args.mode or row["mode"] == args.mode) and (not providers or row["provider"] in providers)]
+            and (not args.mode or row["mode"] == args.mode) and (not providers or row["provider"] in providers)
+            and (not args.workload or args.workload in row["workload"])]
     if args.plot:
         plot([row for row in rows if row["mode"] == "full"], args.plot)
     elif args.compact:

@@ -159,14 +159,6 @@ def test_softcaps_and_logit_scales_match_the_naive_version(beta, temperature):
     assert rel_err(plain, losses[0]) > 1e-3  # the caps and scales change the loss
 
 
-def test_softcaps_and_logit_scales_run_with_impl_torch_only_so_far():
-    """The Triton step takes neither: a fast impl raises, naming them, rather than dropping them."""
-    problem = make_problem(tokens=8, bias=False)
-    with pytest.raises(ValueError, match="loss='jsd' with student_softcap and teacher_logit_scale runs with "
-                                         "impl='torch' only so far"):
-        fused_linear_jsd(*problem.args()[:5], impl="triton", student_softcap=3.0, teacher_logit_scale=2.0)
-
-
 @pytest.mark.parametrize("beta", BETAS)
 def test_matches_trls_generalized_jsd_loss(beta):
     gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")

@@ -3,8 +3,8 @@
 
 - torch: the plain-torch specs, the CPU path (and any device, slowly).
 - triton: the Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1).
-- cuda: Triton's, with the row step of kernels/row_step_cuda.py (Hopper clusters) where it applies (the
-  generalized JSD has no CUDA row step: Triton's runs it).
+- cuda: Triton's, with the row steps of kernels/row_step_cuda.py and kernels/row_step_jsd_cuda.py (Hopper
+  clusters) where they apply.
 """
 
 import dataclasses
@@ -71,6 +71,7 @@ def backend_for(impl: str, device: torch.device) -> Backend:
 
 @functools.lru_cache(maxsize=None)
 def _cuda() -> Backend:
-    from .kernels import row_step_cuda
+    from .kernels import row_step_cuda, row_step_jsd_cuda
 
-    return dataclasses.replace(_triton(), name="cuda", row_step=row_step_cuda.CUDA_ROW_STEP)
+    return dataclasses.replace(_triton(), name="cuda", row_step=row_step_cuda.CUDA_ROW_STEP,
+                               jsd_row_step=row_step_jsd_cuda.CUDA_JSD_ROW_STEP)

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from . import _teacher_fp8, _teacher_gram
-from ._backends import IMPLS, TORCH, Backend, backend_for
+from ._backends import IMPLS, Backend, backend_for
 from ._chunk_loop import ChunkResult, ChunkRows, chunked_loss_and_grads, start_student_logits
 from ._labels import LabelCounts
 from ._row_step import RowStepImpl, RowStepScales
@@ -116,7 +116,7 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
     check_accum_dtype(options.accum_dtype, student_weight.dtype)
     backend = backend_for(options.impl, student_weight.device)
     if options.loss == "jsd":
-        check_jsd_row_step(options, backend, student_weight)
+        check_jsd_row_step(student_weight)
     row_step = backend.jsd_row_step if options.loss == "jsd" else backend.row_step
     if options.teacher_precision == "fp8":
         _teacher_fp8.check_supported(teacher_weight.device)
@@ -207,18 +207,10 @@ def _gram_blockers(options: Options, student_weight, student_bias, teacher_weigh
             for name in named]
 
 
-def check_jsd_row_step(options: Options, backend: Backend, student_weight) -> None:
-    """What the JSD's row steps cannot take: fp16 weights (no lifted gradient), and softcaps or logit scales
-    outside the torch spec (its Triton twin does not take them)."""
+def check_jsd_row_step(student_weight) -> None:
+    """What the JSD's row steps cannot take: fp16 weights (no lifted gradient)."""
     if student_weight.dtype == torch.float16:
         raise TypeError("loss='jsd' takes bf16 or fp32 weights, got float16")
-    transforms = [name for name, value in (("student_softcap", options.student_softcap),
-                                           ("teacher_softcap", options.teacher_softcap),
-                                           ("student_logit_scale", options.student_logit_scale != 1.0),
-                                           ("teacher_logit_scale", options.teacher_logit_scale != 1.0)) if value]
-    if transforms and backend is not TORCH:
-        raise ValueError(f"loss='jsd' with {' and '.join(transforms)} runs with impl='torch' only so far (its Triton "
-                         f"row step does not take them); got impl={options.impl!r} on {student_weight.device}")
 
 
 def check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> None:

@@ -204,13 +204,13 @@ def fused_linear_jsd(
         loss = weight_hard_loss * hard + weight_soft_loss * soft
 
     as TRL's ``GKDTrainer.generalized_jsd_loss`` and Liger-Kernel 0.8.5's ``LigerFusedLinearJSDLoss`` (no factor
-    temperature^2). The row step is _row_step_jsd.py's torch spec on the CPU and ``impl="torch"``, else its Triton
-    twin (``impl="cuda"`` runs Triton's: there is no CUDA JSD step); the GEMMs, the chunking, the FP8 teacher
-    (``teacher_precision="fp8"``) and the other keywords are the cosine loss's. The softcaps and logit scales
-    are ``fused_linear_cosine_distill``'s: each model's logits times its scale, then softcapped, before both
-    terms. With ``vocab_parallel`` each chunk all-gathers two small per-token tensors (the log-sum-exps, then
-    the divergence's sums) where the cosine loss gathers one. ``compiled`` is accepted for compatibility with
-    Liger and changes nothing.
+    temperature^2). The row step is _row_step_jsd.py's torch spec on the CPU and ``impl="torch"``, on Hopper its
+    cluster kernel (kernels/row_step_jsd_cuda.py) where it applies, else its Triton twin; the GEMMs, the
+    chunking, the FP8 teacher (``teacher_precision="fp8"``) and the other keywords are the cosine loss's. The
+    softcaps and logit scales are ``fused_linear_cosine_distill``'s: each model's logits times its scale, then
+    softcapped, before both terms. With ``vocab_parallel`` each chunk all-gathers two small per-token tensors
+    (the log-sum-exps, then the divergence's sums) where the cosine loss gathers one. ``compiled`` is accepted
+    for compatibility with Liger and changes nothing.
     """
     options = options_of(
         weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,

@@ -112,6 +112,7 @@ def _kernels():
         grad_output,
         labels,
         row_step_cuda,
+        row_step_jsd_cuda,
         row_step_jsd_triton,
         row_step_triton,
     )

@@ -116,8 +116,7 @@ def _define_gkd_trainer():
         ``test_loss`` are GKDTrainer's, the predictions None; ``compute_metrics`` and
         ``preprocess_logits_for_metrics`` raise a ValueError); models with ``logits_scaling`` in the config
         (applied differently per family) and LM heads carrying an adapter raise at construction (Gemma-2's
-        ``final_logit_softcapping`` and Cohere's ``logit_scale`` are applied, with their gradients, so far by the
-        torch row step alone: on a GPU pass ``loss_options=dict(impl="torch")``); so do
+        ``final_logit_softcapping`` and Cohere's ``logit_scale`` are applied, with their gradients); so do
         DeepSpeed ZeRO-3, FSDP1 and torch.nn.DataParallel (``check_sharding``: the fused loss reads each head
         whole; FSDP2 works). Where ``num_items_in_batch`` is 0 the loss is 0 (TRL's 0 / 0 is NaN). Under mixed
         precision both heads run in the autocast dtype as the models' own heads do, with the JSD accumulated in

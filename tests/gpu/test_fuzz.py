@@ -45,6 +45,7 @@ COVERAGE = (  # (label, test on a case's parameters): what the GPU cases must ex
     ("jsd", lambda c: c["loss"] == "jsd"),
     ("jsd, forward KL (beta = 0)", lambda c: c["loss"] == "jsd" and c["beta"] == 0),
     ("jsd, reverse KL (beta = 1)", lambda c: c["loss"] == "jsd" and c["beta"] == 1),
+    ("jsd, softcap", lambda c: c["loss"] == "jsd" and bool(c["student_softcap"] or c["teacher_softcap"])),
     ("T = 0", lambda c: c["tokens"] == 0),
     ("T = 1", lambda c: c["tokens"] == 1),
     ("3-D", lambda c: c["batch"] is not None),
@@ -207,9 +208,8 @@ def draw_case(rng: random.Random, index: int, limits: Limits) -> Case:
         vocab = max(8, vocab_student // 8 * 8)
         case = dataclasses.replace(case, dtype="bf16", vocab_student=vocab, vocab_teacher=vocab, student_softcap=None,
                                    teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0)
-    if rng.random() < 0.25:  # the generalized JSD: bf16 or fp32; its Triton step takes no softcaps or logit scales
-        case = dataclasses.replace(case, loss="jsd", dtype=rng.choice(["bf16", "fp32"]), student_softcap=None,
-                                   teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0)
+    if rng.random() < 0.25:  # the generalized JSD: bf16 or fp32
+        case = dataclasses.replace(case, loss="jsd", dtype=rng.choice(["bf16", "fp32"]))
     return case
 
 

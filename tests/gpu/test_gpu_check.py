@@ -28,6 +28,7 @@ from cosdistill.testing import (
     kernels,
     quantize_rows_triton,
     rel_err,
+    row_step_jsd_torch,
     teacher_grad_coefficient,
     with_teacher_products,
 )
@@ -139,6 +140,54 @@ def test_gram_cluster_row_step_matches_the_spec(device, case):
     assert rel_err(got_coefs[finite], want_coefs[finite]) < 1e-5
     assert got_losses[1].isnan().all() and got_grad[1].isnan().all() and got_coefs[1].isnan()
 
+
+
+# (rows, vocab, beta, temperature): every form at the seed vocabulary, a few at the others.
+JSD_CLUSTER_FORMS = [(0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (0.3, 2.0), (0.5, 0.7), (0.0, 3.0), (1.0, 0.5)]
+JSD_CLUSTER_CASES = ([(37, 128256, *form) for form in JSD_CLUSTER_FORMS]
+                     + [(rows, vocab, *form) for rows, vocab in ((9, 262144), (11, 32000), (5, 8), (7, 151936), (6, 1000),
+                                                                 (13, 65536))
+                        for form in ((0.5, 1.0), (0.0, 2.0), (1.0, 1.5))])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, vocab, beta, temperature", JSD_CLUSTER_CASES)
+@pytest.mark.parametrize("write_grad", [True, False])
+def test_jsd_cluster_row_step_matches_the_spec(rows, vocab, beta, temperature, write_grad):
+    """The JSD's cluster kernel against the torch spec (float64) and the Triton step, into NaN-poisoned losses:
+    a quarter of the rows ignored, one row with a peaked teacher and one with a peaked student, int32 labels
+    on odd vocabularies. Without gradients the step is Triton's (supported says no) and the logits stay as
+    they were."""
+    cluster_kernel_or_skip("cuda")
+    jsd_cuda = kernels.row_step_jsd_cuda
+    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
+    student = (torch.randn(rows, vocab, device="cuda") * 3).to(BF16)
+    teacher = (torch.randn(rows, vocab, device="cuda") * 3).to(BF16)
+    teacher[1] *= 30
+    student[2 % rows] *= 30
+    labels = torch.randint(0, vocab, (rows,), device="cuda", dtype=torch.int32 if vocab % 3 else torch.int64)
+    labels[::4] = -100
+    assert jsd_cuda.supported(student, teacher, labels, scales, write_grad, None) == write_grad
+    assert jsd_cuda._launch(vocab, labels.dtype, 0, jsd_cuda.mode_of(beta), temperature == 1.0) is not None
+    results = {}
+    for name, step in (("cuda", jsd_cuda.row_step_jsd_cuda), ("triton", kernels.row_step_jsd_triton.row_step_jsd_triton),
+                       ("torch", row_step_jsd_torch)):
+        logits, losses = student.clone(), torch.full((rows, 2), POISON, device="cuda")
+        step(logits, teacher, labels, scales, losses, write_grad)
+        results[name] = logits, losses
+    ignored = labels == -100
+    got_grad, got_losses = results["cuda"]
+    assert torch.isfinite(got_losses).all() and (got_losses[ignored] == 0).all()
+    for other, loss_tol in (("torch", 2e-5), ("triton", 1e-5)):
+        want_grad, want_losses = results[other]
+        for column in (0, 1):  # hard and soft apart: neither may hide in the other's size
+            assert rel_err(got_losses[:, column], want_losses[:, column]) < loss_tol, (other, column)
+        if write_grad:
+            assert rel_err(got_grad, want_grad) < 1e-2, other
+    if write_grad:
+        assert torch.isfinite(got_grad.float()).all() and torch.count_nonzero(got_grad[ignored]) == 0
+    else:
+        assert torch.equal(got_grad, student)
 
 LOSS_CASES = on_devices([
     LossCase(30, 3203, 3203, 32, FP32, True, 7, 13),

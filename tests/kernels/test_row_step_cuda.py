@@ -3,6 +3,7 @@
 computes exactly the spec. Its results are checked on the H200 by the gpu tests (tests/gpu, pytest -m gpu)."""
 
 import ctypes
+import dataclasses
 import re
 import subprocess
 from pathlib import Path
@@ -139,29 +140,36 @@ def plain_case(rows=6, vocab=1024, dtype=torch.bfloat16):
     return student, teacher, labels
 
 
+def unsupported(student, teacher, labels, plain):
+    """The launches a cluster row step must turn down, by reason, for the (student, teacher, labels) of
+    plain_case and its plain scales."""
+    def scaled(**options):
+        return dataclasses.replace(plain, **options)
+
+    return {
+        "fp16 lifts": (student, teacher, labels, plain, True, torch.ones(6)),
+        "fp32": (student.float(), teacher.float(), labels, plain, True, None),
+        "teacher vocabulary larger": (student, torch.randn(6, 1032).bfloat16(), labels, plain, True, None),
+        "vocabulary not a multiple of 8": (student[:, :1020], teacher[:, :1020], labels % 1020, plain, True, None),
+        "misaligned rows": (student[:, 1:1017], teacher[:, 1:1017], labels % 1016, plain, True, None),
+        "student softcap": (student, teacher, labels, scaled(student_softcap=30.0), True, None),
+        "logit scale": (student, teacher, labels, scaled(teacher_logit_scale=2.0), True, None),
+        "vocabulary shard": (student, teacher, labels, scaled(vocab_start=1024, vocab_student_total=2048), True, None),
+        "uint8 labels": (student, teacher, labels.to(torch.uint8), plain, True, None),
+        "no rows": (student[:0], teacher[:0], labels[:0], plain, True, None),
+        "row too long for shared memory": (torch.empty(1, 2**22, dtype=torch.bfloat16),
+                                           torch.empty(1, 2**22, dtype=torch.bfloat16), labels[:1], plain, True, None),
+    }
+
+
 def test_supported_only_where_the_kernel_is_the_spec(monkeypatch):
     monkeypatch.setattr(row_step_cuda, "available", lambda device: True)  # as on an H200
     student, teacher, labels = plain_case()
     assert row_step_cuda.supported(student, teacher, labels, PLAIN, True, None)
     assert row_step_cuda.supported(student, teacher, labels.int(), PLAIN, True, None)
-    rejected = {
+    rejected = unsupported(student, teacher, labels, PLAIN) | {
         "no gradient": (student, teacher, labels, PLAIN, False, None),
-        "fp16 lifts": (student, teacher, labels, PLAIN, True, torch.ones(6)),
         "fp16": (student.half(), teacher.half(), labels, PLAIN, True, None),
-        "fp32": (student.float(), teacher.float(), labels, PLAIN, True, None),
-        "teacher vocabulary larger": (student, torch.randn(6, 1032).bfloat16(), labels, PLAIN, True, None),
-        "vocabulary not a multiple of 8": (student[:, :1020], teacher[:, :1020], labels % 1020, PLAIN, True, None),
-        "misaligned rows": (student[:, 1:1017], teacher[:, 1:1017], labels % 1016, PLAIN, True, None),
-        "student softcap": (student, teacher, labels, RowStepScales(0.4, 0.6, 0.9, 1.5, -100, student_softcap=30.0),
-                            True, None),
-        "logit scale": (student, teacher, labels, RowStepScales(0.4, 0.6, 0.9, 1.5, -100, teacher_logit_scale=2.0),
-                        True, None),
-        "vocabulary shard": (student, teacher, labels, RowStepScales(0.4, 0.6, 0.9, 1.5, -100, vocab_start=1024,
-                                                                     vocab_student_total=2048), True, None),
-        "uint8 labels": (student, teacher, labels.to(torch.uint8), PLAIN, True, None),
-        "no rows": (student[:0], teacher[:0], labels[:0], PLAIN, True, None),
-        "row too long for shared memory": (torch.empty(1, 2**22, dtype=torch.bfloat16),
-                                           torch.empty(1, 2**22, dtype=torch.bfloat16), labels[:1], PLAIN, True, None),
     }
     for reason, args in rejected.items():
         assert not row_step_cuda.supported(*args), reason

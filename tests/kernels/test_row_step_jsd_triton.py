@@ -239,15 +239,56 @@ def test_labels_outside_the_shard(beta):
     assert_matches_spec(got, expected, torch.tensor([False] * 4 + [True] * 2), torch.float32)
 
 
-@pytest.mark.parametrize("change, name", [
-    (dict(student_softcap=30.0), "student_softcap"), (dict(teacher_softcap=30.0), "teacher_softcap"),
-    (dict(student_logit_scale=0.5), "student_logit_scale"), (dict(teacher_logit_scale=2.0), "teacher_logit_scale"),
-])
-def test_refuses_what_the_spec_does_not_do(change, name):
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("change", [
+    dict(student_softcap=3.0), dict(teacher_softcap=2.5, teacher_logit_scale=2.0),
+    dict(student_softcap=4.0, teacher_softcap=3.0, student_logit_scale=0.5, teacher_logit_scale=1.5),
+], ids=["student softcap", "teacher softcap and scale", "both"])
+def test_softcaps_and_logit_scales(change, dtype, beta):
+    """Each model's logits times its scale, then softcapped (Gemma-2, Cohere), both terms and the gradient's
+    chain through them, the teacher's vocabulary padded; T = 1 (the shared softmax) and T != 1."""
+    generator = torch.Generator().manual_seed(int(10 * beta) + len(change))
+    student = (torch.randn(7, 131, generator=generator) * 4).to(dtype)
+    teacher = (torch.randn(7, 140, generator=generator) * 4).to(dtype)
+    labels = labels_for(7, 131, generator)
+    for temperature in (1.0, 1.7):
+        scales = RowStepScales(0.37, 0.81, beta, temperature, IGNORE, **change)
+        got, expected = run_both(student, teacher, labels, scales, True, 32)
+        assert_matches_spec(got, expected, ignored(labels, 131), dtype)
+        plain, _ = run_both(student, teacher, labels, RowStepScales(0.37, 0.81, beta, temperature, IGNORE), True, 32)
+        assert rel_err(got[0].float(), plain[0].float()) > 1e-2  # the caps and scales change the result
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.54, 1.0])
+def test_a_one_column_student_padded_with_a_capped_teacher_and_a_logit_scale(beta):
+    """GPU fuzz case 160 (seed 0) in small: Vs = 1 zero-padded to a large teacher vocabulary, the teacher softcapped
+    (q nearly flat), the student's logits scaled (and, once, capped). A one-column softmax is exactly 1, so the hard
+    loss and gradient are exactly 0 and the gradient is the soft term's alone, of the order of p ~ 1 / Vt: an
+    error of an ulp of s in the hard term (a scaled logit rounded in its max but not in s - max, as FMA
+    contraction did on the GPU) outweighed it. The interpreter contracts nothing: the PTX test below holds the
+    compiled kernel to the same rounding."""
+    generator = torch.Generator().manual_seed(160 + int(100 * beta))
+    rows, vocab_teacher = 6, 20011
+    student = torch.randn(rows, 1, generator=generator) * 2.5  # either side of the padding's zeros
+    teacher = torch.randn(rows, vocab_teacher, generator=generator) * 2
+    labels = torch.zeros(rows, dtype=torch.long)
+    labels[1] = IGNORE
+    caps = [dict(teacher_softcap=2.003707, student_logit_scale=0.8395802),
+            dict(student_softcap=1.7, teacher_softcap=2.003707, student_logit_scale=0.8395802, teacher_logit_scale=1.3)]
+    for change in caps:
+        for temperature in (1.0, 1.7):  # the shared softmax (T == 1) and the two streams
+            scales = RowStepScales(1.2454676, 0.2631615, beta, temperature, IGNORE, **change)
+            got, expected = run_both(student, teacher, labels, scales, True, 1024)
+            assert_matches_spec(got, expected, ignored(labels, 1), torch.float32, SPEC_FP32_EXTREME_TOL)
+            assert (got[1][:, 0] == 0).all()
+            hard_only = RowStepScales(1.2454676, 0.0, beta, temperature, IGNORE, **change)
+            (grad, losses), _ = run_both(student, teacher, labels, hard_only, True, 1024)
+            assert torch.count_nonzero(grad) == 0 and (losses[:, 0] == 0).all()
+
+
+def test_refuses_fp16_lifts():
     student, teacher, labels = torch.randn(2, 8), torch.randn(2, 8), torch.tensor([1, 2])
-    with pytest.raises(ValueError, match=name):
-        row_step_jsd_triton(student, teacher, labels, RowStepScales(0.5, 0.5, 0.5, 1.0, IGNORE, **change),
-                            torch.empty(2, 2), True)
     with pytest.raises(ValueError, match="lifts"):
         row_step_jsd_triton(student, teacher, labels, RowStepScales(0.5, 0.5, 0.5, 1.0, IGNORE), torch.empty(2, 2),
                             True, grad_lifts=torch.empty(2))
@@ -269,7 +310,8 @@ aligned = ("student_ptr", "teacher_ptr", "labels_ptr", "losses_ptr", "student_ro
 variants = [*itertools.product(["*bf16"], (0, 1, 2), (True, False), (True, False)),
             *itertools.product(["*fp32"], (0, 1, 2), [False], [True])]
 for logits, mode, shared, write_grad in variants:
-    constants = dict(MODE=mode, SHARED=shared, WRITE_GRAD=write_grad, BLOCK=jsd.DEFAULT_BLOCK, STAGES=jsd.DEFAULT_STAGES)
+    constants = dict(MODE=mode, SHARED=shared, WRITE_GRAD=write_grad, BLOCK=jsd.DEFAULT_BLOCK, STAGES=jsd.DEFAULT_STAGES,
+                     STUDENT_CAP=False, TEACHER_CAP=False, student_scale=None, teacher_scale=None)
     types = dict(student_ptr=logits, teacher_ptr=logits, labels_ptr="*i64", losses_ptr="*fp32",
                  **{name: "i32" for name in ints})
     signature = {name: "constexpr" if name in constants else types.get(name, "fp32") for name in kernel.arg_names}
@@ -281,14 +323,57 @@ for logits, mode, shared, write_grad in variants:
 """
 
 
+ROUNDED_CAPS_AND_SCALES = """
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cosdistill.testing import kernels
+
+jsd = kernels.row_step_jsd_triton
+kernel = jsd._jsd_row_step_kernel
+ints = ("student_row_stride", "teacher_row_stride", "vocab_student", "vocab_teacher", "ignore_index", "vocab_start",
+        "vocab_student_total")
+# (MODE, SHARED, STUDENT_CAP, TEACHER_CAP), both logit scales on: fuzz case 160's form first
+for mode, shared, student_cap, teacher_cap in ((2, True, False, True), (0, True, True, True), (1, False, True, False)):
+    constants = dict(MODE=mode, SHARED=shared, WRITE_GRAD=True, BLOCK=jsd.DEFAULT_BLOCK, STAGES=jsd.DEFAULT_STAGES,
+                     STUDENT_CAP=student_cap, TEACHER_CAP=teacher_cap)
+    types = dict(student_ptr="*fp32", teacher_ptr="*fp32", labels_ptr="*i64", losses_ptr="*fp32",
+                 **{name: "i32" for name in ints})
+    signature = {name: "constexpr" if name in constants else types.get(name, "fp32") for name in kernel.arg_names}
+    constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
+    ptx = triton.compile(ASTSource(kernel, signature, constexprs, {}), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=jsd.DEFAULT_WARPS)).asm["ptx"]
+    caps = [name for name, on in (("student_cap", student_cap), ("teacher_cap", teacher_cap)) if on]
+    for name in caps + ["student_scale", "teacher_scale"]:
+        param = kernel.arg_names.index(name)  # all before the constexprs: the PTX parameter's index
+        register = re.search(rf"ld\\.param\\.b32\\s+(%r\\d+), \\[_jsd_row_step_kernel_param_{param}\\]", ptx).group(1)
+        fused = [line for line in ptx.splitlines() if line.strip().startswith("fma") and re.search(rf"{register}\\b", line)]
+        print(mode, shared, name, register, len(fused))
+"""
+
+
+def compiled_for_hopper(script: str) -> list[list[str]]:
+    """The words of each line a script prints, run without the interpreter (Triton's real compiler, no GPU)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [line.split() for line in result.stdout.splitlines()]
+
+
+def test_caps_and_scales_are_rounded_before_any_difference():
+    """On the GPU each pass reloads a logit and applies its scale and cap again; contracted into FMAs, the product
+    was rounded in the max but exact in s - max, and a one-column student's softmax 2^(s - max) was not 1 (its
+    hard gradient 2e-3 of the gradient in GPU fuzz case 160). Through the real compiler for Hopper, with both
+    scales and either cap or both: no cap or scale enters an FMA (each product is mul.rn, never contracted)."""
+    lines = compiled_for_hopper(ROUNDED_CAPS_AND_SCALES)
+    assert len(lines) == 10 and all(line[-1] == "0" for line in lines), lines
+
+
 def test_every_variant_compiles_for_hopper():
     """The interpreter skips Triton's front end and PTX: each MODE x SHARED x WRITE_GRAD for bf16 logits and
     each MODE for fp32, through the real compiler (no GPU needed), with the hot loops' loads prefetched (cp.async)."""
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line.split() for line in result.stdout.splitlines()]
-    assert len(lines) == 15 and all(int(line[-2]) > 0 and int(line[-1]) > 0 for line in lines), result.stdout
+    lines = compiled_for_hopper(COMPILE_FOR_HOPPER)
+    assert len(lines) == 15 and all(int(line[-2]) > 0 and int(line[-1]) > 0 for line in lines), lines
 

@@ -2,7 +2,10 @@
 code that calls it, and the tests compare the two.
 
 - ``row_step_triton.py``: the row step (statistics, losses, d loss / d logits in place); spec ``_row_step.py``.
-- ``row_step_cuda.py`` + ``row_step.cu``: the same step in one read per logit, Hopper thread block clusters.
+- ``row_step_cuda.py`` + ``row_step.cu``: the same step in one read per logit, Hopper thread block clusters
+  (``cluster.cuh``: what the cluster kernels share).
+- ``row_step_jsd_triton.py``: the generalized JSD's row step; spec ``_row_step_jsd.py``.
+- ``row_step_jsd_cuda.py`` + ``row_step_jsd.cu``: the same in one read per logit, on clusters.
 - ``labels.py``: the label count (N) and the losses' mean; spec ``_labels.py``.
 - ``grad_output.py``: grad_output applied without a host read; spec ``_backends.scale_unless_one_torch``.
 - ``fp8_quantize.py``: row-wise FP8 quantization; spec ``_teacher_fp8.quantize_rows``.

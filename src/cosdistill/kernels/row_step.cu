@@ -1,76 +1,8 @@
 // The row step in one pass over each logit, for Hopper clusters: row_step_cuda.py prepends its #defines
-// (vocabulary, layout, label type) and compiles it with NVRTC at run time. The math is _row_step.py's.
-typedef unsigned short bf16_t;
-#define NUM_WARPS (THREADS / 32)
-#define ITERS ((SLICE_VECS + THREADS - 1) / THREADS)  // vectors per thread: i = tid + k * THREADS, k < ITERS
-// Vector k < REGISTER_COLS of each thread stays in its registers, the others in shared memory: less shared
-// memory per block, so more blocks share an SM.
-#define TILE_VECS (SLICE_VECS - REGISTER_COLS * THREADS)  // per model, in shared memory
-#define TILE_INDEX(i) ((i) - REGISTER_COLS * THREADS)  // of vector i, k >= REGISTER_COLS
-// vector i = tid + k * THREADS of the slice
-#define VECTOR(model, k, i) ((k) < REGISTER_COLS ? model##_regs[k] : model##_tile[TILE_INDEX(i)])
+// (vocabulary, layout, label type) and cluster.cuh, and compiles it with NVRTC at run time. The math is
+// _row_step.py's.
 #define NUM_PARTS 5  // max, sum of exp, s.t, |s|^2, |t|^2
-#define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h
-#define QUIET_NAN __int_as_float(0x7fc00000)
 
-#define LOG2E 1.4426950408889634f
-__device__ __forceinline__ float exp2_fast(float x) {  // ex2.approx.ftz, as the Triton kernel's _exp
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float exp_fast(float x) { return exp2_fast(x * LOG2E); }
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-  unsigned long long a;
-  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-  return (unsigned)a;
-}
-__device__ __forceinline__ void copy_async(void* shared, const void* global) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(shared_address(shared)), "l"(global) : "memory");
-}
-#define WAIT_CASE(n) case n: asm volatile("cp.async.wait_group " #n ";" ::: "memory"); break;
-__device__ __forceinline__ void wait_copies(int pending) {  // at most `pending` of this thread's groups in flight
-  switch (pending) {  // the count is an immediate; `pending` is a constant in the unrolled loops
-    WAIT_CASE(0) WAIT_CASE(1) WAIT_CASE(2) WAIT_CASE(3) WAIT_CASE(4) WAIT_CASE(5) WAIT_CASE(6) WAIT_CASE(7)
-    WAIT_CASE(8) WAIT_CASE(9) WAIT_CASE(10) WAIT_CASE(11) WAIT_CASE(12) WAIT_CASE(13) WAIT_CASE(14)
-    default: asm volatile("cp.async.wait_group 15;" ::: "memory"); break;
-  }
-}
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-// Orders nothing: ptxas makes a release arrive a MEMBAR.ALL.GPU, which would wait for this block's
-// outstanding global stores (the losses), not only for the shared memory the other blocks read.
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-__device__ __forceinline__ float peer_load(const float* local, unsigned rank) {  // the same address in block `rank`
-  unsigned remote;
-  float value;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
-  return value;
-}
-__device__ __forceinline__ void unpack(uint4 v, float* x) {
-  const unsigned w[4] = {v.x, v.y, v.z, v.w};
-  #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    x[2 * j] = __uint_as_float(w[j] << 16);
-    x[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-  }
-}
-__device__ __forceinline__ float element(uint4 v, int j) {  // logit j of a packed vector, j at run time
-  const unsigned w = j < 4 ? (j < 2 ? v.x : v.y) : (j < 6 ? v.z : v.w);
-  return __uint_as_float(j & 1 ? w & 0xffff0000u : w << 16);
-}
-__device__ __forceinline__ unsigned pack(float lo, float hi) {  // round to nearest even, as .to(bf16)
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-// Merges running (max, sum of exp(x - max)) pairs; a pair that has seen nothing is (-inf, 0).
-__device__ __forceinline__ void merge_softmax(float& run_max, float& run_sum, float other_max, float other_sum) {
-  const float new_max = fmaxf(run_max, other_max);
-  run_sum = new_max == NEG_INF ? 0.f : run_sum * exp_fast(run_max - new_max) + other_sum * exp_fast(other_max - new_max);
-  run_max = new_max;
-}
 __device__ __forceinline__ void reduce_warp(float* part) {
   #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
@@ -82,11 +14,6 @@ __device__ __forceinline__ void reduce_warp(float* part) {
   }
 }
 
-#if REGISTER_COLS  // cap the registers at what MIN_BLOCKS blocks per SM leave each thread
-#define LAUNCH_BOUNDS __launch_bounds__(THREADS, MIN_BLOCKS)
-#else  // ptxas's own choice (even a minimum of 1 block changes it)
-#define LAUNCH_BOUNDS __launch_bounds__(THREADS)
-#endif
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) LAUNCH_BOUNDS
 cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, float* losses,
                  int student_stride, int teacher_stride, int ignore_index,

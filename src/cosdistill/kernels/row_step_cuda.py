@@ -35,8 +35,15 @@ MAX_SHARED_BYTES = 200 * 1024  # beside the static shared memory, under the H200
 _LOCAL_SIZE_BYTES, _NUM_REGS, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 3, 4, 14  # CUfunction_attribute
 _LABEL_TYPES = {torch.int64: "long long", torch.int32: "int"}
 
+
+def cuda_source(name: str) -> str:
+    """A kernel's CUDA C from the package: cluster.cuh (what the cluster kernels share), then the file."""
+    files = importlib.resources.files(__package__)
+    return (files / "cluster.cuh").read_text() + (files / name).read_text()
+
+
 # The kernel's CUDA C, with the #defines of ``source`` prepended; compiled by NVRTC.
-_SOURCE = (importlib.resources.files(__package__) / "row_step.cu").read_text()
+_SOURCE = cuda_source("row_step.cu")
 
 
 class Layout(NamedTuple):
@@ -92,16 +99,24 @@ def _blocks_per_sm(shared_bytes: int, threads: int) -> int:
     return max(1, min((228 * 1024) // (shared_bytes + 1024 + static_bytes), 2048 // threads, 32))
 
 
-def source(vocab: int, label_dtype: torch.dtype, layout: Layout, models: int = 2) -> str:
+def layout_defines(vocab: int, label_dtype: torch.dtype, layout: Layout, models: int = 2) -> dict:
+    """The #defines every cluster kernel takes (cluster.cuh's): the layout, the vocabulary, the label type."""
     shared = _shared_bytes(vocab, *layout, models=models)
     if shared < 0 or layout.register_cols < 0:
         raise ValueError(f"{layout} holds more vectors per block in registers than the {_slice_vecs(vocab, layout.cluster)} "
                          f"of a vocab-{vocab} slice")
-    defines = dict(CLUSTER=layout.cluster, THREADS=layout.threads, REGISTER_COLS=layout.register_cols,
-                   MIN_BLOCKS=_blocks_per_sm(shared, layout.threads), VOCAB=vocab,
-                   SLICE_VECS=_slice_vecs(vocab, layout.cluster), LABEL_T=_LABEL_TYPES[label_dtype],
-                   COSINE_EPS=f"{COSINE_EPS!r}f", TEACHER=int(models == 2))
-    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _SOURCE
+    return dict(CLUSTER=layout.cluster, THREADS=layout.threads, REGISTER_COLS=layout.register_cols,
+                MIN_BLOCKS=_blocks_per_sm(shared, layout.threads), VOCAB=vocab,
+                SLICE_VECS=_slice_vecs(vocab, layout.cluster), LABEL_T=_LABEL_TYPES[label_dtype])
+
+
+def with_defines(defines: dict, source_text: str) -> str:
+    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + source_text
+
+
+def source(vocab: int, label_dtype: torch.dtype, layout: Layout, models: int = 2) -> str:
+    return with_defines(dict(layout_defines(vocab, label_dtype, layout, models), COSINE_EPS=f"{COSINE_EPS!r}f",
+                             TEACHER=int(models == 2)), _SOURCE)
 
 
 @functools.lru_cache(maxsize=None)  # asked every call; a device's capability never changes
@@ -139,22 +154,26 @@ class _CuLaunchConfig(ctypes.Structure):  # the driver's CUlaunchConfig, for the
 
 @functools.lru_cache(maxsize=None)
 def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, layout: Layout, models: int = 2):
-    """The compiled kernel, or None where not one cluster of it fits on the device (16 blocks need a GPC
-    with 16 free SMs, which a MIG slice may not have) or where this NVRTC spills its registers to local
-    memory within the __launch_bounds__ of the register vectors."""
+    """The compiled kernel, or None where it does not fit (compile_cluster_kernel)."""
+    return compile_cluster_kernel(source(vocab, label_dtype, layout, models), "cluster_row_step", layout,
+                                  _shared_bytes(vocab, *layout, models=models), device_index)
+
+
+def compile_cluster_kernel(source_text: str, name: str, layout: Layout, shared_bytes: int, device_index: int):
+    """A cluster kernel compiled by NVRTC for the device, or None where not one cluster of it fits on the device
+    (16 blocks need a GPC with 16 free SMs, which a MIG slice may not have) or where this NVRTC spills its
+    registers to local memory within the __launch_bounds__ of the register vectors."""
     driver, check = torch.cuda._utils._get_gpu_runtime_library(), torch.cuda._utils._check_cuda
-    shared = _shared_bytes(vocab, *layout, models=models)
     with torch.cuda.device(device_index):
         try:
-            kernel = torch.cuda._compile_kernel(source(vocab, label_dtype, layout, models), "cluster_row_step",
-                                                nvcc_options=["-std=c++17"])
+            kernel = torch.cuda._compile_kernel(source_text, name, nvcc_options=["-std=c++17"])
         except RuntimeError as error:
-            raise RuntimeError(f"compiling the CUDA row step (row_step_cuda.py) failed; impl='triton' runs "
-                               f"without it: {error}") from error
-        kernel.set_shared_memory_config(shared)
+            raise RuntimeError(f"compiling the CUDA kernel {name} failed; impl='triton' runs without it: "
+                               f"{error}") from error
+        kernel.set_shared_memory_config(shared_bytes)
         if layout.cluster > 8:  # past the portable size the launch must opt in
             check(driver.cuFuncSetAttribute(kernel.func, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
-        fits = max_active_clusters(kernel, layout, shared) > 0 and kernel_attribute(kernel, _LOCAL_SIZE_BYTES) == 0
+        fits = max_active_clusters(kernel, layout, shared_bytes) > 0 and kernel_attribute(kernel, _LOCAL_SIZE_BYTES) == 0
     return kernel if fits else None
 
 

@@ -13,7 +13,9 @@ to three passes over the row:
 2. the soft loss's sums; for beta == 0 also the gradient, whose soft part (p - q) / T needs no row sum;
 3. beta > 0 with gradients only: the gradient.
 
-The launch without gradients runs passes 1 and 2; an ignored token reads nothing.
+The launch without gradients runs passes 1 and 2; an ignored token reads nothing. Each pass reloads the logits
+and applies the logit scales and softcaps again, rounding each logit to one fp32 value (``_load_logits``): a
+product left to FMA contraction would be exact in s - max but rounded in the max.
 """
 
 import math
@@ -23,7 +25,17 @@ import triton.language as tl
 
 from .._row_step import RowStepImpl, RowStepScales
 from .._row_step_jsd import split_jsd_row_step
-from .row_step_triton import INTERPRET, LOG2E, _block, _check_layout, _common_args, _row_and_label
+from .row_step_triton import (
+    INTERPRET,
+    LOG2E,
+    _block,
+    _caps,
+    _check_layout,
+    _common_args,
+    _logit_args,
+    _row_and_label,
+    _softcap,
+)
 
 # H200 sweeps (docs/design.md, The generalized JSD). STAGES: each hot loop's loads go through shared memory
 # STAGES - 1 blocks ahead (1: plain loads into registers).
@@ -61,6 +73,40 @@ def _log2(x):
     else:
         return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
                                          is_pure=True, pack=1)
+
+
+@triton.jit
+def _mul_rn(x, y):
+    """x * y rounded to fp32 before anything uses it: mul.rn, which neither LLVM nor ptxas contracts with the
+    subtraction that uses it into one FMA, as Triton's FP fusion does a plain product (s - max then leaves the
+    exact product minus the rounded max at the max: not 0, see _load_logits). The interpreter cannot run PTX
+    (and contracts nothing)."""
+    if INTERPRET:
+        return x * y
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _load_logits(row, cols, mask, logit_scale, cap, CAP: tl.constexpr, MASKED: tl.constexpr = True):
+    """row_step_triton._load_logits (fp32, times the logit scale, softcapped; 0 where masked) with the last
+    product, x times the scale or cap times tanh(x / cap), rounded (_mul_rn): each pass reloads the logits, and
+    every difference the kernel takes (s - max, max - s[label]) must see one fp32 value per logit, as the
+    interpreter does. Contracted into FMAs, the product was rounded in the max but exact in s - max: a
+    one-column student's softmax 2^(s - max) came out 1 + ~1e-7 |s|, and its hard gradient
+    weight_hard (softmax - 1), exactly 0 in the spec, outweighed the soft gradient of order 1 / Vt (2e-3 of the
+    gradient off on an H200, GPU fuzz case 160). Without caps and scales (the common path) this is
+    row_step_triton's load, and the compiled kernel is unchanged."""
+    if MASKED:
+        x = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(row + cols).to(tl.float32)
+    if logit_scale is not None:
+        x = _mul_rn(x, logit_scale)
+    if CAP:  # _softcap's tanh(x / cap) (its |x| / cap is |x / cap|), then the product with cap, rounded
+        x = _mul_rn(cap, _softcap(x * (1.0 / cap), 1.0))
+    return x
 
 
 @triton.jit
@@ -172,11 +218,22 @@ def _grad(s, a, b, d, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weig
 
 
 @triton.jit
+def _through_the_head(grad, s, logit_scale, cap, CAP: tl.constexpr):
+    """d L / d raw logit from d L / d s, s the softcapped logit: times 1 - (s / cap)^2 and the logit scale."""
+    if CAP:
+        grad = grad * (1.0 - (s * (1.0 / cap)) * (s * (1.0 / cap)))
+    if logit_scale is not None:
+        grad = grad * logit_scale
+    return grad
+
+
+@triton.jit
 def _jsd_row_step_kernel(
     student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, losses_ptr,
     vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
-    weight_hard, soft_coef, x_scale, padding, keep, beta,
-    MODE: tl.constexpr, SHARED: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+    weight_hard, soft_coef, x_scale, padding, keep, beta, student_cap, teacher_cap, student_scale, teacher_scale,
+    MODE: tl.constexpr, SHARED: tl.constexpr, WRITE_GRAD: tl.constexpr, STUDENT_CAP: tl.constexpr,
+    TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     student_row, valid, in_shard, column = _row_and_label(
@@ -203,8 +260,8 @@ def _jsd_row_step_kernel(
         sum_y = tl.zeros([BLOCK], tl.float32)
         for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
             cols = start + offsets
-            s = tl.load(student_row + cols).to(tl.float32)
-            t = tl.load(teacher_row + cols).to(tl.float32)
+            s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
+            t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
             if SHARED:
                 max_s, sum_x = _online(max_s, sum_x, s, x_scale)
             else:
@@ -214,8 +271,8 @@ def _jsd_row_step_kernel(
             cols = start + offsets
             in_student = cols < vocab_student
             in_teacher = cols < vocab_teacher
-            s = tl.load(student_row + cols, mask=in_student, other=0.0).to(tl.float32)
-            t = tl.load(teacher_row + cols, mask=in_teacher, other=0.0).to(tl.float32)
+            s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
+            t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
             # A lane past a vocabulary keeps its state (its 0s computed nothing NaN).
             if SHARED:
                 new_max, new_sum_x = _online(max_s, sum_x, s, x_scale)
@@ -245,7 +302,7 @@ def _jsd_row_step_kernel(
             inv_ratio = tl.exp2((top_s - shift_x) * x_scale + (norm_z - norm_x))
         else:  # unused: the two are independent exponentials
             inv_ratio = tl.full([], 1.0, tl.float32)
-        target = tl.load(student_row + label_col, mask=label_col >= 0, other=0.0).to(tl.float32)
+        target = _load_logits(student_row, label_col, label_col >= 0, student_scale, student_cap, STUDENT_CAP)
         hard_loss = (top_s - target) + LN2 * norm_z  # logsumexp(s) - s[label]
 
         # Pass 2: the soft sums, and for FORWARD with gradients the gradient (the target is read above).
@@ -253,14 +310,15 @@ def _jsd_row_step_kernel(
         teacher_part = tl.zeros([BLOCK], tl.float32)
         for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
             cols = start + offsets
-            s = tl.load(student_row + cols).to(tl.float32)
-            t = tl.load(teacher_row + cols).to(tl.float32)
+            s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
+            t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
             a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
             if WRITE_GRAD and MODE == FORWARD:
                 grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
                                    0.0, keep, beta, MODE, SHARED, MASKED=False)
                 teacher_part += term
-                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
+                tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
+                    student_row.dtype.element_ty))
             else:
                 student_term, teacher_term = _soft_terms(a, b, d, keep, beta, MODE)
                 student_part += student_term
@@ -269,14 +327,15 @@ def _jsd_row_step_kernel(
             cols = start + offsets
             in_student = cols < vocab_student
             in_teacher = cols < vocab_teacher
-            s = tl.load(student_row + cols, mask=in_student, other=0.0).to(tl.float32)
-            t = tl.load(teacher_row + cols, mask=in_teacher, other=0.0).to(tl.float32)
+            s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
+            t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
             a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
             if WRITE_GRAD and MODE == FORWARD:
                 grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
                                    0.0, keep, beta, MODE, SHARED, MASKED=True)
                 teacher_part += tl.where(in_teacher, term, 0.0)
-                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_student)
+                tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
+                    student_row.dtype.element_ty), mask=in_student)
             else:
                 student_term, teacher_term = _soft_terms(a, b, d, keep, beta, MODE)
                 student_part += tl.where(in_teacher, student_term, 0.0)
@@ -300,21 +359,23 @@ def _jsd_row_step_kernel(
                 log_coef = soft_coef * keep * LN2
             for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
                 cols = start + offsets
-                s = tl.load(student_row + cols).to(tl.float32)
-                t = tl.load(teacher_row + cols).to(tl.float32)
+                s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
+                t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
                 a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
                 grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
                                 student_sum, keep, beta, MODE, SHARED, MASKED=False)
-                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
+                tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
+                    student_row.dtype.element_ty))
             for start in range(whole_blocks_stop, vocab_student, BLOCK):  # the last, partial block
                 cols = start + offsets
                 in_student = cols < vocab_student
-                s = tl.load(student_row + cols, mask=in_student, other=0.0).to(tl.float32)
-                t = tl.load(teacher_row + cols, mask=in_student, other=0.0).to(tl.float32)
+                s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
+                t = _load_logits(teacher_row, cols, in_student, teacher_scale, teacher_cap, TEACHER_CAP)
                 a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
                 grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
                                 student_sum, keep, beta, MODE, SHARED, MASKED=True)
-                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_student)
+                tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
+                    student_row.dtype.element_ty), mask=in_student)
     else:  # an ignored token: no loss, no gradient
         tl.store(losses_row, 0.0)
         tl.store(losses_row + 1, 0.0)
@@ -324,14 +385,13 @@ def _jsd_row_step_kernel(
                 tl.store(student_row + cols, tl.zeros([BLOCK], student_row.dtype.element_ty), mask=cols < vocab_student)
 
 
+def mode_of(beta: float) -> int:
+    """The soft term's form for this beta: FORWARD, REVERSE or MIXED (the CUDA step's MODE too)."""
+    return FORWARD.value if beta == 0.0 else REVERSE.value if beta == 1.0 else MIXED.value
+
+
 def _check_scales(scales: RowStepScales):
-    """No softcaps or logit scales (the plan runs those with the torch spec alone), beta in [0, 1], T > 0."""
-    for name in ("student_softcap", "teacher_softcap"):
-        if getattr(scales, name) is not None:
-            raise ValueError(f"the JSD row step takes no {name}, got {getattr(scales, name)}")
-    for name in ("student_logit_scale", "teacher_logit_scale"):
-        if getattr(scales, name) != 1.0:
-            raise ValueError(f"the JSD row step takes no {name} other than 1, got {getattr(scales, name)}")
+    """beta in [0, 1], T > 0 (the API checks them; a direct call is checked here)."""
     if not 0.0 <= scales.beta <= 1.0:
         raise ValueError(f"the JSD row step needs beta in [0, 1], got {scales.beta}")
     if not scales.temperature > 0.0:
@@ -353,7 +413,7 @@ def row_step_jsd_triton(student_logits, teacher_logits, labels, scales: RowStepS
         return
     _check_layout(student_logits, teacher_logits, labels, token_losses)
     beta, temperature = scales.beta, scales.temperature
-    mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2  # FORWARD, REVERSE, MIXED
+    mode = mode_of(beta)
     num_warps = num_warps or (DEFAULT_WARPS if write_grad else LOSS_ONLY_WARPS)
     block = _block(vocab_student, block_size, num_warps, DEFAULT_BLOCK if write_grad else LOSS_ONLY_BLOCK)
     stages = num_stages or (DEFAULT_STAGES if write_grad else LOSS_ONLY_STAGES)
@@ -361,7 +421,7 @@ def row_step_jsd_triton(student_logits, teacher_logits, labels, scales: RowStepS
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
         vocab_student, vocab_teacher, *_common_args(vocab_student, scales),
         scales.weight_hard, scales.weight_soft / temperature, LOG2E.value / temperature,
-        float(vocab_teacher - vocab_student), 1.0 - beta, beta,
+        float(vocab_teacher - vocab_student), 1.0 - beta, beta, *_logit_args(scales), **_caps(scales),
         MODE=mode, SHARED=temperature == 1.0, WRITE_GRAD=write_grad, BLOCK=block, STAGES=stages,
         num_warps=num_warps,
     )

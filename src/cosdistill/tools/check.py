@@ -224,18 +224,16 @@ JSD_BETAS = (0.0, 0.5, 1.0)  # forward KL, the JSD, reverse KL
 
 def check_jsd(device, cases=LOSS_CASES) -> list[CheckResult]:
     """fused_linear_jsd against its naive version in float64, at each JSD_BETAS, on the cases in bf16 or fp32
-    (it takes no fp16), their softcaps and logit scales included (with impl="torch": the Triton step takes
-    none)."""
+    (it takes no fp16), their softcaps and logit scales included."""
     results = []
     for case in (case for case in cases if case.dtype != torch.float16):
         args = random_problem(case, device)
-        transformed = case.softcap is not None or case.logit_scale != 1.0
         for beta in JSD_BETAS:
             name = f"jsd beta={beta:g} vs float64"
             options = dict(loss="jsd", beta=beta, temperature=1.5, **case.options())
             try:
                 want = float64_reference(args, **options)
-                got = fused_run(args, chunk_size=case.chunk_size, impl="torch" if transformed else "auto", **options)
+                got = fused_run(args, chunk_size=case.chunk_size, **options)
                 results.append(compare(name, case.describe(), case.dtype, got, want))
             except Exception as error:  # a crash is a failed check, reported in the table
                 results.append(failed(name, case.describe(), error))

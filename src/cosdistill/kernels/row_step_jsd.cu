@@ -1,0 +1,263 @@
+// The generalized JSD's row step with each logit read once, for Hopper clusters: row_step_jsd_cuda.py prepends
+// its #defines (vocabulary, layout, label type, MODE, SHARED) and cluster.cuh, and compiles it
+// with NVRTC at run time. The math is _row_step_jsd.py's, in base 2 and in the forms of row_step_jsd_triton.py
+// (whose helpers say why each is formed as it is). A cluster holds one row in its blocks' shared memory (and
+// registers); they reduce the row's statistics, then its soft sums, exchanging each through distributed shared
+// memory, and write their slice's d L / d s from what they hold.
+#define NUM_STATS 5  // the student's max and sums of 2^((s - max) scale) at T and unscaled; the teacher's max and sum
+#define NUM_SUMS 2  // the soft term's student sum (also the gradient's row sum) and teacher sum
+#define FORWARD 0  // MODE: beta == 0, KL(q || p)
+#define REVERSE 1  // beta == 1, KL(p || q)
+#define MIXED 2  // 0 < beta < 1, against the mixture m = (1 - beta) p + beta q
+#define LN2 0.6931471805599453f
+
+__device__ __forceinline__ float log2_fast(float x) {  // lg2.approx.ftz, as the Triton kernel's _log2
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// A running sum of 2^((v - old_max) scale) moved to new_max; 0 where nothing was seen.
+__device__ __forceinline__ float rescaled(float sum, float old_max, float new_max, float scale) {
+  return new_max == NEG_INF ? 0.f : sum * exp2_fast((old_max - new_max) * scale);
+}
+
+// Merges `other` into `stats` (NUM_STATS each; one that has seen nothing is -inf, 0, 0, -inf, 0).
+__device__ __forceinline__ void merge_stats(float* stats, const float* other, float x_scale) {
+  const float student_max = fmaxf(stats[0], other[0]);
+  stats[1] = rescaled(stats[1], stats[0], student_max, x_scale) + rescaled(other[1], other[0], student_max, x_scale);
+  if (!SHARED)
+    stats[2] = rescaled(stats[2], stats[0], student_max, LOG2E) + rescaled(other[2], other[0], student_max, LOG2E);
+  stats[0] = student_max;
+  const float teacher_max = fmaxf(stats[3], other[3]);
+  stats[4] = rescaled(stats[4], stats[3], teacher_max, x_scale) + rescaled(other[4], other[3], teacher_max, x_scale);
+  stats[3] = teacher_max;
+}
+
+// The row's total of every thread's `part` (N values, merged by `merge`): over each warp, then the block (into
+// `block_part`, which the cluster's other blocks read), then the cluster. Warp 0's threads end with it.
+template <int N, typename Merge>
+__device__ __forceinline__ void reduce_row(float* part, const float* empty, float (*warp_parts)[N], float* block_part,
+                                           Merge merge) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  auto reduce_warp = [&]() {
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      float other[N];
+      #pragma unroll
+      for (int k = 0; k < N; ++k) other[k] = __shfl_xor_sync(0xffffffffu, part[k], offset);
+      merge(part, other);
+    }
+  };
+  reduce_warp();
+  if (lane == 0)
+    #pragma unroll
+    for (int k = 0; k < N; ++k) warp_parts[warp][k] = part[k];
+  __syncthreads();
+  if (warp == 0) {
+    #pragma unroll
+    for (int k = 0; k < N; ++k) part[k] = lane < NUM_WARPS ? warp_parts[lane][k] : empty[k];
+    reduce_warp();
+    if (lane == 0)
+      #pragma unroll
+      for (int k = 0; k < N; ++k) block_part[k] = part[k];
+  }
+  cluster_arrive();  // block_part written
+  cluster_wait();
+  if (warp == 0) {  // lane r reads block r's part
+    #pragma unroll
+    for (int k = 0; k < N; ++k) part[k] = lane < CLUSTER ? peer_load(&block_part[k], lane) : empty[k];
+    reduce_warp();
+  }
+}
+
+// (log2 p - log2 m, log2 q - log2 m) from d = log2 q - log2 p alone (row_step_jsd_triton._minus_mixture), given
+// smaller = 2^-|d|.
+__device__ __forceinline__ void minus_mixture(float d, float smaller, float keep, float beta, float& student_gap,
+                                              float& teacher_gap) {
+  const float log_spread = log2_fast(d >= 0.f ? beta + keep * smaller : keep + beta * smaller);
+  student_gap = -log_spread - fmaxf(d, 0.f);
+  teacher_gap = fminf(d, 0.f) - log_spread;
+}
+
+// One slice's vector of d L / d s to bf16, with the one-hot of the label (if this vector holds it) taken off.
+__device__ __forceinline__ uint4 grad_vector(float* g, bool holds_label, int label_lane, float weight_hard) {
+  if (holds_label)
+    #pragma unroll
+    for (int j = 0; j < 8; ++j)  // a constant index keeps g in registers
+      if (j == label_lane) g[j] -= weight_hard;
+  return make_uint4(pack(g[0], g[1]), pack(g[2], g[3]), pack(g[4], g[5]), pack(g[6], g[7]));
+}
+
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) LAUNCH_BOUNDS
+cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, float* losses,
+                     int student_stride, int teacher_stride, int ignore_index,
+                     double weight_hard_in, double soft_coef_in, double x_scale_in, double keep_in, double beta_in) {
+  extern __shared__ uint4 tiles[];  // this block's slice but its register vectors: the student's, then the teacher's
+  __shared__ float warp_stats[NUM_WARPS][NUM_STATS], warp_sums[NUM_WARPS][NUM_SUMS];
+  __shared__ float block_stats[NUM_STATS], block_sums[NUM_SUMS];  // read by the cluster's other blocks
+  __shared__ float row_consts[6];  // top_s, norm_x, norm_z, top_t, norm_y; then the gradient's row sum
+  const float weight_hard = (float)weight_hard_in, soft_coef = (float)soft_coef_in;  // soft_coef = weight_soft / T
+  const float x_scale = (float)x_scale_in, keep = (float)keep_in, beta = (float)beta_in;  // log2(e) / T, 1 - beta
+  const int rank = blockIdx.x % CLUSTER;  // == %cluster_ctarank: clusters are consecutive blocks along x
+  const long long row = blockIdx.x / CLUSTER;
+  const int tid = threadIdx.x;
+  const long long label = (long long)labels[row];
+  const bool valid = label != ignore_index && label >= 0 && label < VOCAB;
+  bf16_t* student_row = student + row * student_stride;
+  const int first_vec = rank * SLICE_VECS;
+  const int slice_vecs = min(SLICE_VECS, VOCAB / 8 - first_vec);  // <= 0 for blocks past a short row
+  uint4* grad_out = reinterpret_cast<uint4*>(student_row) + first_vec;
+  if (!valid) {  // an ignored token: no gradient, zero losses (the whole cluster leaves here)
+    for (int i = tid; i < slice_vecs; i += THREADS) grad_out[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (rank == 0 && tid == 0) losses[2 * row] = losses[2 * row + 1] = 0.f;
+    return;
+  }
+  // read before the first cluster barrier, after which other blocks may overwrite the row with gradients
+  const float target = (rank == 0 && tid == 0) ? __uint_as_float((unsigned)student_row[label] << 16) : 0.f;
+  const uint4* student_src = reinterpret_cast<const uint4*>(student_row) + first_vec;
+  const uint4* teacher_src = reinterpret_cast<const uint4*>(teacher + row * teacher_stride) + first_vec;
+  uint4* student_tile = tiles;
+  uint4* teacher_tile = tiles + TILE_VECS;
+  uint4 student_regs[REGISTER_COLS + 1], teacher_regs[REGISTER_COLS + 1];  // + 1: no zero-length arrays
+  #pragma unroll
+  for (int k = 0; k < REGISTER_COLS; ++k) {
+    const int i = tid + k * THREADS;
+    if (i < slice_vecs) {
+      student_regs[k] = __ldcg(student_src + i);
+      teacher_regs[k] = __ldcg(teacher_src + i);
+    }
+  }
+  #pragma unroll
+  for (int k = REGISTER_COLS; k < ITERS; ++k) {  // one copy group per k, so the reduction starts on the first early
+    const int i = tid + k * THREADS;
+    if (i < slice_vecs) {
+      copy_async(student_tile + TILE_INDEX(i), student_src + i);
+      copy_async(teacher_tile + TILE_INDEX(i), teacher_src + i);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+
+  // Pass 1: each thread's statistics of the vectors it copied itself (no block barrier before), per vector
+  // one max and then one exponential per logit and stream.
+  float stats[NUM_STATS] = {NEG_INF, 0.f, 0.f, NEG_INF, 0.f};
+  #pragma unroll
+  for (int k = 0; k < ITERS; ++k) {
+    if (k >= REGISTER_COLS) wait_copies(ITERS - 1 - k);
+    const int i = tid + k * THREADS;
+    if (i < slice_vecs) {
+      float s[8], t[8];
+      unpack(VECTOR(student, k, i), s);
+      unpack(VECTOR(teacher, k, i), t);
+      float vec[NUM_STATS] = {s[0], 0.f, 0.f, t[0], 0.f};
+      #pragma unroll
+      for (int j = 1; j < 8; ++j) {
+        vec[0] = fmaxf(vec[0], s[j]);
+        vec[3] = fmaxf(vec[3], t[j]);
+      }
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float student_distance = s[j] - vec[0];
+        vec[1] += exp2_fast(student_distance * x_scale);
+        if (!SHARED) vec[2] += exp2_fast(student_distance * LOG2E);
+        vec[4] += exp2_fast((t[j] - vec[3]) * x_scale);
+      }
+      merge_stats(stats, vec, x_scale);
+    }
+  }
+  const float empty_stats[NUM_STATS] = {NEG_INF, 0.f, 0.f, NEG_INF, 0.f};
+  reduce_row<NUM_STATS>(stats, empty_stats, warp_stats, block_stats,
+                        [&](float* mine, const float* other) { merge_stats(mine, other, x_scale); });
+  if (tid == 0) {  // log2 p = (s - top_s) x_scale - norm_x, log2 softmax(s) = (s - top_s) log2(e) - norm_z, ...
+    row_consts[0] = stats[0];
+    row_consts[1] = log2f(stats[1]);
+    row_consts[2] = SHARED ? row_consts[1] : log2f(stats[2]);
+    row_consts[3] = stats[3];
+    row_consts[4] = log2f(stats[4]);
+  }
+  __syncthreads();
+  const float top_s = row_consts[0], norm_x = row_consts[1], norm_z = row_consts[2];
+  const float top_t = row_consts[3], norm_y = row_consts[4];
+  const float norm_gap = norm_x - norm_y;
+  const long long label_vec = label / 8 - first_vec;
+  const int label_lane = label % 8;
+
+  // Pass 2: the soft sums; FORWARD also writes the gradient, whose soft part (p - q) / T needs no row sum.
+  float sums[NUM_SUMS] = {0.f, 0.f};
+  #pragma unroll
+  for (int k = 0; k < ITERS; ++k) {
+    const int i = tid + k * THREADS;
+    if (i < slice_vecs) {
+      float s[8], t[8], g[8];
+      unpack(VECTOR(student, k, i), s);
+      unpack(VECTOR(teacher, k, i), t);
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float student_distance = s[j] - top_s, teacher_distance = t[j] - top_t;
+        const float a = student_distance * x_scale - norm_x;
+        const float b = teacher_distance * x_scale - norm_y;
+        const float d = (teacher_distance - student_distance) * x_scale + norm_gap;
+        if (MODE == FORWARD) {
+          const float q = exp2_fast(b);
+          sums[1] += q * d;
+          const float p = exp2_fast(a);
+          const float hard_prob = SHARED ? p : exp2_fast(student_distance * LOG2E - norm_z);
+          g[j] = weight_hard * hard_prob + soft_coef * (p - q);
+        } else if (MODE == REVERSE) {
+          sums[0] -= exp2_fast(a) * d;
+        } else {  // p and q from one exponential of the larger and the ratio 2^-|d| that the mixture needs anyway
+          const float smaller = exp2_fast(-fabsf(d));
+          const float larger_prob = exp2_fast(fmaxf(a, b)), smaller_prob = larger_prob * smaller;
+          float student_gap, teacher_gap;
+          minus_mixture(d, smaller, keep, beta, student_gap, teacher_gap);
+          sums[0] += (d >= 0.f ? smaller_prob : larger_prob) * student_gap;
+          sums[1] += beta * (d >= 0.f ? larger_prob : smaller_prob) * teacher_gap;
+        }
+      }
+      if (MODE == FORWARD) grad_out[i] = grad_vector(g, i == label_vec, label_lane, weight_hard);
+    }
+  }
+  const float empty_sums[NUM_SUMS] = {0.f, 0.f};
+  reduce_row<NUM_SUMS>(sums, empty_sums, warp_sums, block_sums, [](float* mine, const float* other) {
+    mine[0] += other[0];
+    mine[1] += other[1];
+  });
+  if (tid == 0) {
+    row_consts[5] = sums[0];  // sum_j p_j (log2 p_j - x_j): the gradient's row sum
+    if (rank == 0) {
+      losses[2 * row] = (top_s - target) + LN2 * norm_z;  // logsumexp(s) - s[label]
+      losses[2 * row + 1] = LN2 * (MODE == FORWARD ? sums[1] : MODE == REVERSE ? sums[0] : keep * sums[0] + sums[1]);
+    }
+  }
+  // Done reading the other blocks' sums (they are in registers): they may exit once all arrived.
+  cluster_arrive_relaxed();
+
+  // Pass 3: REVERSE and MIXED subtract each row's sum_j p_j g_j, known only now.
+  if (MODE != FORWARD) {
+    __syncthreads();
+    const float row_sum = row_consts[5];
+    const float log_coef = soft_coef * LN2 * (MODE == MIXED ? keep : 1.f);
+    #pragma unroll
+    for (int k = 0; k < ITERS; ++k) {
+      const int i = tid + k * THREADS;
+      if (i < slice_vecs) {
+        float s[8], t[8], g[8];
+        unpack(VECTOR(student, k, i), s);
+        unpack(VECTOR(teacher, k, i), t);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float student_distance = s[j] - top_s;
+          const float a = student_distance * x_scale - norm_x;
+          const float d = ((t[j] - top_t) - student_distance) * x_scale + norm_gap;
+          const float p = exp2_fast(a);
+          const float hard_prob = SHARED ? p : exp2_fast(student_distance * LOG2E - norm_z);
+          float student_gap = -d, teacher_gap;  // REVERSE: log2 p - log2 q
+          if (MODE == MIXED) minus_mixture(d, exp2_fast(-fabsf(d)), keep, beta, student_gap, teacher_gap);
+          g[j] = weight_hard * hard_prob + p * (log_coef * (student_gap - row_sum));
+        }
+        grad_out[i] = grad_vector(g, i == label_vec, label_lane, weight_hard);
+      }
+    }
+  }
+  cluster_wait();  // no block leaves while another may still read its sums
+}

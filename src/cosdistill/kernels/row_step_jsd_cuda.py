@@ -1,0 +1,103 @@
+"""The generalized JSD's row step with each logit read once: a CUDA kernel for Hopper clusters
+(``row_step_jsd.cu``), compiled at run time by NVRTC as the cosine loss's (``row_step_cuda.py``, whose
+layouts, compilation and launch rules it shares: read that first).
+
+The Triton JSD step (``row_step_jsd_triton.py``) reads both logits buffers up to three times per row: for
+the log-sum-exps, for the soft sums, and (beta > 0 with gradients) for the gradient, which needs the row's
+finished sum. Here a cluster holds the row in its blocks' shared memory and registers, so HBM moves one
+read of each logit and one write of the gradient; the three passes run from on-chip memory, with two
+exchanges of per-row numbers between the cluster's blocks.
+
+Only the common case takes this path (``supported``): the gradient asked for, bf16 logits of one vocabulary
+size (a multiple of 8) that fits the cluster, no softcaps or logit scales, no vocabulary split, on Hopper or
+newer. Everything else runs the Triton twin, which the tests hold equal to the spec; without gradients that
+twin reads the row twice and is as fast as a cluster, whose sums are then what limits it (docs/design.md,
+The generalized JSD).
+"""
+
+import functools
+
+import torch
+
+from .._row_step import RowStepImpl, RowStepScales
+from .._row_step_jsd import split_jsd_row_step
+from . import row_step_cuda
+from .row_step_cuda import MAX_SHARED_BYTES, Layout, _shared_bytes, _slice_vecs
+from .row_step_jsd_triton import _check_scales, mode_of, row_step_jsd_triton
+from .row_step_triton import LOG2E
+
+_SOURCE = row_step_cuda.cuda_source("row_step_jsd.cu")
+def launch_configs(vocab: int) -> list[Layout]:
+    """The layouts _launch tries in turn, from an H200 sweep at five vocabularies (docs/design.md, The generalized
+    JSD): clusters of 8 blocks (16 only where 8 cannot hold the row), 128 to 512 threads as the slice grows, and
+    as many of each thread's vectors in registers (3 down to 0) as ptxas keeps without a spill. Longer slices
+    than the cosine loss's suit this kernel: its three passes and two exchanges cost each block more."""
+    cluster = 8 if _shared_bytes(vocab, 8) <= MAX_SHARED_BYTES else 16
+    slice_vecs = _slice_vecs(vocab, cluster)
+    threads = 128 if slice_vecs <= 512 else 256 if slice_vecs <= 2560 else 512
+    return [Layout(cluster, threads, cols) for cols in (3, 2, 1, 0) if cols * threads < slice_vecs]
+
+
+def source(vocab: int, label_dtype: torch.dtype, layout: Layout, mode: int, shared: bool) -> str:
+    """The kernel's CUDA C for one vocabulary, layout and form: ``mode`` FORWARD / REVERSE / MIXED (mode_of),
+    ``shared`` T == 1 (the hard term's softmax is p)."""
+    return row_step_cuda.with_defines(dict(row_step_cuda.layout_defines(vocab, label_dtype, layout), MODE=mode,
+                                           SHARED=int(shared)), _SOURCE)
+
+
+def supported(student_logits, teacher_logits, labels, scales: RowStepScales, write_grad, grad_lifts) -> bool:
+    """Whether this kernel computes exactly what _row_step_jsd.py asks for these arguments: where the cosine
+    loss's cluster kernel would run (the same logits, layouts and device)."""
+    return teacher_logits is not None and row_step_cuda.supported(student_logits, teacher_logits, labels, scales,
+                                                                  write_grad, grad_lifts)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, layout: Layout, mode: int, shared: bool):
+    return row_step_cuda.compile_cluster_kernel(source(vocab, label_dtype, layout, mode, shared),
+                                                "cluster_jsd_row_step", layout, _shared_bytes(vocab, *layout),
+                                                device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _launch(vocab: int, label_dtype: torch.dtype, device_index: int, mode: int, shared: bool):
+    """(kernel, layout) at the first of launch_configs' layouts that fits without a spill; None where none
+    does (the Triton step runs instead)."""
+    for layout in launch_configs(vocab):
+        if _shared_bytes(vocab, *layout) <= MAX_SHARED_BYTES:
+            kernel = _kernel(vocab, label_dtype, device_index, layout, mode, shared)
+            if kernel is not None:
+                return kernel, layout
+    return None
+
+
+def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scales: RowStepScales,
+           token_losses) -> None:
+    """One launch of a compiled kernel of this source (benchmarks/diagnose.py times variants)."""
+    rows, vocab = student_logits.shape
+    device = student_logits.device
+    with torch.cuda.device(device):  # the tensors' device and stream, whichever device is current
+        kernel(grid=(rows * layout.cluster, 1, 1), block=(layout.threads, 1, 1), shared_mem=_shared_bytes(vocab, *layout),
+               args=[student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
+                     teacher_logits.stride(0), scales.ignore_index, float(scales.weight_hard),
+                     scales.weight_soft / scales.temperature, LOG2E.value / scales.temperature,
+                     1.0 - scales.beta, float(scales.beta)],
+               stream=torch.cuda.current_stream(device))
+
+
+def row_step_jsd_cuda(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
+                      grad_lifts=None) -> None:
+    """_row_step_jsd.row_step_jsd_torch: this kernel where ``supported``, else the Triton step."""
+    found = None
+    if supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts) and token_losses.is_contiguous():
+        _check_scales(scales)
+        found = _launch(student_logits.shape[1], labels.dtype, student_logits.device.index, mode_of(scales.beta),
+                        scales.temperature == 1.0)
+    if found is None:
+        row_step_jsd_triton(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts)
+        return
+    launch(*found, student_logits, teacher_logits, labels, scales, token_losses)
+
+
+# A vocabulary split over ranks runs the spec's three stages (split_jsd_row_step).
+CUDA_JSD_ROW_STEP = RowStepImpl(row_step_jsd_cuda, None, None, split=split_jsd_row_step)

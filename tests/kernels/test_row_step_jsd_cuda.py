@@ -1,0 +1,88 @@
+"""The generalized JSD's CUDA cluster row step (kernels/row_step_jsd_cuda.py) on the CPU: each of its forms
+compiles for Hopper with NVRTC without local memory, some layout of every vocabulary compiles without a spill,
+and it is dispatched only where it computes exactly the spec. Its results are checked on the H200 by the gpu
+tests (tests/gpu/test_gpu_check.py, pytest -m gpu)."""
+
+import itertools
+
+import pytest
+import torch
+from test_row_step_cuda import nvrtc_compile, spill_bytes, unsupported
+
+from cosdistill.testing import RowStepScales, kernels, row_step_jsd_torch
+
+jsd_cuda, row_step_cuda = kernels.row_step_jsd_cuda, kernels.row_step_cuda
+
+PLAIN = RowStepScales(weight_hard=0.4, weight_soft=0.6, beta=0.5, temperature=1.5, ignore_index=-100)
+FORMS = list(itertools.product((0, 1, 2), (True, False)))  # MODE (FORWARD, REVERSE, MIXED), SHARED (T == 1)
+
+
+@pytest.mark.parametrize("mode, shared", FORMS)
+def test_every_form_compiles_for_hopper_without_local_memory(mode, shared):
+    layout = jsd_cuda.launch_configs(128256)[1]  # MIXED's pick on the H200
+    ptx = nvrtc_compile(jsd_cuda.source(128256, torch.int64, layout, mode, shared))
+    assert f".reqnctapercluster {layout.cluster}, 1, 1" in ptx and ".local" not in ptx
+    assert ptx.count("cp.async.cg.shared.global") >= 2 and ptx.count("ld.shared::cluster") >= 2  # two exchanges
+    assert "st.global.v4" in ptx  # the gradient, eight logits a store
+
+
+def test_launch_configs_follow_the_sweep():
+    """Clusters of 8, longer slices with more threads, register vectors from 3 down to none."""
+    assert jsd_cuda.launch_configs(32000) == [(8, 128, 3), (8, 128, 2), (8, 128, 1), (8, 128, 0)]
+    assert jsd_cuda.launch_configs(128256) == [(8, 256, 3), (8, 256, 2), (8, 256, 1), (8, 256, 0)]
+    assert jsd_cuda.launch_configs(262144)[0] == (8, 512, 3)
+    assert jsd_cuda.launch_configs(8) == [(8, 128, 0)]  # one vector per block at most
+    assert jsd_cuda.launch_configs(2**19)[0].cluster == 16  # 8 blocks cannot hold the row
+    for vocab in (8, 1000, 32000, 128256, 262144, 2**19):
+        for layout in jsd_cuda.launch_configs(vocab):  # the slices cover the row, within shared memory
+            assert 8 * layout.cluster * row_step_cuda._slice_vecs(vocab, layout.cluster) >= vocab
+            assert 0 <= row_step_cuda._shared_bytes(vocab, *layout) <= row_step_cuda.MAX_SHARED_BYTES
+
+
+@pytest.mark.parametrize("vocab", [1000, 32000, 65536, 128256, 151936, 262144])
+def test_some_layout_of_every_vocabulary_compiles_without_a_spill(vocab, tmp_path):
+    """_launch walks launch_configs' layouts to the first without a spill; the widest form (MIXED, T != 1) must
+    find one among them (the last has no register vectors, so no register cap)."""
+    layouts = jsd_cuda.launch_configs(vocab)
+    spilled = [spill_bytes(jsd_cuda.source(vocab, torch.int32, layout, 2, False), tmp_path) for layout in layouts]
+    assert 0 in spilled, list(zip(layouts, spilled))
+
+
+def plain_case(rows=6, vocab=1024, dtype=torch.bfloat16):
+    student = torch.randn(rows, vocab).to(dtype)
+    teacher = torch.randn(rows, vocab).to(dtype)
+    labels = torch.randint(0, vocab, (rows,))
+    return student, teacher, labels
+
+
+def test_supported_only_where_the_kernel_is_the_spec(monkeypatch):
+    monkeypatch.setattr(row_step_cuda, "available", lambda device: True)  # as on an H200
+    student, teacher, labels = plain_case()
+    assert jsd_cuda.supported(student, teacher, labels, PLAIN, True, None)
+    assert jsd_cuda.supported(student, teacher, labels.int(), PLAIN, True, None)
+    rejected = unsupported(student, teacher, labels, PLAIN) | {
+        "no gradient (the Triton step is as fast)": (student, teacher, labels, PLAIN, False, None),
+        "no teacher logits": (student, None, labels, PLAIN, True, None),
+    }
+    for reason, args in rejected.items():
+        assert not jsd_cuda.supported(*args), reason
+    monkeypatch.setattr(row_step_cuda, "available", lambda device: False)
+    assert not jsd_cuda.supported(student, teacher, labels, PLAIN, True, None)
+
+
+@pytest.mark.parametrize("beta, write_grad", [(0.0, True), (0.5, True), (1.0, False)])
+def test_falls_back_to_triton_where_unsupported(beta, write_grad):
+    """Off Hopper (here: the CPU, Triton in its interpreter) the step is the Triton step, equal to the spec."""
+    student, teacher, labels = plain_case(rows=5, vocab=300)
+    labels[1] = PLAIN.ignore_index
+    scales = RowStepScales(0.4, 0.6, beta, 1.5, -100)
+    want_grad, want_losses = student.clone(), torch.full((5, 2), float("nan"))
+    row_step_jsd_torch(want_grad, teacher, labels, scales, want_losses, write_grad)
+    got_grad, got_losses = student.clone(), torch.full((5, 2), float("nan"))
+    jsd_cuda.CUDA_JSD_ROW_STEP.step(got_grad, teacher, labels, scales, got_losses, write_grad)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2e-2, atol=1e-4)
+
+
+def test_the_mode_follows_beta():
+    assert [jsd_cuda.mode_of(beta) for beta in (0.0, 1.0, 0.5, 1e-9, 1 - 1e-9)] == [0, 1, 2, 2, 2]
