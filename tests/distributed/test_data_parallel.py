@@ -3,6 +3,7 @@ the whole batch, also when ranks hold different numbers of ignored tokens."""
 
 import datetime
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -17,8 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from cosdistill import FusedLinearCosineDistillLoss
-from cosdistill.distributed import DataParallelCosineDistillLoss, data_parallel_num_valid_tokens
+from cosdistill import FusedLinearCosineDistillLoss, FusedLinearJSDLoss
+from cosdistill.distributed import DataParallelCosineDistillLoss, DataParallelJSDLoss, data_parallel_num_valid_tokens
 from cosdistill.testing import rel_err
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +29,11 @@ SEQUENCES_PER_RANK, SEQ_LEN = 2, 5
 # Ignored tokens on ranks 0, 1, 2 (of SEQUENCES_PER_RANK * SEQ_LEN = 10); 2 ranks take the first two.
 IGNORED_PER_RANK = {"uneven": (0, 3, 6), "one rank all ignored": (2, 10, 5)}
 SAME, DIFFERENT = 1e-5, 1e-3  # relative errors (fp32 against fp32)
+# Each loss: its module, its data parallel module, and options other than the defaults.
+LOSSES = {
+    "cosine": (FusedLinearCosineDistillLoss, DataParallelCosineDistillLoss, {}),
+    "jsd": (FusedLinearJSDLoss, DataParallelJSDLoss, {"beta": 0.3, "temperature": 2.0}),
+}
 
 
 class Student(torch.nn.Module):
@@ -71,8 +77,13 @@ def rank_share(batch, rank):
     return features[rows], teacher_hidden[rows], teacher_weight, labels[rows]
 
 
-def whole_batch_loss_and_grads(batch):
-    student = make_student(FusedLinearCosineDistillLoss(impl="torch"))
+def loss_module(loss, data_parallel=False):
+    module, data_parallel_module, options = LOSSES[loss]
+    return (data_parallel_module if data_parallel else module)(impl="torch", **options)
+
+
+def whole_batch_loss_and_grads(batch, loss):
+    student = make_student(loss_module(loss))
     loss = student(*batch)
     loss.backward()
     return loss.detach(), {name: param.grad for name, param in student.named_parameters()}
@@ -85,8 +96,8 @@ def ddp_loss_and_grads(batch, loss):
     return rank_loss.detach(), {name: param.grad for name, param in student.module.named_parameters()}
 
 
-def fsdp2_loss_and_grads(batch):
-    student = make_student(FusedLinearCosineDistillLoss(impl="torch"))
+def fsdp2_loss_and_grads(batch, loss):
+    student = make_student(loss_module(loss))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     fully_shard(student.body, mesh=mesh)
     fully_shard(student, mesh=mesh)
@@ -97,26 +108,26 @@ def fsdp2_loss_and_grads(batch):
 
 
 RUNS = {
-    "ddp": lambda batch: ddp_loss_and_grads(batch, DataParallelCosineDistillLoss(impl="torch")),
+    "ddp": lambda batch, loss: ddp_loss_and_grads(batch, loss_module(loss, data_parallel=True)),
     "fsdp2": fsdp2_loss_and_grads,
-    "ddp, local normaliser": lambda batch: ddp_loss_and_grads(batch, FusedLinearCosineDistillLoss(impl="torch")),
+    "ddp, local normaliser": lambda batch, loss: ddp_loss_and_grads(batch, loss_module(loss)),
 }
 
 
 def measure_rank(rank, world_size, folder):
-    """Per run and ignore layout, the relative errors of the gradients and of the mean loss against one
+    """Per loss, run and ignore layout, the relative errors of the gradients and of the mean loss against one
     process; rank 0 writes them to folder/errors.json (the gradients are all-reduced: the same on all ranks)."""
     store = dist.FileStore(os.path.join(folder, "store"), world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
-        errors = {run: {} for run in RUNS}
-        for case, ignored_per_rank in IGNORED_PER_RANK.items():
+        errors = {loss: {run: {} for run in RUNS} for loss in LOSSES}
+        for loss, (case, ignored_per_rank) in itertools.product(LOSSES, IGNORED_PER_RANK.items()):
             batch = global_batch(world_size, ignored_per_rank)
-            expected_loss, expected_grads = whole_batch_loss_and_grads(batch)
+            expected_loss, expected_grads = whole_batch_loss_and_grads(batch, loss)
             for run, loss_and_grads in RUNS.items():
-                rank_loss, grads = loss_and_grads(batch)
+                rank_loss, grads = loss_and_grads(batch, loss)
                 dist.all_reduce(rank_loss)  # the mean of the ranks' shares is the whole-batch loss
-                errors[run][case] = {
+                errors[loss][run][case] = {
                     "grads": {name: rel_err(grads[name], expected_grads[name]) for name in expected_grads},
                     "loss": rel_err(rank_loss / world_size, expected_loss),
                 }
@@ -137,15 +148,17 @@ def errors(request, tmp_path_factory):
     return json.loads((folder / "errors.json").read_text())
 
 
+@pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("run", ["ddp", "fsdp2"])
-def test_gradients_and_loss_equal_one_process(errors, run):
-    for case, error in errors[run].items():
+def test_gradients_and_loss_equal_one_process(errors, run, loss):
+    for case, error in errors[loss][run].items():
         assert max(error["grads"].values()) < SAME, f"{case}: {error}"
         assert error["loss"] < SAME, f"{case}: {error}"
 
 
-def test_local_normaliser_gives_other_gradients(errors):
-    for case, error in errors["ddp, local normaliser"].items():
+@pytest.mark.parametrize("loss", LOSSES)
+def test_local_normaliser_gives_other_gradients(errors, loss):
+    for case, error in errors[loss]["ddp, local normaliser"].items():
         assert max(error["grads"].values()) > DIFFERENT, f"{case}: {error}"
 
 

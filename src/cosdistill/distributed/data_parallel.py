@@ -9,7 +9,7 @@ process on the whole batch.
 import torch
 import torch.distributed as dist
 
-from ..api import FusedLinearCosineDistillLoss
+from ..api import FusedLinearCosineDistillLoss, FusedLinearJSDLoss
 
 
 def data_parallel_num_valid_tokens(labels, ignore_index=-100, group=None):
@@ -41,7 +41,27 @@ def data_parallel_num_valid_tokens(labels, ignore_index=-100, group=None):
     return count.clamp_min(1).double() / dist.get_world_size(group)
 
 
-class DataParallelCosineDistillLoss(FusedLinearCosineDistillLoss):
+class _GlobalNormaliser:
+    """The forward of a loss module with the global batch's normaliser (see ``DataParallelCosineDistillLoss``).
+
+    Mixed in before the loss module, so that the loss's options and signature stay its own.
+    """
+
+    def __init__(self, *args, group=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+    def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
+                teacher_bias=None, *, num_valid_tokens=None):
+        if num_valid_tokens is None:
+            num_valid_tokens = data_parallel_num_valid_tokens(true_labels, self.options.ignore_index, self.group)
+        return super().forward(
+            student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
+            num_valid_tokens=num_valid_tokens,
+        )
+
+
+class DataParallelCosineDistillLoss(_GlobalNormaliser, FusedLinearCosineDistillLoss):
     """``FusedLinearCosineDistillLoss`` for DDP and FSDP2: normalised over the global batch.
 
     Takes the parent's options plus ``group`` (the data parallel process group; None: the whole
@@ -60,15 +80,7 @@ class DataParallelCosineDistillLoss(FusedLinearCosineDistillLoss):
     The soft and hard terms of ``return_soft_hard_loss`` are shares in the same way.
     """
 
-    def __init__(self, *args, group=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.group = group
 
-    def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
-                teacher_bias=None, *, num_valid_tokens=None):
-        if num_valid_tokens is None:
-            num_valid_tokens = data_parallel_num_valid_tokens(true_labels, self.options.ignore_index, self.group)
-        return super().forward(
-            student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
-            num_valid_tokens=num_valid_tokens,
-        )
+class DataParallelJSDLoss(_GlobalNormaliser, FusedLinearJSDLoss):
+    """``FusedLinearJSDLoss`` for DDP and FSDP2, normalised over the global batch as
+    ``DataParallelCosineDistillLoss``: the parent's options plus ``group``; each rank's loss is its share."""
