@@ -1,6 +1,6 @@
 """Distil a small student from a frozen teacher with DDP or FSDP2 and the data parallel normaliser.
 
-    torchrun --nproc_per_node 2 examples/torchrun_ddp.py [--fsdp2] [--steps 5]
+    torchrun --nproc_per_node 2 examples/torchrun_ddp.py [--fsdp2] [--loss jsd] [--steps 5]
 
 On GPUs each rank uses the GPU of its LOCAL_RANK and NCCL; without GPUs, the CPU and gloo. Each rank
 draws its own batch with its own amount of padding (ignored labels), and rank 0 prints the loss of
@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from cosdistill.distributed import DataParallelCosineDistillLoss
+from cosdistill.distributed import DataParallelCosineDistillLoss, DataParallelJSDLoss
 
 VOCAB_STUDENT, VOCAB_TEACHER = 1000, 1024  # the teacher's vocabulary extends the student's
 HIDDEN_STUDENT, HIDDEN_TEACHER = 64, 128
@@ -28,12 +28,12 @@ class Student(torch.nn.Module):
     """Embedding, one MLP block and an LM head. forward returns the loss: under FSDP2 the head's
     weight is whole only inside the forward of the module that was sharded."""
 
-    def __init__(self):
+    def __init__(self, loss):
         super().__init__()
         self.embedding = torch.nn.Embedding(VOCAB_STUDENT, HIDDEN_STUDENT)
         self.block = torch.nn.Sequential(torch.nn.Linear(HIDDEN_STUDENT, HIDDEN_STUDENT), torch.nn.GELU())
         self.head = torch.nn.Linear(HIDDEN_STUDENT, VOCAB_STUDENT)
-        self.loss = DataParallelCosineDistillLoss(weight_hard_loss=0.5, weight_soft_loss=0.5)
+        self.loss = loss
 
     def forward(self, tokens, teacher_hidden, teacher_weight, labels):
         hidden = self.embedding(tokens)
@@ -73,10 +73,16 @@ def init_distributed():
     return device
 
 
-def train(steps, fsdp2, device):
+LOSSES = {  # the cosine loss, and the generalized JSD of GKD (beta = 0: forward KL, 1: reverse KL)
+    "cosine": lambda: DataParallelCosineDistillLoss(weight_hard_loss=0.5, weight_soft_loss=0.5),
+    "jsd": lambda: DataParallelJSDLoss(weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, temperature=2.0),
+}
+
+
+def train(steps, fsdp2, loss, device):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial student and teacher on every rank
-    student, teacher = Student().to(device), Teacher().to(device)
+    student, teacher = Student(LOSSES[loss]()).to(device), Teacher().to(device)
     if fsdp2:
         mesh = init_device_mesh(device.type, (world_size,))
         fully_shard(student.block, mesh=mesh)
@@ -103,9 +109,10 @@ def train(steps, fsdp2, device):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fsdp2", action="store_true", help="shard the student with fully_shard instead of DDP")
+    parser.add_argument("--loss", choices=LOSSES, default="cosine")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    train(args.steps, args.fsdp2, init_distributed())
+    train(args.steps, args.fsdp2, args.loss, init_distributed())
     # Tear down in order; a gloo group torn down otherwise now and then aborted the process at exit
     # ("terminate called without an active exception") or hung it (torch 2.13, once in CI with FSDP2).
     # The barrier waits until neither rank has a collective left on gloo's worker threads (whose work

@@ -173,7 +173,7 @@ def test_needs_initialised_process_group_and_integer_labels():
         data_parallel_num_valid_tokens(torch.zeros(3))
 
 
-@pytest.mark.parametrize("wrapper", [[], ["--fsdp2"]], ids=["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrapper", [[], ["--fsdp2"], ["--fsdp2", "--loss", "jsd"]], ids=["ddp", "fsdp2", "fsdp2, jsd"])
 def test_torchrun_example(wrapper):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
