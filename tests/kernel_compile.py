@@ -1,12 +1,18 @@
-"""Compile every Triton kernel variant for Hopper (sm_90) with Triton's real compiler: no GPU needed.
+"""Compile every Triton kernel variant for Hopper (sm_90) with Triton's real compiler, and the CUDA cluster
+kernels with NVRTC and Triton's ptxas: no GPU needed.
 
 Triton's interpreter, which runs the kernels in the other tests, skips the compiler's front end, so it
 misses errors only a GPU run would show (e.g. a plain Python global read inside @triton.jit). Run as
 a script without TRITON_INTERPRET (kernels/test_compile_for_hopper.py does), it prints one line per variant.
 """
 
+import ctypes
 import itertools
+import re
+import subprocess
+from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -14,6 +20,8 @@ from triton.compiler import ASTSource
 from cosdistill.testing import kernels
 
 fingerprint, fp8_quantize, grad_output = kernels.fingerprint, kernels.fp8_quantize, kernels.grad_output
+row_step_cuda, row_step_jsd_cuda = kernels.row_step_cuda, kernels.row_step_jsd_cuda
+NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas, cuobjdump
 labels, row_step = kernels.labels, kernels.row_step_triton  # row_step: the Triton row step
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -25,6 +33,50 @@ FLOATS = ("student_cap", "teacher_cap", "student_scale", "teacher_scale", "weigh
 
 ALIGNED = ("student_ptr", "teacher_ptr", "labels_ptr", "stats_ptr", "losses_ptr", "lifts_ptr", "student_row_stride",
            "teacher_row_stride", "vocab_student", "vocab_teacher")
+
+
+def nvrtc_compile(source: str) -> str:
+    """PTX for sm_90; raises with NVRTC's log on an error or a warning."""
+    import nvidia.cuda_nvrtc
+
+    lib = ctypes.CDLL(str(Path(list(nvidia.cuda_nvrtc.__path__)[0]) / "lib" / "libnvrtc.so.12"))
+    program = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"row_step.cu", 0, None, None) == 0
+    options = [b"--gpu-architecture=sm_90", b"-std=c++17"]
+    result = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(program, log)
+    if result != 0 or log.value.strip():
+        raise AssertionError(f"NVRTC result {result}:\n{log.value.decode()}")
+    lib.nvrtcGetPTXSize(program, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(program, ptx)
+    lib.nvrtcDestroyProgram(ctypes.byref(program))
+    return ptx.value.decode()
+
+
+def ptxas(source: str, folder: Path) -> tuple[Path, int]:
+    """The sm_90 cubin of a CUDA source (NVRTC, then Triton's ptxas) and the bytes of registers it spills
+    within the kernel's __launch_bounds__."""
+    (folder / "kernel.ptx").write_text(nvrtc_compile(source))
+    result = subprocess.run([str(NVIDIA_BIN / "ptxas"), "-arch=sm_90", "-v", str(folder / "kernel.ptx"), "-o",
+                             str(folder / "kernel.cubin")], capture_output=True, text=True, check=True)
+    return folder / "kernel.cubin", int(re.search(r"(\d+) bytes spill stores", result.stderr).group(1))
+
+
+def spill_bytes(source: str, folder: Path) -> int:
+    return ptxas(source, folder)[1]
+
+
+def cuda_variants(vocab: int):
+    """(name, layouts, source of a layout) of the CUDA cluster kernels: the cosine step and the JSD's forms
+    (MODE, SHARED: T == 1), each with the layouts its _launch tries in turn."""
+    yield "cosine", row_step_cuda.launch_configs(vocab), lambda layout: row_step_cuda.source(vocab, torch.int64, layout)
+    for (mode, name), shared in itertools.product(((0, "forward KL"), (1, "reverse KL"), (2, "mixed")), (True, False)):
+        yield (f"jsd {name}, T {'=' if shared else '!='} 1", row_step_jsd_cuda.launch_configs(vocab),
+               lambda layout, mode=mode, shared=shared: row_step_jsd_cuda.source(vocab, torch.int64, layout, mode, shared))
 
 
 def compile_for_hopper(kernel, logits_type, constants, aligned=False, num_warps=row_step.DEFAULT_WARPS):

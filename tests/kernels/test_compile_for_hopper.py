@@ -1,6 +1,7 @@
 """The Triton kernels compile for the H200 (sm_90) with Triton's real compiler, on this CPU machine
 (tests/kernel_compile.py, which benchmarks/sass_compare.py reuses)."""
 
+import math
 import os
 import subprocess
 import sys
@@ -37,3 +38,21 @@ def test_sass_compare_hashes_every_variant():
     assert len(lines) == 28 and all(line[-1] == "instructions" and int(line[-2]) > 100 for line in lines), result.stdout
     hashes = {" ".join(line[:-3]): line[-3] for line in lines}
     assert hashes["row step *bf16 caps=False"] != hashes["row step aligned *bf16 caps=False"], result.stdout
+
+
+def test_sass_compare_counts_what_each_cuda_kernel_issues_per_logit():
+    """sass_compare.py --cuda: one line per CUDA cluster kernel with its instructions and SFU operations per
+    logit pair. The mixed JSD's two logarithms per pair show, and its count is past the 4096 instructions that
+    four-digit SASS addresses hold (those past them once went uncounted)."""
+    result = subprocess.run([sys.executable, str(TESTS.parent / "benchmarks" / "sass_compare.py"), "--cuda", "128256"],
+                            env=compiler_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = {}
+    for line in result.stdout.splitlines():
+        name, figures = line.split(" (", 1)
+        words = figures.split(": ", 1)[1].split()
+        counts[name.strip()] = float(words[0]), float(words[3])
+    assert len(counts) == 7 and counts["cosine"][0] > 0, result.stdout
+    instructions, mufu = counts["jsd mixed, T = 1"]
+    assert mufu >= counts["jsd forward KL, T = 1"][1] + 2, result.stdout
+    assert 8 * math.ceil(128256 / 64 / 256) * instructions > 4096, result.stdout

@@ -2,42 +2,17 @@
 (the pip wheel, as torch's CUDA build ships it) without local memory, and it is dispatched only where it
 computes exactly the spec. Its results are checked on the H200 by the gpu tests (tests/gpu, pytest -m gpu)."""
 
-import ctypes
 import dataclasses
-import re
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from cosdistill.testing import RowStepScales, kernels, row_step_torch
+from kernel_compile import nvrtc_compile, spill_bytes
 
 row_step_cuda = kernels.row_step_cuda
 
 PLAIN = RowStepScales(weight_hard=0.4, weight_soft=0.6, beta=0.9, temperature=1.5, ignore_index=-100)
-
-
-def nvrtc_compile(source: str) -> str:
-    """PTX for sm_90; raises with NVRTC's log on an error or a warning."""
-    import nvidia.cuda_nvrtc
-
-    lib = ctypes.CDLL(str(Path(list(nvidia.cuda_nvrtc.__path__)[0]) / "lib" / "libnvrtc.so.12"))
-    program = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"row_step.cu", 0, None, None) == 0
-    options = [b"--gpu-architecture=sm_90", b"-std=c++17"]
-    result = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(program, log)
-    if result != 0 or log.value.strip():
-        raise AssertionError(f"NVRTC result {result}:\n{log.value.decode()}")
-    lib.nvrtcGetPTXSize(program, ctypes.byref(size))
-    ptx = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetPTX(program, ptx)
-    lib.nvrtcDestroyProgram(ctypes.byref(program))
-    return ptx.value.decode()
 
 
 @pytest.mark.parametrize("vocab", [8, 1000, 32000, 128256, 151936, 262144])
@@ -53,24 +28,13 @@ def test_source_compiles_for_hopper_without_local_memory(vocab, label_dtype):
 @pytest.mark.parametrize("vocab, layout", [(262144, (16, 256, 2)), (262144, (16, 128, 5)), (128256, (16, 128, 1)),
                                            (32000, (8, 128, 3)), (8000, (8, 32, 3))])
 def test_register_layouts_compile_without_local_memory(vocab, layout):
-    """Item 65: vectors held in registers must stay there (a run-time index would put them on the stack)."""
+    """Vectors held in registers must stay there (a run-time index would put them on the stack)."""
     layout = row_step_cuda.Layout(*layout)
     ptx = nvrtc_compile(row_step_cuda.source(vocab, torch.int64, layout))
     assert ".local" not in ptx
     copies = row_step_cuda._slice_vecs(vocab, layout.cluster) > layout.register_cols * layout.threads
     assert ptx.count("ld.global.cg.v4") >= 2 * layout.register_cols and copies == ("cp.async.cg.shared.global" in ptx)
     assert f".maxntid {layout.threads}, 1, 1" in ptx and ".minnctapersm" in ptx
-
-
-def spill_bytes(source: str, tmp_path) -> int:
-    """Bytes of registers spilled by ptxas (Triton's, for sm_90) within the kernel's __launch_bounds__."""
-    import triton
-
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    (tmp_path / "row_step.ptx").write_text(nvrtc_compile(source))
-    result = subprocess.run([str(ptxas), "-arch=sm_90", "-v", str(tmp_path / "row_step.ptx"), "-o",
-                             str(tmp_path / "row_step.cubin")], capture_output=True, text=True, check=True)
-    return int(re.search(r"(\d+) bytes spill stores", result.stderr).group(1))
 
 
 # launch_configs' first layout that this ptxas compiles without a spill, as _launch picks on the GPU
@@ -118,8 +82,8 @@ def test_register_columns_shrink_the_shared_slice():
 
 
 def test_launch_configs_follow_the_sweeps():
-    # items 56, 65 and 67: ~32 KB of shared memory per block; where that leaves fewer than 8 blocks per SM,
-    # the layouts with the most blocks, then warps, using registers
+    # the H200 layout sweeps (docs/design.md): ~32 KB of shared memory per block; where that leaves fewer than
+    # 8 blocks per SM, the layouts with the most blocks, then warps, using registers
     assert row_step_cuda.launch_configs(32000) == [(8, 128, 0)]
     assert row_step_cuda.launch_configs(49152) == [(8, 128, 0)]  # 9 blocks per SM without registers
     assert row_step_cuda.launch_configs(65536)[0] == (8, 128, 2)  # 6 -> 9 blocks per SM

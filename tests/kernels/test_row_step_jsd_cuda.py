@@ -7,9 +7,10 @@ import itertools
 
 import pytest
 import torch
-from test_row_step_cuda import nvrtc_compile, spill_bytes, unsupported
+from test_row_step_cuda import unsupported
 
 from cosdistill.testing import RowStepScales, kernels, row_step_jsd_torch
+from kernel_compile import nvrtc_compile, spill_bytes
 
 jsd_cuda, row_step_cuda = kernels.row_step_jsd_cuda, kernels.row_step_cuda
 

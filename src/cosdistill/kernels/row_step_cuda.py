@@ -55,7 +55,7 @@ class Layout(NamedTuple):
 
 
 def launch_configs(vocab: int, models: int = 2) -> list[Layout]:
-    """The layouts _launch tries in turn, from the H200 sweeps of items 56, 65 and 67: about 32 KB of
+    """The layouts _launch tries in turn, from the H200 layout sweeps (docs/design.md): about 32 KB of
     shared memory per block (several blocks share an SM and cover each other's idle phases), and where
     that leaves fewer than 8 blocks per SM, up to a third of each thread's vectors in registers: the
     layouts with the most blocks per SM first, then the most warps, then the fewest register vectors.
