@@ -31,16 +31,23 @@ of log(V) per term, which shows against a small divergence (a student padded to 
 vocabulary: 1.7e-5 off float64); the Triton kernel avoids that by forming b - a from the logits' distances
 to their maxima.
 
+Given ``grad_lifts`` [n] (the chunk loop does for fp16 logits), it writes each row's gradient times a power of
+two and stores it there, as _row_step.py does (``lift_for``), from a bound on the row's largest entry: with
+c = weight_soft / T, S = sum_j p_j g_j, and M the largest |p_k g_k| (|p_k - q_k| at beta = 0) and P the
+largest p_k over the student's columns, |d L / d s_k| <= (|weight_hard| + |c| (M + P |S|)) times the
+student's logit scale (the softcap's factor is at most 1). M and P come with the sums, so the ranks of a
+vocabulary split agree on them.
+
 It runs in three stages, so that a vocabulary split over ranks can combine each row's numbers between
-them: ``jsd_row_stats`` (the three log-sum-exps and the target logit), ``jsd_row_sums`` (the divergence and
-the gradient's sum_j p_j g_j) and ``jsd_row_grad`` (the losses and the gradient).
+them: ``jsd_row_stats`` (the three log-sum-exps and the target logit), ``jsd_row_sums`` (the divergence, the
+gradient's sum_j p_j g_j and M) and ``jsd_row_grad`` (the losses and the gradient).
 """
 
 import math
 
 import torch
 
-from ._row_step import RowStepImpl, RowStepScales, label_columns, scale_and_softcap
+from ._row_step import RowStepImpl, RowStepScales, label_columns, lift_for, scale_and_softcap
 
 SPEC_DTYPE = torch.float64
 # Per-row statistics of the JSD's row step, along the last dimension of a [n, 4] float64 tensor; over a
@@ -113,17 +120,45 @@ def jsd_terms(a, d, beta):
     return soft, (1.0 - beta) * student_part, (1.0 - beta) * student_minus_mixture
 
 
+def _soft_brackets(a, d, g, beta):
+    """p_k g_k (p_k - q_k at beta = 0) over the given columns: the soft gradient's part that varies with k."""
+    return a.exp() - (a + d).exp() if beta == 0.0 else a.exp() * g
+
+
 def jsd_row_sums(student_logits, teacher_logits, stats, scales: RowStepScales) -> torch.Tensor:
-    """[n, 2]: the soft term and the gradient's student part (jsd_terms) over this shard's columns; a
-    vocabulary split adds them up across ranks."""
+    """[n, 4]: the soft term and the gradient's student part (jsd_terms) over this shard's columns, and the
+    largest |_soft_brackets| and the largest p over its student columns (0 over none); a vocabulary split adds
+    up the first two across ranks and takes the largest of the others (combine_jsd_sums)."""
     s, t = _as_the_loss_sees_them(student_logits, teacher_logits, scales)
-    soft, student_part, _ = jsd_terms(*_log_probs(s, t, stats, scales.temperature), scales.beta)
-    return torch.stack([soft, student_part], dim=1)
+    a, d = _log_probs(s, t, stats, scales.temperature)
+    soft, student_part, g = jsd_terms(a, d, scales.beta)
+    vocab_student = s.shape[1]
+    g = None if g is None else g[:, :vocab_student]
+    brackets = _soft_brackets(a[:, :vocab_student], d[:, :vocab_student], g, scales.beta)
+    largest, largest_p = torch.zeros_like(soft), torch.zeros_like(soft)
+    if vocab_student:
+        largest, largest_p = brackets.abs().amax(1), a[:, :vocab_student].amax(1).exp()
+    return torch.stack([soft, student_part, largest, largest_p], dim=1)
+
+
+def combine_jsd_sums(shard_sums: torch.Tensor) -> torch.Tensor:
+    """The whole vocabulary's sums from its shards', [shards, n, 4] -> [n, 4]."""
+    sums = shard_sums.sum(0)
+    sums[:, 2:] = shard_sums[..., 2:].amax(0)
+    return sums
+
+
+def jsd_lift_bound(sums, scales: RowStepScales) -> torch.Tensor:
+    """[n]: a bound on each row's largest |d L / d s| (the module's docstring says why it holds)."""
+    soft = sums[:, 2] + sums[:, 3] * sums[:, 1].abs()
+    return (abs(scales.weight_hard) + abs(scales.weight_soft) / scales.temperature * soft) * abs(
+        scales.student_logit_scale)
 
 
 def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales: RowStepScales, token_losses,
-                 write_grad) -> None:
-    """The losses from the (combined) statistics and sums and, if asked, d L / d s of this shard's columns."""
+                 write_grad, grad_lifts=None) -> None:
+    """The losses from the (combined) statistics and sums and, if asked, d L / d s of this shard's columns
+    (times the row's lift, given ``grad_lifts``; 1 for an ignored row)."""
     rows, vocab_student = student_logits.shape
     valid, in_shard, column = label_columns(labels, vocab_student, scales)
     token_losses[:, 0] = torch.where(valid, stats[:, LSE] - stats[:, TARGET], 0.0)
@@ -138,38 +173,37 @@ def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales: Ro
         grad.scatter_add_(1, column[:, None], in_shard.to(SPEC_DTYPE)[:, None] * -scales.weight_hard)
     a, d = _log_probs(s, t, stats, scales.temperature)
     a, d = a[:, :vocab_student], d[:, :vocab_student]  # the student has no gradient past its own columns
-    if scales.beta == 0.0:
-        soft_grad = a.exp() - (a + d).exp()
-    else:
-        g = jsd_terms(a, d, scales.beta)[2]
-        soft_grad = a.exp() * (g - sums[:, 1, None])
+    g = None if scales.beta == 0.0 else jsd_terms(a, d, scales.beta)[2]
+    soft_grad = _soft_brackets(a, d, g, scales.beta)
+    if scales.beta != 0.0:
+        soft_grad -= a.exp() * sums[:, 1, None]
     grad += (scales.weight_soft / scales.temperature) * soft_grad
     if scales.student_softcap is not None:
         grad *= 1.0 - (s / scales.student_softcap) ** 2  # d(c tanh(z / c)) / dz
     grad *= scales.student_logit_scale
+    if grad_lifts is not None:
+        grad_lifts.copy_(torch.where(valid, lift_for(jsd_lift_bound(sums, scales).float()), 1.0))
+        grad *= grad_lifts[:, None]
     student_logits.copy_(torch.where(valid[:, None], grad, 0.0))
 
 
 def row_step_jsd_torch(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
                        grad_lifts=None):
-    if grad_lifts is not None:
-        raise ValueError("the JSD row step has no fp16 lifts: pass bf16 or fp32 logits")
     stats = jsd_row_stats(student_logits, teacher_logits, labels, scales)
     sums = jsd_row_sums(student_logits, teacher_logits, stats, scales)
-    jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales, token_losses, write_grad)
+    jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales, token_losses, write_grad, grad_lifts)
 
 
 def split_jsd_row_step(all_gather):
     """The JSD's row step over a vocabulary split across ranks: two all-gathers of O(rows) per chunk, one of
     the statistics (the log-sum-exps need every column before any probability), one of the sums (the
-    gradient needs the whole row's student part)."""
+    gradient needs the whole row's student part, fp16's lift the whole row's largest terms)."""
 
     def row_step(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None):
-        if grad_lifts is not None:
-            raise ValueError("the JSD row step has no fp16 lifts: pass bf16 or fp32 logits")
         stats = combine_jsd_stats(all_gather(jsd_row_stats(student_logits, teacher_logits, labels, scales)))
-        sums = all_gather(jsd_row_sums(student_logits, teacher_logits, stats, scales)).sum(0)
-        jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales, token_losses, write_grad)
+        sums = combine_jsd_sums(all_gather(jsd_row_sums(student_logits, teacher_logits, stats, scales)))
+        jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales, token_losses, write_grad,
+                     grad_lifts)  # every rank: the same sums, so the same lifts
 
     return row_step
 

@@ -82,6 +82,8 @@ from ._row_step import (  # noqa: E402
 from ._row_step_jsd import (  # noqa: E402
     JSD_TORCH_ROW_STEP,
     combine_jsd_stats,
+    combine_jsd_sums,
+    jsd_lift_bound,
     jsd_row_grad,
     jsd_row_stats,
     jsd_row_sums,
@@ -142,7 +144,8 @@ __all__ = [
     "LabelCounts", "count_labels_torch", "mean_losses_torch", "Options", "chunk_rows", "TORCH_ROW_STEP", "RowStepImpl",
     "RowStepScales", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
     "with_teacher_products", "LogitsTeacher", "TeacherHead", "AttachGradients",
-    "JSD_TORCH_ROW_STEP", "combine_jsd_stats", "jsd_row_grad", "jsd_row_stats", "jsd_row_sums", "row_step_jsd_torch",
+    "JSD_TORCH_ROW_STEP", "combine_jsd_stats", "combine_jsd_sums", "jsd_lift_bound", "jsd_row_grad", "jsd_row_stats",
+    "jsd_row_sums", "row_step_jsd_torch",
     # internals imported on first use: the Triton twins and the torch.compile op
     *_KERNEL_NAMES, *_COMPILE_NAMES,
 ]

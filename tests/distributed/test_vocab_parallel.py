@@ -54,10 +54,8 @@ def measure_rank(rank, world_size, folder):
             options = VocabParallelOptions.even_split(vocab_teacher, vocab_student)
             shards = (options.student_rows(problem.student_weight), options.student_rows(problem.student_bias),
                       options.teacher_rows(problem.teacher_weight), options.teacher_rows(problem.teacher_bias))
-            runs = {impl: dict(impl=impl) for impl in IMPLS}
-            if dtype != torch.float16:  # the JSD takes bf16 or fp32
-                runs |= {f"jsd beta={beta:g}, {impl}": dict(loss="jsd", beta=beta, impl=impl)
-                         for beta in JSD_BETAS for impl in IMPLS}
+            runs = {impl: dict(impl=impl) for impl in IMPLS} | {
+                f"jsd beta={beta:g}, {impl}": dict(loss="jsd", beta=beta, impl=impl) for beta in JSD_BETAS for impl in IMPLS}
             for run, kwargs in runs.items():
                 want_losses, want_grads = losses_and_grads(problem, *whole, **(kwargs | dict(impl="torch")))
                 got_losses, got_grads = losses_and_grads(problem, *shards, **kwargs, vocab_parallel=options)

@@ -189,6 +189,37 @@ def test_jsd_cluster_row_step_matches_the_spec(rows, vocab, beta, temperature, w
     else:
         assert torch.equal(got_grad, student)
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab, beta, temperature", [(128256, 0.0, 1.0), (128256, 0.5, 1.0), (128256, 1.0, 1.0),
+                                                      (128256, 0.3, 2.0), (32000, 0.0, 0.7), (32003, 1.0, 1.5)])
+@pytest.mark.parametrize("weights", [(0.0, 1.0), (0.5, 0.5)])
+def test_jsd_triton_fp16_lifts_match_the_spec(vocab, beta, temperature, weights):
+    """The Triton step's lifted fp16 gradient (which the plan runs on a GPU only once this has passed there)
+    against the torch spec: the same powers of two, the same losses, the unlifted gradient at fp16's rounding of
+    the fp32 one; a quarter of the rows ignored, a peaked teacher, a softcap and a logit scale."""
+    rows = 23
+    scales = RowStepScales(*weights, beta, temperature, -100, student_softcap=30.0, teacher_logit_scale=1.3)
+    student = (torch.randn(rows, vocab, device="cuda") * 3).to(FP16)
+    teacher = (torch.randn(rows, vocab, device="cuda") * 3).to(FP16)
+    teacher[1] *= 10
+    labels = torch.randint(0, vocab, (rows,), device="cuda")
+    labels[::4] = -100
+    plain_grad, plain_losses = student.float(), torch.full((rows, 2), POISON, device="cuda")
+    row_step_jsd_torch(plain_grad, teacher.float(), labels, scales, plain_losses, True)  # fp32 storage: no lifts
+    results = {}
+    for name, step in (("triton", kernels.row_step_jsd_triton.row_step_jsd_triton), ("torch", row_step_jsd_torch)):
+        grad, losses = student.clone(), torch.full((rows, 2), POISON, device="cuda")
+        lifts = torch.full((rows,), POISON, device="cuda")
+        step(grad, teacher, labels, scales, losses, True, grad_lifts=lifts)
+        valid = labels != -100
+        assert rel_err(losses, plain_losses) < 1e-5, name
+        assert torch.isfinite(grad).all() and (lifts[~valid] == 1).all()
+        assert rel_err(grad[valid].float() / lifts[valid, None], plain_grad[valid]) < 2e-3, name
+        results[name] = lifts
+    assert torch.equal(results["triton"], results["torch"])
+
+
 LOSS_CASES = on_devices([
     LossCase(30, 3203, 3203, 32, FP32, True, 7, 13),
     LossCase(30, 3203, 3290, 32, BF16, False, 7, 10),

@@ -287,11 +287,38 @@ def test_a_one_column_student_padded_with_a_capped_teacher_and_a_logit_scale(bet
             assert torch.count_nonzero(grad) == 0 and (losses[:, 0] == 0).all()
 
 
-def test_refuses_fp16_lifts():
-    student, teacher, labels = torch.randn(2, 8), torch.randn(2, 8), torch.tensor([1, 2])
-    with pytest.raises(ValueError, match="lifts"):
-        row_step_jsd_triton(student, teacher, labels, RowStepScales(0.5, 0.5, 0.5, 1.0, IGNORE), torch.empty(2, 2),
-                            True, grad_lifts=torch.empty(2))
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("temperature, weights", [(1.0, (0.0, 1.0)), (1.7, (0.5, 0.5)), (0.6, (0.0, 0.05))])
+def test_fp16_lifts_match_the_spec(beta, temperature, weights):
+    """fp16 logits: each row's gradient times the spec's power of two (jsd_lift_bound), the same in both, which
+    keeps its largest entry at most 1 (at least 1/4 where the bound is the largest |p - q| itself): a small soft
+    term alone (weights 0, 0.05) has entries ~1e-4..1e-7, which lifted stay out of fp16's subnormals."""
+    generator = torch.Generator().manual_seed(int(beta * 10 + temperature * 100))
+    rows, vocab_student, vocab_teacher = 7, 3000, 3013
+    student = (torch.randn(rows, vocab_student, generator=generator) * 3).half()
+    teacher = (torch.randn(rows, vocab_teacher, generator=generator) * 3).half()
+    labels = labels_for(rows, vocab_student, generator)
+    scales = RowStepScales(*weights, beta, temperature, IGNORE, student_softcap=20.0, teacher_logit_scale=1.5)
+    plain_grad, plain_losses = student.float(), torch.empty(rows, 2)
+    row_step_jsd_torch(plain_grad, teacher.float(), labels, scales, plain_losses, True)  # fp32 storage: no lifts
+    results = {}
+    for name, step in (("triton", row_step_jsd_triton), ("torch", row_step_jsd_torch)):
+        grad, losses, lifts = student.clone(), torch.full((rows, 2), float("nan")), torch.full((rows,), float("nan"))
+        step(grad, teacher, labels, scales, losses, True, grad_lifts=lifts)
+        results[name] = grad, lifts
+        exponents = torch.log2(lifts)
+        assert torch.equal(exponents, exponents.round()) and exponents.max() <= 10, lifts
+        assert (lifts[ignored(labels, vocab_student)] == 1).all() and torch.isfinite(grad).all()
+        valid = ~ignored(labels, vocab_student)
+        largest = grad[valid].float().abs().amax(1)  # lifted up to the bound: tight for p - q (beta = 0)
+        assert (largest <= 1).all() and (beta != 0 or weights[0] != 0 or (largest >= 0.25).all()), (largest, lifts)
+        if weights == (0.0, 0.05) and beta < 1:  # a small soft term alone: its entries lifted (reverse KL's
+            assert (lifts[valid] >= 8).all(), lifts  # p log(p / q) at T = 0.6 reach 0.1 here)
+        unlifted = grad.float() / lifts[:, None]
+        assert rel_err(unlifted[valid], plain_grad[valid]) < 2e-3, name
+        torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=1e-5)
+    assert torch.equal(results["triton"][1], results["torch"][1])
+    torch.testing.assert_close(results["triton"][0].float(), results["torch"][0].float(), rtol=1e-2, atol=1e-4)
 
 
 COMPILE_FOR_HOPPER = """
@@ -308,11 +335,13 @@ ints = ("student_row_stride", "teacher_row_stride", "vocab_student", "vocab_teac
 aligned = ("student_ptr", "teacher_ptr", "labels_ptr", "losses_ptr", "student_row_stride", "teacher_row_stride",
            "vocab_student", "vocab_teacher")  # as Triton specialises a launch at V = 128256
 variants = [*itertools.product(["*bf16"], (0, 1, 2), (True, False), (True, False)),
-            *itertools.product(["*fp32"], (0, 1, 2), [False], [True])]
+            *itertools.product(["*fp32"], (0, 1, 2), [False], [True]),
+            *itertools.product(["*fp16"], (0, 1, 2), (True, False), [True])]  # fp16: the lifted gradient
 for logits, mode, shared, write_grad in variants:
-    constants = dict(MODE=mode, SHARED=shared, WRITE_GRAD=write_grad, BLOCK=jsd.DEFAULT_BLOCK, STAGES=jsd.DEFAULT_STAGES,
-                     STUDENT_CAP=False, TEACHER_CAP=False, student_scale=None, teacher_scale=None)
-    types = dict(student_ptr=logits, teacher_ptr=logits, labels_ptr="*i64", losses_ptr="*fp32",
+    constants = dict(MODE=mode, SHARED=shared, WRITE_GRAD=write_grad, LIFT=logits == "*fp16", BLOCK=jsd.DEFAULT_BLOCK,
+                     STAGES=jsd.DEFAULT_STAGES, STUDENT_CAP=False, TEACHER_CAP=False, student_scale=None,
+                     teacher_scale=None)
+    types = dict(student_ptr=logits, teacher_ptr=logits, labels_ptr="*i64", losses_ptr="*fp32", lifts_ptr="*fp32",
                  **{name: "i32" for name in ints})
     signature = {name: "constexpr" if name in constants else types.get(name, "fp32") for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
@@ -336,9 +365,9 @@ ints = ("student_row_stride", "teacher_row_stride", "vocab_student", "vocab_teac
         "vocab_student_total")
 # (MODE, SHARED, STUDENT_CAP, TEACHER_CAP), both logit scales on: fuzz case 160's form first
 for mode, shared, student_cap, teacher_cap in ((2, True, False, True), (0, True, True, True), (1, False, True, False)):
-    constants = dict(MODE=mode, SHARED=shared, WRITE_GRAD=True, BLOCK=jsd.DEFAULT_BLOCK, STAGES=jsd.DEFAULT_STAGES,
-                     STUDENT_CAP=student_cap, TEACHER_CAP=teacher_cap)
-    types = dict(student_ptr="*fp32", teacher_ptr="*fp32", labels_ptr="*i64", losses_ptr="*fp32",
+    constants = dict(MODE=mode, SHARED=shared, WRITE_GRAD=True, LIFT=False, BLOCK=jsd.DEFAULT_BLOCK,
+                     STAGES=jsd.DEFAULT_STAGES, STUDENT_CAP=student_cap, TEACHER_CAP=teacher_cap)
+    types = dict(student_ptr="*fp32", teacher_ptr="*fp32", labels_ptr="*i64", losses_ptr="*fp32", lifts_ptr="*fp32",
                  **{name: "i32" for name in ints})
     signature = {name: "constexpr" if name in constants else types.get(name, "fp32") for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
@@ -372,8 +401,9 @@ def test_caps_and_scales_are_rounded_before_any_difference():
 
 
 def test_every_variant_compiles_for_hopper():
-    """The interpreter skips Triton's front end and PTX: each MODE x SHARED x WRITE_GRAD for bf16 logits and
-    each MODE for fp32, through the real compiler (no GPU needed), with the hot loops' loads prefetched (cp.async)."""
+    """The interpreter skips Triton's front end and PTX: each MODE x SHARED x WRITE_GRAD for bf16 logits, each
+    MODE for fp32 and each MODE x SHARED for fp16's lifted gradient, through the real compiler (no GPU needed),
+    with the hot loops' loads prefetched (cp.async)."""
     lines = compiled_for_hopper(COMPILE_FOR_HOPPER)
-    assert len(lines) == 15 and all(int(line[-2]) > 0 and int(line[-1]) > 0 for line in lines), lines
+    assert len(lines) == 21 and all(int(line[-2]) > 0 and int(line[-1]) > 0 for line in lines), lines
 

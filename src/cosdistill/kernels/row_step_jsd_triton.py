@@ -32,7 +32,10 @@ from .row_step_triton import (
     _caps,
     _check_layout,
     _common_args,
+    _lift_args,
+    _lift_for,
     _logit_args,
+    _one_if_none,
     _row_and_label,
     _softcap,
 )
@@ -228,13 +231,42 @@ def _through_the_head(grad, s, logit_scale, cap, CAP: tl.constexpr):
 
 
 @triton.jit
+def _lifted(grad, lift, LIFT: tl.constexpr):
+    if LIFT:
+        grad = grad * lift
+    return grad
+
+
+@triton.jit
+def _soft_bracket(a, b, d, student_term, MODE: tl.constexpr):
+    """_row_step_jsd._soft_brackets in nats up to MIXED's factor 1 - beta: p - q, or p g from the student's
+    summand (base 2)."""
+    if MODE == FORWARD:
+        return _exp2(a) - _exp2(b)
+    else:
+        return student_term * LN2
+
+
+@triton.jit
+def _row_lift(lift_row, weight_hard, soft_coef, largest_bracket, largest_p, row_sum, student_scale):
+    """The row's power of two from _row_step_jsd.jsd_lift_bound, stored at ``lift_row``."""
+    soft = largest_bracket + largest_p * tl.abs(row_sum)
+    bound = (tl.abs(weight_hard) + tl.abs(soft_coef) * soft) * tl.abs(_one_if_none(student_scale))
+    lift = _lift_for(bound)
+    tl.store(lift_row, lift)
+    return lift
+
+
+@triton.jit
 def _jsd_row_step_kernel(
-    student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, losses_ptr,
+    student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, losses_ptr, lifts_ptr,
     vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
     weight_hard, soft_coef, x_scale, padding, keep, beta, student_cap, teacher_cap, student_scale, teacher_scale,
-    MODE: tl.constexpr, SHARED: tl.constexpr, WRITE_GRAD: tl.constexpr, STUDENT_CAP: tl.constexpr,
-    TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+    MODE: tl.constexpr, SHARED: tl.constexpr, WRITE_GRAD: tl.constexpr, LIFT: tl.constexpr,
+    STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
+    """With LIFT (fp16 logits, WRITE_GRAD) each row's gradient is written times its power of two, stored at
+    lifts_ptr (1 for an ignored row), as the spec's jsd_row_grad."""
     row = tl.program_id(0).to(tl.int64)
     student_row, valid, in_shard, column = _row_and_label(
         row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
@@ -306,6 +338,8 @@ def _jsd_row_step_kernel(
         hard_loss = (top_s - target) + LN2 * norm_z  # logsumexp(s) - s[label]
 
         # Pass 2: the soft sums, and for FORWARD with gradients the gradient (the target is read above).
+        # With LIFT the gradient waits for pass 3 (in FORWARD too): its bound needs the whole row's brackets.
+        largest_bracket = tl.zeros([BLOCK], tl.float32)
         student_part = tl.zeros([BLOCK], tl.float32)
         teacher_part = tl.zeros([BLOCK], tl.float32)
         for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
@@ -313,7 +347,7 @@ def _jsd_row_step_kernel(
             s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
             t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
             a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
-            if WRITE_GRAD and MODE == FORWARD:
+            if WRITE_GRAD and MODE == FORWARD and not LIFT:
                 grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
                                    0.0, keep, beta, MODE, SHARED, MASKED=False)
                 teacher_part += term
@@ -323,6 +357,8 @@ def _jsd_row_step_kernel(
                 student_term, teacher_term = _soft_terms(a, b, d, keep, beta, MODE)
                 student_part += student_term
                 teacher_part += teacher_term
+                if LIFT:
+                    largest_bracket = tl.maximum(largest_bracket, tl.abs(_soft_bracket(a, b, d, student_term, MODE)))
         for start in range(whole_blocks_stop, vocab_teacher, BLOCK):  # s is 0 on [Vs, Vt): the padding counts
             cols = start + offsets
             in_student = cols < vocab_student
@@ -330,7 +366,7 @@ def _jsd_row_step_kernel(
             s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
             t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
             a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
-            if WRITE_GRAD and MODE == FORWARD:
+            if WRITE_GRAD and MODE == FORWARD and not LIFT:
                 grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
                                    0.0, keep, beta, MODE, SHARED, MASKED=True)
                 teacher_part += tl.where(in_teacher, term, 0.0)
@@ -340,6 +376,9 @@ def _jsd_row_step_kernel(
                 student_term, teacher_term = _soft_terms(a, b, d, keep, beta, MODE)
                 student_part += tl.where(in_teacher, student_term, 0.0)
                 teacher_part += tl.where(in_teacher, teacher_term, 0.0)
+                if LIFT:  # over the student's columns: the padding has no gradient
+                    bracket = tl.abs(_soft_bracket(a, b, d, student_term, MODE))
+                    largest_bracket = tl.where(in_student, tl.maximum(largest_bracket, bracket), largest_bracket)
         student_sum = tl.sum(student_part, axis=0)  # sum p (a - x), x = b or log2 m: the gradient's row sum
         teacher_sum = tl.sum(teacher_part, axis=0)
         if MODE == FORWARD:
@@ -351,12 +390,22 @@ def _jsd_row_step_kernel(
         tl.store(losses_row, hard_loss)
         tl.store(losses_row + 1, soft_loss)
 
-        # Pass 3: REVERSE and MIXED subtract each row's sum_j p_j g_j, known only now.
-        if WRITE_GRAD and MODE != FORWARD:
-            if MODE == REVERSE:
-                log_coef = soft_coef * LN2
+        # Pass 3: REVERSE and MIXED subtract each row's sum_j p_j g_j, known only now; with LIFT each form
+        # scales by the row's power of two, known only now too.
+        if WRITE_GRAD and (MODE != FORWARD or LIFT):
+            if MODE == MIXED:
+                gap_scale = keep  # g = (1 - beta) (a - log m)
             else:
-                log_coef = soft_coef * keep * LN2
+                gap_scale = 1.0
+            log_coef = soft_coef * gap_scale * LN2
+            lift = 1.0
+            if LIFT:
+                row_sum = 0.0  # sum_j p_j g_j in nats, which FORWARD's bracket p - q does not take
+                if MODE != FORWARD:
+                    row_sum = LN2 * gap_scale * student_sum
+                largest_p = tl.exp2((top_s - shift_x) * x_scale - norm_x)
+                lift = _row_lift(lifts_ptr + row, weight_hard, soft_coef, gap_scale * tl.max(largest_bracket, axis=0),
+                                 largest_p, row_sum, student_scale)
             for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
                 cols = start + offsets
                 s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
@@ -364,8 +413,8 @@ def _jsd_row_step_kernel(
                 a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
                 grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
                                 student_sum, keep, beta, MODE, SHARED, MASKED=False)
-                tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
-                    student_row.dtype.element_ty))
+                grad = _lifted(_through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP), lift, LIFT)
+                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
             for start in range(whole_blocks_stop, vocab_student, BLOCK):  # the last, partial block
                 cols = start + offsets
                 in_student = cols < vocab_student
@@ -374,11 +423,13 @@ def _jsd_row_step_kernel(
                 a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
                 grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
                                 student_sum, keep, beta, MODE, SHARED, MASKED=True)
-                tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
-                    student_row.dtype.element_ty), mask=in_student)
+                grad = _lifted(_through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP), lift, LIFT)
+                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_student)
     else:  # an ignored token: no loss, no gradient
         tl.store(losses_row, 0.0)
         tl.store(losses_row + 1, 0.0)
+        if LIFT:
+            tl.store(lifts_ptr + row, 1.0)
         if WRITE_GRAD:
             for start in range(0, vocab_student, BLOCK):
                 cols = start + offsets
@@ -400,8 +451,6 @@ def _check_scales(scales: RowStepScales):
 
 def row_step_jsd_triton(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
                         grad_lifts=None, block_size=None, num_warps=None, num_stages=None) -> None:
-    if grad_lifts is not None:
-        raise ValueError("the JSD row step has no fp16 lifts: pass bf16 or fp32 logits")
     _check_scales(scales)
     if teacher_logits is None:
         raise ValueError("the JSD row step needs the teacher's logits (it has no Gram path)")
@@ -411,18 +460,19 @@ def row_step_jsd_triton(student_logits, teacher_logits, labels, scales: RowStepS
         raise ValueError(f"the teacher's vocabulary ({vocab_teacher}) is smaller than the student's ({vocab_student})")
     if rows == 0:
         return
-    _check_layout(student_logits, teacher_logits, labels, token_losses)
+    _check_layout(student_logits, teacher_logits, labels, token_losses, *([] if grad_lifts is None else [grad_lifts]))
+    lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
     beta, temperature = scales.beta, scales.temperature
     mode = mode_of(beta)
     num_warps = num_warps or (DEFAULT_WARPS if write_grad else LOSS_ONLY_WARPS)
     block = _block(vocab_student, block_size, num_warps, DEFAULT_BLOCK if write_grad else LOSS_ONLY_BLOCK)
     stages = num_stages or (DEFAULT_STAGES if write_grad else LOSS_ONLY_STAGES)
     _jsd_row_step_kernel[(rows,)](
-        student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses,
+        student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses, lifts,
         vocab_student, vocab_teacher, *_common_args(vocab_student, scales),
         scales.weight_hard, scales.weight_soft / temperature, LOG2E.value / temperature,
         float(vocab_teacher - vocab_student), 1.0 - beta, beta, *_logit_args(scales), **_caps(scales),
-        MODE=mode, SHARED=temperature == 1.0, WRITE_GRAD=write_grad, BLOCK=block, STAGES=stages,
+        MODE=mode, SHARED=temperature == 1.0, WRITE_GRAD=write_grad, **lift_flag, BLOCK=block, STAGES=stages,
         num_warps=num_warps,
     )
 

@@ -218,6 +218,16 @@ def _row_losses(losses_row, valid, row_max, sum_exp, target_logit, dot, sum_sq_s
 
 
 @triton.jit
+def _lift_for(bound):
+    """_row_step.lift_for: the row's power of two for a bound on its largest gradient entry."""
+    bound = tl.maximum(bound, FLOAT32_TINY, propagate_nan=tl.PropagateNan.ALL)
+    exponent = tl.floor(-tl.log2(bound))
+    exponent = tl.where(exponent > 0, tl.minimum(exponent, MAX_LIFT),
+                        tl.where(exponent < -MAX_STORED, exponent + MAX_STORED, 0.0))  # NaN -> 0
+    return ((exponent.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # exactly 2^exponent
+
+
+@triton.jit
 def _grad_coefficients(sum_sq_student, sum_sq_teacher, student_unit, teacher_unit, norm_student, student_eps,
                        clamped_student, clamped_teacher, cos, weight_hard, weight_soft, beta, inv_temp_sq,
                        student_scale, lift_row, LIFT: tl.constexpr):
@@ -238,11 +248,7 @@ def _grad_coefficients(sum_sq_student, sum_sq_teacher, student_unit, teacher_uni
         bound = tl.abs(weight_hard) + tl.abs(soft_scale) * (
             coef_teacher * teacher_unit * tl.sqrt(sum_sq_teacher)
             + tl.abs(coef_student) * student_unit * tl.sqrt(sum_sq_student))
-        bound = tl.maximum(bound * tl.abs(grad_factor), FLOAT32_TINY, propagate_nan=tl.PropagateNan.ALL)
-        exponent = tl.floor(-tl.log2(bound))
-        exponent = tl.where(exponent > 0, tl.minimum(exponent, MAX_LIFT),
-                            tl.where(exponent < -MAX_STORED, exponent + MAX_STORED, 0.0))  # NaN -> 0
-        lift = ((exponent.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # exactly 2^exponent
+        lift = _lift_for(bound * tl.abs(grad_factor))
         tl.store(lift_row, lift)
         grad_factor *= lift
     return weight_hard * grad_factor, -soft_scale * coef_teacher * grad_factor, soft_scale * coef_student * grad_factor
