@@ -87,6 +87,7 @@ LOSS_CASES = (
     LossCase(29, 257, 300, 32, torch.bfloat16, True, 3, 8),
     LossCase(33, 211, 240, 32, torch.float32, True, 4, 7, softcap=3.0, logit_scale=0.5),
     LossCase(41, 1000, 1000, 32, torch.bfloat16, True, 5, 16),  # the CUDA cluster row step applies
+    LossCase(31, 700, 733, 32, torch.float16, True, 4, 8),  # the lifted fp16 gradients
 )
 ROW_STEP_CASES = (
     RowStepCase(5, 1, 1, torch.float32),
@@ -223,17 +224,18 @@ JSD_BETAS = (0.0, 0.5, 1.0)  # forward KL, the JSD, reverse KL
 
 
 def check_jsd(device, cases=LOSS_CASES) -> list[CheckResult]:
-    """fused_linear_jsd against its naive version in float64, at each JSD_BETAS, on the cases in bf16 or fp32
-    (it takes no fp16), their softcaps and logit scales included."""
+    """fused_linear_jsd against its naive version in float64, at each JSD_BETAS, on the cases, their softcaps and
+    logit scales included; fp16 on a GPU with impl="torch", the only impl the plan runs there for it so far."""
     results = []
-    for case in (case for case in cases if case.dtype != torch.float16):
+    for case in cases:
         args = random_problem(case, device)
+        impl = "torch" if case.dtype == torch.float16 and torch.device(device).type == "cuda" else "auto"
         for beta in JSD_BETAS:
-            name = f"jsd beta={beta:g} vs float64"
+            name = f"jsd{' torch' if impl == 'torch' else ''} beta={beta:g} vs float64"
             options = dict(loss="jsd", beta=beta, temperature=1.5, **case.options())
             try:
                 want = float64_reference(args, **options)
-                got = fused_run(args, chunk_size=case.chunk_size, **options)
+                got = fused_run(args, chunk_size=case.chunk_size, impl=impl, **options)
                 results.append(compare(name, case.describe(), case.dtype, got, want))
             except Exception as error:  # a crash is a failed check, reported in the table
                 results.append(failed(name, case.describe(), error))
