@@ -348,6 +348,22 @@ def test_input_dtype_differs_from_weight():
         call(problem)
 
 
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_autocast_leaves_the_loss_in_its_tensors_dtypes(loss):
+    """Under torch.autocast the fused loss computes as outside it (docs/reference.md, mixed precision): its GEMMs
+    write into its own buffers, which autocast does not cast."""
+    from cosdistill.api import FUSED_LOSSES
+
+    problem = make_problem(tokens=19, ignore_every=4)
+    plain = FUSED_LOSSES[loss](*problem.args(), return_soft_hard_loss=True)
+    plain_grads = torch.autograd.grad(plain[0], problem.student_leaves())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = FUSED_LOSSES[loss](*problem.args(), return_soft_hard_loss=True)
+    cast_grads = torch.autograd.grad(cast[0], problem.student_leaves())
+    for got, want in zip([*cast, *cast_grads], [*plain, *plain_grads]):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_bad_scalars_and_options():
     problem = make_problem()
     with pytest.raises(ValueError, match="temperature must be > 0"):
