@@ -173,10 +173,10 @@ def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales: Ro
         grad.scatter_add_(1, column[:, None], in_shard.to(SPEC_DTYPE)[:, None] * -scales.weight_hard)
     a, d = _log_probs(s, t, stats, scales.temperature)
     a, d = a[:, :vocab_student], d[:, :vocab_student]  # the student has no gradient past its own columns
-    g = None if scales.beta == 0.0 else jsd_terms(a, d, scales.beta)[2]
-    soft_grad = _soft_brackets(a, d, g, scales.beta)
-    if scales.beta != 0.0:
-        soft_grad -= a.exp() * sums[:, 1, None]
+    if scales.beta == 0.0:
+        soft_grad = a.exp() - (a + d).exp()
+    else:  # the bracket before the product: where p sits on one column g and the row sum are large and equal
+        soft_grad = a.exp() * (jsd_terms(a, d, scales.beta)[2] - sums[:, 1, None])
     grad += (scales.weight_soft / scales.temperature) * soft_grad
     if scales.student_softcap is not None:
         grad *= 1.0 - (s / scales.student_softcap) ** 2  # d(c tanh(z / c)) / dz
