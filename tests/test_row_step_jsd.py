@@ -73,6 +73,18 @@ def test_row_step_matches_autograd_of_the_reference(beta, temperature):
     assert rel_err(got, leaf.grad) < 1e-5
 
 
+def split_stages(s, t, labels, scales, bounds, lift_terms=False):
+    """(shards, stats, sums): the logits cut at the teacher's column ``bounds`` (student copies, each with its
+    shard's scales), and the two combinations between the stages, as split_jsd_row_step makes them through
+    all_gather."""
+    vocab_student = s.shape[1]
+    shards = [(s[:, min(a, vocab_student):min(b, vocab_student)].clone(), t[:, a:b], dataclasses.replace(
+        scales, vocab_start=a, vocab_student_total=vocab_student)) for a, b in bounds]
+    stats = combine_jsd_stats(torch.stack([jsd_row_stats(*shard[:2], labels, shard[2]) for shard in shards]))
+    sums = combine_jsd_sums(torch.stack([jsd_row_sums(*shard[:2], stats, shard[2], lift_terms) for shard in shards]))
+    return shards, stats, sums
+
+
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("write_grad", [True, False])
 def test_its_stages_over_a_vocabulary_split_give_the_whole_rows_step(beta, write_grad):
@@ -84,11 +96,7 @@ def test_its_stages_over_a_vocabulary_split_give_the_whole_rows_step(beta, write
     scales = RowStepScales(0.3, 1.7, beta, 1.5, -100)
     want, want_losses = s.clone(), torch.empty(9, 2)
     row_step_jsd_torch(want, t, labels, scales, want_losses, write_grad)
-    bounds = [(0, 16), (16, 32), (32, 47)]
-    shards = [(s[:, min(a, 30):min(b, 30)].clone(), t[:, a:b], dataclasses.replace(
-        scales, vocab_start=a, vocab_student_total=30)) for a, b in bounds]
-    stats = combine_jsd_stats(torch.stack([jsd_row_stats(*shard[:2], labels, shard[2]) for shard in shards]))
-    sums = combine_jsd_sums(torch.stack([jsd_row_sums(shard[0], shard[1], stats, shard[2]) for shard in shards]))
+    shards, stats, sums = split_stages(s, t, labels, scales, [(0, 16), (16, 32), (32, 47)])
     for shard in shards:
         losses = torch.full((9, 2), float("nan"))
         jsd_row_grad(shard[0], shard[1], labels, stats, sums, shard[2], losses, write_grad)
@@ -108,10 +116,7 @@ def test_fp16_lifts_are_the_same_over_a_vocabulary_split(beta):
     want, want_lifts = s.clone(), torch.empty(9)
     row_step_jsd_torch(want, t, labels, scales, torch.empty(9, 2), True, want_lifts)
     assert (want_lifts > 1).any() and (want_lifts[[4, 6]] == 1).all(), want_lifts  # rows 4 and 6 are ignored
-    shards = [(s[:, min(a, 300):min(b, 300)].clone(), t[:, a:b], dataclasses.replace(
-        scales, vocab_start=a, vocab_student_total=300)) for a, b in [(0, 160), (160, 320), (320, 470)]]
-    stats = combine_jsd_stats(torch.stack([jsd_row_stats(*shard[:2], labels, shard[2]) for shard in shards]))
-    sums = combine_jsd_sums(torch.stack([jsd_row_sums(shard[0], shard[1], stats, shard[2]) for shard in shards]))
+    shards, stats, sums = split_stages(s, t, labels, scales, [(0, 160), (160, 320), (320, 470)], lift_terms=True)
     for shard in shards:
         lifts = torch.full((9,), float("nan"))
         jsd_row_grad(shard[0], shard[1], labels, stats, sums, shard[2], torch.empty(9, 2), True, lifts)
@@ -142,7 +147,7 @@ def test_the_lift_bound_holds(beta, temperature, case, weight_hard):
     for heads in ({}, dict(student_softcap=5.0, student_logit_scale=1.7, teacher_softcap=8.0)):
         scales = RowStepScales(weight_hard, 0.9, beta, temperature, -100, **heads)
         stats = jsd_row_stats(s, t, labels, scales)
-        sums = jsd_row_sums(s, t, stats, scales)
+        sums = jsd_row_sums(s, t, stats, scales, lift_terms=True)
         grad = s.clone()
         jsd_row_grad(grad, t, labels, stats, sums, scales, torch.empty(6, 2), True)
         largest, bound = grad.abs().amax(1), jsd_lift_bound(sums, scales)

@@ -125,13 +125,16 @@ def _soft_brackets(a, d, g, beta):
     return a.exp() - (a + d).exp() if beta == 0.0 else a.exp() * g
 
 
-def jsd_row_sums(student_logits, teacher_logits, stats, scales: RowStepScales) -> torch.Tensor:
-    """[n, 4]: the soft term and the gradient's student part (jsd_terms) over this shard's columns, and the
-    largest |_soft_brackets| and the largest p over its student columns (0 over none); a vocabulary split adds
-    up the first two across ranks and takes the largest of the others (combine_jsd_sums)."""
+def jsd_row_sums(student_logits, teacher_logits, stats, scales: RowStepScales, lift_terms=False) -> torch.Tensor:
+    """[n, 2]: the soft term and the gradient's student part (jsd_terms) over this shard's columns; with
+    ``lift_terms`` [n, 4], with the largest |_soft_brackets| and the largest p over its student columns (0 over
+    none), which jsd_lift_bound needs. A vocabulary split adds up the first two across ranks and takes the
+    largest of the others (combine_jsd_sums)."""
     s, t = _as_the_loss_sees_them(student_logits, teacher_logits, scales)
     a, d = _log_probs(s, t, stats, scales.temperature)
     soft, student_part, g = jsd_terms(a, d, scales.beta)
+    if not lift_terms:
+        return torch.stack([soft, student_part], dim=1)
     vocab_student = s.shape[1]
     g = None if g is None else g[:, :vocab_student]
     brackets = _soft_brackets(a[:, :vocab_student], d[:, :vocab_student], g, scales.beta)
@@ -142,14 +145,15 @@ def jsd_row_sums(student_logits, teacher_logits, stats, scales: RowStepScales) -
 
 
 def combine_jsd_sums(shard_sums: torch.Tensor) -> torch.Tensor:
-    """The whole vocabulary's sums from its shards', [shards, n, 4] -> [n, 4]."""
+    """The whole vocabulary's sums from its shards', [shards, n, 2 or 4] -> [n, 2 or 4]."""
     sums = shard_sums.sum(0)
     sums[:, 2:] = shard_sums[..., 2:].amax(0)
     return sums
 
 
 def jsd_lift_bound(sums, scales: RowStepScales) -> torch.Tensor:
-    """[n]: a bound on each row's largest |d L / d s| (the module's docstring says why it holds)."""
+    """[n]: a bound on each row's largest |d L / d s| from sums with their lift terms (the module's docstring
+    says why it holds)."""
     soft = sums[:, 2] + sums[:, 3] * sums[:, 1].abs()
     return (abs(scales.weight_hard) + abs(scales.weight_soft) / scales.temperature * soft) * abs(
         scales.student_logit_scale)
@@ -190,7 +194,7 @@ def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales: Ro
 def row_step_jsd_torch(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
                        grad_lifts=None):
     stats = jsd_row_stats(student_logits, teacher_logits, labels, scales)
-    sums = jsd_row_sums(student_logits, teacher_logits, stats, scales)
+    sums = jsd_row_sums(student_logits, teacher_logits, stats, scales, lift_terms=grad_lifts is not None)
     jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales, token_losses, write_grad, grad_lifts)
 
 
@@ -201,7 +205,8 @@ def split_jsd_row_step(all_gather):
 
     def row_step(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None):
         stats = combine_jsd_stats(all_gather(jsd_row_stats(student_logits, teacher_logits, labels, scales)))
-        sums = combine_jsd_sums(all_gather(jsd_row_sums(student_logits, teacher_logits, stats, scales)))
+        sums = combine_jsd_sums(all_gather(jsd_row_sums(student_logits, teacher_logits, stats, scales,
+                                                        lift_terms=grad_lifts is not None)))
         jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales, token_losses, write_grad,
                      grad_lifts)  # every rank: the same sums, so the same lifts
 
