@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import TOLERANCE, assert_matches_reference, make_problem, reference, rel_err
-from cosdistill import fused_linear_cosine_distill
+from conftest import TOLERANCE, assert_matches_reference, make_problem, reference, rel_err, run_fused
+from cosdistill import fused_linear_cosine_distill, fused_linear_jsd
 from cosdistill.testing import (
     TORCH,
     ChunkRows,
@@ -81,7 +81,7 @@ def test_host_reads_n_only_where_gradients_need_it(grad):
             return super().wait()
 
     labels = problem.labels
-    teacher = LogitsTeacher(TeacherHead(problem.teacher_weight, None), counting_row_step, Options().scales, 8)
+    teacher = LogitsTeacher(TeacherHead(problem.teacher_weight, None), counting_row_step, Options().scales, ChunkRows(16, 8))
     result = chunked_loss_and_grads(
         problem.student_input.detach(), problem.student_weight.detach(), None, problem.teacher_input, teacher, labels,
         RecordingCounts(labels, -100, problem.student_weight.shape[0], None, TORCH, 0.5, 0.5), ChunkRows(16, 8),
@@ -89,3 +89,98 @@ def test_host_reads_n_only_where_gradients_need_it(grad):
     assert len(row_steps) == 5 and steps_before_read == ([2] if grad else [5])
     ref_losses, _ = reference(dataclasses.replace(problem, student_bias=None, teacher_bias=None))
     assert rel_err(0.5 * result.hard_loss + 0.5 * result.soft_loss, ref_losses[0]) < TOLERANCE[torch.float32][0]
+
+
+class DeferredSide:
+    """SideStream's stand-in on the CPU: each row step runs only when the caller's stream would wait for it,
+    as late as a GPU may run it. A missing wait then lets the next teacher GEMM overwrite a buffer before the
+    step that reads it runs (or a gradient GEMM read d loss / d s before it is written)."""
+
+    def __init__(self, waits=True):
+        self.queue, self.waits, self.steps = [], waits, 0
+
+    def run(self, step, *args):
+        self.queue.append((step, args))
+        self.steps += 1
+
+    def record(self, buffer):
+        self.queue.append(buffer)
+
+    def wait(self, buffer):
+        if self.waits and buffer in self.queue:
+            self._run_through(len(self.queue) - self.queue[::-1].index(buffer))
+
+    def join(self):
+        self._run_through(len(self.queue))
+
+    def _run_through(self, count):
+        done, self.queue = self.queue[:count], self.queue[count:]
+        for item in done:
+            if not isinstance(item, int):
+                item[0](*item[1])
+
+
+def deferred_side(monkeypatch, rows, waits=True) -> list[DeferredSide]:
+    """Plans with these chunk rows and their row steps on a DeferredSide; the sides made, one per call."""
+    sides = []
+
+    def side(device):
+        sides.append(DeferredSide(waits))
+        return sides[-1]
+
+    monkeypatch.setattr(plan, "chunk_rows", lambda *args, **kwargs: rows)
+    monkeypatch.setattr(plan, "row_step_beside_gemms", lambda *args: True)
+    monkeypatch.setattr(plan, "SideStream", side)
+    return sides
+
+
+@pytest.mark.parametrize("rows", [ChunkRows(16, 5), ChunkRows(10, 3), ChunkRows(16, 16), ChunkRows(37, 7)])
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_row_steps_beside_the_teacher_gemms_wait_for_their_logits(monkeypatch, impl, rows, loss):
+    """The row steps on a second stream (SideStream), each beside the next sub-chunk's teacher GEMM (the next
+    chunk's first at a chunk's end) into the other of two buffers: every step reads its own logits, and the
+    gradient GEMMs read every step's d loss / d s, however late the steps run."""
+    sides = deferred_side(monkeypatch, rows)
+    problem = make_problem(tokens=37, vocab_teacher=131, ignore_every=4)
+    if loss == "cosine":
+        assert_matches_reference(problem, torch.float32, impl=impl)
+    else:
+        options = dict(beta=0.3, temperature=1.7)
+        losses = fused_linear_jsd(*problem.args(), return_soft_hard_loss=True, impl=impl, **options)
+        grads = torch.autograd.grad(losses[0], problem.student_leaves())
+        want_losses, want_grads = reference(problem, loss="jsd", **options)
+        for got, want in zip([*losses, *grads], [*want_losses, *want_grads]):
+            assert rel_err(got, want) < 1e-5
+    assert sides[0].steps == sub_chunks(37, rows)
+
+
+def sub_chunks(tokens, rows):
+    return sum(-(-(min(start + rows.student, tokens) - start) // rows.teacher) for start in range(0, tokens, rows.student))
+
+
+def test_row_steps_beside_the_teacher_gemms_fail_without_the_buffer_wait(monkeypatch):
+    """The stand-in can fail: without the wait before a buffer is written again, the steps read later logits."""
+    deferred_side(monkeypatch, ChunkRows(16, 5), waits=False)
+    problem = make_problem(tokens=37, vocab_teacher=131, ignore_every=4)
+    losses, grads = run_fused(problem)
+    ref_losses, ref_grads = reference(problem)
+    assert rel_err(losses[1], ref_losses[1]) > 100 * TOLERANCE[torch.float32][0]
+    assert rel_err(grads[0], ref_grads[0]) > 100 * TOLERANCE[torch.float32][1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("grad", [True, False])
+def test_row_steps_beside_the_teacher_gemms_in_half_precision(monkeypatch, dtype, grad):
+    """fp16's lifts (written by the steps, read by the gradient GEMMs) and the no-grad forward, beside the GEMMs;
+    a teacher buffer with more rows than asked for, as the FP8 head's padding."""
+    sides = deferred_side(monkeypatch, ChunkRows(12, 5))
+    monkeypatch.setattr(TeacherHead, "buffer_rows", lambda self, n: n + 3)
+    problem = make_problem(tokens=37, vocab_teacher=131, ignore_every=4, dtype=dtype)
+    if grad:
+        assert_matches_reference(problem, dtype)
+    else:
+        with torch.no_grad():
+            losses = fused_linear_cosine_distill(*problem.args(), return_soft_hard_loss=True)
+        for got, want in zip(losses, reference(problem)[0]):
+            assert rel_err(got, want) < TOLERANCE[dtype][0]
+    assert sides[0].steps == sub_chunks(37, ChunkRows(12, 5))

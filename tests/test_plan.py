@@ -46,6 +46,26 @@ def test_automatic_chunk_rows():
     assert chunk_rows(512, 100, **seed) == ChunkRows(100, 100)
 
 
+def test_where_the_row_steps_run_beside_the_teacher_gemms():
+    """For the JSD on CUDA: teacher logits in more than one sub-chunk, the second teacher buffer within the hard
+    budget, no vocabulary split."""
+    def beside(tokens, vocab, loss="jsd", device="cuda", teacher="logits", vocab_parallel=None, write_grad=True):
+        rows = chunk_rows(None, tokens, vocab, vocab, 2, write_grad=write_grad)
+        return plan.row_step_beside_gemms(loss, torch.device(device), teacher, rows, tokens, vocab, vocab, 2,
+                                          vocab_parallel)
+
+    assert beside(8192, 128256) and beside(2048, 128256) and beside(8192, 151936) and beside(8192, 32000)
+    assert beside(8192, 128256, teacher="fp8")
+    assert not beside(8192, 128256, loss="cosine")
+    assert not beside(1024, 128256)  # one sub-chunk
+    assert not beside(4096, 32000)  # one chunk of one sub-chunk
+    assert not beside(8192, 262144)  # 2048 / 512 rows: a second 512-row buffer passes 1.25 GiB
+    assert not beside(8192, 128256, write_grad=False)  # 2048-row sub-chunks: likewise
+    assert not beside(8192, 128256, device="cpu")
+    assert not beside(8192, 128256, teacher="gram")
+    assert not beside(8192, 128256, vocab_parallel=object())
+
+
 def test_the_first_gemm_is_queued_before_the_rest_of_the_set_up(monkeypatch):
     """The bench times a call from an idle GPU: the first student GEMM goes out as soon as the plan is made,
     before the teacher side, the label count and the autograd Function."""

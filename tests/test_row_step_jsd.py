@@ -272,22 +272,6 @@ def test_options_the_jsd_does_not_take_raise():
         fused_linear_jsd(*problem.args()[:5], beta=1.5)
 
 
-def test_fp16_on_a_gpu_takes_the_spec_until_its_triton_form_has_run_there():
-    """fp16 weights on CUDA with a fast impl raise, naming impl='torch'; the spec takes them everywhere, a fast
-    impl elsewhere (Triton's interpreter on the CPU)."""
-    from types import SimpleNamespace
-
-    from cosdistill.testing import backends, plan
-
-    triton = dataclasses.replace(backends.TORCH, name="triton")  # a stand-in: only its identity and name count
-    on_cuda, on_cpu = (SimpleNamespace(dtype=torch.float16, device=torch.device(kind)) for kind in ("cuda", "cpu"))
-    plan.check_jsd_row_step(on_cuda, backends.TORCH)
-    plan.check_jsd_row_step(on_cpu, triton)
-    plan.check_jsd_row_step(SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda")), triton)
-    with pytest.raises(TypeError, match=r"float16 weights on cuda runs with impl='torch' so far \(got impl='triton'\)"):
-        plan.check_jsd_row_step(on_cuda, triton)
-
-
 def test_under_torch_compile_it_matches_eager():
     problem = make_problem(tokens=21, vocab_teacher=111, bias=False, ignore_every=3)
     eager = fused_linear_jsd(*problem.args()[:5], beta=0.3, temperature=1.5)

@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 import torch
 
 from ._device import HostCopy, addmm_into
-from ._teacher_logits import logits_into as _logits_into
+from ._device import logits_into as _logits_into
 
 
 class Normaliser(Protocol):

@@ -21,6 +21,14 @@ class HostCopy:
         return self.host
 
 
+def logits_into(out, hidden, weight, bias):
+    """out = hidden @ weight.T (+ bias), into out."""
+    if bias is None:
+        torch.mm(hidden, weight.t(), out=out)
+    else:
+        torch.addmm(bias, hidden, weight.t(), out=out)
+
+
 def addmm_into(out, left, right, alpha, beta):
     """out = beta * out + alpha * left @ right, in out's dtype (fp32 out of bf16/fp16 operands too)."""
     if out.dtype == left.dtype:

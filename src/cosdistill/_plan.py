@@ -11,11 +11,11 @@ from typing import Protocol
 import torch
 
 from . import _teacher_fp8, _teacher_gram
-from ._backends import IMPLS, TORCH, Backend, backend_for
+from ._backends import IMPLS, Backend, backend_for
 from ._chunk_loop import ChunkResult, ChunkRows, chunked_loss_and_grads, start_student_logits
 from ._labels import LabelCounts
 from ._row_step import RowStepImpl, RowStepScales
-from ._teacher_logits import LogitsTeacher, TeacherHead
+from ._teacher_logits import LogitsTeacher, SideStream, TeacherHead
 
 COSINE_VIA = ("auto", "logits", "gram")
 LOSSES = ("cosine", "jsd")  # the soft term: cosine similarity (_row_step.py) or generalized JSD (_row_step_jsd.py)
@@ -109,14 +109,13 @@ class Plan:
     accum_dtype: torch.dtype
     vocab_parallel: VocabParallel | None
     fall_back: bool  # on the Gram path: run on the logits path where its range check fails (else raise)
+    side_stream: bool = False  # the row steps beside the teacher GEMMs (``row_step_beside_gemms``)
 
 
 def make_plan(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens: int,
               needs_grad, vocab_parallel: VocabParallel | None = None) -> Plan:
     check_accum_dtype(options.accum_dtype, student_weight.dtype)
     backend = backend_for(options.impl, student_weight.device)
-    if options.loss == "jsd":
-        check_jsd_row_step(student_weight, backend)
     row_step = backend.jsd_row_step if options.loss == "jsd" else backend.row_step
     if options.teacher_precision == "fp8":
         _teacher_fp8.check_supported(teacher_weight.device)
@@ -130,9 +129,26 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
         scales = dataclasses.replace(scales, vocab_start=vocab_parallel.start, vocab_student_total=vocab_student)
     rows = chunk_rows(options.chunk_size, num_tokens, vocab_student, 0 if teacher == "gram" else vocab_teacher,
                       student_weight.element_size(), write_grad=any(needs_grad))
+    side_stream = row_step_beside_gemms(options.loss, student_weight.device, teacher, rows, num_tokens, vocab_student,
+                                        vocab_teacher, student_weight.element_size(), vocab_parallel)
     return Plan(options, backend, row_step, scales, teacher, rows, tuple(needs_grad),
                 options.accum_dtype or default_accum_dtype(student_weight.dtype), vocab_parallel,
-                fall_back=options.cosine_via == "auto")
+                fall_back=options.cosine_via == "auto", side_stream=side_stream)
+
+
+def row_step_beside_gemms(loss: str, device: torch.device, teacher: str, rows: ChunkRows, num_tokens: int,
+                          vocab_student: int, vocab_teacher: int, itemsize: int,
+                          vocab_parallel: VocabParallel | None) -> bool:
+    """Whether the row steps run on a second stream beside the teacher GEMMs (_teacher_logits.SideStream): for
+    the JSD on CUDA, with teacher logits in more than one sub-chunk, where their second buffer fits the hard
+    budget, and without a vocabulary split, whose row step's collectives stay on the caller's stream. Not for
+    the cosine loss: its lighter row step gained within the noise, for a peak at Liger's (docs/design.md,
+    Chunking and buffers)."""
+    if loss != "jsd" or device.type != "cuda" or teacher == "gram" or vocab_parallel is not None:
+        return False
+    if num_tokens <= rows.teacher:
+        return False
+    return rows.student * vocab_student * itemsize + 2 * rows.teacher * vocab_teacher * itemsize <= MAX_BUFFER_BYTES
 
 
 def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
@@ -146,15 +162,16 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
     if plan.vocab_parallel is not None:
         row_step = plan.row_step.over_ranks(plan.vocab_parallel.all_gather)
         reduce_grad_input = plan.vocab_parallel.all_reduce
+    side = SideStream(student_input.device) if plan.side_stream else None
     if plan.teacher == "gram":
         teacher = _teacher_gram.GramTeacher(teacher_weight, student_weight, backend, scales,
                                             write_grad_weight=plan.needs_grad[1])
     elif plan.teacher == "fp8":
         head = _teacher_fp8.Fp8TeacherHead(teacher_weight, teacher_bias, plan.rows.student, backend.quantize_rows,
                                            backend.fingerprint)
-        teacher = LogitsTeacher(head, row_step, scales, plan.rows.teacher)
+        teacher = LogitsTeacher(head, row_step, scales, plan.rows, side)
     else:
-        teacher = LogitsTeacher(TeacherHead(teacher_weight, teacher_bias), row_step, scales, plan.rows.teacher)
+        teacher = LogitsTeacher(TeacherHead(teacher_weight, teacher_bias), row_step, scales, plan.rows, side)
     normaliser = LabelCounts(labels, scales.ignore_index, scales.vocab_student_total or student_weight.shape[0],
                              num_valid_tokens, backend, scales.weight_hard, scales.weight_soft)
     try:
@@ -205,15 +222,6 @@ def _gram_blockers(options: Options, student_weight, student_bias, teacher_weigh
     # The dtypes' name is formatted only when it is needed: this runs at every call.
     return [name or f"{student_weight.dtype} and {teacher_weight.dtype} weights (bf16 or fp32, both alike)"
             for name in named]
-
-
-def check_jsd_row_step(student_weight, backend: Backend) -> None:
-    """fp16 weights on a GPU take the spec's row step: the Triton step's lifted fp16 gradient passes the
-    interpreter's tests but has not been checked on a GPU yet, so it is not run there."""
-    if student_weight.dtype == torch.float16 and student_weight.device.type == "cuda" and backend is not TORCH:
-        raise TypeError(f"loss='jsd' with float16 weights on {student_weight.device} runs with impl='torch' so far "
-                        f"(got impl={backend.name!r}): pass impl='torch' (the Trainers: loss_options={{'impl': "
-                        f"'torch'}}) or bf16 weights")
 
 
 def check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> None:

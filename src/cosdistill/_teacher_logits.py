@@ -1,18 +1,16 @@
-"""The teacher side that forms the teacher's logits: per chunk, its logits GEMM in sub-chunks into one
-reused buffer, each followed by the row step on those rows. The GEMM is ``TeacherHead``'s (the weight's
-own dtype) or ``_teacher_fp8.Fp8TeacherHead``'s."""
+"""The teacher side that forms the teacher's logits: its logits GEMM in sub-chunks of each chunk, each
+followed by the row step on those rows. The GEMM is ``TeacherHead``'s (the weight's own dtype) or
+``_teacher_fp8.Fp8TeacherHead``'s. With a ``SideStream`` (CUDA), each row step runs on a second stream
+beside the next sub-chunk's teacher GEMM, which goes into a second buffer (docs/design.md, Chunking and
+buffers, The row step beside the teacher GEMM)."""
+
+import functools
 
 import torch
 
+from ._chunk_loop import ChunkRows
+from ._device import logits_into
 from ._row_step import RowStepScales
-
-
-def logits_into(out, hidden, weight, bias):
-    """out = hidden @ weight.T (+ bias), into out."""
-    if bias is None:
-        torch.mm(hidden, weight.t(), out=out)
-    else:
-        torch.addmm(bias, hidden, weight.t(), out=out)
 
 
 class TeacherHead:
@@ -36,31 +34,96 @@ class TeacherHead:
         logits_into(out[: stop - start], self.chunk_hidden[start:stop], self.weight, self.bias)
 
 
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+class SideStream:
+    """The row steps' stream beside the caller's, on which the teacher GEMMs stay. ``run`` queues a row
+    step behind everything queued so far on the caller's stream (its logits, the student's); ``record``
+    marks the end of a step's reads of a buffer, which ``wait`` makes the caller's stream wait for before
+    the buffer is written again; ``join`` makes it wait for every step (before the gradient GEMMs read
+    d loss / d s, and before any tensor the steps read can be freed)."""
+
+    def __init__(self, device: torch.device):
+        self.caller, self.side = torch.cuda.current_stream(device), _side_stream(device)
+        self.read = [torch.cuda.Event(), torch.cuda.Event()]  # per buffer
+
+    def run(self, step, *args) -> None:
+        self.side.wait_stream(self.caller)
+        with torch.cuda.stream(self.side):
+            step(*args)
+
+    def record(self, buffer: int) -> None:
+        self.read[buffer].record(self.side)
+
+    def wait(self, buffer: int) -> None:
+        self.caller.wait_event(self.read[buffer])
+
+    def join(self) -> None:
+        self.caller.wait_stream(self.side)
+
+
 class LogitsTeacher:
     """_chunk_loop.TeacherSide through the teacher's logits: ``head`` (TeacherHead or Fp8TeacherHead) forms
-    them ``sub_rows`` at a time, and ``row_step`` (the backend's, or its vocabulary-split form) reads them."""
+    them ``rows.teacher`` at a time, and ``row_step`` (the backend's, or its vocabulary-split form) reads them.
+    With ``side`` (a SideStream), the GEMM of the sub-chunk after each one, the next chunk's first at a
+    chunk's end, is queued before that row step runs, so that the two run together."""
 
     adds_grad_input_share = False  # d loss / d s alone makes the gradients
 
-    def __init__(self, head, row_step, scales: RowStepScales, sub_rows: int):
-        self.head, self.step, self.scales, self.sub_rows = head, row_step, scales, sub_rows
+    def __init__(self, head, row_step, scales: RowStepScales, rows: ChunkRows, side: SideStream | None = None):
+        self.head, self.step, self.scales, self.rows, self.side = head, row_step, scales, rows, side
         self.poison = head.poison
-        self.buffer = None
+        self.buffers = []
 
     def start(self, student_input: torch.Tensor, teacher_input: torch.Tensor) -> None:
-        """The logits buffer, allocated once the first student GEMM is queued."""
-        self.buffer = torch.empty(self.head.buffer_rows(self.sub_rows), self.head.vocab, dtype=self.head.logits_dtype,
-                                  device=teacher_input.device)
+        """The logits buffers, allocated once the first student GEMM is queued."""
+        shape = (self.head.buffer_rows(self.rows.teacher), self.head.vocab)
+        self.buffers = [torch.empty(shape, dtype=self.head.logits_dtype, device=teacher_input.device)
+                        for _ in range(1 if self.side is None else 2)]
+        self.teacher_input = teacher_input
+        self.next_row = 0  # the first row of the chunk whose row steps come next
+        self.head_chunk = None  # the first row of the chunk the head holds
+        self.ahead = None  # (buffer, stop) of the sub-chunk whose GEMM is queued ahead of its row step (side stream)
+
+    def _queue_logits(self, start: int, buffer: int) -> int:
+        """Queue the teacher GEMM of the sub-chunk starting at row ``start`` of the call into buffers[buffer];
+        its stop. Chunks start at multiples of rows.student, sub-chunks at multiples of rows.teacher in them."""
+        chunk_start = start // self.rows.student * self.rows.student
+        chunk_stop = min(chunk_start + self.rows.student, len(self.teacher_input))
+        if self.head_chunk != chunk_start:
+            self.head.start_chunk(self.teacher_input[chunk_start:chunk_stop])
+            self.head_chunk = chunk_start
+        stop = min(start + self.rows.teacher, chunk_stop)
+        self.head.logits_into(self.buffers[buffer], start - chunk_start, stop - chunk_start)
+        return stop
 
     def row_step(self, student_logits, student_hidden, teacher_hidden, labels, token_losses, write_grad, lifts=None):
         """The chunk's row steps, one per sub-chunk of teacher logits; student_logits becomes d loss / d s."""
-        self.head.start_chunk(teacher_hidden)
-        for start in range(0, len(labels), self.sub_rows):
-            stop = min(start + self.sub_rows, len(labels))
-            self.head.logits_into(self.buffer, start, stop)
-            grad_lifts = () if lifts is None else (lifts[start:stop],)
-            self.step(student_logits[start:stop], self.buffer[: stop - start], labels[start:stop], self.scales,
-                          token_losses[start:stop], write_grad, *grad_lifts)
+        chunk_start = start = self.next_row
+        self.next_row += len(labels)
+        while start < self.next_row:
+            if self.ahead is None:
+                buffer, stop = 0, self._queue_logits(start, 0)
+            else:
+                buffer, stop = self.ahead
+            rows = slice(start - chunk_start, stop - chunk_start)
+            args = (student_logits[rows], self.buffers[buffer][: stop - start], labels[rows], self.scales,
+                    token_losses[rows], write_grad, *(() if lifts is None else (lifts[rows],)))
+            if self.side is None:
+                self.step(*args)
+            else:
+                self.side.run(self.step, *args)
+                self.side.record(buffer)
+                self.ahead = None
+                if stop < len(self.teacher_input):  # the next GEMM, into the buffer the step before this read
+                    self.side.wait(1 - buffer)
+                    self.ahead = 1 - buffer, self._queue_logits(stop, 1 - buffer)
+            start = stop
+        if self.side is not None:
+            self.side.join()
 
     def check_range(self) -> None:
         """Nothing to check: the row step rescales rows of any range."""

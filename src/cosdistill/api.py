@@ -210,8 +210,8 @@ def fused_linear_jsd(
     softcaps and logit scales are ``fused_linear_cosine_distill``'s: each model's logits times its scale, then
     softcapped, before both terms. With ``vocab_parallel`` each chunk all-gathers two small per-token tensors
     (the log-sum-exps, then the divergence's sums) where the cosine loss gathers one. ``compiled`` is accepted
-    for compatibility with Liger and changes nothing. fp16 weights take the cosine loss's lifted fp16 gradient;
-    on a GPU, with ``impl="torch"`` for now (a fast ``impl`` raises).
+    for compatibility with Liger and changes nothing. fp16 weights take the cosine loss's lifted fp16 gradient
+    (the Triton step's on a GPU: the cluster kernel takes bf16 only).
     """
     options = options_of(
         weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,

@@ -233,11 +233,9 @@ def cluster_eligible(case: Case) -> bool:
 
 
 def fast_impl(device, case: Case) -> str:
-    """What users get on the device ("auto": the CUDA cluster kernel where it applies, else Triton; the spec
-    for the JSD in fp16, _plan.check_jsd_row_step); on the CPU, Triton in its interpreter."""
-    if device.type != "cuda":
-        return "triton"
-    return "torch" if case.loss == "jsd" and case.dtype == "fp16" else "auto"
+    """What users get on the device ("auto": the CUDA cluster kernel where it applies, else Triton); on the CPU,
+    Triton in its interpreter."""
+    return "auto" if device.type == "cuda" else "triton"
 
 
 def draw_cases(seed: int, count: int, limits: Limits) -> list[Case]:

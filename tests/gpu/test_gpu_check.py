@@ -19,6 +19,7 @@ import torch
 
 from conftest import DEVICES, on_devices
 from cosdistill import fused_linear_cosine_distill
+from cosdistill.api import FUSED_LOSSES
 from cosdistill.testing import (
     TORCH_ROW_STEP,
     RowStepScales,
@@ -26,6 +27,7 @@ from cosdistill.testing import (
     fingerprint_triton,
     float64_reference,
     kernels,
+    plan,
     quantize_rows_triton,
     rel_err,
     row_step_jsd_torch,
@@ -309,6 +311,43 @@ def test_fp8_teacher_matches_float64_on_the_dequantized_teacher(device, case, lo
     got = fused_run(args, chunk_size=case.chunk_size, teacher_precision="fp8", **loss)
     want = float64_reference(quantized, **loss)
     assert_passed([compare(f"{loss['loss']} fp8 teacher vs float64", case.describe(), BF16, got, want)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss", [dict(loss="cosine"), dict(loss="jsd", beta=0.5, temperature=1.5)],
+                         ids=["cosine", "jsd"])
+@pytest.mark.parametrize("teacher_precision", [None, "fp8"])
+@pytest.mark.parametrize("chunk_size, grad", [(None, True), (1024, False)], ids=["automatic rows", "no grad, 1024 rows"])
+def test_row_steps_beside_the_teacher_gemms_give_the_bits_of_one_stream(loss, teacher_precision, chunk_size, grad,
+                                                                         monkeypatch):
+    """The row steps on a second stream beside the teacher GEMMs (forced, for both losses) against the same call
+    with everything on one stream: the same kernels on the same data, so the same bits. 4500 tokens at the
+    seed vocabulary: chunks of 2048, 2048 and 404 rows, teacher sub-chunks of 1024 (or, forced, 1024 and 1024)."""
+    if teacher_precision:
+        fp8_or_skip("cuda", monkeypatch)
+    case = LossCase(4500, 128256, 128256, 512, BF16, True, 7, chunk_size)
+    args = random_problem(case, "cuda")
+    name, options = loss["loss"], dict(loss, chunk_size=chunk_size, teacher_precision=teacher_precision)
+    del options["loss"]
+    for index in (0, 1, 5):
+        args[index].requires_grad_(grad)
+    sides = []
+    side_stream = plan.SideStream
+    monkeypatch.setattr(plan, "SideStream", lambda device: sides.append(side_stream(device)) or sides[-1])
+
+    def run():
+        if grad:
+            return fused_run(args, loss=name, **options)
+        with torch.no_grad():
+            return FUSED_LOSSES[name](*args, return_soft_hard_loss=True, **options), []
+
+    monkeypatch.setattr(plan, "row_step_beside_gemms", lambda *a: True)
+    beside = run()
+    monkeypatch.setattr(plan, "row_step_beside_gemms", lambda *a: False)
+    alone = run()
+    assert len(sides) == 1
+    for got, want in zip([*beside[0], *beside[1]], [*alone[0], *alone[1]]):
+        assert torch.isfinite(got).all() and torch.equal(got, want), (got - want).abs().max()
 
 
 ZERO_HEAD_CASES = {"cpu": LossCase(250, 1283, 1283, 64, FP16, True, 7, 64),
