@@ -90,7 +90,7 @@ ROW_STEP_CASES = on_devices([
     RowStepCase(3, 2, 2, FP32), RowStepCase(4, 2, 3, FP32), RowStepCase(4, 17, 17, BF16), RowStepCase(4, 1000, 1000, FP32),
     RowStepCase(7, 1283, 1347, BF16, softcap=30.0), RowStepCase(5, 3201, 3201, FP32, softcap=5.0, logit_scale=0.5),
     RowStepCase(9, 500, 1283, BF16), RowStepCase(3, 2624, 2624, BF16), RowStepCase(11, 320, 320, BF16),
-    RowStepCase(5, 8, 8, BF16),
+    RowStepCase(5, 8, 8, BF16), RowStepCase(6, 1, 1283, BF16, softcap=30.0, logit_scale=0.5),
 ], [
     RowStepCase(37, 128256, 128256, BF16), RowStepCase(37, 128256, 128320, BF16), RowStepCase(5, 32001, 32001, FP32),
     RowStepCase(9, 151936, 152064, FP16), RowStepCase(3, 1, 1, FP32), RowStepCase(3, 1, 2, FP32),
@@ -98,6 +98,7 @@ ROW_STEP_CASES = on_devices([
     RowStepCase(37, 128256, 128320, BF16, softcap=30.0), RowStepCase(5, 32001, 32001, FP32, softcap=5.0, logit_scale=0.5),
     RowStepCase(9, 50000, 128256, BF16),  # split in two: the upper half holds no student columns
     RowStepCase(9, 262144, 262144, BF16), RowStepCase(11, 32000, 32000, BF16), RowStepCase(5, 8, 8, BF16),  # CUDA
+    RowStepCase(6, 1, 61339, BF16, softcap=30.0, logit_scale=0.5),  # one student column: its softmax exactly 1
 ], describe)
 
 

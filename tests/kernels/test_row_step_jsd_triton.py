@@ -379,6 +379,22 @@ for mode, shared, student_cap, teacher_cap in ((2, True, False, True), (0, True,
         register = re.search(rf"ld\\.param\\.b32\\s+(%r\\d+), \\[_jsd_row_step_kernel_param_{param}\\]", ptx).group(1)
         fused = [line for line in ptx.splitlines() if line.strip().startswith("fma") and re.search(rf"{register}\\b", line)]
         print(mode, shared, name, register, len(fused))
+
+# The cosine kernels load their logits through the same row_step_triton._load_logits: every kernel that takes
+# caps, with both caps and scales on
+import sys
+sys.path.insert(0, TESTS)
+import kernel_compile
+
+for name, kernel, logits_type, constants in kernel_compile.variants():
+    if not constants["STUDENT_CAP"] or "aligned" in name:
+        continue
+    ptx = kernel_compile.compile_for_hopper(kernel, logits_type, constants).asm["ptx"]
+    for param_name in ("student_cap", "teacher_cap", "student_scale", "teacher_scale"):
+        param = kernel.arg_names.index(param_name)
+        register = re.search(rf"ld\\.param\\.b32\\s+(%r\\d+), \\[{kernel.__name__}_param_{param}\\]", ptx).group(1)
+        fused = [line for line in ptx.splitlines() if line.strip().startswith("fma") and re.search(rf"{register}\\b", line)]
+        print(name.replace(" ", "_"), logits_type, param_name, register, len(fused))
 """
 
 
@@ -395,9 +411,10 @@ def test_caps_and_scales_are_rounded_before_any_difference():
     """On the GPU each pass reloads a logit and applies its scale and cap again; contracted into FMAs, the product
     was rounded in the max but exact in s - max, and a one-column student's softmax 2^(s - max) was not 1 (its
     hard gradient 2e-3 of the gradient in GPU fuzz case 160). Through the real compiler for Hopper, with both
-    scales and either cap or both: no cap or scale enters an FMA (each product is mul.rn, never contracted)."""
-    lines = compiled_for_hopper(ROUNDED_CAPS_AND_SCALES)
-    assert len(lines) == 10 and all(line[-1] == "0" for line in lines), lines
+    scales and either cap or both, and the cosine kernels' capped variants (the same _load_logits): no cap or
+    scale enters an FMA (each product is mul.rn, never contracted)."""
+    lines = compiled_for_hopper(ROUNDED_CAPS_AND_SCALES.replace("TESTS", repr(str(Path(__file__).resolve().parents[1]))))
+    assert len(lines) == 10 + 4 * 8 and all(line[-1] == "0" for line in lines), lines
 
 
 def test_every_variant_compiles_for_hopper():

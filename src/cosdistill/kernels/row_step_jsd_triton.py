@@ -34,10 +34,10 @@ from .row_step_triton import (
     _common_args,
     _lift_args,
     _lift_for,
+    _load_logits,
     _logit_args,
     _one_if_none,
     _row_and_label,
-    _softcap,
 )
 
 # H200 sweeps (docs/design.md, The generalized JSD). STAGES: each hot loop's loads go through shared memory
@@ -76,40 +76,6 @@ def _log2(x):
     else:
         return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
                                          is_pure=True, pack=1)
-
-
-@triton.jit
-def _mul_rn(x, y):
-    """x * y rounded to fp32 before anything uses it: mul.rn, which neither LLVM nor ptxas contracts with the
-    subtraction that uses it into one FMA, as Triton's FP fusion does a plain product (s - max then leaves the
-    exact product minus the rounded max at the max: not 0, see _load_logits). The interpreter cannot run PTX
-    (and contracts nothing)."""
-    if INTERPRET:
-        return x * y
-    else:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-
-
-@triton.jit
-def _load_logits(row, cols, mask, logit_scale, cap, CAP: tl.constexpr, MASKED: tl.constexpr = True):
-    """row_step_triton._load_logits (fp32, times the logit scale, softcapped; 0 where masked) with the last
-    product, x times the scale or cap times tanh(x / cap), rounded (_mul_rn): each pass reloads the logits, and
-    every difference the kernel takes (s - max, max - s[label]) must see one fp32 value per logit, as the
-    interpreter does. Contracted into FMAs, the product was rounded in the max but exact in s - max: a
-    one-column student's softmax 2^(s - max) came out 1 + ~1e-7 |s|, and its hard gradient
-    weight_hard (softmax - 1), exactly 0 in the spec, outweighed the soft gradient of order 1 / Vt (2e-3 of the
-    gradient off on an H200, GPU fuzz case 160). Without caps and scales (the common path) this is
-    row_step_triton's load, and the compiled kernel is unchanged."""
-    if MASKED:
-        x = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
-    else:
-        x = tl.load(row + cols).to(tl.float32)
-    if logit_scale is not None:
-        x = _mul_rn(x, logit_scale)
-    if CAP:  # _softcap's tanh(x / cap) (its |x| / cap is |x / cap|), then the product with cap, rounded
-        x = _mul_rn(cap, _softcap(x * (1.0 / cap), 1.0))
-    return x
 
 
 @triton.jit

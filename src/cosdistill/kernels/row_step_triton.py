@@ -45,24 +45,41 @@ def _exp(x):
 
 
 @triton.jit
-def _softcap(x, cap):
-    """cap * tanh(x / cap), with tanh(a) written through exp of a non-positive number (no overflow),
-    except below a = 1/8, where 1 - exp(-2a) cancels (relative error ~6e-8 / a: 1e-4 at a = 6e-4, seen
-    by the property test in fp32) and tanh's Taylor series to a^7 is exact to 1.3e-9 instead. x / cap is
-    taken as x times 1 / cap: one multiply per logit instead of a division (the division of the scalar is
-    hoisted out of the loop)."""
-    a = tl.abs(x) * (1.0 / cap)
+def _tanh(x):
+    """tanh(x), written through exp of a non-positive number (no overflow), except below |x| = 1/8, where
+    1 - exp(-2|x|) cancels (relative error ~6e-8 / |x|: 1e-4 at 6e-4, seen by the property test in fp32) and
+    tanh's Taylor series to x^7 is exact to 1.3e-9 instead."""
+    a = tl.abs(x)
     decay = tl.exp(-2.0 * a)
     a2 = a * a
     series = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
     tanh_abs = tl.where(a < 0.125, series, (1.0 - decay) / (1.0 + decay))
-    return cap * tl.where(x >= 0, tanh_abs, -tanh_abs)
+    return tl.where(x >= 0, tanh_abs, -tanh_abs)
+
+
+@triton.jit
+def _mul_rn(x, y):
+    """x * y rounded to fp32 before anything uses it: mul.rn, which neither LLVM nor ptxas contracts into one
+    FMA with the subtraction that uses it, as Triton's FP fusion does a plain product. The interpreter cannot
+    run PTX (and contracts nothing)."""
+    if INTERPRET:
+        return x * y
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
 
 
 @triton.jit
 def _load_logits(row, cols, mask, logit_scale, cap, CAP: tl.constexpr, MASKED: tl.constexpr = True):
     """Logits as the loss sees them: fp32, times the logit scale (None: 1), softcapped; 0 where masked,
-    and 0 everywhere for a row of None (no teacher logits: the Gram path, _teacher_gram.py)."""
+    and 0 everywhere for a row of None (no teacher logits: the Gram path, _teacher_gram.py).
+
+    The last product, x times the scale or cap times tanh(x / cap), is rounded (_mul_rn): the kernels reload
+    the logits in each pass, and every difference they take (s - max, max - s[label]) must see one fp32 value
+    per logit, as the interpreter does. Contracted into FMAs, the product was rounded in the max but exact in
+    s - max: a one-column student's softmax 2^(s - max) came out 1 + ~1e-7 |s|, and its hard gradient
+    weight_hard (softmax - 1), exactly 0 in the spec, outweighed the JSD's soft gradient of order 1 / Vt on an
+    H200 (docs/design.md, Softcaps and logit scales). Without caps and scales the kernels are unchanged."""
     if row is None:  # one if-elif chain: code after a return in a static branch is still compiled
         x = tl.zeros(cols.shape, tl.float32)
     elif MASKED:
@@ -70,9 +87,9 @@ def _load_logits(row, cols, mask, logit_scale, cap, CAP: tl.constexpr, MASKED: t
     else:
         x = tl.load(row + cols).to(tl.float32)
     if logit_scale is not None:
-        x = x * logit_scale
-    if CAP:
-        x = _softcap(x, cap)
+        x = _mul_rn(x, logit_scale)
+    if CAP:  # cap * tanh(x / cap), x / cap as x times 1 / cap (the scalar's division is hoisted out of the loop)
+        x = _mul_rn(cap, _tanh(x * (1.0 / cap)))
     return x
 
 
