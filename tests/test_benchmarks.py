@@ -48,7 +48,7 @@ def run(argv, tmp_path):
 def test_help_names_every_subcommand_and_each_has_its_own():
     result = subprocess.run([sys.executable, str(BENCHMARKS / "diagnose.py"), "--help"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    subcommands = ("gaps", "kernels", "idle", "host", "row-step", "ab", "fp8-accuracy")
+    subcommands = ("gaps", "kernels", "idle", "host", "row-step", "beside", "ab", "fp8-accuracy")
     assert all(name in result.stdout for name in subcommands)
     for name in subcommands:
         with pytest.raises(SystemExit) as exit_info:
@@ -163,6 +163,15 @@ def test_host_stamps_the_call_and_profiles_it(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "cProfile, the Python before the first GEMM" in out and "cProfile, whole calls" in out
     assert "function calls in" in out
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_beside_times_the_row_step_and_the_hash_in_every_form(tmp_path, loss):
+    report = run(["beside", "--device", "cpu", "--rows", "4", "--vocab", "64", "--hidden", "32", "--calls", "1",
+                  "--loss", loss], tmp_path)
+    assert list(report) == ["row step", "hash", "row step, then hash", "hash beside, launched first",
+                            "row step beside, launched first"]
+    assert all(ms > 0 for ms in report.values())
 
 
 def test_row_step_sweeps_this_and_an_old_triton_kernel_against_the_spec(tmp_path):
