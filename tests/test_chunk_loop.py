@@ -184,3 +184,16 @@ def test_row_steps_beside_the_teacher_gemms_in_half_precision(monkeypatch, dtype
         for got, want in zip(losses, reference(problem)[0]):
             assert rel_err(got, want) < TOLERANCE[dtype][0]
     assert sides[0].steps == sub_chunks(37, ChunkRows(12, 5))
+
+
+def test_the_logits_teacher_takes_its_chunks_in_order():
+    """The teacher side forms each chunk's logits from its own teacher_input (it queues them ahead of the chunk):
+    a chunk out of order raises instead of stepping on another chunk's logits."""
+    problem = make_problem(tokens=20, bias=False)
+    teacher = LogitsTeacher(TeacherHead(problem.teacher_weight, None), TORCH.row_step.step, Options().scales,
+                            ChunkRows(8, 4))
+    teacher.start(problem.student_input, problem.teacher_input)
+    logits = torch.empty(8, problem.student_weight.shape[0])
+    with pytest.raises(RuntimeError, match="in order"):
+        teacher.row_step(logits, problem.student_input[8:16], problem.teacher_input[8:16], problem.labels[8:16],
+                         torch.empty(8, 2), False)

@@ -103,6 +103,8 @@ class LogitsTeacher:
     def row_step(self, student_logits, student_hidden, teacher_hidden, labels, token_losses, write_grad, lifts=None):
         """The chunk's row steps, one per sub-chunk of teacher logits; student_logits becomes d loss / d s."""
         chunk_start = start = self.next_row
+        if len(labels) and teacher_hidden.data_ptr() != self.teacher_input[chunk_start].data_ptr():
+            raise RuntimeError("LogitsTeacher.row_step takes the chunks of its teacher_input in order")
         self.next_row += len(labels)
         while start < self.next_row:
             if self.ahead is None:
