@@ -143,7 +143,7 @@ def test_row_steps_beside_the_teacher_gemms_wait_for_their_logits(monkeypatch, i
     sides = deferred_side(monkeypatch, rows)
     problem = make_problem(tokens=37, vocab_teacher=131, ignore_every=4)
     if loss == "cosine":
-        assert_matches_reference(problem, torch.float32, impl=impl)
+        assert_matches_reference(problem, torch.float32, impl=impl, cosine_via="logits")
     else:
         options = dict(beta=0.3, temperature=1.7)
         losses = fused_linear_jsd(*problem.args(), return_soft_hard_loss=True, impl=impl, **options)
@@ -160,9 +160,10 @@ def sub_chunks(tokens, rows):
 
 def test_row_steps_beside_the_teacher_gemms_fail_without_the_buffer_wait(monkeypatch):
     """The stand-in can fail: without the wait before a buffer is written again, the steps read later logits."""
-    deferred_side(monkeypatch, ChunkRows(16, 5), waits=False)
+    sides = deferred_side(monkeypatch, ChunkRows(16, 5), waits=False)
     problem = make_problem(tokens=37, vocab_teacher=131, ignore_every=4)
-    losses, grads = run_fused(problem)
+    losses, grads = run_fused(problem, cosine_via="logits")
+    assert sides[0].steps == sub_chunks(37, ChunkRows(16, 5))
     ref_losses, ref_grads = reference(problem)
     assert rel_err(losses[1], ref_losses[1]) > 100 * TOLERANCE[torch.float32][0]
     assert rel_err(grads[0], ref_grads[0]) > 100 * TOLERANCE[torch.float32][1]
@@ -177,10 +178,10 @@ def test_row_steps_beside_the_teacher_gemms_in_half_precision(monkeypatch, dtype
     monkeypatch.setattr(TeacherHead, "buffer_rows", lambda self, n: n + 3)
     problem = make_problem(tokens=37, vocab_teacher=131, ignore_every=4, dtype=dtype)
     if grad:
-        assert_matches_reference(problem, dtype)
+        assert_matches_reference(problem, dtype, cosine_via="logits")
     else:
         with torch.no_grad():
-            losses = fused_linear_cosine_distill(*problem.args(), return_soft_hard_loss=True)
+            losses = fused_linear_cosine_distill(*problem.args(), return_soft_hard_loss=True, cosine_via="logits")
         for got, want in zip(losses, reference(problem)[0]):
             assert rel_err(got, want) < TOLERANCE[dtype][0]
     assert sides[0].steps == sub_chunks(37, ChunkRows(12, 5))

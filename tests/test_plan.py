@@ -1,11 +1,13 @@
 """The plan of a call (_plan.py): the chunk sizes it picks and the order in which it sets the call up."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from conftest import make_problem, record_write_grad, reference, rel_err
 from cosdistill import api, fused_linear_cosine_distill
-from cosdistill.testing import ChunkRows, chunk_rows, plan
+from cosdistill.testing import TORCH, ChunkRows, chunk_rows, plan
 
 
 @pytest.mark.parametrize("grad_enabled, student_requires_grad, want_write_grad",
@@ -49,14 +51,18 @@ def test_automatic_chunk_rows():
 def test_where_the_row_steps_run_beside_the_teacher_gemms():
     """For the JSD on CUDA: teacher logits in more than one sub-chunk, the second teacher buffer within the hard
     budget, no vocabulary split."""
-    def beside(tokens, vocab, loss="jsd", device="cuda", teacher="logits", vocab_parallel=None, write_grad=True):
+    fast = dataclasses.replace(TORCH, name="triton")  # a stand-in: only its identity counts
+
+    def beside(tokens, vocab, loss="jsd", backend=fast, device="cuda", teacher="logits", vocab_parallel=None,
+               write_grad=True):
         rows = chunk_rows(None, tokens, vocab, vocab, 2, write_grad=write_grad)
-        return plan.row_step_beside_gemms(loss, torch.device(device), teacher, rows, tokens, vocab, vocab, 2,
+        return plan.row_step_beside_gemms(loss, backend, torch.device(device), teacher, rows, tokens, vocab, vocab, 2,
                                           vocab_parallel)
 
     assert beside(8192, 128256) and beside(2048, 128256) and beside(8192, 151936) and beside(8192, 32000)
     assert beside(8192, 128256, teacher="fp8")
     assert not beside(8192, 128256, loss="cosine")
+    assert not beside(8192, 128256, backend=TORCH)  # the spec's temporaries would get a second stream's cache
     assert not beside(1024, 128256)  # one sub-chunk
     assert not beside(4096, 32000)  # one chunk of one sub-chunk
     assert not beside(8192, 262144)  # 2048 / 512 rows: a second 512-row buffer passes 1.25 GiB

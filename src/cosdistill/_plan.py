@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from . import _teacher_fp8, _teacher_gram
-from ._backends import IMPLS, Backend, backend_for
+from ._backends import IMPLS, TORCH, Backend, backend_for
 from ._chunk_loop import ChunkResult, ChunkRows, chunked_loss_and_grads, start_student_logits
 from ._labels import LabelCounts
 from ._row_step import RowStepImpl, RowStepScales
@@ -129,22 +129,23 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
         scales = dataclasses.replace(scales, vocab_start=vocab_parallel.start, vocab_student_total=vocab_student)
     rows = chunk_rows(options.chunk_size, num_tokens, vocab_student, 0 if teacher == "gram" else vocab_teacher,
                       student_weight.element_size(), write_grad=any(needs_grad))
-    side_stream = row_step_beside_gemms(options.loss, student_weight.device, teacher, rows, num_tokens, vocab_student,
-                                        vocab_teacher, student_weight.element_size(), vocab_parallel)
+    side_stream = row_step_beside_gemms(options.loss, backend, student_weight.device, teacher, rows, num_tokens,
+                                        vocab_student, vocab_teacher, student_weight.element_size(), vocab_parallel)
     return Plan(options, backend, row_step, scales, teacher, rows, tuple(needs_grad),
                 options.accum_dtype or default_accum_dtype(student_weight.dtype), vocab_parallel,
                 fall_back=options.cosine_via == "auto", side_stream=side_stream)
 
 
-def row_step_beside_gemms(loss: str, device: torch.device, teacher: str, rows: ChunkRows, num_tokens: int,
-                          vocab_student: int, vocab_teacher: int, itemsize: int,
+def row_step_beside_gemms(loss: str, backend: Backend, device: torch.device, teacher: str, rows: ChunkRows,
+                          num_tokens: int, vocab_student: int, vocab_teacher: int, itemsize: int,
                           vocab_parallel: VocabParallel | None) -> bool:
     """Whether the row steps run on a second stream beside the teacher GEMMs (_teacher_logits.SideStream): for
-    the JSD on CUDA, with teacher logits in more than one sub-chunk, where their second buffer fits the hard
-    budget, and without a vocabulary split, whose row step's collectives stay on the caller's stream. Not for
-    the cosine loss: its lighter row step gained within the noise, for a peak at Liger's (docs/design.md,
-    Chunking and buffers)."""
-    if loss != "jsd" or device.type != "cuda" or teacher == "gram" or vocab_parallel is not None:
+    the JSD's kernels on CUDA, with teacher logits in more than one sub-chunk, where their second buffer fits the
+    hard budget, and without a vocabulary split, whose row step's collectives stay on the caller's stream. Not
+    for the cosine loss: its lighter row step gained within the noise, for a peak at Liger's (docs/design.md,
+    Chunking and buffers). Not for impl="torch": its row-sized temporaries would be cached for the second
+    stream apart from the caller's."""
+    if loss != "jsd" or backend is TORCH or device.type != "cuda" or teacher == "gram" or vocab_parallel is not None:
         return False
     if num_tokens <= rows.teacher:
         return False

@@ -315,7 +315,7 @@ def test_fp8_teacher_matches_float64_on_the_dequantized_teacher(device, case, lo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loss", [dict(loss="cosine"), dict(loss="jsd", beta=0.5, temperature=1.5)],
+@pytest.mark.parametrize("loss", [dict(loss="cosine", cosine_via="logits"), dict(loss="jsd", beta=0.5, temperature=1.5)],
                          ids=["cosine", "jsd"])
 @pytest.mark.parametrize("teacher_precision", [None, "fp8"])
 @pytest.mark.parametrize("chunk_size, grad", [(None, True), (1024, False)], ids=["automatic rows", "no grad, 1024 rows"])
