@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from test_row_step_cuda import unsupported
+from test_row_step_cuda import plain_case, unsupported
 
 from cosdistill.testing import RowStepScales, kernels, row_step_jsd_torch
 from kernel_compile import nvrtc_compile, spill_bytes
@@ -47,13 +47,6 @@ def test_some_layout_of_every_vocabulary_compiles_without_a_spill(vocab, tmp_pat
     layouts = jsd_cuda.launch_configs(vocab)
     spilled = [spill_bytes(jsd_cuda.source(vocab, torch.int32, layout, 2, False), tmp_path) for layout in layouts]
     assert 0 in spilled, list(zip(layouts, spilled))
-
-
-def plain_case(rows=6, vocab=1024, dtype=torch.bfloat16):
-    student = torch.randn(rows, vocab).to(dtype)
-    teacher = torch.randn(rows, vocab).to(dtype)
-    labels = torch.randint(0, vocab, (rows,))
-    return student, teacher, labels
 
 
 def test_supported_only_where_the_kernel_is_the_spec(monkeypatch):

@@ -27,6 +27,8 @@ from .row_step_jsd_triton import _check_scales, mode_of, row_step_jsd_triton
 from .row_step_triton import LOG2E
 
 _SOURCE = row_step_cuda.cuda_source("row_step_jsd.cu")
+
+
 def launch_configs(vocab: int) -> list[Layout]:
     """The layouts _launch tries in turn, from an H200 sweep at five vocabularies (docs/design.md, The generalized
     JSD): clusters of 8 blocks (16 only where 8 cannot hold the row), 128 to 512 threads as the slice grows, and

@@ -38,6 +38,7 @@ from .row_step_triton import (
     _logit_args,
     _one_if_none,
     _row_and_label,
+    _through_softcap,
 )
 
 # H200 sweeps (docs/design.md, The generalized JSD). STAGES: each hot loop's loads go through shared memory
@@ -188,9 +189,8 @@ def _grad(s, a, b, d, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weig
 
 @triton.jit
 def _through_the_head(grad, s, logit_scale, cap, CAP: tl.constexpr):
-    """d L / d raw logit from d L / d s, s the softcapped logit: times 1 - (s / cap)^2 and the logit scale."""
-    if CAP:
-        grad = grad * (1.0 - (s * (1.0 / cap)) * (s * (1.0 / cap)))
+    """d L / d raw logit from d L / d s, s the softcapped logit: through the softcap, then times the logit scale."""
+    grad = _through_softcap(grad, s, cap, CAP)
     if logit_scale is not None:
         grad = grad * logit_scale
     return grad

@@ -337,9 +337,15 @@ def _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coe
     else:
         grad = prob_coef * _exp((s - row_max) - log_sum_exp)
     grad += teacher_coef * t + student_coef * s
-    if STUDENT_CAP:
-        tanh_z = s * (1.0 / student_cap)
-        grad *= 1.0 - tanh_z * tanh_z  # d(c tanh(z / c)) / dz
+    return _through_softcap(grad, s, student_cap, STUDENT_CAP)
+
+
+@triton.jit
+def _through_softcap(grad, s, cap, CAP: tl.constexpr):
+    """d L / d z from d L / d s, s = cap tanh(z / cap) the softcapped logit (CAP): times 1 - (s / cap)^2."""
+    if CAP:
+        tanh_z = s * (1.0 / cap)
+        grad *= 1.0 - tanh_z * tanh_z
     return grad
 
 
