@@ -75,7 +75,7 @@ def cuda_variants(vocab: int):
     (MODE, SHARED: T == 1), each with the layouts its _launch tries in turn."""
     yield "cosine", row_step_cuda.launch_configs(vocab), lambda layout: row_step_cuda.source(vocab, torch.int64, layout)
     for (mode, name), shared in itertools.product(((0, "forward KL"), (1, "reverse KL"), (2, "mixed")), (True, False)):
-        yield (f"jsd {name}, T {'=' if shared else '!='} 1", row_step_jsd_cuda.launch_configs(vocab),
+        yield (f"jsd {name}, T {'=' if shared else '!='} 1", row_step_jsd_cuda.launch_configs(vocab, mode),
                lambda layout, mode=mode, shared=shared: row_step_jsd_cuda.source(vocab, torch.int64, layout, mode, shared))
 
 

@@ -20,32 +20,41 @@ FORMS = list(itertools.product((0, 1, 2), (True, False)))  # MODE (FORWARD, REVE
 
 @pytest.mark.parametrize("mode, shared", FORMS)
 def test_every_form_compiles_for_hopper_without_local_memory(mode, shared):
-    layout = jsd_cuda.launch_configs(128256)[1]  # MIXED's pick on the H200
+    layout = jsd_cuda.launch_configs(128256, mode)[-1]  # no register vectors, so no register cap
     ptx = nvrtc_compile(jsd_cuda.source(128256, torch.int64, layout, mode, shared))
     assert f".reqnctapercluster {layout.cluster}, 1, 1" in ptx and ".local" not in ptx
     assert ptx.count("cp.async.cg.shared.global") >= 2 and ptx.count("ld.shared::cluster") >= 2  # two exchanges
     assert "st.global.v4" in ptx  # the gradient, eight logits a store
+    # the unrolled passes' logarithms: MIXED keeps the mixture's from its sums' pass for the gradient's
+    pairs_per_thread = 8 * -(-row_step_cuda._slice_vecs(128256, layout.cluster) // layout.threads)
+    assert ptx.count("lg2.approx") == (pairs_per_thread if mode == 2 else 0)
 
 
-def test_launch_configs_follow_the_sweep():
-    """Clusters of 8, longer slices with more threads, register vectors from 3 down to none."""
-    assert jsd_cuda.launch_configs(32000) == [(8, 128, 3), (8, 128, 2), (8, 128, 1), (8, 128, 0)]
-    assert jsd_cuda.launch_configs(128256) == [(8, 256, 3), (8, 256, 2), (8, 256, 1), (8, 256, 0)]
-    assert jsd_cuda.launch_configs(262144)[0] == (8, 512, 3)
-    assert jsd_cuda.launch_configs(8) == [(8, 128, 0)]  # one vector per block at most
-    assert jsd_cuda.launch_configs(2**19)[0].cluster == 16  # 8 blocks cannot hold the row
-    for vocab in (8, 1000, 32000, 128256, 262144, 2**19):
-        for layout in jsd_cuda.launch_configs(vocab):  # the slices cover the row, within shared memory
-            assert 8 * layout.cluster * row_step_cuda._slice_vecs(vocab, layout.cluster) >= vocab
-            assert 0 <= row_step_cuda._shared_bytes(vocab, *layout) <= row_step_cuda.MAX_SHARED_BYTES
+def test_launch_configs_follow_the_sweeps():
+    """FORWARD and REVERSE: clusters of 8, longer slices with more threads, register vectors from 3 down to none.
+    MIXED: 16 blocks where 8 would leave one per SM, and register vectors only where they add blocks per SM."""
+    assert jsd_cuda.launch_configs(32000, 0) == [(8, 128, 3), (8, 128, 2), (8, 128, 1), (8, 128, 0)]
+    assert jsd_cuda.launch_configs(128256, 1) == [(8, 256, 3), (8, 256, 2), (8, 256, 1), (8, 256, 0)]
+    assert jsd_cuda.launch_configs(262144, 0)[0] == (8, 512, 3)
+    assert jsd_cuda.launch_configs(128256, 2) == [(8, 256, 2), (8, 256, 0)]  # 3 blocks per SM, else 2
+    assert jsd_cuda.launch_configs(151936, 2)[-1] == (8, 512, 0)
+    assert jsd_cuda.launch_configs(262144, 2) == [(16, 256, 2), (16, 256, 0)]
+    for mode in (0, 1, 2):
+        assert jsd_cuda.launch_configs(8, mode) == [(8, 128, 0)]  # one vector per block at most
+        assert jsd_cuda.launch_configs(2**19, mode)[0].cluster == 16  # 8 blocks cannot hold the row
+        for vocab in (8, 1000, 32000, 128256, 262144, 2**19):
+            for layout in jsd_cuda.launch_configs(vocab, mode):  # the slices cover the row, within shared memory
+                assert 8 * layout.cluster * row_step_cuda._slice_vecs(vocab, layout.cluster) >= vocab
+                assert 0 <= row_step_cuda._shared_bytes(vocab, *layout, jsd_cuda._tiles(mode)) <= row_step_cuda.MAX_SHARED_BYTES
 
 
 @pytest.mark.parametrize("vocab", [1000, 32000, 65536, 128256, 151936, 262144])
-def test_some_layout_of_every_vocabulary_compiles_without_a_spill(vocab, tmp_path):
-    """_launch walks launch_configs' layouts to the first without a spill; the widest form (MIXED, T != 1) must
-    find one among them (the last has no register vectors, so no register cap)."""
-    layouts = jsd_cuda.launch_configs(vocab)
-    spilled = [spill_bytes(jsd_cuda.source(vocab, torch.int32, layout, 2, False), tmp_path) for layout in layouts]
+@pytest.mark.parametrize("mode", [1, 2])
+def test_some_layout_of_every_vocabulary_compiles_without_a_spill(vocab, mode, tmp_path):
+    """_launch walks launch_configs' layouts to the first without a spill; the widest forms (REVERSE and MIXED,
+    T != 1) must find one among them (the last has no register vectors, so no register cap)."""
+    layouts = jsd_cuda.launch_configs(vocab, mode)
+    spilled = [spill_bytes(jsd_cuda.source(vocab, torch.int32, layout, mode, False), tmp_path) for layout in layouts]
     assert 0 in spilled, list(zip(layouts, spilled))
 
 

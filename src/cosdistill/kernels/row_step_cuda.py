@@ -87,7 +87,8 @@ def _slice_vecs(vocab: int, cluster: int) -> int:
 
 
 def _shared_bytes(vocab: int, cluster: int, threads: int = 0, register_cols: int = 0, models: int = 2) -> int:
-    """Dynamic shared memory per block: the models' slices but the vectors held in registers."""
+    """Dynamic shared memory per block: the models' slices but the vectors held in registers (``models``: 16-byte
+    tiles per vector, one per model's logits; the JSD's mixed step keeps a third)."""
     return models * 16 * (_slice_vecs(vocab, cluster) - register_cols * threads)
 
 

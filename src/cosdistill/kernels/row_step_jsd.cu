@@ -9,6 +9,10 @@
 #define FORWARD 0  // MODE: beta == 0, KL(q || p)
 #define REVERSE 1  // beta == 1, KL(p || q)
 #define MIXED 2  // 0 < beta < 1, against the mixture m = (1 - beta) p + beta q
+// MIXED keeps each pair's log2 p - log2 m from pass 2 for pass 3, two SFU operations per pair fewer. In fp32: the
+// gradient subtracts the row's sum from it, which a rounded gap does not survive on peaked rows. A register
+// vector's gaps take its teacher registers' place; a shared one's its teacher tile and a third tile.
+#define KEEP_GAP (MODE == MIXED)
 #define LN2 0.6931471805599453f
 
 __device__ __forceinline__ float log2_fast(float x) {  // lg2.approx.ftz, as the Triton kernel's _log2
@@ -93,7 +97,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) LAUNCH_BOUNDS
 cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, float* losses,
                      int student_stride, int teacher_stride, int ignore_index,
                      double weight_hard_in, double soft_coef_in, double x_scale_in, double keep_in, double beta_in) {
-  extern __shared__ uint4 tiles[];  // this block's slice but its register vectors: the student's, then the teacher's
+  extern __shared__ uint4 tiles[];  // this block's slice but its register vectors: the student's, the teacher's, gaps
   __shared__ float warp_stats[NUM_WARPS][NUM_STATS], warp_sums[NUM_WARPS][NUM_SUMS];
   __shared__ float block_stats[NUM_STATS], block_sums[NUM_SUMS];  // read by the cluster's other blocks
   __shared__ float row_consts[6];  // top_s, norm_x, norm_z, top_t, norm_y; then the gradient's row sum
@@ -119,7 +123,9 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
   const uint4* teacher_src = reinterpret_cast<const uint4*>(teacher + row * teacher_stride) + first_vec;
   uint4* student_tile = tiles;
   uint4* teacher_tile = tiles + TILE_VECS;
+  uint4* gap_tile = tiles + 2 * TILE_VECS;  // KEEP_GAP: each vector's last four gaps (the teacher tile: its first)
   uint4 student_regs[REGISTER_COLS + 1], teacher_regs[REGISTER_COLS + 1];  // + 1: no zero-length arrays
+  float gap_regs[REGISTER_COLS + 1][8];  // KEEP_GAP
   #pragma unroll
   for (int k = 0; k < REGISTER_COLS; ++k) {
     const int i = tid + k * THREADS;
@@ -188,7 +194,7 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
   for (int k = 0; k < ITERS; ++k) {
     const int i = tid + k * THREADS;
     if (i < slice_vecs) {
-      float s[8], t[8], g[8];
+      float s[8], t[8], g[8];  // MIXED: g holds the student gaps
       unpack(VECTOR(student, k, i), s);
       unpack(VECTOR(teacher, k, i), t);
       #pragma unroll
@@ -208,13 +214,22 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
         } else {  // p and q from one exponential of the larger and the ratio 2^-|d| that the mixture needs anyway
           const float smaller = exp2_fast(-fabsf(d));
           const float larger_prob = exp2_fast(fmaxf(a, b)), smaller_prob = larger_prob * smaller;
-          float student_gap, teacher_gap;
-          minus_mixture(d, smaller, keep, beta, student_gap, teacher_gap);
-          sums[0] += (d >= 0.f ? smaller_prob : larger_prob) * student_gap;
+          float teacher_gap;
+          minus_mixture(d, smaller, keep, beta, g[j], teacher_gap);
+          sums[0] += (d >= 0.f ? smaller_prob : larger_prob) * g[j];
           sums[1] += beta * (d >= 0.f ? larger_prob : smaller_prob) * teacher_gap;
         }
       }
       if (MODE == FORWARD) grad_out[i] = grad_vector(g, i == label_vec, label_lane, weight_hard);
+      if (KEEP_GAP && k < REGISTER_COLS) {
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) gap_regs[k][j] = g[j];
+      } else if (KEEP_GAP) {
+        teacher_tile[TILE_INDEX(i)] = make_uint4(__float_as_uint(g[0]), __float_as_uint(g[1]), __float_as_uint(g[2]),
+                                                 __float_as_uint(g[3]));
+        gap_tile[TILE_INDEX(i)] = make_uint4(__float_as_uint(g[4]), __float_as_uint(g[5]), __float_as_uint(g[6]),
+                                             __float_as_uint(g[7]));
+      }
     }
   }
   const float empty_sums[NUM_SUMS] = {0.f, 0.f};
@@ -241,18 +256,27 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
     for (int k = 0; k < ITERS; ++k) {
       const int i = tid + k * THREADS;
       if (i < slice_vecs) {
-        float s[8], t[8], g[8];
+        float s[8], other[8], g[8];  // other: REVERSE's teacher logits, MIXED's kept gaps
         unpack(VECTOR(student, k, i), s);
-        unpack(VECTOR(teacher, k, i), t);
+        if (KEEP_GAP && k < REGISTER_COLS) {
+          #pragma unroll
+          for (int j = 0; j < 8; ++j) other[j] = gap_regs[k][j];
+        } else if (KEEP_GAP) {
+          const uint4 first = teacher_tile[TILE_INDEX(i)], last = gap_tile[TILE_INDEX(i)];
+          const unsigned words[8] = {first.x, first.y, first.z, first.w, last.x, last.y, last.z, last.w};
+          #pragma unroll
+          for (int j = 0; j < 8; ++j) other[j] = __uint_as_float(words[j]);
+        } else {
+          unpack(VECTOR(teacher, k, i), other);
+        }
         #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const float student_distance = s[j] - top_s;
           const float a = student_distance * x_scale - norm_x;
-          const float d = ((t[j] - top_t) - student_distance) * x_scale + norm_gap;
           const float p = exp2_fast(a);
           const float hard_prob = SHARED ? p : exp2_fast(student_distance * LOG2E - norm_z);
-          float student_gap = -d, teacher_gap;  // REVERSE: log2 p - log2 q
-          if (MODE == MIXED) minus_mixture(d, exp2_fast(-fabsf(d)), keep, beta, student_gap, teacher_gap);
+          const float student_gap =  // log2 p - log2 m, or REVERSE's log2 p - log2 q
+              KEEP_GAP ? other[j] : -(((other[j] - top_t) - student_distance) * x_scale + norm_gap);
           g[j] = weight_hard * hard_prob + p * (log_coef * (student_gap - row_sum));
         }
         grad_out[i] = grad_vector(g, i == label_vec, label_lane, weight_hard);

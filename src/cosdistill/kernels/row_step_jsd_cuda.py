@@ -6,7 +6,9 @@ The Triton JSD step (``row_step_jsd_triton.py``) reads both logits buffers up to
 the log-sum-exps, for the soft sums, and (beta > 0 with gradients) for the gradient, which needs the row's
 finished sum. Here a cluster holds the row in its blocks' shared memory and registers, so HBM moves one
 read of each logit and one write of the gradient; the three passes run from on-chip memory, with two
-exchanges of per-row numbers between the cluster's blocks.
+exchanges of per-row numbers between the cluster's blocks. With 0 < beta < 1 the sums' pass also keeps each
+pair's gap to the mixture (fp32, a third shared tile) for the gradient's pass, which then needs one exponential
+per pair instead of three.
 
 Only the common case takes this path (``supported``): the gradient asked for, bf16 logits of one vocabulary
 size (a multiple of 8) that fits the cluster, no softcaps or logit scales, no vocabulary split, on Hopper or
@@ -22,29 +24,51 @@ import torch
 from .._row_step import RowStepImpl, RowStepScales
 from .._row_step_jsd import split_jsd_row_step
 from . import row_step_cuda
-from .row_step_cuda import MAX_SHARED_BYTES, Layout, _shared_bytes, _slice_vecs
-from .row_step_jsd_triton import _check_scales, mode_of, row_step_jsd_triton
+from .row_step_cuda import MAX_SHARED_BYTES, Layout, _blocks_per_sm, _shared_bytes, _slice_vecs
+from .row_step_jsd_triton import MIXED, _check_scales, mode_of, row_step_jsd_triton
 from .row_step_triton import LOG2E
 
 _SOURCE = row_step_cuda.cuda_source("row_step_jsd.cu")
 
 
-def launch_configs(vocab: int) -> list[Layout]:
-    """The layouts _launch tries in turn, from an H200 sweep at five vocabularies (docs/design.md, The generalized
-    JSD): clusters of 8 blocks (16 only where 8 cannot hold the row), 128 to 512 threads as the slice grows, and
-    as many of each thread's vectors in registers (3 down to 0) as ptxas keeps without a spill. Longer slices
-    than the cosine loss's suit this kernel: its three passes and two exchanges cost each block more."""
-    cluster = 8 if _shared_bytes(vocab, 8) <= MAX_SHARED_BYTES else 16
+def _tiles(mode: int) -> int:
+    """16-byte shared tiles per vector: the two models' logits, and MIXED's kept gaps (row_step_jsd.cu)."""
+    return 3 if mode == MIXED.value else 2
+
+
+def launch_configs(vocab: int, mode: int) -> list[Layout]:
+    """The layouts _launch tries in turn, from H200 sweeps (docs/design.md, The generalized JSD). Longer slices
+    than the cosine loss's suit this kernel: its three passes and two exchanges cost each block more.
+
+    FORWARD and REVERSE: clusters of 8 blocks (16 only where 8 cannot hold the row), 128 to 512 threads as the
+    slice grows, and as many of each thread's vectors in registers (3 down to 0) as ptxas keeps without a spill.
+    MIXED, whose kept gaps make a third of its shared memory: 16 blocks where 8 would leave one per SM, 512
+    threads from longer slices on, and register vectors only where they let more blocks share an SM, the most
+    blocks first."""
+    if _tiles(mode) == 2:
+        cluster = 8 if _shared_bytes(vocab, 8) <= MAX_SHARED_BYTES else 16
+        slice_vecs = _slice_vecs(vocab, cluster)
+        threads = 128 if slice_vecs <= 512 else 256 if slice_vecs <= 2560 else 512
+        return [Layout(cluster, threads, cols) for cols in (3, 2, 1, 0) if cols * threads < slice_vecs]
+
+    def blocks(layout):
+        return _blocks_per_sm(_shared_bytes(vocab, *layout, 3), layout.threads)
+
+    cluster = 8 if blocks(Layout(8, 128)) > 1 else 16
     slice_vecs = _slice_vecs(vocab, cluster)
-    threads = 128 if slice_vecs <= 512 else 256 if slice_vecs <= 2560 else 512
-    return [Layout(cluster, threads, cols) for cols in (3, 2, 1, 0) if cols * threads < slice_vecs]
+    threads = 128 if slice_vecs <= 512 else 256 if slice_vecs <= 2048 else 512
+    layouts = [Layout(cluster, threads)]
+    for cols in range(1, 4):
+        if cols * threads < slice_vecs and blocks(Layout(cluster, threads, cols)) > blocks(layouts[-1]):
+            layouts.append(Layout(cluster, threads, cols))
+    return layouts[::-1]
 
 
 def source(vocab: int, label_dtype: torch.dtype, layout: Layout, mode: int, shared: bool) -> str:
     """The kernel's CUDA C for one vocabulary, layout and form: ``mode`` FORWARD / REVERSE / MIXED (mode_of),
     ``shared`` T == 1 (the hard term's softmax is p)."""
-    return row_step_cuda.with_defines(dict(row_step_cuda.layout_defines(vocab, label_dtype, layout), MODE=mode,
-                                           SHARED=int(shared)), _SOURCE)
+    return row_step_cuda.with_defines(dict(row_step_cuda.layout_defines(vocab, label_dtype, layout, _tiles(mode)),
+                                           MODE=mode, SHARED=int(shared)), _SOURCE)
 
 
 def supported(student_logits, teacher_logits, labels, scales: RowStepScales, write_grad, grad_lifts) -> bool:
@@ -57,16 +81,16 @@ def supported(student_logits, teacher_logits, labels, scales: RowStepScales, wri
 @functools.lru_cache(maxsize=None)
 def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, layout: Layout, mode: int, shared: bool):
     return row_step_cuda.compile_cluster_kernel(source(vocab, label_dtype, layout, mode, shared),
-                                                "cluster_jsd_row_step", layout, _shared_bytes(vocab, *layout),
-                                                device_index)
+                                                "cluster_jsd_row_step", layout,
+                                                _shared_bytes(vocab, *layout, _tiles(mode)), device_index)
 
 
 @functools.lru_cache(maxsize=None)
 def _launch(vocab: int, label_dtype: torch.dtype, device_index: int, mode: int, shared: bool):
     """(kernel, layout) at the first of launch_configs' layouts that fits without a spill; None where none
     does (the Triton step runs instead)."""
-    for layout in launch_configs(vocab):
-        if _shared_bytes(vocab, *layout) <= MAX_SHARED_BYTES:
+    for layout in launch_configs(vocab, mode):
+        if _shared_bytes(vocab, *layout, _tiles(mode)) <= MAX_SHARED_BYTES:
             kernel = _kernel(vocab, label_dtype, device_index, layout, mode, shared)
             if kernel is not None:
                 return kernel, layout
@@ -79,7 +103,8 @@ def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scale
     rows, vocab = student_logits.shape
     device = student_logits.device
     with torch.cuda.device(device):  # the tensors' device and stream, whichever device is current
-        kernel(grid=(rows * layout.cluster, 1, 1), block=(layout.threads, 1, 1), shared_mem=_shared_bytes(vocab, *layout),
+        kernel(grid=(rows * layout.cluster, 1, 1), block=(layout.threads, 1, 1),
+               shared_mem=_shared_bytes(vocab, *layout, _tiles(mode_of(scales.beta))),
                args=[student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
                      teacher_logits.stride(0), scales.ignore_index, float(scales.weight_hard),
                      scales.weight_soft / scales.temperature, LOG2E.value / scales.temperature,
