@@ -48,6 +48,38 @@ __device__ __forceinline__ float peer_load(const float* local, unsigned rank) { 
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
   return value;
 }
+// Where a block's slice of its row lies (clusters are consecutive blocks along x, a row each), and whether the
+// row's label counts.
+struct RowSlice {
+  int rank;  // == %cluster_ctarank
+  long long row, label;
+  bool valid;  // the label is neither ignore_index nor outside the vocabulary
+  bf16_t* student_row;
+  int first_vec, vecs;  // vecs <= 0 for blocks past a short row
+  uint4* grad_out;  // the slice of student_row that the gradient overwrites
+};
+__device__ __forceinline__ RowSlice row_slice(bf16_t* student, const LABEL_T* labels, int student_stride,
+                                              int ignore_index) {
+  RowSlice slice;
+  slice.rank = blockIdx.x % CLUSTER;
+  slice.row = blockIdx.x / CLUSTER;
+  slice.label = (long long)labels[slice.row];
+  slice.valid = slice.label != ignore_index && slice.label >= 0 && slice.label < VOCAB;
+  slice.student_row = student + slice.row * student_stride;
+  slice.first_vec = slice.rank * SLICE_VECS;
+  slice.vecs = min(SLICE_VECS, VOCAB / 8 - slice.first_vec);
+  slice.grad_out = reinterpret_cast<uint4*>(slice.student_row) + slice.first_vec;
+  return slice;
+}
+// An ignored token's gradient: zero (its whole cluster then leaves).
+__device__ __forceinline__ void zero_grad(const RowSlice& slice) {
+  for (int i = threadIdx.x; i < slice.vecs; i += THREADS) slice.grad_out[i] = make_uint4(0u, 0u, 0u, 0u);
+}
+// The label's logit, for block 0's thread 0; read before the first cluster barrier, after which other blocks may
+// overwrite the row with gradients.
+__device__ __forceinline__ float target_logit(const RowSlice& slice) {
+  return (slice.rank == 0 && threadIdx.x == 0) ? __uint_as_float((unsigned)slice.student_row[slice.label] << 16) : 0.f;
+}
 __device__ __forceinline__ void unpack(uint4 v, float* x) {
   const unsigned w[4] = {v.x, v.y, v.z, v.w};
   #pragma unroll

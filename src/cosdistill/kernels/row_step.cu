@@ -25,38 +25,31 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
   __shared__ float warp_parts[NUM_WARPS][NUM_PARTS];
   __shared__ float block_parts[NUM_PARTS];  // read by the cluster's other blocks
   __shared__ float row_coefs[6];  // row max, log sum exp, the three gradient coefficients, usable
-  const int rank = blockIdx.x % CLUSTER;  // == %cluster_ctarank: clusters are consecutive blocks along x
-  const long long row = blockIdx.x / CLUSTER;
   const int tid = threadIdx.x;
-  const long long label = (long long)labels[row];
-  const bool valid = label != ignore_index && label >= 0 && label < VOCAB;
-  bf16_t* student_row = student + row * student_stride;
-  const int first_vec = rank * SLICE_VECS;
-  const int slice_vecs = min(SLICE_VECS, VOCAB / 8 - first_vec);  // <= 0 for blocks past a short row
-  uint4* grad_out = reinterpret_cast<uint4*>(student_row) + first_vec;
-  if (!valid) {  // an ignored token: no gradient, zero losses (the whole cluster leaves here)
-    for (int i = tid; i < slice_vecs; i += THREADS) grad_out[i] = make_uint4(0u, 0u, 0u, 0u);
-    if (rank == 0 && tid == 0) {
-      losses[2 * row] = losses[2 * row + 1] = 0.f;
+  const RowSlice slice = row_slice(student, labels, student_stride, ignore_index);
+  if (!slice.valid) {  // an ignored token: zero gradient and losses
+    zero_grad(slice);
+    if (slice.rank == 0 && tid == 0) {
+      losses[2 * slice.row] = losses[2 * slice.row + 1] = 0.f;
 #if !TEACHER
-      teacher_coefs[row] = 0.f;
+      teacher_coefs[slice.row] = 0.f;
 #endif
     }
     return;
   }
-  const float target = (rank == 0 && tid == 0) ? __uint_as_float((unsigned)student_row[label] << 16) : 0.f;
-  const uint4* student_src = reinterpret_cast<const uint4*>(student_row) + first_vec;
+  const float target = target_logit(slice);
+  const uint4* student_src = reinterpret_cast<const uint4*>(slice.student_row) + slice.first_vec;
   uint4* student_tile = tiles;
   uint4 student_regs[REGISTER_COLS + 1];  // + 1: no zero-length arrays
 #if TEACHER
-  const uint4* teacher_src = reinterpret_cast<const uint4*>(teacher + row * teacher_stride) + first_vec;
+  const uint4* teacher_src = reinterpret_cast<const uint4*>(teacher + slice.row * teacher_stride) + slice.first_vec;
   uint4* teacher_tile = tiles + TILE_VECS;
   uint4 teacher_regs[REGISTER_COLS + 1];
 #endif
   #pragma unroll
   for (int k = 0; k < REGISTER_COLS; ++k) {
     const int i = tid + k * THREADS;
-    if (i < slice_vecs) {
+    if (i < slice.vecs) {
       student_regs[k] = __ldcg(student_src + i);
 #if TEACHER
       teacher_regs[k] = __ldcg(teacher_src + i);
@@ -66,7 +59,7 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
   #pragma unroll
   for (int k = REGISTER_COLS; k < ITERS; ++k) {  // one copy group per k, so the reduction starts on the first early
     const int i = tid + k * THREADS;
-    if (i < slice_vecs) {
+    if (i < slice.vecs) {
       copy_async(student_tile + TILE_INDEX(i), student_src + i);
 #if TEACHER
       copy_async(teacher_tile + TILE_INDEX(i), teacher_src + i);
@@ -81,7 +74,7 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
   for (int k = 0; k < ITERS; ++k) {
     if (k >= REGISTER_COLS) wait_copies(ITERS - 1 - k);
     const int i = tid + k * THREADS;
-    if (i < slice_vecs) {
+    if (i < slice.vecs) {
       float s[8];
       unpack(VECTOR(student, k, i), s);
 #if TEACHER
@@ -130,8 +123,8 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
     reduce_warp(part);
     if (lane == 0) {  // row_step.py's losses and gradient coefficients (Triton: _row_losses, _grad_coefficients)
 #if !TEACHER
-      part[2] = teacher_products[2 * row];
-      part[4] = teacher_products[2 * row + 1];
+      part[2] = teacher_products[2 * slice.row];
+      part[4] = teacher_products[2 * slice.row + 1];
 #endif
       const float eps = COSINE_EPS;
       const float inv_t2 = (float)inv_temp_sq;
@@ -142,9 +135,9 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
       const float clamped_student = fmaxf(norm_student, eps);
       const float clamped_teacher = fmaxf(sqrtf(part[4] * inv_t2), eps);
       const float cos = part[2] * inv_t2 / clamped_student / clamped_teacher;
-      if (rank == 0) {
-        losses[2 * row] = usable ? (part[0] - target) + log_sum_exp : QUIET_NAN;
-        losses[2 * row + 1] = usable ? (float)beta * (1.f - cos) : QUIET_NAN;
+      if (slice.rank == 0) {
+        losses[2 * slice.row] = usable ? (part[0] - target) + log_sum_exp : QUIET_NAN;
+        losses[2 * slice.row + 1] = usable ? (float)beta * (1.f - cos) : QUIET_NAN;
       }
       const float soft_scale = (float)weight_soft * (float)beta;
       const float coef_teacher = inv_t2 / (clamped_student * clamped_teacher);
@@ -158,7 +151,7 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
 #if !TEACHER  // no Triton rescue on the Gram path: a row whose sums overflow gets NaN losses and gradient
       if (!usable) row_coefs[2] = row_coefs[3] = row_coefs[4] = QUIET_NAN;
       row_coefs[5] = 1.f;
-      if (rank == 0) teacher_coefs[row] = row_coefs[3];
+      if (slice.rank == 0) teacher_coefs[slice.row] = row_coefs[3];
 #endif
     }
   }
@@ -169,11 +162,11 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
   const float prob_coef = row_coefs[2], teacher_coef = row_coefs[3], student_coef = row_coefs[4];
   const float scaled_shift = (row_max + log_sum_exp) * LOG2E;  // softmax as one FFMA and ex2 per logit
   if (row_coefs[5] != 0.f) {  // else the row keeps its logits for the Triton RESCUE launch
-    const long long label_vec = label / 8 - first_vec;
+    const long long label_vec = slice.label / 8 - slice.first_vec;
     #pragma unroll
     for (int k = 0; k < ITERS; ++k) {
       const int i = tid + k * THREADS;
-      if (i < slice_vecs) {
+      if (i < slice.vecs) {
         float s[8], g[8];
         unpack(VECTOR(student, k, i), s);
 #if TEACHER
@@ -189,7 +182,7 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
 #endif
         if (i == label_vec) {  // the label's entry at full precision, as the Triton kernel's; its two logits
           // come from the packed vectors again, so that s and t die above (fewer registers)
-          const int j_label = label % 8;
+          const int j_label = slice.label % 8;
           const float s_label = element(VECTOR(student, k, i), j_label);
 #if TEACHER
           const float t_label = element(VECTOR(teacher, k, i), j_label);
@@ -202,7 +195,7 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
           for (int j = 0; j < 8; ++j)  // a constant index keeps g in registers
             if (j == j_label) g[j] = label_grad;
         }
-        grad_out[i] = make_uint4(pack(g[0], g[1]), pack(g[2], g[3]), pack(g[4], g[5]), pack(g[6], g[7]));
+        slice.grad_out[i] = make_uint4(pack(g[0], g[1]), pack(g[2], g[3]), pack(g[4], g[5]), pack(g[6], g[7]));
       }
     }
   }

@@ -103,24 +103,16 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
   __shared__ float row_consts[6];  // top_s, norm_x, norm_z, top_t, norm_y; then the gradient's row sum
   const float weight_hard = (float)weight_hard_in, soft_coef = (float)soft_coef_in;  // soft_coef = weight_soft / T
   const float x_scale = (float)x_scale_in, keep = (float)keep_in, beta = (float)beta_in;  // log2(e) / T, 1 - beta
-  const int rank = blockIdx.x % CLUSTER;  // == %cluster_ctarank: clusters are consecutive blocks along x
-  const long long row = blockIdx.x / CLUSTER;
   const int tid = threadIdx.x;
-  const long long label = (long long)labels[row];
-  const bool valid = label != ignore_index && label >= 0 && label < VOCAB;
-  bf16_t* student_row = student + row * student_stride;
-  const int first_vec = rank * SLICE_VECS;
-  const int slice_vecs = min(SLICE_VECS, VOCAB / 8 - first_vec);  // <= 0 for blocks past a short row
-  uint4* grad_out = reinterpret_cast<uint4*>(student_row) + first_vec;
-  if (!valid) {  // an ignored token: no gradient, zero losses (the whole cluster leaves here)
-    for (int i = tid; i < slice_vecs; i += THREADS) grad_out[i] = make_uint4(0u, 0u, 0u, 0u);
-    if (rank == 0 && tid == 0) losses[2 * row] = losses[2 * row + 1] = 0.f;
+  const RowSlice slice = row_slice(student, labels, student_stride, ignore_index);
+  if (!slice.valid) {  // an ignored token: zero gradient and losses
+    zero_grad(slice);
+    if (slice.rank == 0 && tid == 0) losses[2 * slice.row] = losses[2 * slice.row + 1] = 0.f;
     return;
   }
-  // read before the first cluster barrier, after which other blocks may overwrite the row with gradients
-  const float target = (rank == 0 && tid == 0) ? __uint_as_float((unsigned)student_row[label] << 16) : 0.f;
-  const uint4* student_src = reinterpret_cast<const uint4*>(student_row) + first_vec;
-  const uint4* teacher_src = reinterpret_cast<const uint4*>(teacher + row * teacher_stride) + first_vec;
+  const float target = target_logit(slice);
+  const uint4* student_src = reinterpret_cast<const uint4*>(slice.student_row) + slice.first_vec;
+  const uint4* teacher_src = reinterpret_cast<const uint4*>(teacher + slice.row * teacher_stride) + slice.first_vec;
   uint4* student_tile = tiles;
   uint4* teacher_tile = tiles + TILE_VECS;
   uint4* gap_tile = tiles + 2 * TILE_VECS;  // KEEP_GAP: each vector's last four gaps (the teacher tile: its first)
@@ -129,7 +121,7 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
   #pragma unroll
   for (int k = 0; k < REGISTER_COLS; ++k) {
     const int i = tid + k * THREADS;
-    if (i < slice_vecs) {
+    if (i < slice.vecs) {
       student_regs[k] = __ldcg(student_src + i);
       teacher_regs[k] = __ldcg(teacher_src + i);
     }
@@ -137,7 +129,7 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
   #pragma unroll
   for (int k = REGISTER_COLS; k < ITERS; ++k) {  // one copy group per k, so the reduction starts on the first early
     const int i = tid + k * THREADS;
-    if (i < slice_vecs) {
+    if (i < slice.vecs) {
       copy_async(student_tile + TILE_INDEX(i), student_src + i);
       copy_async(teacher_tile + TILE_INDEX(i), teacher_src + i);
     }
@@ -151,7 +143,7 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
   for (int k = 0; k < ITERS; ++k) {
     if (k >= REGISTER_COLS) wait_copies(ITERS - 1 - k);
     const int i = tid + k * THREADS;
-    if (i < slice_vecs) {
+    if (i < slice.vecs) {
       float s[8], t[8];
       unpack(VECTOR(student, k, i), s);
       unpack(VECTOR(teacher, k, i), t);
@@ -185,15 +177,15 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
   const float top_s = row_consts[0], norm_x = row_consts[1], norm_z = row_consts[2];
   const float top_t = row_consts[3], norm_y = row_consts[4];
   const float norm_gap = norm_x - norm_y;
-  const long long label_vec = label / 8 - first_vec;
-  const int label_lane = label % 8;
+  const long long label_vec = slice.label / 8 - slice.first_vec;
+  const int label_lane = slice.label % 8;
 
   // Pass 2: the soft sums; FORWARD also writes the gradient, whose soft part (p - q) / T needs no row sum.
   float sums[NUM_SUMS] = {0.f, 0.f};
   #pragma unroll
   for (int k = 0; k < ITERS; ++k) {
     const int i = tid + k * THREADS;
-    if (i < slice_vecs) {
+    if (i < slice.vecs) {
       float s[8], t[8], g[8];  // MIXED: g holds the student gaps
       unpack(VECTOR(student, k, i), s);
       unpack(VECTOR(teacher, k, i), t);
@@ -220,7 +212,7 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
           sums[1] += beta * (d >= 0.f ? larger_prob : smaller_prob) * teacher_gap;
         }
       }
-      if (MODE == FORWARD) grad_out[i] = grad_vector(g, i == label_vec, label_lane, weight_hard);
+      if (MODE == FORWARD) slice.grad_out[i] = grad_vector(g, i == label_vec, label_lane, weight_hard);
       if (KEEP_GAP && k < REGISTER_COLS) {
         #pragma unroll
         for (int j = 0; j < 8; ++j) gap_regs[k][j] = g[j];
@@ -239,9 +231,9 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
   });
   if (tid == 0) {
     row_consts[5] = sums[0];  // sum_j p_j (log2 p_j - x_j): the gradient's row sum
-    if (rank == 0) {
-      losses[2 * row] = (top_s - target) + LN2 * norm_z;  // logsumexp(s) - s[label]
-      losses[2 * row + 1] = LN2 * (MODE == FORWARD ? sums[1] : MODE == REVERSE ? sums[0] : keep * sums[0] + sums[1]);
+    if (slice.rank == 0) {
+      losses[2 * slice.row] = (top_s - target) + LN2 * norm_z;  // logsumexp(s) - s[label]
+      losses[2 * slice.row + 1] = LN2 * (MODE == FORWARD ? sums[1] : MODE == REVERSE ? sums[0] : keep * sums[0] + sums[1]);
     }
   }
   // Done reading the other blocks' sums (they are in registers): they may exit once all arrived.
@@ -255,7 +247,7 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
     #pragma unroll
     for (int k = 0; k < ITERS; ++k) {
       const int i = tid + k * THREADS;
-      if (i < slice_vecs) {
+      if (i < slice.vecs) {
         float s[8], other[8], g[8];  // other: REVERSE's teacher logits, MIXED's kept gaps
         unpack(VECTOR(student, k, i), s);
         if (KEEP_GAP && k < REGISTER_COLS) {
@@ -279,7 +271,7 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
               KEEP_GAP ? other[j] : -(((other[j] - top_t) - student_distance) * x_scale + norm_gap);
           g[j] = weight_hard * hard_prob + p * (log_coef * (student_gap - row_sum));
         }
-        grad_out[i] = grad_vector(g, i == label_vec, label_lane, weight_hard);
+        slice.grad_out[i] = grad_vector(g, i == label_vec, label_lane, weight_hard);
       }
     }
   }
