@@ -1,6 +1,6 @@
-// What the cluster row steps share (row_step.cu, row_step_jsd.cu): the slice layout's macros, fast exponentials,
-// asynchronous copies, cluster barriers and loads from another block's shared memory, bf16 packing.
-// The Python side prepends it, after its #defines, to each kernel's source.
+// What the cluster row steps share (row_step.cu, row_step_jsd.cu): the slice layout's macros and each block's
+// slice of its row, fast exponentials, asynchronous copies, cluster barriers and loads from another block's
+// shared memory, bf16 packing. The Python side prepends it, after its #defines, to each kernel's source.
 typedef unsigned short bf16_t;
 #define NUM_WARPS (THREADS / 32)
 #define ITERS ((SLICE_VECS + THREADS - 1) / THREADS)  // vectors per thread: i = tid + k * THREADS, k < ITERS
