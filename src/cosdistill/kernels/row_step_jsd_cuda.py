@@ -45,7 +45,7 @@ def launch_configs(vocab: int, mode: int) -> list[Layout]:
     MIXED, whose kept gaps make a third of its shared memory: 16 blocks where 8 would leave one per SM, 512
     threads from longer slices on, and register vectors only where they let more blocks share an SM, the most
     blocks first."""
-    if _tiles(mode) == 2:
+    if mode != MIXED.value:
         cluster = 8 if _shared_bytes(vocab, 8) <= MAX_SHARED_BYTES else 16
         slice_vecs = _slice_vecs(vocab, cluster)
         threads = 128 if slice_vecs <= 512 else 256 if slice_vecs <= 2560 else 512
