@@ -8,7 +8,7 @@ finished sum. Here a cluster holds the row in its blocks' shared memory and regi
 read of each logit and one write of the gradient; the three passes run from on-chip memory, with two
 exchanges of per-row numbers between the cluster's blocks. With 0 < beta < 1 the sums' pass also keeps each
 pair's gap to the mixture (fp32, a third shared tile) for the gradient's pass, which then needs one exponential
-per pair instead of three.
+per pair instead of two and a logarithm.
 
 Only the common case takes this path (``supported``): the gradient asked for, bf16 logits of one vocabulary
 size (a multiple of 8) that fits the cluster, no softcaps or logit scales, no vocabulary split, on Hopper or
