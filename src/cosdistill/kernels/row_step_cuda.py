@@ -234,13 +234,17 @@ def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scale
         teacher_logits = student_logits
     else:  # never read either: the two-model kernel leaves these alone
         teacher_products = teacher_coefs = token_losses
-    with torch.cuda.device(device):  # the tensors' device and stream, whichever device is current
-        kernel(grid=(rows * layout.cluster, 1, 1), block=(layout.threads, 1, 1),
-               shared_mem=_shared_bytes(vocab, *layout, models=models),
-               args=[student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
-                     teacher_logits.stride(0), scales.ignore_index, float(scales.weight_hard),
-                     float(scales.weight_soft), float(scales.beta), 1.0 / (scales.temperature * scales.temperature),
-                     teacher_products, teacher_coefs],
+    launch_rows(kernel, layout, rows, _shared_bytes(vocab, *layout, models=models), device,
+                [student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
+                 teacher_logits.stride(0), scales.ignore_index, float(scales.weight_hard), float(scales.weight_soft),
+                 float(scales.beta), 1.0 / (scales.temperature * scales.temperature), teacher_products, teacher_coefs])
+
+
+def launch_rows(kernel, layout: Layout, rows: int, shared_bytes: int, device: torch.device, args: list) -> None:
+    """A cluster kernel's launch, one cluster per row, on the tensors' device and its current stream, whichever
+    device is current."""
+    with torch.cuda.device(device):
+        kernel(grid=(rows * layout.cluster, 1, 1), block=(layout.threads, 1, 1), shared_mem=shared_bytes, args=args,
                stream=torch.cuda.current_stream(device))
 
 

@@ -101,15 +101,11 @@ def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scale
            token_losses) -> None:
     """One launch of a compiled kernel of this source (benchmarks/diagnose.py times variants)."""
     rows, vocab = student_logits.shape
-    device = student_logits.device
-    with torch.cuda.device(device):  # the tensors' device and stream, whichever device is current
-        kernel(grid=(rows * layout.cluster, 1, 1), block=(layout.threads, 1, 1),
-               shared_mem=_shared_bytes(vocab, *layout, _tiles(mode_of(scales.beta))),
-               args=[student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
-                     teacher_logits.stride(0), scales.ignore_index, float(scales.weight_hard),
-                     scales.weight_soft / scales.temperature, LOG2E.value / scales.temperature,
-                     1.0 - scales.beta, float(scales.beta)],
-               stream=torch.cuda.current_stream(device))
+    row_step_cuda.launch_rows(
+        kernel, layout, rows, _shared_bytes(vocab, *layout, _tiles(mode_of(scales.beta))), student_logits.device,
+        [student_logits, teacher_logits, labels, token_losses, student_logits.stride(0), teacher_logits.stride(0),
+         scales.ignore_index, float(scales.weight_hard), scales.weight_soft / scales.temperature,
+         LOG2E.value / scales.temperature, 1.0 - scales.beta, float(scales.beta)])
 
 
 def row_step_jsd_cuda(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
