@@ -21,21 +21,21 @@ __device__ __forceinline__ float log2_fast(float x) {  // lg2.approx.ftz, as the
   return y;
 }
 
-// A running sum of 2^((v - old_max) scale) moved to new_max; 0 where nothing was seen.
-__device__ __forceinline__ float rescaled(float sum, float old_max, float new_max, float scale) {
-  return new_max == NEG_INF ? 0.f : sum * exp2_fast((old_max - new_max) * scale);
+// Two sums of 2^((v - max) scale), each over its own max, as one over the larger max: the sum at the larger max
+// stays, the other is scaled by 2^(-|max difference| scale). One exponential where moving both to the larger max
+// takes two; the same numbers, as 2^0 = 1. Sums that have seen nothing are 0 at -inf (the factor is then unused).
+__device__ __forceinline__ float merged_sum(float sum, float max, float other_sum, float other_max, float scale) {
+  const float factor = exp2_fast(-fabsf(max - other_max) * scale);
+  return (max >= other_max ? sum : sum * factor) + (other_max >= max ? other_sum : other_sum * factor);
 }
 
 // Merges `other` into `stats` (NUM_STATS each; one that has seen nothing is -inf, 0, 0, -inf, 0).
 __device__ __forceinline__ void merge_stats(float* stats, const float* other, float x_scale) {
-  const float student_max = fmaxf(stats[0], other[0]);
-  stats[1] = rescaled(stats[1], stats[0], student_max, x_scale) + rescaled(other[1], other[0], student_max, x_scale);
-  if (!SHARED)
-    stats[2] = rescaled(stats[2], stats[0], student_max, LOG2E) + rescaled(other[2], other[0], student_max, LOG2E);
-  stats[0] = student_max;
-  const float teacher_max = fmaxf(stats[3], other[3]);
-  stats[4] = rescaled(stats[4], stats[3], teacher_max, x_scale) + rescaled(other[4], other[3], teacher_max, x_scale);
-  stats[3] = teacher_max;
+  stats[1] = merged_sum(stats[1], stats[0], other[1], other[0], x_scale);
+  if (!SHARED) stats[2] = merged_sum(stats[2], stats[0], other[2], other[0], LOG2E);
+  stats[0] = fmaxf(stats[0], other[0]);
+  stats[4] = merged_sum(stats[4], stats[3], other[4], other[3], x_scale);
+  stats[3] = fmaxf(stats[3], other[3]);
 }
 
 // The row's total of every thread's `part` (N values, merged by `merge`): over each warp, then the block (into
