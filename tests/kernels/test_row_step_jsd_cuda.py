@@ -26,8 +26,16 @@ def test_every_form_compiles_for_hopper_without_local_memory(mode, shared):
     assert ptx.count("cp.async.cg.shared.global") >= 2 and ptx.count("ld.shared::cluster") >= 2  # two exchanges
     assert "st.global.v4" in ptx  # the gradient, eight logits a store
     # the unrolled passes' logarithms: MIXED keeps the mixture's from its sums' pass for the gradient's
-    pairs_per_thread = 8 * -(-row_step_cuda._slice_vecs(128256, layout.cluster) // layout.threads)
+    vecs_per_thread = -(-row_step_cuda._slice_vecs(128256, layout.cluster) // layout.threads)
+    pairs_per_thread = 8 * vecs_per_thread
     assert ptx.count("lg2.approx") == (pairs_per_thread if mode == 2 else 0)
+    # and their exponentials: per pair, one per statistics' stream (the student's at T and, unless T = 1, at 1; the
+    # teacher's), then the sums' and the gradient's own; per merge of two streams' sums, one each (the sum at the
+    # larger maximum stays): one per vector of pass 1 and per level of the three five-level shuffle reductions
+    streams = 2 if shared else 3
+    sums = {0: 3 - shared, 1: 1, 2: 2}[mode]  # forward KL writes its gradient here
+    grad = 0 if mode == 0 else 2 - shared
+    assert ptx.count("ex2.approx") == pairs_per_thread * (streams + sums + grad) + (vecs_per_thread + 15) * streams
 
 
 def test_launch_configs_follow_the_sweeps():
