@@ -108,7 +108,7 @@ def plot(rows: list[dict], path: str) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ledger", default=LEDGER)
-    parser.add_argument("--commit", nargs="*", help="only these commits (default: all)")
+    parser.add_argument("--commit", nargs="*", help="only these commits, each a hash or its start (default: all)")
     parser.add_argument("--mode", help="only this mode (full or forward)")
     parser.add_argument("--providers", help="only these providers, comma separated")
     parser.add_argument("--workload", help="only rows whose workload contains this text (e.g. 'V=128256 ', 'loss=jsd')")
@@ -116,7 +116,7 @@ def main():
     parser.add_argument("--plot", metavar="PATH.png", help="plot the selected rows (mode full) instead of printing tables")
     args = parser.parse_args()
     providers = args.providers.split(",") if args.providers else None
-    rows = [row for row in read(args.ledger) if (not args.commit or row["commit"] in args.commit)
+    rows = [row for row in read(args.ledger) if (not args.commit or row["commit"].startswith(tuple(args.commit)))
             and (not args.mode or row["mode"] == args.mode) and (not providers or row["provider"] in providers)
             and (not args.workload or args.workload in row["workload"])]
     if args.plot:

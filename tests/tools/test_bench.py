@@ -210,10 +210,15 @@ def test_the_ledger_gets_one_row_per_timing_appended_and_renders_as_markdown(cap
     assert all(float(row["ms"]) > 0 and row["command"].startswith("cosdistill bench") for row in rows)
     assert [row["ratio_to_floor"] for row in rows if row["provider"] == "floor"] == ["1.0000", "1.0000"]
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "ledger.py"
-    table = subprocess.run([sys.executable, str(script), "--ledger", str(ledger), "--commit", "abc1234"],
-                           capture_output=True, text=True, check=True).stdout
+
+    def rendered(commit):
+        return subprocess.run([sys.executable, str(script), "--ledger", str(ledger), "--commit", commit],
+                              capture_output=True, text=True, check=True).stdout
+
+    table = rendered("abc1234")
     assert "| provider | T = 32 | peak GB above inputs |" in table
     assert table.count("| ours-unchecked | ") == 1 and "| floor | 1.000x" in table
+    assert rendered("abc") == table and "ours" not in rendered("abd")  # a hash's start selects its rows
 
 
 def test_bench_of_the_jsd_checks_ours_against_its_naive_version_and_liger(capsys, tmp_path):
