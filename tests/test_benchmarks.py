@@ -166,6 +166,21 @@ def test_host_stamps_the_call_and_profiles_it(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_the_host_leads_are_timed_for_the_loss_asked_for(loss, monkeypatch):
+    """host --loss jsd times the JSD's providers from an idle and a busy GPU, not the cosine loss's."""
+    from cosdistill.tools import bench
+
+    called = []
+    for name in ("fused_linear_jsd", "fused_linear_cosine_distill"):
+        monkeypatch.setattr(bench, name, lambda *args, name=name, **kwargs: called.append(name) or torch.zeros(()))
+    tensors = diagnose.tensors_of(16, diagnose.CPU_WORKLOAD.resized(300, 32), torch.device("cpu"))
+    for provider in ("ours", "ours-unchecked"):
+        diagnose.lead_providers(loss)[provider](tensors, "forward")()
+    assert called == ["fused_linear_jsd" if loss == "jsd" else "fused_linear_cosine_distill"] * 2
+    assert ("ours-gram" in diagnose.lead_providers(loss)) == (loss == "cosine")  # the JSD has no cosine_via
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
 def test_beside_times_the_row_step_and_the_hash_in_every_form(tmp_path, loss):
     report = run(["beside", "--device", "cpu", "--rows", "4", "--vocab", "64", "--hidden", "32", "--calls", "1",
                   "--loss", loss], tmp_path)

@@ -189,6 +189,29 @@ def test_a_provider_out_of_memory_gets_a_note_and_an_empty_row(capsys, monkeypat
     assert "naive ran out of memory at T=32" in out
 
 
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_ours_settings_are_honoured_for_both_losses(loss, monkeypatch):
+    """An unchecked setting skips the teacher caches' content check with either soft term; the JSD refuses a
+    forced cosine_via instead of ignoring it."""
+    from dataclasses import replace
+
+    from cosdistill.testing import weight_cache
+    from cosdistill.tools import bench
+
+    checked = []
+    for name in ("fused_linear_jsd", "fused_linear_cosine_distill"):
+        monkeypatch.setattr(bench, name, lambda *args, **kwargs: checked.append(
+            weight_cache.WeightCache.check_contents is original) or torch.zeros(()))
+    original = weight_cache.WeightCache.check_contents
+    tensors = bench.make_tensors(16, 300, 32, 16, torch.float32, torch.device("cpu"))
+    for setting in (bench.ours_settings()[0], bench.FORCED_SETTINGS["unchecked"]):
+        bench.ours_loss(replace(setting, loss=loss), tensors)
+    assert checked == [True, False] and weight_cache.WeightCache.check_contents is original
+    if loss == "jsd":
+        with pytest.raises(ValueError, match="ours-gram: the JSD has no cosine_via"):
+            bench.ours_loss(replace(bench.FORCED_SETTINGS["gram"], loss=loss), tensors)
+
+
 def test_the_ledger_gets_one_row_per_timing_appended_and_renders_as_markdown(capsys, tmp_path, monkeypatch):
     """--ledger appends (its header once) a row per provider and T; benchmarks/ledger.py renders them."""
     import csv

@@ -207,10 +207,12 @@ def make_tensors(tokens, vocab, hidden, student_hidden, dtype, device, seed=SEED
 def ours_loss(setting: OursSetting, tensors: Tensors) -> torch.Tensor:
     if setting.changing_teacher:
         torch.autograd.graph.increment_version(tensors.teacher_weight)
-    if setting.loss == "jsd":
-        return fused_linear_jsd(*tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
-                                teacher_precision=setting.teacher_precision)
+    if setting.loss == "jsd" and setting.cosine_via != "auto":
+        raise ValueError(f"{setting.label}: the JSD has no cosine_via")
     with contextlib.nullcontext() if setting.content_check else content_checks_skipped():
+        if setting.loss == "jsd":
+            return fused_linear_jsd(*tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
+                                    teacher_precision=setting.teacher_precision)
         return fused_linear_cosine_distill(
             *tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
             teacher_precision=setting.teacher_precision, cosine_via=setting.cosine_via,
