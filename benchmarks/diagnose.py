@@ -9,6 +9,7 @@ tests run them (tests/test_benchmarks.py): there the device's work is torch's CP
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import dataclasses
 import importlib
@@ -530,30 +531,41 @@ def host_lead(step, calls, busy_ms) -> dict:
     return dict(idle_start_ms=statistics.median(idle_ms), busy_start_ms=statistics.median(queued_ms))
 
 
-HOST_STAMPS = ("call to first GEMM call", "call to loss returned", "backward")
+# Where the host's time before the first GEMM goes, stamped as each step of the eager call is entered (no profiler).
+HOST_MARKS = (("call to the tensors' checks", "check_tensors"), ("call to the plan", "make_plan"), ("call to run", "run"))
+HOST_STAMPS = (*(name for name, _ in HOST_MARKS), "call to first GEMM call", "call to loss returned", "backward")
 
 
 def host_path(tensors, options, device, calls, profiler=None, until_first_gemm=False) -> list[tuple]:
-    """Per call, the host's seconds from the call to its first GEMM's call, to the loss's return, and through
-    backward, stamped without a profiler; on CUDA each call behind a sleep kernel, so that the host never waits
-    for the GPU. ``profiler`` (cProfile) runs over each whole call, or only until its first GEMM."""
-    first_gemm, stamps, logits_into = [], [], testing.chunk_loop._logits_into
+    """Per call, the host's seconds from the call to each of HOST_MARKS' steps of api.distill and to its first GEMM's
+    call, to the loss's return, and through backward, stamped without a profiler; on CUDA each call behind a sleep
+    kernel, so that the host never waits for the GPU. ``profiler`` (cProfile) runs over each whole call, or only
+    until its first GEMM."""
+    entered, stamps = {}, []
     loss_of, options = loss_function(cosdistill, options)
 
-    def stamped_logits_into(*call_args):
-        if not first_gemm:
-            first_gemm.append(time.perf_counter())
-            if profiler and until_first_gemm:
-                profiler.disable()
-        return logits_into(*call_args)
+    def stamped(name, function):
+        def call(*call_args, **call_kwargs):
+            if name not in entered:
+                entered[name] = time.perf_counter()
+                if name == "first GEMM" and profiler and until_first_gemm:
+                    profiler.disable()
+            return function(*call_args, **call_kwargs)
+        return call
 
-    with mock.patch.object(testing.chunk_loop, "_logits_into", stamped_logits_into):
+    patches = [mock.patch.object(cosdistill.api, attribute, stamped(name, getattr(cosdistill.api, attribute)))
+               for name, attribute in HOST_MARKS]
+    patches.append(mock.patch.object(testing.chunk_loop, "_logits_into",
+                                     stamped("first GEMM", testing.chunk_loop._logits_into)))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
         for _ in range(calls):
             synchronize(device)
             tensors.clear_grads()
             if device.type == "cuda":
                 torch.cuda._sleep(5_000_000)  # a few ms: the GPU stays busy while the host runs
-            first_gemm.clear()
+            entered.clear()
             if profiler:
                 profiler.enable()
             start = time.perf_counter()
@@ -563,7 +575,8 @@ def host_path(tensors, options, device, calls, profiler=None, until_first_gemm=F
             done = time.perf_counter()
             if profiler:
                 profiler.disable()
-            stamps.append((first_gemm[0] - start, returned - start, done - returned))
+            marks = [entered[name] - start for name, _ in HOST_MARKS]
+            stamps.append((*marks, entered["first GEMM"] - start, returned - start, done - returned))
     return stamps
 
 

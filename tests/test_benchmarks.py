@@ -158,11 +158,12 @@ def test_host_stamps_the_call_and_profiles_it(tmp_path, capsys):
     [entry] = run(["host", *TINY, "--calls", "3", "--cprofile-lines", "5"], tmp_path)
     stamps = entry["host_us"]
     assert list(stamps) == list(diagnose.HOST_STAMPS) and all(value > 0 for value in stamps.values())
-    assert stamps["call to first GEMM call"] < stamps["call to loss returned"]
+    before_first_gemm = [stamps[name] for name in diagnose.HOST_STAMPS[:4]]
+    assert before_first_gemm == sorted(before_first_gemm) and stamps["call to first GEMM call"] < stamps["call to loss returned"]
     assert entry["leads"] == []  # CUDA only
     out = capsys.readouterr().out
     assert "cProfile, the Python before the first GEMM" in out and "cProfile, whole calls" in out
-    assert "function calls in" in out
+    assert "function calls" in out
 
 
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
