@@ -583,9 +583,10 @@ def host_path(tensors, options, device, calls, profiler=None, until_first_gemm=F
 def host(args):
     """The host's part of a call. On CUDA, the host's lead before the first kernel: each --providers timed from an idle
     GPU (as the bench times it, the lead counted in full) and from a busy one (a --busy-ms sleep kernel queued first,
-    as in a training loop), alternating; lead = the difference. Then the host's time to the first GEMM's call, to
-    the loss's return and through backward (median of --calls), and cProfile's top --cprofile-lines functions over
-    the Python before the first GEMM and over whole calls (0: none)."""
+    as in a training loop), alternating; lead = the difference; ours with --loss's soft term. Then the host's time to
+    each step of the call before its first GEMM (HOST_STAMPS), to the first GEMM's call, to the loss's return and
+    through backward (median of --calls), and cProfile's top --cprofile-lines functions over the Python before the
+    first GEMM and over whole calls (0: none)."""
     device, workload = workload_of(args)
     options, report, providers = library_options(args), [], lead_providers(args.loss)
     if set(args.providers) - set(providers):
