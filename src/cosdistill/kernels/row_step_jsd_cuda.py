@@ -52,7 +52,7 @@ def launch_configs(vocab: int, mode: int) -> list[Layout]:
         return [Layout(cluster, threads, cols) for cols in (3, 2, 1, 0) if cols * threads < slice_vecs]
 
     def blocks(layout):
-        return _blocks_per_sm(_shared_bytes(vocab, *layout, 3), layout.threads)
+        return _blocks_per_sm(_shared_bytes(vocab, *layout, _tiles(mode)), layout.threads)
 
     cluster = 8 if blocks(Layout(8, 128)) > 1 else 16
     slice_vecs = _slice_vecs(vocab, cluster)
