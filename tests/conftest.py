@@ -24,6 +24,15 @@ from cosdistill.testing import chunk_rows, float64_reference, random_student_tea
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (5e-3, 2e-2), torch.float16: (2e-3, 5e-3)}  # (loss, grads)
 
 
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """Each test's calls make their own plans: one reused from an earlier test's call of the same signature
+    (_plan.checked_plan) would skip what a test patches inside make_plan."""
+    from cosdistill import _plan
+
+    _plan._plans.clear()
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("cosdistill GPU tests (-m gpu)")
     group.addoption("--fuzz-cases", type=int, default=240, help="random cases of tests/gpu/test_fuzz.py on the GPU")

@@ -96,3 +96,83 @@ def test_the_function_api_checks_each_set_of_options_once():
     assert first.scales is first.scales and first.scales.beta == 0.7
     with pytest.raises(ValueError, match="chunk_size must be a positive int or None, got \\[4\\]"):
         plan.options_of(chunk_size=[4])
+
+
+def recorded_plans(monkeypatch) -> list:
+    """Records each plan make_plan makes."""
+    made, make_plan = [], plan.make_plan
+    monkeypatch.setattr(plan, "make_plan", lambda *a, **k: made.append(make_plan(*a, **k)) or made[-1])
+    return made
+
+
+def test_a_call_of_a_seen_signature_reuses_its_plan_and_gives_the_same_numbers(monkeypatch):
+    """The checks and the plan run once per signature (_plan.checked_plan): the host's time before the first GEMM.
+    Fresh values of the same shapes reuse it and match the float64 reference."""
+    made = recorded_plans(monkeypatch)
+    for _ in range(3):
+        problem = make_problem(ignore_every=4)
+        losses = fused_linear_cosine_distill(*problem.args(), cosine_via="logits", return_soft_hard_loss=True)
+        losses[0].backward()
+        want_losses, want_grads = reference(problem)
+        assert all(rel_err(got, want) < 1e-5 for got, want in zip(losses, want_losses))
+        assert all(rel_err(leaf.grad, want) < 1e-5 for leaf, want in zip(problem.student_leaves(), want_grads))
+    assert len(made) == 1
+
+
+def test_every_part_of_the_signature_makes_a_new_plan(monkeypatch):
+    """Shapes, dtypes, gradients asked for, grad mode, options and the count's kind each make their own plan."""
+    made = recorded_plans(monkeypatch)
+    problem = make_problem(tokens=12)
+    calls = [
+        lambda p: fused_linear_cosine_distill(*p.args(), cosine_via="logits"),
+        lambda p: fused_linear_cosine_distill(*p.args(), cosine_via="logits", weight_hard_loss=0.3),
+        lambda p: fused_linear_cosine_distill(*p.args(), cosine_via="logits", num_valid_tokens=7),
+        lambda p: fused_linear_cosine_distill(*p.args(), cosine_via="logits", num_valid_tokens=torch.tensor(7.0)),
+    ]
+    for call in calls:
+        call(problem)
+    fused_linear_cosine_distill(*make_problem(tokens=13).args(), cosine_via="logits")
+    fused_linear_cosine_distill(*make_problem(tokens=12, dtype=torch.bfloat16).args(), cosine_via="logits")
+    with torch.no_grad():
+        fused_linear_cosine_distill(*problem.args(), cosine_via="logits")
+    problem.student_weight.requires_grad_(False)
+    fused_linear_cosine_distill(*problem.args(), cosine_via="logits")
+    assert len(made) == 8
+    assert made[-1].needs_grad == (True, False, True) and made[-2].needs_grad == (False, False, False)
+
+
+def test_the_checks_still_fail_after_a_good_call_of_the_signature():
+    """A reused plan never skips a check that would fail: what the checks read is all in the signature."""
+    problem = make_problem(tokens=12)
+    fused_linear_cosine_distill(*problem.args(), num_valid_tokens=5)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="num_valid_tokens must be > 0"):
+            fused_linear_cosine_distill(*problem.args(), num_valid_tokens=bad)
+    args = list(problem.args())
+    args[4] = problem.labels[:-1]
+    with pytest.raises(ValueError, match="true_labels shape"):
+        fused_linear_cosine_distill(*args)
+    args[4] = problem.labels.float()
+    with pytest.raises(TypeError, match="true_labels must be an integer tensor"):
+        fused_linear_cosine_distill(*args)
+    args[4] = problem.labels.tolist()
+    with pytest.raises(TypeError, match="true_labels must be a torch.Tensor"):
+        fused_linear_cosine_distill(*args)
+
+
+def test_auto_asks_the_gram_cache_at_every_call_and_a_split_is_never_reused(monkeypatch):
+    """"auto" on the cosine loss weighs the teacher's cached Gram matrix: a teacher that changes between calls takes
+    the logits path, one that stays takes the Gram path again, each with its plan. A vocabulary split's object may
+    change: never reused. The plans stay bounded."""
+    made, teachers, run = recorded_plans(monkeypatch), [], api.run
+    monkeypatch.setattr(api, "run", lambda p, *a, **k: teachers.append(p.teacher) or run(p, *a, **k))
+    problem = make_problem(tokens=200, hidden_student=16, hidden_teacher=64, vocab_student=300, bias=False)
+    for changed in (False, False, True, True, False, False):
+        if changed:
+            torch.autograd.graph.increment_version(problem.teacher_weight)
+        fused_linear_cosine_distill(*problem.args())
+    assert teachers == ["gram", "gram", "logits", "logits", "gram", "gram"] and len(made) == 2
+    assert plan._call_signature(plan.Options(), problem.args(), None, vocab_parallel=object()) is None
+    for tokens in range(1, plan.MAX_PLANS + 10):
+        fused_linear_cosine_distill(*make_problem(tokens=tokens).args())
+    assert 0 < len(plan._plans) <= plan.MAX_PLANS

@@ -7,17 +7,19 @@ the changed call's loss and gradients are NaN and the next call raises: ``on_dev
 that path on the CPU.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cosdistill import StaleWeightError, fused_linear_cosine_distill
+from conftest import make_problem
+from cosdistill import StaleWeightError, api, fused_linear_cosine_distill, fused_linear_jsd
 from cosdistill.testing import (
     Options,
     compiled_distill,
     fingerprint_torch,
-    plan,
     weight_cache,
 )
 from cosdistill.testing import teacher_fp8 as fp8
@@ -82,13 +84,8 @@ def assert_same(got, want):
 
 def gram_calls(monkeypatch) -> list:
     """Records whether each call ran the Gram path."""
-    calls, applies = [], plan.gram_applies
-
-    def recording_applies(*args, **kwargs):
-        calls.append(applies(*args, **kwargs))
-        return calls[-1]
-
-    monkeypatch.setattr(plan, "gram_applies", recording_applies)
+    calls, run = [], api.run
+    monkeypatch.setattr(api, "run", lambda chosen, *a, **k: calls.append(chosen.teacher == "gram") or run(chosen, *a, **k))
     return calls
 
 
@@ -263,3 +260,41 @@ def test_auto_counts_the_teacher_gram_matrix_where_the_teacher_changes_every_cal
     step()
     step()
     assert calls == [True, False, False, False, True, True]
+
+
+@pytest.mark.parametrize("takes_hash", [True, False])
+def test_a_row_step_that_takes_the_fp8_copy_s_hash_along_still_catches_a_stale_copy(takes_hash, monkeypatch,
+                                                                                    on_device_comparison):
+    """On a GPU the JSD's cluster step takes the FP8 copy's hash along (RowStepImpl.hashing_step); where it declines,
+    the hash runs alone after it. Either way an unchanged copy gives the fresh copy's numbers, and one made stale
+    behind the version counter gives NaN, then the error, then the rebuilt copy's numbers."""
+    from cosdistill.testing import JSD_TORCH_ROW_STEP, as_words, backends
+
+    monkeypatch.setattr(fp8, "check_supported", lambda device: None)
+    hashed = []
+
+    def hashing_step(*args, words):
+        hashed.append(tuple(words.shape))
+        if not takes_hash:
+            return None
+        JSD_TORCH_ROW_STEP.step(*args)
+        return fingerprint_torch(words).to(torch.int32)[None]  # one block's partial lanes: the whole hash
+
+    monkeypatch.setattr(backends, "TORCH", dataclasses.replace(
+        backends.TORCH, jsd_row_step=dataclasses.replace(JSD_TORCH_ROW_STEP, hashing_step=hashing_step)))
+    problem = make_problem(tokens=30, bias=False, vocab_teacher=131, hidden_teacher=32, ignore_every=4)
+    args = problem.args()[:5]
+
+    def losses():
+        return torch.stack(fused_linear_jsd(*args, teacher_precision="fp8", impl="torch", chunk_size=16,
+                                            return_soft_hard_loss=True))
+
+    fresh = losses()
+    assert hashed == [] and torch.equal(losses(), fresh) and hashed == [tuple(as_words(problem.teacher_weight).shape)]
+    problem.teacher_weight.data[7, 3] += 1.0  # behind the version counter
+    assert losses().isnan().all() and len(hashed) == 2
+    with pytest.raises(StaleWeightError, match="NaN"):
+        losses()
+    rebuilt = losses()
+    fp8.quantized_weights.entries.clear()
+    assert torch.equal(rebuilt, losses()) and not torch.equal(rebuilt, fresh)

@@ -36,6 +36,11 @@ def as_words(weight: torch.Tensor) -> torch.Tensor:
     return words.view(torch.int32) if pairs else words.view(torch.int16)
 
 
+def lanes_of(partials: torch.Tensor) -> torch.Tensor:
+    """The hash from int32 partial lanes [n, 2] (the kernels' per program or block, wrapped mod 2^32): [2] int64."""
+    return (partials.to(torch.int64) & MASK).sum(0) & MASK
+
+
 def _keys(positions: torch.Tensor, multiplier: int, increment: int) -> torch.Tensor:
     """Odd keys in [0, 2^32), int64."""
     return ((positions * (multiplier & MASK) + (increment & MASK)) & MASK) | 1

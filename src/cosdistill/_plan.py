@@ -113,7 +113,8 @@ class Plan:
 
 
 def make_plan(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens: int,
-              needs_grad, vocab_parallel: VocabParallel | None = None) -> Plan:
+              needs_grad, vocab_parallel: VocabParallel | None = None, teacher_gram_cached: bool | None = None) -> Plan:
+    """The plan for checked tensors. ``teacher_gram_cached``: see ``gram_applies``."""
     check_accum_dtype(options.accum_dtype, student_weight.dtype)
     backend = backend_for(options.impl, student_weight.device)
     row_step = backend.jsd_row_step if options.loss == "jsd" else backend.row_step
@@ -121,7 +122,7 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
         _teacher_fp8.check_supported(teacher_weight.device)
     teacher = "fp8" if options.teacher_precision == "fp8" else "logits"
     if gram_applies(options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens, needs_grad,
-                    vocab_parallel):
+                    vocab_parallel, teacher_gram_cached):
         teacher = "gram"
     vocab_student, vocab_teacher, scales = student_weight.shape[0], teacher_weight.shape[0], options.scales
     if vocab_parallel is not None:  # the whole student vocabulary sizes the chunks: every rank runs as many
@@ -134,6 +135,65 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
     return Plan(options, backend, row_step, scales, teacher, rows, tuple(needs_grad),
                 options.accum_dtype or default_accum_dtype(student_weight.dtype), vocab_parallel,
                 fall_back=options.cosine_via == "auto", side_stream=side_stream)
+
+
+# Plans of earlier calls by signature (``checked_plan``); cleared when full, so a process that keeps changing
+# shapes holds a bounded number.
+_plans: dict[tuple, Plan] = {}
+MAX_PLANS = 64
+
+
+def checked_plan(options: Options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
+                 student_bias=None, teacher_bias=None, num_valid_tokens=None, vocab_parallel=None) -> Plan:
+    """``check_tensors`` (and ``check_vocab_parallel``) then ``make_plan`` for an eager call, both skipped for
+    a call whose signature, everything they read, matches an earlier call's: on an idle GPU their host time
+    comes before the first GEMM (docs/design.md, Host latency). Where "auto" weighs the teacher's cached Gram
+    matrix, its state is asked at every call and is part of the key."""
+    tensors = (student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias)
+    signature = _call_signature(options, tensors, num_valid_tokens, vocab_parallel)
+    gram_cached = None
+    if signature is not None and _weighs_gram_cache(options, student_weight, student_bias, teacher_weight,
+                                                    teacher_bias, vocab_parallel):
+        gram_cached = _teacher_gram.teacher_grams.will_hold(teacher_weight)
+    key = None if signature is None else (*signature, gram_cached)
+    plan = _plans.get(key) if key is not None else None
+    if plan is not None:
+        return plan
+    check_tensors(*tensors, options.ignore_index, num_valid_tokens)
+    if vocab_parallel is not None:
+        check_vocab_parallel(vocab_parallel, student_weight, teacher_weight)
+    needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
+                       for t in (student_input, student_weight, student_bias))
+    plan = make_plan(options, student_weight, student_bias, teacher_weight, teacher_bias, true_labels.numel(),
+                     needs_grad, vocab_parallel, gram_cached)
+    if key is not None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def _call_signature(options: Options, tensors, num_valid_tokens, vocab_parallel) -> tuple | None:
+    """What check_tensors and make_plan read of a call: the options, whether gradients are on, whether
+    num_valid_tokens passes, each tensor's type, shape, dtype, device and requires_grad. None where they must run:
+    a vocabulary split (an object the plan holds, which may change), an argument that is not a tensor. The
+    options go in by identity, cheaper than hashing their fields: the plan holds them, so their id stays theirs
+    while it is kept."""
+    if vocab_parallel is not None:
+        return None
+    if num_valid_tokens is None or isinstance(num_valid_tokens, torch.Tensor):
+        count = None if num_valid_tokens is None else "tensor"  # check_tensors reads neither's value
+    elif isinstance(num_valid_tokens, (int, float)):
+        count = float(num_valid_tokens)
+    else:
+        return None
+    signature = [id(options), torch.is_grad_enabled(), count]
+    for tensor in tensors:
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            return None
+        signature.append(None if tensor is None else
+                         (type(tensor), tensor.shape, tensor.dtype, tensor.device, tensor.requires_grad))
+    return tuple(signature)
 
 
 def row_step_beside_gemms(loss: str, backend: Backend, device: torch.device, teacher: str, rows: ChunkRows,
@@ -168,9 +228,11 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
         teacher = _teacher_gram.GramTeacher(teacher_weight, student_weight, backend, scales,
                                             write_grad_weight=plan.needs_grad[1])
     elif plan.teacher == "fp8":
+        # The copy's content check rides on the first row step where it can take the weight's hash along.
+        hashing_step = plan.row_step.hashing_step if plan.vocab_parallel is None else None
         head = _teacher_fp8.Fp8TeacherHead(teacher_weight, teacher_bias, plan.rows.student, backend.quantize_rows,
-                                           backend.fingerprint)
-        teacher = LogitsTeacher(head, row_step, scales, plan.rows, side)
+                                           backend.fingerprint, hash_later=hashing_step is not None)
+        teacher = LogitsTeacher(head, row_step, scales, plan.rows, side, hashing_step, backend.fingerprint)
     else:
         teacher = LogitsTeacher(TeacherHead(teacher_weight, teacher_bias), row_step, scales, plan.rows, side)
     normaliser = LabelCounts(labels, scales.ignore_index, scales.vocab_student_total or student_weight.shape[0],
@@ -193,9 +255,10 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
 
 
 def gram_applies(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens,
-                 needs_grad, vocab_parallel) -> bool:
+                 needs_grad, vocab_parallel, teacher_gram_cached: bool | None = None) -> bool:
     """Whether the call takes the Gram path: cosine_via="gram" (raising where it cannot run), or "auto" where
-    it can and costs fewer FLOPs."""
+    it can and costs fewer FLOPs. ``teacher_gram_cached``: the Gram cache's ``will_hold`` for the teacher, where
+    the caller asked it already; None: asked here."""
     if options.cosine_via == "logits" or options.loss != "cosine":
         return False
     blocked = _gram_blockers(options, student_weight, student_bias, teacher_weight, teacher_bias, vocab_parallel)
@@ -204,9 +267,20 @@ def gram_applies(options: Options, student_weight, student_bias, teacher_weight,
     if blocked:
         return False
     (vocab_student, hidden_student), (vocab_teacher, hidden_teacher) = student_weight.shape, teacher_weight.shape
-    return options.cosine_via == "gram" or _teacher_gram.gram_is_cheaper(
-        num_tokens, vocab_student, vocab_teacher, hidden_student, hidden_teacher, write_grad_weight=needs_grad[1],
-        teacher_gram_cached=_teacher_gram.teacher_grams.will_hold(teacher_weight))
+    if options.cosine_via == "gram":
+        return True
+    if teacher_gram_cached is None:
+        teacher_gram_cached = _teacher_gram.teacher_grams.will_hold(teacher_weight)
+    return _teacher_gram.gram_is_cheaper(num_tokens, vocab_student, vocab_teacher, hidden_student, hidden_teacher,
+                                         write_grad_weight=needs_grad[1], teacher_gram_cached=teacher_gram_cached)
+
+
+def _weighs_gram_cache(options: Options, student_weight, student_bias, teacher_weight, teacher_bias,
+                       vocab_parallel) -> bool:
+    """Whether ``gram_applies`` weighs the teacher's Gram cache: "auto" on the cosine loss where nothing blocks
+    the Gram path."""
+    return options.loss == "cosine" and options.cosine_via == "auto" and not _gram_blockers(
+        options, student_weight, student_bias, teacher_weight, teacher_bias, vocab_parallel)
 
 
 def _gram_blockers(options: Options, student_weight, student_bias, teacher_weight, teacher_bias,

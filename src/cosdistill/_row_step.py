@@ -93,6 +93,10 @@ class RowStepImpl:
     gram_step: Callable[..., bool] | None = None
     # (all_gather) -> the step over a vocabulary split, for a loss whose split is not stats-then-grad
     split: Callable[..., Callable[..., None]] | None = None
+    # The step that also takes a weight's hash along (_fingerprint.py; a cached teacher copy's check), where the
+    # implementation has one: (step's arguments, words=as_words(weight)) -> the hash's partial lanes [n, 2] int32,
+    # or None where it cannot for these arguments (the step did not run then)
+    hashing_step: Callable[..., torch.Tensor | None] | None = None
 
     def over_ranks(self, all_gather: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., None]:
         """The step over a vocabulary split across ranks (``all_gather``: [ranks, *shape])."""

@@ -10,6 +10,7 @@ import torch
 
 from ._chunk_loop import ChunkRows
 from ._device import logits_into
+from ._fingerprint import as_words, lanes_of
 from ._row_step import RowStepScales
 
 
@@ -17,6 +18,7 @@ class TeacherHead:
     """The teacher's logits GEMM in the weight's own dtype."""
 
     poison = None  # a head built from a cached copy of the weight: NaN where that copy was stale (_weight_cache.py)
+    later = None  # or that copy's content check, left to the first row step (_weight_cache.LaterCheck)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
@@ -69,13 +71,17 @@ class LogitsTeacher:
     """_chunk_loop.TeacherSide through the teacher's logits: ``head`` (TeacherHead or Fp8TeacherHead) forms
     them ``rows.teacher`` at a time, and ``row_step`` (the backend's, or its vocabulary-split form) reads them.
     With ``side`` (a SideStream), the GEMM of the sub-chunk after each one, the next chunk's first at a
-    chunk's end, is queued before that row step runs, so that the two run together."""
+    chunk's end, is queued before that row step runs, so that the two run together. A head whose cached weight
+    copy's check is left to it (``head.later``) has the first row step take that check's hash where
+    ``hashing_step`` can (RowStepImpl.hashing_step), else ``fingerprint`` hashes the weight after it."""
 
     adds_grad_input_share = False  # d loss / d s alone makes the gradients
 
-    def __init__(self, head, row_step, scales: RowStepScales, rows: ChunkRows, side: SideStream | None = None):
+    def __init__(self, head, row_step, scales: RowStepScales, rows: ChunkRows, side: SideStream | None = None,
+                 hashing_step=None, fingerprint=None):
         self.head, self.step, self.scales, self.rows, self.side = head, row_step, scales, rows, side
-        self.poison = head.poison
+        self.poison, self.later = head.poison, head.later
+        self.hashing_step, self.fingerprint = hashing_step, fingerprint
         self.buffers = []
 
     def start(self, student_input: torch.Tensor, teacher_input: torch.Tensor) -> None:
@@ -114,10 +120,11 @@ class LogitsTeacher:
             rows = slice(start - chunk_start, stop - chunk_start)
             args = (student_logits[rows], self.buffers[buffer][: stop - start], labels[rows], self.scales,
                     token_losses[rows], write_grad, *(() if lifts is None else (lifts[rows],)))
+            step = self.step if self.later is None else self._step_and_check
             if self.side is None:
-                self.step(*args)
+                step(*args)
             else:
-                self.side.run(self.step, *args)
+                self.side.run(step, *args)
                 self.side.record(buffer)
                 self.ahead = None
                 if stop < len(self.teacher_input):  # the next GEMM, into the buffer the step before this read
@@ -126,6 +133,14 @@ class LogitsTeacher:
             start = stop
         if self.side is not None:
             self.side.join()
+
+    def _step_and_check(self, *args) -> None:
+        """A row step and the cached weight copy's content check, its hash taken by the step where it can."""
+        later, self.later = self.later, None
+        partials = None if self.hashing_step is None else self.hashing_step(*args, words=as_words(later.weight))
+        if partials is None:  # the step did not run
+            self.step(*args)
+        self.poison = later.finish(self.fingerprint(later.weight) if partials is None else lanes_of(partials))
 
     def check_range(self) -> None:
         """Nothing to check: the row step rescales rows of any range."""

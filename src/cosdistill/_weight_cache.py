@@ -14,6 +14,7 @@ A value is reused only for the same weight with the same contents, checked two w
   (``Cached.poison``) and the next call with the weight raises ``StaleWeightError`` saying why.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -28,11 +29,22 @@ class StaleWeightError(ValueError):
 
 
 @dataclass(frozen=True)
+class LaterCheck:
+    """A reuse's content check whose hash the caller takes, along with work of its own (the JSD's cluster row
+    step reads the weight beside its exponentials, kernels/row_step_jsd_cuda.py): ``finish(lanes)``, with the
+    hash of ``weight`` (_fingerprint.py's lanes, [2] int64), queues the comparison and returns the poison."""
+
+    weight: torch.Tensor
+    finish: Callable[[torch.Tensor], torch.Tensor | None]
+
+
+@dataclass(frozen=True)
 class Cached:
     value: Any
     # 0-d fp32 on the weight's device: NaN if the weight's contents changed since the value was built, else
-    # 0; None where nothing is left to check (a fresh build, or a comparison read at once)
+    # 0; None where nothing is left to check (a fresh build, or a comparison read at once) or the check is later's
     poison: torch.Tensor | None
+    later: LaterCheck | None = None  # ``get(..., hash_later=True)`` on a GPU: the check the caller finishes
 
 
 def compared_on_host(weight: torch.Tensor) -> bool:
@@ -62,9 +74,11 @@ class WeightCache:
         self.what, self.build = what, build
         self.entries = WeakIdKeyDictionary()
 
-    def get(self, weight: torch.Tensor, fingerprint: Callable[[torch.Tensor], torch.Tensor]) -> Cached:
+    def get(self, weight: torch.Tensor, fingerprint: Callable[[torch.Tensor], torch.Tensor],
+            hash_later: bool = False) -> Cached:
         """The value for the weight as it is now, rebuilt where its identity changed; ``fingerprint``: the
-        backend's hash of the weight (every backend's gives the same numbers)."""
+        backend's hash of the weight (every backend's gives the same numbers). ``hash_later``: a reuse on a GPU
+        leaves the hash and comparison to the caller (``Cached.later``)."""
         storage, entry = self._lookup(weight)
         if entry is None or entry.value is None or entry.identity != _identity(weight):
             entry = _Entry(_identity(weight))
@@ -72,11 +86,19 @@ class WeightCache:
                 entry.value, entry.hash = self.build(weight), fingerprint(weight)
             self.entries[storage] = entry
             return Cached(entry.value, None)
-        return Cached(entry.value, self.check_contents(weight, storage, entry, fingerprint))
+        return self.check_contents(weight, storage, entry, fingerprint, hash_later)
 
-    def check_contents(self, weight: torch.Tensor, storage, entry: _Entry, fingerprint) -> torch.Tensor | None:
-        """The reuse's poison (see Cached), or None after a comparison read at once; raises if it differs."""
-        changed = (fingerprint(weight) != entry.hash).any()
+    def check_contents(self, weight: torch.Tensor, storage, entry: _Entry, fingerprint, hash_later=False) -> Cached:
+        """The reused value with its content check: the poison, or None after a comparison read at once (which
+        raises if the hash differs); with ``hash_later`` on a GPU, the check for the caller to finish."""
+        compare = functools.partial(self._compare, weight, storage, entry)
+        if hash_later and not compared_on_host(weight):
+            return Cached(entry.value, None, LaterCheck(weight, compare))
+        return Cached(entry.value, compare(fingerprint(weight)))
+
+    def _compare(self, weight: torch.Tensor, storage, entry: _Entry, lanes: torch.Tensor) -> torch.Tensor | None:
+        """The poison for the weight's hash ``lanes``, or None after a comparison read at once; raises if it differs."""
+        changed = (lanes != entry.hash).any()
         if compared_on_host(weight):
             if changed:
                 del self.entries[storage]

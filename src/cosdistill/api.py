@@ -1,11 +1,11 @@
 """Public API: the loss as a function and a module, and the autograd wrapper that hands the chunk loop's
-gradients to autograd. Both check their options into one ``_plan.Options`` and run ``_plan.make_plan``'s
-plan; under torch.compile the call goes to the custom op of _compile.py."""
+gradients to autograd. Both check their options into one ``_plan.Options`` and run the plan of
+``_plan.checked_plan``; under torch.compile the call goes to the custom op of _compile.py."""
 
 import torch
 
 from ._device import on_device_of
-from ._plan import Options, check_tensors, check_vocab_parallel, make_plan, options_of, run
+from ._plan import Options, checked_plan, options_of, run
 
 
 def fused_linear_cosine_distill(
@@ -106,16 +106,10 @@ def distill(options: Options, student_input, student_weight, teacher_input, teac
             teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
             return_soft_hard_loss=return_soft_hard_loss,
         )
-    check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
-                  teacher_bias, options.ignore_index, num_valid_tokens)
-    if vocab_parallel is not None:
-        check_vocab_parallel(vocab_parallel, student_weight, teacher_weight)
+    plan = checked_plan(options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
+                        student_bias, teacher_bias, num_valid_tokens, vocab_parallel)
     labels = true_labels.reshape(-1).contiguous()
     flat_input = student_input.reshape(labels.numel(), student_input.shape[-1])
-    needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
-                       for t in (student_input, student_weight, student_bias))
-    plan = make_plan(options, student_weight, student_bias, teacher_weight, teacher_bias, labels.numel(), needs_grad,
-                     vocab_parallel)
     with on_device_of(student_input), torch.no_grad():  # the loop computes the gradients itself
         result = run(plan, flat_input, student_weight, student_bias,
                      teacher_input.reshape(labels.numel(), teacher_input.shape[-1]), teacher_weight, teacher_bias,

@@ -193,6 +193,43 @@ def test_jsd_cluster_row_step_matches_the_spec(rows, vocab, beta, temperature, w
         assert torch.equal(got_grad, student)
 
 
+# (rows, vocab, beta, temperature, the hashed weight's shape): the seed's, odd weights, a short launch
+JSD_HASH_CASES = [(1024, 128256, 0.5, 1.0, (128256, 4096)), (300, 32000, 0.0, 2.0, (32000, 520)),
+                  (260, 65536, 1.0, 1.0, (40007, 1000)), (257, 1000, 0.5, 0.7, (1000, 4)), (3, 32000, 0.5, 1.0, (32000, 512))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, vocab, beta, temperature, weight_shape", JSD_HASH_CASES)
+def test_the_jsd_cluster_step_takes_a_weight_hash_along_with_the_same_bits(rows, vocab, beta, temperature,
+                                                                          weight_shape):
+    """The cluster step that hashes a weight on the side (row_step_jsd_cuda_hashing) writes the plain step's bits
+    and the fingerprint kernel's hash; it declines (None, nothing written) where the launch is too short for the
+    weight or the weight's words are not 16-byte rows, and the hash then sees one changed element."""
+    from cosdistill.testing import as_words, lanes_of
+
+    cluster_kernel_or_skip("cuda")
+    jsd_cuda = kernels.row_step_jsd_cuda
+    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
+    student = (torch.randn(rows, vocab, device="cuda") * 3).to(BF16)
+    teacher = (torch.randn(rows, vocab, device="cuda") * 3).to(BF16)
+    labels = torch.randint(0, vocab, (rows,), device="cuda")
+    labels[::4] = -100
+    weight = torch.randn(weight_shape, device="cuda", dtype=BF16)
+    plain_logits, plain_losses = student.clone(), torch.full((rows, 2), POISON, device="cuda")
+    jsd_cuda.row_step_jsd_cuda(plain_logits, teacher, labels, scales, plain_losses, True)
+    logits, losses = student.clone(), torch.full((rows, 2), POISON, device="cuda")
+    partials = jsd_cuda.row_step_jsd_cuda_hashing(logits, teacher, labels, scales, losses, True, words=as_words(weight))
+    if rows * 8 * jsd_cuda.HASH_ROWS_PER_BLOCK < weight_shape[0] or weight_shape[1] % 8:
+        assert partials is None and torch.equal(logits, student) and (losses == POISON).all()
+        return
+    assert torch.equal(logits, plain_logits) and torch.equal(losses, plain_losses)
+    assert torch.equal(lanes_of(partials), fingerprint_triton(weight))
+    weight[weight_shape[0] * 3 // 5, weight_shape[1] // 3] += 1.0
+    changed = jsd_cuda.row_step_jsd_cuda_hashing(logits, teacher, labels, scales, losses, True, words=as_words(weight))
+    assert torch.equal(lanes_of(changed), fingerprint_triton(weight)) and not torch.equal(lanes_of(changed),
+                                                                                        lanes_of(partials))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab, beta, temperature", [(128256, 0.0, 1.0), (128256, 0.5, 1.0), (128256, 1.0, 1.0),
                                                       (128256, 0.3, 2.0), (32000, 0.0, 0.7), (32003, 1.0, 1.5)])

@@ -97,3 +97,29 @@ def test_falls_back_to_triton_where_unsupported(beta, write_grad):
 
 def test_the_mode_follows_beta():
     assert [jsd_cuda.mode_of(beta) for beta in (0.0, 1.0, 0.5, 1e-9, 1 - 1e-9)] == [0, 1, 2, 2, 2]
+
+
+@pytest.mark.parametrize("mode, shared", FORMS)
+def test_the_form_that_hashes_a_weight_compiles_to_the_same_layouts(mode, shared, tmp_path):
+    """The variant that takes a cached teacher copy's hash along (row_step_jsd_cuda_hashing) streams the weight's
+    rows in 16-byte loads beside the step, without local memory, and spills no more than the plain form at the
+    layout the seed's vocabulary launches: _launch picks the same layout for both."""
+    layout = jsd_cuda.launch_configs(128256, mode)[0]
+    hashing = jsd_cuda.source(128256, torch.int64, layout, mode, shared, hash_row_vecs=512)
+    ptx = nvrtc_compile(hashing)
+    assert ".local" not in ptx and "ld.global.cs.v4" in ptx
+    assert ptx.count("ld.global.cs") == 5  # four in flight per thread, then the remainder
+    assert spill_bytes(hashing, tmp_path) <= spill_bytes(jsd_cuda.source(128256, torch.int64, layout, mode, shared),
+                                                         tmp_path)
+
+
+def test_the_hashing_step_declines_without_running_where_it_cannot_take_the_hash():
+    """On the CPU (no cluster kernel), and for words the kernel cannot stream, it returns None with nothing written:
+    the caller then runs the step and the hash apart."""
+    student, teacher, labels = plain_case()
+    losses = torch.full((student.shape[0], 2), float("nan"))
+    for words in (torch.zeros(64, 8, dtype=torch.int32), torch.zeros(64, 6, dtype=torch.int32),
+                  torch.zeros(64, 8, dtype=torch.int16)):
+        assert jsd_cuda.row_step_jsd_cuda_hashing(student.clone(), teacher, labels, PLAIN, losses, True,
+                                                  words=words) is None
+    assert torch.isnan(losses).all()

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._fingerprint import LANE_KEYS, MASK, as_words
+from .._fingerprint import LANE_KEYS, as_words, lanes_of
 
 
 @triton.jit
@@ -40,4 +40,4 @@ def fingerprint_triton(weight: torch.Tensor) -> torch.Tensor:
     partials = torch.empty(programs, 2, dtype=torch.int32, device=words.device)
     _fingerprint_kernel[(programs,)](words, rows, cols, words.stride(0), words.stride(1), partials, LANE_KEYS[0],
                                      LANE_KEYS[1], BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, num_warps=WARPS)
-    return (partials.to(torch.int64) & MASK).sum(0) & MASK
+    return lanes_of(partials)

@@ -93,14 +93,67 @@ __device__ __forceinline__ uint4 grad_vector(float* g, bool holds_label, int lab
   return make_uint4(pack(g[0], g[1]), pack(g[2], g[3]), pack(g[4], g[5]), pack(g[6], g[7]));
 }
 
+#if HASH_ROW_VECS
+// A weight's hash (_fingerprint.py, with kernels/fingerprint.py's numbers) taken along by the step: each block
+// hashes its share of the weight's rows of 32-bit words (HASH_ROW_VECS 16-byte vectors each) into its partial
+// lanes, which the caller sums mod 2^32. Its reads fill HBM time that the step, held by its exponentials, leaves.
+#define HASH_PARAMS , const uint4* hash_words, int hash_rows, int hash_stride, unsigned* hash_partials
+__device__ __forceinline__ unsigned hash_key(unsigned position, unsigned multiplier, unsigned increment) {
+  return (position * multiplier + increment) | 1u;  // mod 2^32, odd
+}
+__device__ void hash_share(const uint4* words, int rows, int stride, unsigned* partials, unsigned (*warp_lanes)[2]) {
+  const int per_block = (rows + gridDim.x - 1) / gridDim.x;
+  const int first = blockIdx.x * per_block;
+  const int vecs = max(0, min(rows - first, per_block)) * HASH_ROW_VECS;
+  unsigned lanes[2] = {0u, 0u};
+  #pragma unroll 4
+  for (int v = threadIdx.x; v < vecs; v += THREADS) {
+    const int row = first + v / HASH_ROW_VECS;
+    const int vec = v % HASH_ROW_VECS;
+    const uint4 w = __ldcs(words + (long long)row * stride + vec);  // streamed: read once
+    const unsigned bits[4] = {w.x, w.y, w.z, w.w};
+    unsigned inner[2] = {0u, 0u};
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      inner[0] += bits[j] * hash_key(4 * vec + j, HASH_KEY_02, HASH_KEY_03);
+      inner[1] += bits[j] * hash_key(4 * vec + j, HASH_KEY_12, HASH_KEY_13);
+    }
+    lanes[0] += inner[0] * hash_key((unsigned)row, HASH_KEY_00, HASH_KEY_01);
+    lanes[1] += inner[1] * hash_key((unsigned)row, HASH_KEY_10, HASH_KEY_11);
+  }
+  #pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    lanes[0] += __shfl_xor_sync(0xffffffffu, lanes[0], offset);
+    lanes[1] += __shfl_xor_sync(0xffffffffu, lanes[1], offset);
+  }
+  if (threadIdx.x % 32 == 0) {
+    warp_lanes[threadIdx.x / 32][0] = lanes[0];
+    warp_lanes[threadIdx.x / 32][1] = lanes[1];
+  }
+  __syncthreads();
+  if (threadIdx.x < 2) {
+    unsigned total = 0u;
+    for (int warp = 0; warp < NUM_WARPS; ++warp) total += warp_lanes[warp][threadIdx.x];
+    partials[2 * blockIdx.x + threadIdx.x] = total;
+  }
+  __syncthreads();  // warp_lanes is the step's warp_sums
+}
+#else
+#define HASH_PARAMS
+#endif
+
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) LAUNCH_BOUNDS
 cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, float* losses,
                      int student_stride, int teacher_stride, int ignore_index,
-                     double weight_hard_in, double soft_coef_in, double x_scale_in, double keep_in, double beta_in) {
+                     double weight_hard_in, double soft_coef_in, double x_scale_in, double keep_in, double beta_in
+                     HASH_PARAMS) {
   extern __shared__ uint4 tiles[];  // this block's slice but its register vectors: the student's, the teacher's, gaps
   __shared__ float warp_stats[NUM_WARPS][NUM_STATS], warp_sums[NUM_WARPS][NUM_SUMS];
   __shared__ float block_stats[NUM_STATS], block_sums[NUM_SUMS];  // read by the cluster's other blocks
   __shared__ float row_consts[6];  // top_s, norm_x, norm_z, top_t, norm_y; then the gradient's row sum
+#if HASH_ROW_VECS
+  hash_share(hash_words, hash_rows, hash_stride, hash_partials, reinterpret_cast<unsigned (*)[2]>(warp_sums));
+#endif
   const float weight_hard = (float)weight_hard_in, soft_coef = (float)soft_coef_in;  // soft_coef = weight_soft / T
   const float x_scale = (float)x_scale_in, keep = (float)keep_in, beta = (float)beta_in;  // log2(e) / T, 1 - beta
   const int tid = threadIdx.x;

@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from .._fingerprint import LANE_KEYS, MASK
 from .._row_step import RowStepImpl, RowStepScales
 from .._row_step_jsd import split_jsd_row_step
 from . import row_step_cuda
@@ -29,6 +30,9 @@ from .row_step_jsd_triton import MIXED, _check_scales, mode_of, row_step_jsd_tri
 from .row_step_triton import LOG2E
 
 _SOURCE = row_step_cuda.cuda_source("row_step_jsd.cu")
+# The most weight rows a block hashes when a launch takes a weight's hash along (``row_step_jsd_cuda_hashing``):
+# a launch of fewer rows is too short to hide the weight's read, which the hash alone does as fast.
+HASH_ROWS_PER_BLOCK = 64
 
 
 def _tiles(mode: int) -> int:
@@ -64,11 +68,14 @@ def launch_configs(vocab: int, mode: int) -> list[Layout]:
     return layouts[::-1]
 
 
-def source(vocab: int, label_dtype: torch.dtype, layout: Layout, mode: int, shared: bool) -> str:
+def source(vocab: int, label_dtype: torch.dtype, layout: Layout, mode: int, shared: bool, hash_row_vecs: int = 0) -> str:
     """The kernel's CUDA C for one vocabulary, layout and form: ``mode`` FORWARD / REVERSE / MIXED (mode_of),
-    ``shared`` T == 1 (the hard term's softmax is p)."""
+    ``shared`` T == 1 (the hard term's softmax is p), ``hash_row_vecs`` > 0: it also hashes a weight whose rows
+    hold that many 16-byte vectors of 32-bit words (_fingerprint.py's keys)."""
+    keys = {f"HASH_KEY_{lane}{k}": f"{key & MASK}u" for lane, lane_keys in enumerate(LANE_KEYS)
+            for k, key in enumerate(lane_keys)} if hash_row_vecs else {}
     return row_step_cuda.with_defines(dict(row_step_cuda.layout_defines(vocab, label_dtype, layout, _tiles(mode)),
-                                           MODE=mode, SHARED=int(shared)), _SOURCE)
+                                           MODE=mode, SHARED=int(shared), HASH_ROW_VECS=hash_row_vecs, **keys), _SOURCE)
 
 
 def supported(student_logits, teacher_logits, labels, scales: RowStepScales, write_grad, grad_lifts) -> bool:
@@ -79,33 +86,35 @@ def supported(student_logits, teacher_logits, labels, scales: RowStepScales, wri
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, layout: Layout, mode: int, shared: bool):
-    return row_step_cuda.compile_cluster_kernel(source(vocab, label_dtype, layout, mode, shared),
+def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, layout: Layout, mode: int, shared: bool,
+            hash_row_vecs: int = 0):
+    return row_step_cuda.compile_cluster_kernel(source(vocab, label_dtype, layout, mode, shared, hash_row_vecs),
                                                 "cluster_jsd_row_step", layout,
                                                 _shared_bytes(vocab, *layout, _tiles(mode)), device_index)
 
 
 @functools.lru_cache(maxsize=None)
-def _launch(vocab: int, label_dtype: torch.dtype, device_index: int, mode: int, shared: bool):
+def _launch(vocab: int, label_dtype: torch.dtype, device_index: int, mode: int, shared: bool, hash_row_vecs: int = 0):
     """(kernel, layout) at the first of launch_configs' layouts that fits without a spill; None where none
     does (the Triton step runs instead)."""
     for layout in launch_configs(vocab, mode):
         if _shared_bytes(vocab, *layout, _tiles(mode)) <= MAX_SHARED_BYTES:
-            kernel = _kernel(vocab, label_dtype, device_index, layout, mode, shared)
+            kernel = _kernel(vocab, label_dtype, device_index, layout, mode, shared, hash_row_vecs)
             if kernel is not None:
                 return kernel, layout
     return None
 
 
 def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scales: RowStepScales,
-           token_losses) -> None:
-    """One launch of a compiled kernel of this source (benchmarks/diagnose.py times variants)."""
+           token_losses, hash_args=()) -> None:
+    """One launch of a compiled kernel of this source (benchmarks/diagnose.py times variants); ``hash_args``
+    (words, rows, row stride in vectors, partials) for a kernel compiled to hash a weight."""
     rows, vocab = student_logits.shape
     row_step_cuda.launch_rows(
         kernel, layout, rows, _shared_bytes(vocab, *layout, _tiles(mode_of(scales.beta))), student_logits.device,
         [student_logits, teacher_logits, labels, token_losses, student_logits.stride(0), teacher_logits.stride(0),
          scales.ignore_index, float(scales.weight_hard), scales.weight_soft / scales.temperature,
-         LOG2E.value / scales.temperature, 1.0 - scales.beta, float(scales.beta)])
+         LOG2E.value / scales.temperature, 1.0 - scales.beta, float(scales.beta), *hash_args])
 
 
 def row_step_jsd_cuda(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
@@ -122,5 +131,29 @@ def row_step_jsd_cuda(student_logits, teacher_logits, labels, scales: RowStepSca
     launch(*found, student_logits, teacher_logits, labels, scales, token_losses)
 
 
+def row_step_jsd_cuda_hashing(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
+                              grad_lifts=None, *, words) -> torch.Tensor | None:
+    """row_step_jsd_cuda in this kernel, taking along the hash of ``words`` (_fingerprint.as_words of a weight):
+    the hash's partial lanes [blocks, 2] (_fingerprint.lanes_of sums them). None, with nothing run, where the
+    kernel does not take these arguments or the launch has too few rows for the weight (HASH_ROWS_PER_BLOCK)."""
+    hashable = (words.dtype == torch.int32 and words.dim() == 2 and words.device == student_logits.device
+                and words.stride(1) == 1 and words.shape[1] % 4 == 0 and words.stride(0) % 4 == 0
+                and words.data_ptr() % 16 == 0)
+    if not (hashable and supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts)
+            and token_losses.is_contiguous()):
+        return None
+    _check_scales(scales)
+    rows, vocab = student_logits.shape
+    found = _launch(vocab, labels.dtype, student_logits.device.index, mode_of(scales.beta), scales.temperature == 1.0,
+                    words.shape[1] // 4)
+    if found is None or rows * found[1].cluster * HASH_ROWS_PER_BLOCK < words.shape[0]:
+        return None
+    partials = torch.empty(rows * found[1].cluster, 2, dtype=torch.int32, device=student_logits.device)
+    launch(*found, student_logits, teacher_logits, labels, scales, token_losses,
+           hash_args=[words, words.shape[0], words.stride(0) // 4, partials])
+    return partials
+
+
 # A vocabulary split over ranks runs the spec's three stages (split_jsd_row_step).
-CUDA_JSD_ROW_STEP = RowStepImpl(row_step_jsd_cuda, None, None, split=split_jsd_row_step)
+CUDA_JSD_ROW_STEP = RowStepImpl(row_step_jsd_cuda, None, None, split=split_jsd_row_step,
+                                hashing_step=row_step_jsd_cuda_hashing)

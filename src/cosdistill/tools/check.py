@@ -376,14 +376,17 @@ def mutation_outcome(run, head, mutate, generator, tolerance=1e-5) -> tuple[str,
 
 
 def check_teacher_caches(device, vocab=1000, hidden_teacher=64, tokens=512) -> list[CheckResult]:
-    """The teacher's cached copies (its Gram matrix; on FP8 GPUs its FP8 copy) against every mutation in
-    TEACHER_MUTATIONS: each call gives a fresh copy's answer or raises, never a stale number (_weight_cache.py)."""
+    """The teacher's cached copies (its Gram matrix; on FP8 GPUs its FP8 copy, under the cosine loss and the JSD)
+    against every mutation in TEACHER_MUTATIONS: each call gives a fresh copy's answer or raises, never a stale
+    number (_weight_cache.py)."""
     from .. import _teacher_fp8 as fp8
 
     options = {"Gram matrix": dict(cosine_via="gram")}
     try:
         fp8.check_supported(torch.device(device))
         options["FP8 copy"] = dict(teacher_precision="fp8")
+        # the JSD's cluster row step takes the copy's hash along (RowStepImpl.hashing_step)
+        options["FP8 copy, JSD"] = dict(teacher_precision="fp8", loss="jsd")
     except ValueError:
         pass
     results = []
