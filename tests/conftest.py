@@ -28,9 +28,9 @@ TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (5e-3, 2e-2), torch.fl
 def fresh_plans():
     """Each test's calls make their own plans: one reused from an earlier test's call of the same signature
     (_plan.checked_plan) would skip what a test patches inside make_plan."""
-    from cosdistill import _plan
+    from cosdistill.testing import plan
 
-    _plan._plans.clear()
+    plan._plans.clear()
 
 
 def pytest_addoption(parser):

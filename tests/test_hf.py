@@ -464,8 +464,8 @@ def test_a_lora_student_matches_the_naive_loss_and_skips_the_frozen_heads_gradie
     grad_weight is computed, and the adapters' gradients are the naive loss's."""
     from cosdistill import api
 
-    plans, make_plan = [], api.make_plan
-    monkeypatch.setattr(api, "make_plan", lambda *a, **k: plans.append(make_plan(*a, **k)) or plans[-1])
+    plans, run = [], api.run
+    monkeypatch.setattr(api, "run", lambda plan, *a, **k: plans.append(plan) or run(plan, *a, **k))
     student, teacher, batch = lora_student(), tiny_model("llama", vocab=144, seed=1), make_batch(vocab=128)
     reference_student = copy.deepcopy(student)
     losses = cosine_distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
