@@ -4,9 +4,12 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import make_problem, record_write_grad, reference, rel_err
 from cosdistill import api, fused_linear_cosine_distill
+from cosdistill.api import FUSED_LOSSES
 from cosdistill.testing import TORCH, ChunkRows, chunk_rows, plan
 
 
@@ -176,3 +179,53 @@ def test_auto_asks_the_gram_cache_at_every_call_and_a_split_is_never_reused(monk
     for tokens in range(1, plan.MAX_PLANS + 10):
         fused_linear_cosine_distill(*make_problem(tokens=tokens).args())
     assert 0 < len(plan._plans) <= plan.MAX_PLANS
+
+
+# Each of a call's settings and the values it cycles through; a sequence of calls changes one at a time.
+CALL_SETTINGS = dict(tokens=(200, 201), dtype=(torch.float32, torch.bfloat16), bias=(False, True), grad=(True, False),
+                     weight_grad=(True, False), loss=("cosine", "jsd"), cosine_via=("auto", "logits"),
+                     weight_hard=(0.5, 0.3), count=(None, 4, 4.0, "tensor", 5))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.sampled_from([*CALL_SETTINGS, "teacher changed", "same again"]), min_size=4, max_size=16))
+def test_a_reused_plan_is_the_plan_a_fresh_call_makes(steps):
+    """Calls that change one setting at a time (shape, dtype, bias, gradients, grad mode, loss, options, count) or
+    the teacher in place, or repeat: each runs the plan make_plan makes for it from scratch, given what the Gram
+    cache told the call (at these sizes "auto" takes the Gram path where the teacher's Gram matrix is kept)."""
+    from cosdistill.testing import teacher_gram
+
+    plan._plans.clear()
+    problems, answers, run_plans = {}, [], []
+    will_hold, run = teacher_gram.teacher_grams.will_hold, api.run
+    teacher_gram.teacher_grams.will_hold = lambda weight: answers.append(will_hold(weight)) or answers[-1]
+    api.run = lambda chosen_plan, *args: run_plans.append(chosen_plan) or run(chosen_plan, *args)
+    chosen = {name: 0 for name in CALL_SETTINGS}
+    try:
+        for step in steps:
+            if step in chosen:
+                chosen[step] = (chosen[step] + 1) % len(CALL_SETTINGS[step])
+            call = {name: CALL_SETTINGS[name][index] for name, index in chosen.items()}
+            key = (call["tokens"], call["dtype"], call["bias"])
+            if key not in problems:
+                problems[key] = make_problem(tokens=call["tokens"], hidden_student=16, hidden_teacher=64,
+                                             vocab_student=300, dtype=call["dtype"], bias=call["bias"])
+            problem = problems[key]
+            if step == "teacher changed":
+                torch.autograd.graph.increment_version(problem.teacher_weight)
+            problem.student_weight.requires_grad_(call["weight_grad"])
+            count = torch.tensor(4.0) if call["count"] == "tensor" else call["count"]
+            options = dict(weight_hard_loss=call["weight_hard"], num_valid_tokens=count)
+            if call["loss"] == "cosine":
+                options["cosine_via"] = call["cosine_via"]
+            asked = len(answers)
+            with torch.set_grad_enabled(call["grad"]):
+                FUSED_LOSSES[call["loss"]](*problem.args(), **options)
+                needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
+                                   for t in (problem.student_input, problem.student_weight, problem.student_bias))
+            told = answers[asked] if len(answers) > asked else None
+            fresh = plan.make_plan(run_plans[-1].options, problem.student_weight, problem.student_bias,
+                                   problem.teacher_weight, problem.teacher_bias, call["tokens"], needs_grad, None, told)
+            assert run_plans[-1] == fresh, (steps, call)
+    finally:
+        teacher_gram.teacher_grams.will_hold, api.run = will_hold, run
