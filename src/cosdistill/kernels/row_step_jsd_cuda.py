@@ -117,14 +117,21 @@ def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scale
          LOG2E.value / scales.temperature, 1.0 - scales.beta, float(scales.beta), *hash_args])
 
 
+def _found(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad, grad_lifts,
+           hash_row_vecs: int = 0):
+    """_launch's (kernel, layout) for these arguments where this kernel computes the spec for them, else None."""
+    if not (supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts)
+            and token_losses.is_contiguous()):
+        return None
+    _check_scales(scales)
+    return _launch(student_logits.shape[1], labels.dtype, student_logits.device.index, mode_of(scales.beta),
+                   scales.temperature == 1.0, hash_row_vecs)
+
+
 def row_step_jsd_cuda(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
                       grad_lifts=None) -> None:
     """_row_step_jsd.row_step_jsd_torch: this kernel where ``supported``, else the Triton step."""
-    found = None
-    if supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts) and token_losses.is_contiguous():
-        _check_scales(scales)
-        found = _launch(student_logits.shape[1], labels.dtype, student_logits.device.index, mode_of(scales.beta),
-                        scales.temperature == 1.0)
+    found = _found(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts)
     if found is None:
         row_step_jsd_triton(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts)
         return
@@ -139,13 +146,9 @@ def row_step_jsd_cuda_hashing(student_logits, teacher_logits, labels, scales: Ro
     hashable = (words.dtype == torch.int32 and words.dim() == 2 and words.device == student_logits.device
                 and words.stride(1) == 1 and words.shape[1] % 4 == 0 and words.stride(0) % 4 == 0
                 and words.data_ptr() % 16 == 0)
-    if not (hashable and supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts)
-            and token_losses.is_contiguous()):
-        return None
-    _check_scales(scales)
-    rows, vocab = student_logits.shape
-    found = _launch(vocab, labels.dtype, student_logits.device.index, mode_of(scales.beta), scales.temperature == 1.0,
-                    words.shape[1] // 4)
+    found = _found(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts,
+                   words.shape[1] // 4) if hashable else None
+    rows = student_logits.shape[0]
     if found is None or rows * found[1].cluster * HASH_ROWS_PER_BLOCK < words.shape[0]:
         return None
     partials = torch.empty(rows * found[1].cluster, 2, dtype=torch.int32, device=student_logits.device)
