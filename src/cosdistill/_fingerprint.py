@@ -38,7 +38,7 @@ def as_words(weight: torch.Tensor) -> torch.Tensor:
 
 def lanes_of(partials: torch.Tensor) -> torch.Tensor:
     """The hash from int32 partial lanes [n, 2] (the kernels' per program or block, wrapped mod 2^32): [2] int64."""
-    return (partials.to(torch.int64) & MASK).sum(0) & MASK
+    return partials.sum(0, dtype=torch.int64) & MASK  # a negative partial is its lane less 2^32: the same mod 2^32
 
 
 def _keys(positions: torch.Tensor, multiplier: int, increment: int) -> torch.Tensor:

@@ -103,23 +103,28 @@ __device__ __forceinline__ unsigned hash_key(unsigned position, unsigned multipl
 }
 __device__ void hash_share(const uint4* words, int rows, int stride, unsigned* partials, unsigned (*warp_lanes)[2]) {
   const int per_block = (rows + gridDim.x - 1) / gridDim.x;
-  const int first = blockIdx.x * per_block;
-  const int vecs = max(0, min(rows - first, per_block)) * HASH_ROW_VECS;
+  const int first = blockIdx.x * per_block, last = min(rows, first + per_block);
   unsigned lanes[2] = {0u, 0u};
-  #pragma unroll 4
-  for (int v = threadIdx.x; v < vecs; v += THREADS) {
-    const int row = first + v / HASH_ROW_VECS;
-    const int vec = v % HASH_ROW_VECS;
-    const uint4 w = __ldcs(words + (long long)row * stride + vec);  // streamed: read once
-    const unsigned bits[4] = {w.x, w.y, w.z, w.w};
-    unsigned inner[2] = {0u, 0u};
+  // Column by column down the block's rows: each word's column key is made once, not once per row.
+  for (int vec = threadIdx.x; vec < HASH_ROW_VECS; vec += THREADS) {
+    unsigned column_sums[4][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}, {0u, 0u}};  // sum over rows of row_key(r) b[r, c]
+    #pragma unroll 4
+    for (int row = first; row < last; ++row) {
+      const uint4 w = __ldcs(words + (long long)row * stride + vec);  // streamed: read once
+      const unsigned bits[4] = {w.x, w.y, w.z, w.w};
+      const unsigned row_keys[2] = {hash_key((unsigned)row, HASH_KEY_00, HASH_KEY_01),
+                                    hash_key((unsigned)row, HASH_KEY_10, HASH_KEY_11)};
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        column_sums[j][0] += bits[j] * row_keys[0];
+        column_sums[j][1] += bits[j] * row_keys[1];
+      }
+    }
     #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      inner[0] += bits[j] * hash_key(4 * vec + j, HASH_KEY_02, HASH_KEY_03);
-      inner[1] += bits[j] * hash_key(4 * vec + j, HASH_KEY_12, HASH_KEY_13);
+      lanes[0] += column_sums[j][0] * hash_key(4 * vec + j, HASH_KEY_02, HASH_KEY_03);
+      lanes[1] += column_sums[j][1] * hash_key(4 * vec + j, HASH_KEY_12, HASH_KEY_13);
     }
-    lanes[0] += inner[0] * hash_key((unsigned)row, HASH_KEY_00, HASH_KEY_01);
-    lanes[1] += inner[1] * hash_key((unsigned)row, HASH_KEY_10, HASH_KEY_11);
   }
   #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
