@@ -99,6 +99,11 @@ def test_the_function_api_checks_each_set_of_options_once():
     assert first.scales is first.scales and first.scales.beta == 0.7
     with pytest.raises(ValueError, match="chunk_size must be a positive int or None, got \\[4\\]"):
         plan.options_of(chunk_size=[4])
+    # Values equal to a checked set's but of another type are checked, not taken for it (1024.0 == 1024)
+    assert plan.options_of(chunk_size=1024).chunk_size == 1024
+    for wrong in (1024.0, True):
+        with pytest.raises(ValueError, match=f"chunk_size must be a positive int or None, got {wrong}"):
+            plan.options_of(chunk_size=wrong)
 
 
 def recorded_plans(monkeypatch) -> list:

@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ._device import HostCopy, addmm_into
+from ._device import HostCopy, addmm_into, leading_rows
 from ._device import logits_into as _logits_into
 
 
@@ -223,7 +223,8 @@ def start_student_logits(student_input, student_weight, student_bias, rows: Chun
     student_logits = torch.empty(rows.student, student_weight.shape[0], dtype=student_weight.dtype,
                                  device=student_input.device)
     first_rows = min(rows.student, student_input.shape[0])
-    _logits_into(student_logits[:first_rows], student_input[:first_rows], student_weight, student_bias)
+    _logits_into(leading_rows(student_logits, first_rows), leading_rows(student_input, first_rows), student_weight,
+                 student_bias)
     return student_logits
 
 

@@ -21,6 +21,17 @@ class HostCopy:
         return self.host
 
 
+def leading_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """tensor[:rows]; the tensor itself where that is all of it (a view costs microseconds of host time, which an
+    idle GPU waits for before the first GEMM)."""
+    return tensor if tensor.shape[0] == rows else tensor[:rows]
+
+
+def as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as 2-D rows of its last dimension; itself where it is 2-D already."""
+    return tensor if tensor.dim() == 2 else tensor.reshape(-1, tensor.shape[-1])
+
+
 def logits_into(out, hidden, weight, bias):
     """out = hidden @ weight.T (+ bias), into out."""
     if bias is None:

@@ -64,7 +64,8 @@ class Options:
             cap = getattr(self, name)
             if cap is not None and not cap > 0:
                 raise ValueError(f"{name} must be > 0 or None, got {cap}")
-        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
+        if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
+                                           or self.chunk_size <= 0):
             raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
         if self.accum_dtype not in (None, *FLOAT_DTYPES):
             raise TypeError(f"accum_dtype must be None, torch.float32 or the student weight's dtype, got {self.accum_dtype}")
@@ -313,7 +314,7 @@ def default_accum_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if weight_dtype == torch.float16 else weight_dtype
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64, typed=True)  # typed: 1024.0 == 1024, but only the int is a chunk_size
 def _checked(**fields) -> Options:
     return Options(**fields)
 

@@ -4,7 +4,7 @@ gradients to autograd. Both check their options into one ``_plan.Options`` and r
 
 import torch
 
-from ._device import on_device_of
+from ._device import as_rows, on_device_of
 from ._plan import Options, checked_plan, options_of, run
 
 
@@ -108,12 +108,11 @@ def distill(options: Options, student_input, student_weight, teacher_input, teac
         )
     plan = checked_plan(options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
                         student_bias, teacher_bias, num_valid_tokens, vocab_parallel)
-    labels = true_labels.reshape(-1).contiguous()
-    flat_input = student_input.reshape(labels.numel(), student_input.shape[-1])
+    labels = true_labels if true_labels.dim() == 1 and true_labels.is_contiguous() else true_labels.reshape(-1).contiguous()
+    flat_input = as_rows(student_input)
     with on_device_of(student_input), torch.no_grad():  # the loop computes the gradients itself
-        result = run(plan, flat_input, student_weight, student_bias,
-                     teacher_input.reshape(labels.numel(), teacher_input.shape[-1]), teacher_weight, teacher_bias,
-                     labels, num_valid_tokens)
+        result = run(plan, flat_input, student_weight, student_bias, as_rows(teacher_input), teacher_weight,
+                     teacher_bias, labels, num_valid_tokens)
     loss = result.loss
     if result.gradients is not None:
         loss = _AttachGradients.apply(loss, result.gradients, flat_input, student_weight, student_bias)
