@@ -839,69 +839,6 @@ def row_step(args):
     return report
 
 
-# --- beside ---
-
-
-def beside(args):
-    """Does the cached teacher copy's check (the hash of a V x H bf16 teacher weight, which reads HBM) cost less
-    beside the row step (held by its issue and SFU, not HBM) than after it? The backend's row step on --rows rows
-    of the loss's logits and the hash, each alone, one after the other on one stream, and on two streams in both
-    launch orders; CUDA events around each form (a fresh copy of the logits queued before it), median ms of --calls.
-    On the CPU every form runs in series (no streams): only that it works counts."""
-    device = torch.device(args.device)
-    backend = testing.backend_for("auto", device)
-    step = backend.jsd_row_step.step if args.loss == "jsd" else backend.row_step.step
-    scales = RowStepScales(weight_hard=0.5, weight_soft=0.5, beta=0.5, temperature=1.0, ignore_index=-100)
-    student, teacher, labels = row_inputs(args.rows, args.vocab, device, ignored=0.0)
-    weight = torch.randn(args.vocab, args.hidden, device=device).bfloat16()
-    scratch, losses = student.clone(), torch.empty(args.rows, 2, device=device)
-    cuda = device.type == "cuda"
-    main, side = (torch.cuda.current_stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
-
-    def run_step():
-        step(scratch, teacher, labels, scales, losses, True)
-
-    def run_hash():
-        backend.fingerprint(weight)
-
-    def on_side(first, second):
-        def both():
-            if not cuda:
-                return first(), second()
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                first()
-            second()
-            main.wait_stream(side)
-        return both
-
-    forms = {"row step": run_step, "hash": run_hash, "row step, then hash": lambda: (run_step(), run_hash()),
-             "hash beside, launched first": on_side(run_hash, run_step),
-             "row step beside, launched first": on_side(run_step, run_hash)}
-    times = {name: [] for name in forms}
-    for call in range(args.calls + 3):
-        for name, form in forms.items():
-            scratch.copy_(student)
-            started = time.perf_counter()
-            if cuda:
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            form()
-            if cuda:
-                stop.record()
-                stop.synchronize()
-                elapsed = start.elapsed_time(stop)
-            else:
-                elapsed = (time.perf_counter() - started) * 1e3
-            if call >= 3:
-                times[name].append(elapsed)
-    report = {name: statistics.median(values) for name, values in times.items()}
-    print(f"{device_name(device)}: {args.loss} row step on {args.rows} x {args.vocab}, hash of {args.vocab} x {args.hidden}")
-    for name, ms in report.items():
-        print(f"  {name:32s} {ms:7.3f} ms")
-    return report
-
-
 # --- ab ---
 
 
@@ -1146,14 +1083,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--in-step", action="store_true", help="also time each step right after a teacher GEMM (CUDA)")
     sub.add_argument("--ignored", type=float, default=0.0, help="fraction of ignored rows in step")
     sub.add_argument("--old", help="a src folder whose Triton and CUDA row steps are timed beside these")
-
-    sub = add("beside", beside, "the cached teacher copy's hash beside the row step, against after it")
-    add_device_arguments(sub, "cpu: everything in series, at small sizes")
-    sub.add_argument("--rows", type=int, default=1024)
-    sub.add_argument("--vocab", type=int, default=128256)
-    sub.add_argument("--hidden", type=int, default=4096, help="the teacher weight's hidden size")
-    sub.add_argument("--loss", choices=("cosine", "jsd"), default="jsd", help="whose row step")
-    sub.add_argument("--calls", type=int, default=40)
 
     sub = add("ab", ab,
               "an old source tree against this one, call by call, interleaved in one process")

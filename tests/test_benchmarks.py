@@ -48,7 +48,7 @@ def run(argv, tmp_path):
 def test_help_names_every_subcommand_and_each_has_its_own():
     result = subprocess.run([sys.executable, str(BENCHMARKS / "diagnose.py"), "--help"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    subcommands = ("gaps", "kernels", "idle", "host", "row-step", "beside", "ab", "fp8-accuracy")
+    subcommands = ("gaps", "kernels", "idle", "host", "row-step", "ab", "fp8-accuracy")
     assert all(name in result.stdout for name in subcommands)
     for name in subcommands:
         with pytest.raises(SystemExit) as exit_info:
@@ -179,15 +179,6 @@ def test_the_host_leads_are_timed_for_the_loss_asked_for(loss, monkeypatch):
         diagnose.lead_providers(loss)[provider](tensors, "forward")()
     assert called == ["fused_linear_jsd" if loss == "jsd" else "fused_linear_cosine_distill"] * 2
     assert ("ours-gram" in diagnose.lead_providers(loss)) == (loss == "cosine")  # the JSD has no cosine_via
-
-
-@pytest.mark.parametrize("loss", ["cosine", "jsd"])
-def test_beside_times_the_row_step_and_the_hash_in_every_form(tmp_path, loss):
-    report = run(["beside", "--device", "cpu", "--rows", "4", "--vocab", "64", "--hidden", "32", "--calls", "1",
-                  "--loss", loss], tmp_path)
-    assert list(report) == ["row step", "hash", "row step, then hash", "hash beside, launched first",
-                            "row step beside, launched first"]
-    assert all(ms > 0 for ms in report.values())
 
 
 def test_row_step_sweeps_this_and_an_old_triton_kernel_against_the_spec(tmp_path):
