@@ -1,12 +1,13 @@
 """Vocabulary-parallel heads on NCCL: correctness against the unsplit loss, and throughput vs one GPU.
 
-    torchrun --nproc_per_node 2 benchmarks/vocab_parallel_bench.py --out DIR
+    torchrun --nproc_per_node 2 benchmarks/vocab_parallel_bench.py --out DIR [--loss jsd]
 
 Seed workload (V = 128256, teacher H = 4096, student H = 2048, bf16). Every rank builds the same full
 tensors, then (1) compares its vocabulary-split loss, grad_input and grad_weight shard with the unsplit
 loss on its own GPU, and (2) times forward + backward: the unsplit loss on one GPU (rank 0, the others
 waiting) and the split loss on all ranks (median of per-rank CUDA-event times, the slowest rank).
-Scaling efficiency = t(1 GPU) / (ranks * t(split)). Rank 0 writes vocab_parallel.json and .md to DIR.
+Scaling efficiency = t(1 GPU) / (ranks * t(split)). Rank 0 writes vocab_parallel.json and .md to DIR. Without
+GPUs (a smoke run at small --sizes) the ranks run on the CPU over gloo.
 """
 
 import argparse
@@ -16,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from cosdistill import fused_linear_cosine_distill
+from cosdistill import fused_linear_cosine_distill, fused_linear_jsd
 from cosdistill.distributed import VocabParallelOptions
 from cosdistill.testing import rel_err
 from cosdistill.tools.bench import make_tensors, median_ms
@@ -28,10 +29,13 @@ def shard_tensors(tensors, options):
             tensors.teacher_input, options.teacher_rows(tensors.teacher_weight), tensors.labels)
 
 
-def step(args, **kwargs):
+LOSSES = {"cosine": fused_linear_cosine_distill, "jsd": fused_linear_jsd}
+
+
+def step(loss, args, **kwargs):
     def run():
         args[1].grad = None  # the shard is not among the harness' tensors, whose grads it clears
-        fused_linear_cosine_distill(*args, **kwargs).backward()
+        loss(*args, **kwargs).backward()
     return run
 
 
@@ -42,7 +46,10 @@ def main():
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default="results")
     parser.add_argument("--sizes", type=int, nargs=3, default=[128256, 4096, 2048], help="V, H, student H")
+    parser.add_argument("--loss", choices=sorted(LOSSES), default="cosine",
+                        help="the soft term (the JSD gathers two per-token tensors per chunk, the cosine one)")
     args = parser.parse_args()
+    loss = LOSSES[args.loss]
 
     rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
@@ -55,17 +62,17 @@ def main():
     ranks = dist.get_world_size()
     vocab, hidden, student_hidden = args.sizes
     options = VocabParallelOptions.even_split(vocab)
-    report = {"ranks": ranks, "vocab": vocab, "hidden": hidden, "student_hidden": student_hidden,
+    report = {"loss": args.loss, "ranks": ranks, "vocab": vocab, "hidden": hidden, "student_hidden": student_hidden,
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "errors": {}, "timings": []}
 
     tensors = make_tensors(args.check_tokens, vocab, hidden, student_hidden, torch.bfloat16, device)
-    want = fused_linear_cosine_distill(*tensors.args(), return_soft_hard_loss=True)
+    want = loss(*tensors.args(), return_soft_hard_loss=True)
     want[0].backward()
     want_grads = (tensors.student_input.grad, options.student_rows(tensors.student_weight.grad))
     tensors.clear_grads()
     split_args = shard_tensors(tensors, options)
-    got = fused_linear_cosine_distill(*split_args, return_soft_hard_loss=True, vocab_parallel=options)
+    got = loss(*split_args, return_soft_hard_loss=True, vocab_parallel=options)
     got[0].backward()
     errors = {name: rel_err(g, w) for name, g, w in zip(("loss", "soft", "hard"), got, want)}
     errors.update(grad_input=rel_err(tensors.student_input.grad, want_grads[0]),
@@ -77,9 +84,9 @@ def main():
 
     for tokens in args.tokens:
         tensors = make_tensors(tokens, vocab, hidden, student_hidden, torch.bfloat16, device)
-        one_gpu_ms = median_ms(step(tensors.args()), tensors, device, 3, args.reps) if rank == 0 else 0.0
+        one_gpu_ms = median_ms(step(loss, tensors.args()), tensors, device, 3, args.reps) if rank == 0 else 0.0
         dist.barrier()
-        split_step = step(shard_tensors(tensors, options), vocab_parallel=options)
+        split_step = step(loss, shard_tensors(tensors, options), vocab_parallel=options)
         split_ms = torch.tensor(median_ms(split_step, tensors, device, 3, args.reps), device=device)
         dist.all_reduce(split_ms, op=dist.ReduceOp.MAX)
         one_gpu = torch.tensor(one_gpu_ms, device=device)
@@ -92,7 +99,8 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "vocab_parallel.json"), "w") as file:
             json.dump(report, file, indent=1)
-        lines = [f"{ranks} x {report['gpu']}, torch {report['torch']}, V={vocab}, H={hidden}/{student_hidden}, bf16",
+        lines = [f"{args.loss}: {ranks} x {report['gpu']}, torch {report['torch']}, V={vocab}, H={hidden}/{student_hidden}, "
+                 "bf16",
                  "", "| T | 1 GPU ms | split ms | scaling efficiency |", "|---|---|---|---|"]
         lines += [f"| {t['tokens']} | {t['one_gpu_ms']:.2f} | {t['split_ms']:.2f} | {t['efficiency']:.2f} |"
                   for t in report["timings"]]

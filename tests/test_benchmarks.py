@@ -294,3 +294,20 @@ def test_the_fsdp2_parity_script_runs_its_loop_on_gloo(tmp_path):
     torch.multiprocessing.spawn(parity_rank, args=(str(tmp_path),), nprocs=2)
     [line] = [line for line in (tmp_path / "out0.txt").read_text().splitlines() if line.startswith("fsdp2-loop:")]
     assert float(line.split("against one process ")[1].split(";")[0]) < 1e-5
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_the_vocab_parallel_bench_runs_two_ranks_on_the_cpu(tmp_path, loss):
+    """benchmarks/vocab_parallel_bench.py under torchrun, two ranks over gloo at a tiny size: each rank's split loss
+    and gradients against the unsplit ones, then one timing."""
+    env = os.environ | {"PYTHONPATH": str(SRC), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(BENCHMARKS / "vocab_parallel_bench.py"), "--sizes", "520", "64", "32", "--tokens", "48",
+                             "--check-tokens", "40", "--reps", "1", "--out", str(tmp_path), "--loss", loss],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "vocab_parallel.json").read_text())
+    assert report["loss"] == loss and report["ranks"] == 2 and len(report["timings"]) == 1
+    for errors in report["errors"].values():  # bf16: the split sums grad_input's shares in another order
+        assert max(errors["loss"], errors["soft"], errors["hard"]) < 1e-5
+        assert max(errors["grad_input"], errors["grad_weight_shard"]) < 1e-2

@@ -410,17 +410,27 @@ def test_fp16_with_a_zero_student_head_matches_float64(device, impl):
 
 
 @pytest.mark.gpu
-def test_the_loss_on_a_second_gpu_while_the_first_is_current():
-    """impl="auto" on cuda:1 in a process whose current device is cuda:0: the cluster kernel is launched on the
-    tensors' device and stream."""
+@pytest.mark.parametrize("loss, teacher_precision", [("cosine", None), ("jsd", None), ("jsd", "fp8")])
+def test_the_loss_on_a_second_gpu_while_the_first_is_current(loss, teacher_precision, monkeypatch):
+    """impl="auto" on cuda:1 in a process whose current device is cuda:0: the cluster kernels (the JSD's first
+    taking the FP8 copy's hash along) are compiled for and launched on the tensors' device and stream, twice (the
+    second call reuses the plan and the cached copy)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs")
+    if teacher_precision:
+        fp8_or_skip("cuda:1", monkeypatch)
     case = LossCase(2500, 128256, 128256, 256, BF16, False, 7, None)
     args = random_problem(case, "cuda:1")
+    options = dict(loss=loss) if loss == "cosine" else dict(loss=loss, beta=0.5, temperature=1.5)
+    reference_args = list(args)
+    if teacher_precision:
+        reference_args[2], reference_args[3] = fp8.dequantized(args[2]), fp8.dequantized(args[3])
+    want = float64_reference(reference_args, **options)
     torch.cuda.set_device(0)
-    got = fused_run(args)
-    assert_passed([compare("loss auto on cuda:1, cuda:0 current, vs float64", case.describe(), BF16, got,
-                           float64_reference(args))])
+    for call in ("first", "second"):
+        got = fused_run(args, teacher_precision=teacher_precision, **options)
+        assert_passed([compare(f"{loss} {teacher_precision or 'bf16'} teacher on cuda:1, cuda:0 current, {call} call, "
+                               "vs float64", case.describe(), BF16, got, want)])
 
 
 @pytest.mark.parametrize("device, sizes", on_devices([dict(vocab=97, hidden_teacher=12, tokens=120)],

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Everything that needs two GPUs of one host, in one command from the repository root:
+#
+#     bash benchmarks/two_gpus.sh OUT_DIR
+#
+# the loss on a second GPU while the first is current (tests/gpu, both soft terms and the FP8 teacher), the
+# vocabulary-parallel heads against the unsplit loss and their scaling over NCCL for both soft terms, and a few
+# training steps of DDP and FSDP2 with each. Logs and the vocabulary-parallel reports go to OUT_DIR.
+set -euo pipefail
+out=${1:?usage: bash benchmarks/two_gpus.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+python -m pytest -m gpu -q tests/gpu/test_gpu_check.py -k second_gpu 2>&1 | tee "$out/second_gpu.log"
+for loss in cosine jsd; do
+  torchrun --standalone --nproc_per_node 2 benchmarks/vocab_parallel_bench.py --loss "$loss" \
+    --out "$out/vocab_parallel_$loss" 2>&1 | tee "$out/vocab_parallel_$loss.log"
+  for sharding in "" --fsdp2; do
+    torchrun --standalone --nproc_per_node 2 examples/torchrun_ddp.py --loss "$loss" $sharding 2>&1 \
+      | tee "$out/torchrun_${loss}${sharding:+_fsdp2}.log"
+  done
+done
