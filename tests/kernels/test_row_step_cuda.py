@@ -68,7 +68,7 @@ def test_one_model_kernel_compiles_without_a_spill(vocab, tmp_path):
     assert ptx.count("ld.global.cg.v4") == layout.register_cols  # the student's register vectors only
     assert spill_bytes(source, tmp_path) == 0
     # the shared slice holds one model: half the two-model kernel's bytes
-    assert row_step_cuda._shared_bytes(vocab, *layout, models=1) * 2 == row_step_cuda._shared_bytes(vocab, *layout)
+    assert row_step_cuda._shared_bytes(vocab, *layout, tiles=1) * 2 == row_step_cuda._shared_bytes(vocab, *layout)
 
 
 def test_register_columns_shrink_the_shared_slice():

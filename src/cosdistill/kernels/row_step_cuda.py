@@ -63,19 +63,19 @@ def launch_configs(vocab: int, models: int = 2) -> list[Layout]:
     compiles them in turn; the last has no register vectors, so no bound. 16 blocks is past the
     portable cluster size; Hopper allows it. ``models``: 2, or 1 for the Gram path's student logits alone
     (the same rules, not swept on their own)."""
-    cluster = 8 if _shared_bytes(vocab, 8, models=models) <= 48 * 1024 else 16
+    cluster = 8 if _shared_bytes(vocab, 8, tiles=models) <= 48 * 1024 else 16
     slice_vecs = _slice_vecs(vocab, cluster)
     plain = Layout(cluster, 128 if slice_vecs <= 1024 else 256)
 
     def blocks(layout):
-        return _blocks_per_sm(_shared_bytes(vocab, *layout, models=models), layout.threads)
+        return _blocks_per_sm(_shared_bytes(vocab, *layout, tiles=models), layout.threads)
 
     if blocks(plain) >= 8:  # the synchronous register loads cost more than a ninth block gains
         return [plain]
     with_registers = [Layout(cluster, threads, register_cols) for threads in range(128, 257, 32)
                       for register_cols in range(1, -(-slice_vecs // threads) // 3 + 1)]
     # At least 32 registers and 4 more per model and register vector: ptxas's least without a spill.
-    with_registers = [layout for layout in with_registers if _shared_bytes(vocab, *layout, models=models) >= 0
+    with_registers = [layout for layout in with_registers if _shared_bytes(vocab, *layout, tiles=models) >= 0
                       and (32 + 4 * models * layout.register_cols) * layout.threads * blocks(layout) <= 65536]
     with_registers.sort(key=lambda layout: (-blocks(layout), -blocks(layout) * layout.threads, layout.register_cols))
     return [layout for layout in with_registers[:3] if blocks(layout) > blocks(plain)] + [plain]
@@ -86,10 +86,10 @@ def _slice_vecs(vocab: int, cluster: int) -> int:
     return -(-vocab // (8 * cluster))
 
 
-def _shared_bytes(vocab: int, cluster: int, threads: int = 0, register_cols: int = 0, models: int = 2) -> int:
-    """Dynamic shared memory per block: the models' slices but the vectors held in registers (``models``: 16-byte
-    tiles per vector, one per model's logits; the JSD's mixed step keeps a third)."""
-    return models * 16 * (_slice_vecs(vocab, cluster) - register_cols * threads)
+def _shared_bytes(vocab: int, cluster: int, threads: int = 0, register_cols: int = 0, tiles: int = 2) -> int:
+    """Dynamic shared memory per block: the slice but the vectors held in registers, ``tiles`` 16-byte tiles per
+    vector (one per model's logits; the JSD's mixed step keeps a third)."""
+    return tiles * 16 * (_slice_vecs(vocab, cluster) - register_cols * threads)
 
 
 def _blocks_per_sm(shared_bytes: int, threads: int) -> int:
@@ -100,9 +100,10 @@ def _blocks_per_sm(shared_bytes: int, threads: int) -> int:
     return max(1, min((228 * 1024) // (shared_bytes + 1024 + static_bytes), 2048 // threads, 32))
 
 
-def layout_defines(vocab: int, label_dtype: torch.dtype, layout: Layout, models: int = 2) -> dict:
-    """The #defines every cluster kernel takes (cluster.cuh's): the layout, the vocabulary, the label type."""
-    shared = _shared_bytes(vocab, *layout, models=models)
+def layout_defines(vocab: int, label_dtype: torch.dtype, layout: Layout, tiles: int = 2) -> dict:
+    """The #defines every cluster kernel takes (cluster.cuh's): the layout, the vocabulary, the label type;
+    ``tiles``: _shared_bytes's."""
+    shared = _shared_bytes(vocab, *layout, tiles=tiles)
     if shared < 0 or layout.register_cols < 0:
         raise ValueError(f"{layout} holds more vectors per block in registers than the {_slice_vecs(vocab, layout.cluster)} "
                          f"of a vocab-{vocab} slice")
@@ -157,7 +158,7 @@ class _CuLaunchConfig(ctypes.Structure):  # the driver's CUlaunchConfig, for the
 def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, layout: Layout, models: int = 2):
     """The compiled kernel, or None where it does not fit (compile_cluster_kernel)."""
     return compile_cluster_kernel(source(vocab, label_dtype, layout, models), "cluster_row_step", layout,
-                                  _shared_bytes(vocab, *layout, models=models), device_index)
+                                  _shared_bytes(vocab, *layout, tiles=models), device_index)
 
 
 def compile_cluster_kernel(source_text: str, name: str, layout: Layout, shared_bytes: int, device_index: int):
@@ -201,7 +202,7 @@ def _launch(vocab: int, label_dtype: torch.dtype, device_index: int, models: int
     of 256 threads (where 16 blocks do not fit); None where none does (the Triton step runs instead)."""
     layouts = launch_configs(vocab, models)
     for layout in layouts + [Layout(8, 256)] if layouts[0].cluster > 8 else layouts:
-        if _shared_bytes(vocab, *layout, models=models) <= MAX_SHARED_BYTES:
+        if _shared_bytes(vocab, *layout, tiles=models) <= MAX_SHARED_BYTES:
             kernel = _kernel(vocab, label_dtype, device_index, layout, models)
             if kernel is not None:
                 return kernel, layout
@@ -234,7 +235,7 @@ def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scale
         teacher_logits = student_logits
     else:  # never read either: the two-model kernel leaves these alone
         teacher_products = teacher_coefs = token_losses
-    launch_rows(kernel, layout, rows, _shared_bytes(vocab, *layout, models=models), device,
+    launch_rows(kernel, layout, rows, _shared_bytes(vocab, *layout, tiles=models), device,
                 [student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
                  teacher_logits.stride(0), scales.ignore_index, float(scales.weight_hard), float(scales.weight_soft),
                  float(scales.beta), 1.0 / (scales.temperature * scales.temperature), teacher_products, teacher_coefs])
