@@ -140,12 +140,15 @@ def compile_small_kernels():
         words_ptr="*i16", rows="i32", cols="i32", stride_row="i32", stride_col="i32", partials_ptr="*i32"),
         dict(KEYS_0=fingerprint.LANE_KEYS[0], KEYS_1=fingerprint.LANE_KEYS[1], BLOCK_ROWS=fingerprint.BLOCK_ROWS,
              BLOCK_COLS=fingerprint.BLOCK_COLS))
-    for n_from, normaliser_type in ((labels.N_COUNTED, "*i32"), (labels.N_GIVEN_TENSOR, "*i64"),
-                                    (labels.N_GIVEN_NUMBER, "*i32")):
-        yield f"mean losses N_FROM={n_from}", compile_one(labels._mean_losses_kernel, dict(
+    yield "stale check", compile_one(fingerprint._stale_check_kernel, dict(
+        partials_ptr="*i32", count="i32", expected_ptr="*i64", changed_ptr="*i32", poison_ptr="*fp32"),
+        dict(BLOCK=fingerprint.STALE_CHECK_BLOCK))
+    for n_from, normaliser_type, poisoned in ((labels.N_COUNTED, "*i32", False), (labels.N_GIVEN_TENSOR, "*i64", False),
+                                              (labels.N_GIVEN_NUMBER, "*i32", False), (labels.N_COUNTED, "*i32", True)):
+        yield f"mean losses N_FROM={n_from} POISONED={poisoned}", compile_one(labels._mean_losses_kernel, dict(
             token_losses_ptr="*fp32", num_tokens="i32", normaliser_ptr=normaliser_type, normaliser="fp32",
-            weight_hard="fp32", weight_soft="fp32", loss_ptr="*fp32", soft_ptr="*fp32", hard_ptr="*fp32"),
-            dict(N_FROM=n_from, BLOCK=labels.BLOCK))
+            weight_hard="fp32", weight_soft="fp32", poison_ptr="*fp32", loss_ptr="*fp32", soft_ptr="*fp32",
+            hard_ptr="*fp32"), dict(N_FROM=n_from, POISONED=poisoned, BLOCK=labels.BLOCK))
 
 
 def compiled_variants():

@@ -12,7 +12,6 @@ from cosdistill.testing import (
     LabelCounts,
     LogitsTeacher,
     chunked_loss_and_grads,
-    fingerprint_torch,
     plan,
 )
 from cosdistill.testing import teacher_fp8 as fp8
@@ -54,11 +53,11 @@ def test_fp8_teacher_equals_the_reference_on_the_quantized_teacher(impl, monkeyp
 
 def test_quantized_weight_is_cached_until_the_weight_changes():
     weight = torch.randn(50, 32)
-    first = fp8.quantized_weights.get(weight, fingerprint_torch).value
-    assert fp8.quantized_weights.get(weight, fingerprint_torch).value[0] is first[0]
+    first = fp8.quantized_weights.get(weight, TORCH).value
+    assert fp8.quantized_weights.get(weight, TORCH).value[0] is first[0]
     with torch.no_grad():
         weight.mul_(2.0)
-    second = fp8.quantized_weights.get(weight, fingerprint_torch).value
+    second = fp8.quantized_weights.get(weight, TORCH).value
     assert second[0] is not first[0]
     torch.testing.assert_close(second[1][:, :50], 2 * first[1][:, :50])
     assert second[0].shape == (64, 32) and torch.count_nonzero(second[0][50:].float()) == 0
@@ -95,8 +94,7 @@ def test_fp8_sub_chunks_read_their_own_rows_of_the_quantized_chunk(hidden_teache
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     problem = make_problem(tokens=37, vocab_student=101, vocab_teacher=131, hidden_teacher=hidden_teacher,
                            ignore_every=6)
-    head = fp8.Fp8TeacherHead(problem.teacher_weight, problem.teacher_bias.detach(), 19, fp8.quantize_rows,
-                              fingerprint_torch)
+    head = fp8.Fp8TeacherHead(problem.teacher_weight, problem.teacher_bias.detach(), 19, TORCH)
     head.start_chunk(torch.full((head.code_rows, hidden_teacher), float("nan")))  # the whole buffer
     labels = problem.labels
     teacher = LogitsTeacher(head, TORCH.row_step.step, plan.Options().scales, ChunkRows(19, 7))

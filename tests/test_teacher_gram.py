@@ -10,9 +10,9 @@ from conftest import TOLERANCE, assert_matches_reference, make_problem, referenc
 from cosdistill import fused_linear_cosine_distill
 from cosdistill.reference import naive_cosine_distill
 from cosdistill.testing import (
+    TORCH,
     TORCH_ROW_STEP,
     backends,
-    fingerprint_torch,
     plan,
     teacher_grad_coefficient,
     with_teacher_products,
@@ -152,11 +152,11 @@ def test_auto_runs_the_gram_path_where_it_is_cheaper(monkeypatch):
 
 def test_teacher_gram_is_cached_until_the_weight_changes():
     weight = torch.randn(300, 12)
-    first = gram.teacher_grams.get(weight, fingerprint_torch).value
-    assert gram.teacher_grams.get(weight, fingerprint_torch).value is first
+    first = gram.teacher_grams.get(weight, TORCH).value
+    assert gram.teacher_grams.get(weight, TORCH).value is first
     with torch.no_grad():
         weight.mul_(2.0)  # in place: the version counter moves
-    second = gram.teacher_grams.get(weight, fingerprint_torch).value
+    second = gram.teacher_grams.get(weight, TORCH).value
     assert second is not first
     torch.testing.assert_close(second[0][0], 4.0 * first[0][0])
     torch.testing.assert_close(second[1], 4.0 * first[1])

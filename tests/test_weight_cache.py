@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from conftest import make_problem
 from cosdistill import StaleWeightError, api, fused_linear_cosine_distill, fused_linear_jsd
 from cosdistill.testing import (
+    TORCH,
     Options,
     compiled_distill,
     fingerprint_torch,
@@ -170,11 +171,11 @@ def test_a_teacher_made_under_inference_mode_is_cached_and_checked():
 def test_detached_aliases_share_the_cached_value_and_its_checks():
     """Keyed on the storage: ``weight.detach()`` per call reuses the value, and is checked like the weight."""
     weight = teacher_module().weight
-    first = gram.teacher_grams.get(weight.detach(), fingerprint_torch).value
-    assert gram.teacher_grams.get(weight.detach(), fingerprint_torch).value is first
+    first = gram.teacher_grams.get(weight.detach(), TORCH).value
+    assert gram.teacher_grams.get(weight.detach(), TORCH).value is first
     weight.data.add_(1.0)
     with pytest.raises(StaleWeightError):
-        gram.teacher_grams.get(weight.detach(), fingerprint_torch)
+        gram.teacher_grams.get(weight.detach(), TORCH)
 
 
 @pytest.mark.parametrize("name, outcome", OUTCOMES.items())
@@ -183,12 +184,12 @@ def test_the_fp8_copy_is_rebuilt_or_raises(name, outcome):
     mutation = TEACHER_MUTATIONS[name]
     generator = torch.Generator().manual_seed(5)
     head = teacher_module(generator=generator)
-    fp8.quantized_weights.get(head.weight, fingerprint_torch)
+    fp8.quantized_weights.get(head.weight, TORCH)
     mutation(head, generator)
     if outcome == "stale":
         with pytest.raises(StaleWeightError, match="FP8 copy"):
-            fp8.quantized_weights.get(head.weight, fingerprint_torch)
-    got = fp8.quantized_weights.get(head.weight, fingerprint_torch).value
+            fp8.quantized_weights.get(head.weight, TORCH)
+    got = fp8.quantized_weights.get(head.weight, TORCH).value
     want = fp8._quantize_weight(head.weight.detach().clone())
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
 
@@ -207,7 +208,7 @@ def test_property_any_mutation_between_calls_matches_a_fresh_copy(seed, name, vo
     student = student_and_labels(vocab=vocab, tokens=TOKENS, generator=generator)
     for _ in range(1 + calls_between):
         call(head.weight, student, cosine_via="gram")
-        fp8.quantized_weights.get(head.weight, fingerprint_torch)
+        fp8.quantized_weights.get(head.weight, TORCH)
     TEACHER_MUTATIONS[name](head, generator)
     fresh = call(head.weight.detach().clone(), student, cosine_via="gram")
     fresh_fp8 = fp8._quantize_weight(head.weight.detach().clone())
@@ -223,14 +224,14 @@ def test_property_any_mutation_between_calls_matches_a_fresh_copy(seed, name, vo
         else:
             assert_same(got, fresh)
     try:
-        cached = fp8.quantized_weights.get(head.weight, fingerprint_torch)
+        cached = fp8.quantized_weights.get(head.weight, TORCH)
     except StaleWeightError:
         assert not on_device
     else:
         if on_device and OUTCOMES[name] == "stale":
             assert torch.isnan(cached.poison)
             with pytest.raises(StaleWeightError):
-                fp8.quantized_weights.get(head.weight, fingerprint_torch)
+                fp8.quantized_weights.get(head.weight, TORCH)
         else:
             assert cached.poison is None or cached.poison == 0
             assert torch.equal(cached.value[0].view(torch.uint8), fresh_fp8[0].view(torch.uint8))

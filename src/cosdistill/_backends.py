@@ -25,10 +25,11 @@ class Backend:
     row_step: _row_step.RowStepImpl  # the cosine loss's
     jsd_row_step: _row_step.RowStepImpl  # the generalized JSD's
     count_labels: Callable  # (labels, ignore_index, vocab_student) -> [counted, out of range]
-    mean_losses: Callable  # (token_losses, counts, given, weight_hard, weight_soft) -> (loss, soft, hard)
+    mean_losses: Callable  # (token_losses, counts, given, weight_hard, weight_soft, poison) -> (loss, soft, hard)
     scale_unless_one: Callable  # (values, factor): values *= factor in place unless factor (0-d) is 1
     quantize_rows: Callable  # (rows, out, scales): row-wise FP8
     fingerprint: Callable  # (weight) -> its hash, [2] int64 (the cached teacher copies' check)
+    stale_check: Callable  # (partial lanes, kept hash) -> (changed, poison): that check's comparison on the device
 
 
 def scale_unless_one_torch(values: torch.Tensor, factor: torch.Tensor) -> None:
@@ -38,7 +39,8 @@ def scale_unless_one_torch(values: torch.Tensor, factor: torch.Tensor) -> None:
 
 
 TORCH = Backend("torch", _row_step.TORCH_ROW_STEP, _row_step_jsd.JSD_TORCH_ROW_STEP, _labels.count_labels_torch,
-                _labels.mean_losses_torch, scale_unless_one_torch, _teacher_fp8.quantize_rows, _fingerprint.fingerprint_torch)
+                _labels.mean_losses_torch, scale_unless_one_torch, _teacher_fp8.quantize_rows, _fingerprint.fingerprint_torch,
+                _fingerprint.stale_check_torch)
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +50,7 @@ def _triton() -> Backend:
     return Backend("triton", row_step_triton.TRITON_ROW_STEP, row_step_jsd_triton.TRITON_JSD_ROW_STEP,
                    labels.count_labels_triton, labels.mean_losses_triton,
                    grad_output.scale_unless_one_triton, fp8_quantize.quantize_rows_triton,
-                   fingerprint.fingerprint_triton)
+                   fingerprint.fingerprint_triton, fingerprint.stale_check_triton)
 
 
 def backend_for(impl: str, device: torch.device) -> Backend:

@@ -25,7 +25,8 @@ class Normaliser(Protocol):
 
     def launch(self) -> None: ...
 
-    def mean_losses(self, token_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # loss, soft, hard
+    # loss, soft, hard; the poison (0-d, NaN where a cached teacher copy was stale), if given, added to each
+    def mean_losses(self, token_losses: torch.Tensor, poison: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]: ...
 
     def wait(self) -> float: ...
 
@@ -318,12 +319,10 @@ def chunked_loss_and_grads(
     if grad_weight is not None and num_tokens and teacher.grad_weight_share_into(  # before the last chunk's GEMM
             grad_weight, alpha=inv_normaliser, beta=1.0 if weight_started else 0.0):
         weight_started = True
-    loss, soft_loss, hard_loss = normaliser.mean_losses(token_losses)
+    loss, soft_loss, hard_loss = normaliser.mean_losses(token_losses, teacher.poison)
     if inv_normaliser is None:  # no gradients (or no tokens): read now, everything else is queued
         inv_normaliser = 1.0 / normaliser.wait()
         teacher.check_range()
-    if teacher.poison is not None:
-        loss, soft_loss, hard_loss = loss + teacher.poison, soft_loss + teacher.poison, hard_loss + teacher.poison
     gradients = None
     if write_grad:
         last_start = (num_tokens - 1) // chunk * chunk if num_tokens else 0

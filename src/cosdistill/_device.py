@@ -52,6 +52,9 @@ def addmm_into(out, left, right, alpha, beta):
 
 
 def on_device_of(tensor: torch.Tensor):
-    """The tensor's CUDA device made current: Triton's kernels and the CUDA row step launch on the current
-    device, which a process that never called torch.cuda.set_device may not have set to its tensors'."""
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+    """The tensor's CUDA device made current where it is not: Triton's kernels and the CUDA row step launch on
+    the current device, which a process that never called torch.cuda.set_device may not have set to its
+    tensors'. Nothing where it is current already (the switch costs host time before the first GEMM)."""
+    if tensor.is_cuda and tensor.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()

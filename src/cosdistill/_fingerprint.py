@@ -13,7 +13,8 @@ Integer sums do not depend on their order, so the hash is exact and reproducible
 
 ``fingerprint_torch`` is the spec and the CPU path; its products mod 2^32 are taken from 16-bit halves,
 whose sums float64 matrix products give exactly. Its Triton twin (kernels/fingerprint.py) computes the
-same numbers in one read, with int32 arithmetic that wraps mod 2^32.
+same numbers in one read, with int32 arithmetic that wraps mod 2^32. ``stale_check_torch`` compares a hash
+with the one kept, on the device (its Triton twin in one launch).
 """
 
 import torch
@@ -37,8 +38,17 @@ def as_words(weight: torch.Tensor) -> torch.Tensor:
 
 
 def lanes_of(partials: torch.Tensor) -> torch.Tensor:
-    """The hash from int32 partial lanes [n, 2] (the kernels' per program or block, wrapped mod 2^32): [2] int64."""
-    return partials.sum(0, dtype=torch.int64) & MASK  # a negative partial is its lane less 2^32: the same mod 2^32
+    """The hash from partial lanes [..., 2] (the kernels' int32 per program or block, wrapped mod 2^32; or the
+    lanes themselves, [2] int64): [2] int64."""
+    # a negative partial is its lane less 2^32: the same mod 2^32
+    return partials.reshape(-1, 2).sum(0, dtype=torch.int64) & MASK
+
+
+def stale_check_torch(partials: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(changed, poison) for the hash of ``partials`` (as ``lanes_of``'s) against the kept lanes ``expected``:
+    changed 0-d, nonzero where they differ; poison 0-d fp32, NaN there, else 0."""
+    changed = (lanes_of(partials) != expected).any()
+    return changed, torch.where(changed, float("nan"), 0.0)
 
 
 def _keys(positions: torch.Tensor, multiplier: int, increment: int) -> torch.Tensor:

@@ -11,14 +11,16 @@ import torch
 from ._device import HostCopy
 
 
-def mean_losses_torch(token_losses, counts, given, weight_hard: float, weight_soft: float):
+def mean_losses_torch(token_losses, counts, given, weight_hard: float, weight_soft: float, poison=None):
     """(loss, soft, hard) from token_losses [T, 2]: each column's sum divided by N, N the counted labels
-    (counts[0], at least 1) or ``given`` (a number or a one-element tensor)."""
+    (counts[0], at least 1) or ``given`` (a number or a one-element tensor); ``poison`` (0-d: NaN where a
+    cached teacher copy was stale, else 0), if given, added to each."""
     normaliser = (counts[0].clamp(min=1) if given is None
                   else given.to(torch.float32).reshape(()) if torch.is_tensor(given) else float(given))
     # divided first: terms near fp32's max must not overflow the sum
     hard, soft = ((token_losses[:, column] / normaliser).sum() for column in (0, 1))
-    return weight_hard * hard + weight_soft * soft, soft, hard
+    losses = weight_hard * hard + weight_soft * soft, soft, hard
+    return losses if poison is None else tuple(value + poison for value in losses)
 
 
 def _out_of_range(labels: torch.Tensor, ignore_index: int, vocab_student: int) -> torch.Tensor:
@@ -43,11 +45,11 @@ class LabelCounts:
         self.device_counts = self.backend.count_labels(self.labels, self.ignore_index, self.vocab_student)
         self.counts = HostCopy(self.device_counts)
 
-    def mean_losses(self, token_losses: torch.Tensor):
+    def mean_losses(self, token_losses: torch.Tensor, poison: torch.Tensor | None = None):
         """(loss, soft, hard) without a host read: the per-token losses' column sums divided by N (the
-        launched count, at least 1, or num_valid_tokens as given), the loss weighted."""
+        launched count, at least 1, or num_valid_tokens as given), the loss weighted, the poison added."""
         return self.backend.mean_losses(token_losses, self.device_counts, self.num_valid_tokens, self.weight_hard,
-                                        self.weight_soft)
+                                        self.weight_soft, poison)
 
     def wait(self) -> float:
         num_valid, num_out_of_range = self.counts.get().tolist()

@@ -231,8 +231,8 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
     elif plan.teacher == "fp8":
         # The copy's content check rides on the first row step where it can take the weight's hash along.
         hashing_step = plan.row_step.hashing_step if plan.vocab_parallel is None else None
-        head = _teacher_fp8.Fp8TeacherHead(teacher_weight, teacher_bias, plan.rows.student, backend.quantize_rows,
-                                           backend.fingerprint, hash_later=hashing_step is not None)
+        head = _teacher_fp8.Fp8TeacherHead(teacher_weight, teacher_bias, plan.rows.student, backend,
+                                           hash_later=hashing_step is not None)
         teacher = LogitsTeacher(head, row_step, scales, plan.rows, side, hashing_step, backend.fingerprint)
     else:
         teacher = LogitsTeacher(TeacherHead(teacher_weight, teacher_bias), row_step, scales, plan.rows, side)

@@ -74,13 +74,13 @@ quantized_weights = WeightCache("FP8 copy", _quantize_weight)
 class Fp8TeacherHead:
     """Teacher logits through the FP8 GEMM; the same interface as _teacher_logits.TeacherHead."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int, quantize, fingerprint,
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int, backend,
                  hash_later: bool = False):
-        """max_rows: the most rows a chunk has (``start_chunk``). quantize, fingerprint: the backend's
-        (quantize_rows or its Triton twin; the cached weight's hash). hash_later: the cached copy's content
-        check left to the caller (``later``, _weight_cache.LaterCheck), which takes its hash with the row step."""
-        self.quantize = quantize
-        cached = quantized_weights.get(weight, fingerprint, hash_later)
+        """max_rows: the most rows a chunk has (``start_chunk``). backend: whose quantize_rows and hash
+        (_backends.Backend). hash_later: the cached copy's content check left to the caller (``later``,
+        _weight_cache.LaterCheck), which takes its hash with the row step."""
+        self.quantize = backend.quantize_rows
+        cached = quantized_weights.get(weight, backend, hash_later)
         (self.weight_fp8, self.weight_scales), self.poison, self.later = cached.value, cached.poison, cached.later
         self.bias, self.logits_dtype = None if bias is None else bias.detach(), weight.dtype
         self.hidden = weight.shape[1]

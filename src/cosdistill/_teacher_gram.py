@@ -116,7 +116,7 @@ class GramTeacher:
     def start(self, student_input: torch.Tensor, teacher_input: torch.Tensor) -> None:
         """The Gram matrices (the teacher's from the cache), A's buffer, and the range bound, queued once the
         first student GEMM is."""
-        cached = teacher_grams.get(self.full_teacher_weight, self.backend.fingerprint)
+        cached = teacher_grams.get(self.full_teacher_weight, self.backend)
         (self.teacher_gram, self.teacher_gram_max), self.poison = cached.value, cached.poison
         with torch.no_grad():
             cross_gram = _mm_fp32(self.teacher_weight.t(), self.student_weight.detach())

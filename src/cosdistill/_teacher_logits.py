@@ -10,7 +10,7 @@ import torch
 
 from ._chunk_loop import ChunkRows
 from ._device import logits_into
-from ._fingerprint import as_words, lanes_of
+from ._fingerprint import as_words
 from ._row_step import RowStepScales
 
 
@@ -140,7 +140,7 @@ class LogitsTeacher:
         partials = None if self.hashing_step is None else self.hashing_step(*args, words=as_words(later.weight))
         if partials is None:  # the step did not run
             self.step(*args)
-        self.poison = later.finish(self.fingerprint(later.weight) if partials is None else lanes_of(partials))
+        self.poison = later.finish(self.fingerprint(later.weight) if partials is None else partials)
 
     def check_range(self) -> None:
         """Nothing to check: the row step rescales rows of any range."""

@@ -22,6 +22,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._device import HostCopy
+from ._fingerprint import lanes_of
 
 
 class StaleWeightError(ValueError):
@@ -31,8 +32,9 @@ class StaleWeightError(ValueError):
 @dataclass(frozen=True)
 class LaterCheck:
     """A reuse's content check whose hash the caller takes, along with work of its own (the JSD's cluster row
-    step reads the weight beside its exponentials, kernels/row_step_jsd_cuda.py): ``finish(lanes)``, with the
-    hash of ``weight`` (_fingerprint.py's lanes, [2] int64), queues the comparison and returns the poison."""
+    step reads the weight beside its exponentials, kernels/row_step_jsd_cuda.py): ``finish(partials)``, with the
+    hash of ``weight`` (_fingerprint.lanes_of's partial lanes, or the lanes), queues the comparison and returns
+    the poison."""
 
     weight: torch.Tensor
     finish: Callable[[torch.Tensor], torch.Tensor | None]
@@ -74,38 +76,39 @@ class WeightCache:
         self.what, self.build = what, build
         self.entries = WeakIdKeyDictionary()
 
-    def get(self, weight: torch.Tensor, fingerprint: Callable[[torch.Tensor], torch.Tensor],
-            hash_later: bool = False) -> Cached:
-        """The value for the weight as it is now, rebuilt where its identity changed; ``fingerprint``: the
-        backend's hash of the weight (every backend's gives the same numbers). ``hash_later``: a reuse on a GPU
-        leaves the hash and comparison to the caller (``Cached.later``)."""
+    def get(self, weight: torch.Tensor, backend, hash_later: bool = False) -> Cached:
+        """The value for the weight as it is now, rebuilt where its identity changed. ``backend``: its
+        ``fingerprint`` hashes the weight (every backend's gives the same numbers), its ``stale_check``
+        compares on the device (_backends.Backend). ``hash_later``: a reuse on a GPU leaves the hash and
+        comparison to the caller (``Cached.later``)."""
         storage, entry = self._lookup(weight)
         if entry is None or entry.value is None or entry.identity != _identity(weight):
             entry = _Entry(_identity(weight))
             with torch.no_grad():
-                entry.value, entry.hash = self.build(weight), fingerprint(weight)
+                entry.value, entry.hash = self.build(weight), backend.fingerprint(weight)
             self.entries[storage] = entry
             return Cached(entry.value, None)
-        return self.check_contents(weight, storage, entry, fingerprint, hash_later)
+        return self.check_contents(weight, storage, entry, backend, hash_later)
 
-    def check_contents(self, weight: torch.Tensor, storage, entry: _Entry, fingerprint, hash_later=False) -> Cached:
+    def check_contents(self, weight: torch.Tensor, storage, entry: _Entry, backend, hash_later=False) -> Cached:
         """The reused value with its content check: the poison, or None after a comparison read at once (which
         raises if the hash differs); with ``hash_later`` on a GPU, the check for the caller to finish."""
-        compare = functools.partial(self._compare, weight, storage, entry)
+        compare = functools.partial(self._compare, weight, storage, entry, backend.stale_check)
         if hash_later and not compared_on_host(weight):
             return Cached(entry.value, None, LaterCheck(weight, compare))
-        return Cached(entry.value, compare(fingerprint(weight)))
+        return Cached(entry.value, compare(backend.fingerprint(weight)))
 
-    def _compare(self, weight: torch.Tensor, storage, entry: _Entry, lanes: torch.Tensor) -> torch.Tensor | None:
-        """The poison for the weight's hash ``lanes``, or None after a comparison read at once; raises if it differs."""
-        changed = (lanes != entry.hash).any()
+    def _compare(self, weight: torch.Tensor, storage, entry: _Entry, stale_check, partials: torch.Tensor):
+        """The poison for the weight's hash (``partials``, as _fingerprint.lanes_of takes them), or None after a
+        comparison read at once; raises if it differs."""
         if compared_on_host(weight):
-            if changed:
+            if (lanes_of(partials) != entry.hash).any():
                 del self.entries[storage]
                 raise StaleWeightError(self._message(weight, "this call"))
             return None
+        changed, poison = stale_check(partials, entry.hash)
         entry.pending = HostCopy(changed)
-        return torch.where(changed, float("nan"), 0.0)
+        return poison
 
     def will_hold(self, weight: torch.Tensor) -> bool:
         """Whether a value built now is likely to be reused: the cache holds one for the weight as it is,

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from cosdistill.testing import fingerprint_torch, fingerprint_triton
+from cosdistill.testing import fingerprint_torch, fingerprint_triton, lanes_of, stale_check_torch, stale_check_triton
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -23,3 +23,19 @@ def test_the_triton_fingerprint_is_the_torch_spec_and_sees_any_one_changed_eleme
     swapped = weight.clone()
     swapped[[0, -1]] = swapped[[-1, 0]]
     assert shape[0] == 1 or torch.equal(swapped, weight) or not torch.equal(fingerprint_torch(swapped), want)
+
+
+@pytest.mark.parametrize("count", [1, 3, 4096, 9001])
+def test_the_triton_stale_check_is_the_torch_spec(count):
+    """Partial lanes as the kernels leave them (int32, wrapped) or the lanes themselves ([2] int64): unchanged
+    gives 0 and a zero poison; a hash off by one in either lane, or by 2^32 - 1, gives NaN."""
+    generator = torch.Generator().manual_seed(count)
+    partials = torch.randint(-2**31, 2**31, (count, 2), dtype=torch.int64, generator=generator).to(torch.int32)
+    lanes = lanes_of(partials)
+    for hashed in (partials, lanes):
+        for expected, stale in ((lanes, False), (lanes ^ torch.tensor([1, 0]), True), (lanes ^ torch.tensor([0, 1]), True),
+                                ((lanes + 2**32 - 1) % 2**32, True)):
+            for changed, poison in (stale_check_triton(hashed, expected), stale_check_torch(hashed, expected)):
+                assert changed.dim() == poison.dim() == 0 and poison.dtype == torch.float32
+                assert bool(changed) == stale
+                assert torch.isnan(poison) if stale else poison == 0

@@ -43,3 +43,16 @@ def test_mean_losses_divide_before_summing():
     loss, soft, hard = mean_losses_triton(token_losses, counts, None, 0.5, 0.5)
     assert torch.isfinite(loss) and torch.isfinite(soft) and torch.isfinite(hard)
     torch.testing.assert_close(hard, torch.tensor(3e38), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("given", [None, 29])
+def test_mean_losses_add_the_poison(given):
+    """A zero poison changes nothing; a NaN one makes all three NaN, as the torch twin's."""
+    token_losses = torch.rand(37, 2) * 10 + 0.1
+    counts = torch.tensor([31, 0], dtype=torch.int32)
+    clean = mean_losses_torch(token_losses, counts, given, 0.3, 0.7)
+    for mean_losses in (mean_losses_triton, mean_losses_torch):
+        for got, want in zip(mean_losses(token_losses, counts, given, 0.3, 0.7, torch.tensor(0.0)), clean):
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+        assert all(torch.isnan(value) for value in mean_losses(token_losses, counts, given, 0.3, 0.7,
+                                                               torch.tensor(float("nan"))))

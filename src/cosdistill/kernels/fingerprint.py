@@ -41,3 +41,36 @@ def fingerprint_triton(weight: torch.Tensor) -> torch.Tensor:
     _fingerprint_kernel[(programs,)](words, rows, cols, words.stride(0), words.stride(1), partials, LANE_KEYS[0],
                                      LANE_KEYS[1], BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, num_warps=WARPS)
     return lanes_of(partials)
+
+
+@triton.jit
+def _stale_check_kernel(partials_ptr, count, expected_ptr, changed_ptr, poison_ptr, BLOCK: tl.constexpr):
+    """changed = whether the partial lanes' sums mod 2^32 differ from expected's lanes; poison = NaN if so, else 0.
+    One program."""
+    offsets = tl.arange(0, BLOCK)
+    lane_0 = tl.zeros([BLOCK], tl.int64)
+    lane_1 = tl.zeros([BLOCK], tl.int64)
+    for start in range(0, count, BLOCK):
+        index = start + offsets
+        inside = index < count
+        lane_0 += tl.load(partials_ptr + 2 * index, mask=inside, other=0).to(tl.int64)
+        lane_1 += tl.load(partials_ptr + 2 * index + 1, mask=inside, other=0).to(tl.int64)
+    # int64 sums of int32 partials do not overflow; their low 32 bits (the int32 cast keeps those) are the lanes
+    changed = ((tl.sum(lane_0, axis=0).to(tl.int32) != tl.load(expected_ptr).to(tl.int32))
+               | (tl.sum(lane_1, axis=0).to(tl.int32) != tl.load(expected_ptr + 1).to(tl.int32)))
+    tl.store(changed_ptr, changed.to(tl.int32))
+    tl.store(poison_ptr, tl.where(changed, float("nan"), 0.0))
+
+
+# Wide: the one program's loads wait in turn, and the JSD's hashing step leaves one partial per block
+STALE_CHECK_BLOCK, STALE_CHECK_WARPS = 4096, 8
+
+
+def stale_check_triton(partials: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_fingerprint.stale_check_torch in one kernel: (changed, 0-d int32; poison, 0-d fp32)."""
+    partials = partials.reshape(-1, 2)
+    changed = torch.empty((), dtype=torch.int32, device=partials.device)
+    poison = torch.empty((), dtype=torch.float32, device=partials.device)
+    _stale_check_kernel[(1,)](partials, partials.shape[0], expected, changed, poison, BLOCK=STALE_CHECK_BLOCK,
+                              num_warps=STALE_CHECK_WARPS)
+    return changed, poison

@@ -29,10 +29,11 @@ N_COUNTED, N_GIVEN_TENSOR, N_GIVEN_NUMBER = tl.constexpr(0), tl.constexpr(1), tl
 
 
 @triton.jit
-def _mean_losses_kernel(token_losses_ptr, num_tokens, normaliser_ptr, normaliser, weight_hard, weight_soft, loss_ptr,
-                        soft_ptr, hard_ptr, N_FROM: tl.constexpr, BLOCK: tl.constexpr):
+def _mean_losses_kernel(token_losses_ptr, num_tokens, normaliser_ptr, normaliser, weight_hard, weight_soft, poison_ptr,
+                        loss_ptr, soft_ptr, hard_ptr, N_FROM: tl.constexpr, POISONED: tl.constexpr, BLOCK: tl.constexpr):
     """hard, soft = the columns of token_losses [T, 2] summed, each term divided by N first (terms near
-    fp32's max must not overflow the sum); loss = weight_hard * hard + weight_soft * soft. One program."""
+    fp32's max must not overflow the sum); loss = weight_hard * hard + weight_soft * soft; POISONED: the
+    poison added to each. One program."""
     if N_FROM == N_COUNTED:
         normaliser = tl.maximum(tl.load(normaliser_ptr).to(tl.float32), 1.0)
     elif N_FROM == N_GIVEN_TENSOR:
@@ -47,9 +48,13 @@ def _mean_losses_kernel(token_losses_ptr, num_tokens, normaliser_ptr, normaliser
         soft += tl.load(token_losses_ptr + 2 * rows + 1, mask=in_range, other=0.0) / normaliser
     hard_sum = tl.sum(hard, axis=0)
     soft_sum = tl.sum(soft, axis=0)
+    loss = weight_hard * hard_sum + weight_soft * soft_sum
+    if POISONED:
+        poison = tl.load(poison_ptr)
+        hard_sum, soft_sum, loss = hard_sum + poison, soft_sum + poison, loss + poison
     tl.store(hard_ptr, hard_sum)
     tl.store(soft_ptr, soft_sum)
-    tl.store(loss_ptr, weight_hard * hard_sum + weight_soft * soft_sum)
+    tl.store(loss_ptr, loss)
 
 
 def count_labels_triton(labels: torch.Tensor, ignore_index: int, vocab_student: int) -> torch.Tensor:
@@ -59,7 +64,7 @@ def count_labels_triton(labels: torch.Tensor, ignore_index: int, vocab_student: 
     return counts
 
 
-def mean_losses_triton(token_losses, counts, given, weight_hard: float, weight_soft: float):
+def mean_losses_triton(token_losses, counts, given, weight_hard: float, weight_soft: float, poison=None):
     """mean_losses_torch in one kernel: (loss, soft, hard), three fp32 scalars."""
     if given is None:
         n_from, normaliser_tensor, normaliser = N_COUNTED, counts, 0.0
@@ -69,5 +74,6 @@ def mean_losses_triton(token_losses, counts, given, weight_hard: float, weight_s
         n_from, normaliser_tensor, normaliser = N_GIVEN_NUMBER, counts, float(given)  # counts: not read
     loss, soft, hard = (torch.empty((), dtype=torch.float32, device=token_losses.device) for _ in range(3))
     _mean_losses_kernel[(1,)](token_losses, len(token_losses), normaliser_tensor, normaliser, weight_hard, weight_soft,
-                              loss, soft, hard, N_FROM=n_from, BLOCK=BLOCK)
+                              loss if poison is None else poison, loss, soft, hard, N_FROM=n_from,
+                              POISONED=poison is not None, BLOCK=BLOCK)
     return loss, soft, hard
