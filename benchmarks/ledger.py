@@ -1,7 +1,8 @@
 """Markdown tables and the README's plot from the measurement ledger (benchmarks/results.csv, appended by
 ``cosdistill bench --ledger``).
 
-One table per (commit, GPU, workload, mode, rounds) selected: a row per provider, a column per T, each
+One table per run selected (rows that share commit, GPU, versions, workload, mode and command, until a
+provider and T come again: the same command run twice is two runs): a row per provider, a column per T, each
 cell the ratio to the floor timed in the same run, with the milliseconds and, where the run had
 several rounds, the spread of the per-round ratios; a last column with the peak memory above the
 inputs at each T. The training step's rows (benchmarks/step.py) have no floor: their cells are ms, their
@@ -10,7 +11,8 @@ peak the whole process's, and mode "max-tokens" marks the largest step that fitt
     python benchmarks/ledger.py [--ledger benchmarks/results.csv] [--commit 5a0bf7b ...] [--mode full]
     python benchmarks/ledger.py --commit 5a0bf7b --providers ours,ours-fp8,liger,naive,floor --compact
     python benchmarks/ledger.py --commit c4e12e7 --workload "V=128256 " --compact
-    python benchmarks/ledger.py --commit 5a0bf7b --providers ours,ours-fp8,liger,naive --plot docs/speed.png
+    python benchmarks/ledger.py --commit 1724d88 --loss cosine --compact
+    python benchmarks/ledger.py --commit 1724d88 --loss cosine --providers ours,ours-fp8,liger,naive --plot docs/speed.png
 
 The plot (needs matplotlib) draws each provider's ratio to the floor against T, one line per provider,
 from the selected rows; where a (provider, T) was measured in several runs, the last row counts.
@@ -42,13 +44,21 @@ def cell(row: dict) -> str:
     return text
 
 
-def tables(rows: list[dict]) -> str:
-    runs = defaultdict(list)
+def runs_of(rows: list[dict]) -> list[tuple[tuple, list[dict]]]:
+    """(what the run's rows share, its rows) per run, in ledger order within each shared key."""
+    runs = defaultdict(list)  # shared key -> its runs, each a list of rows
     for row in rows:
         key = (row["commit"], row["gpu"], row["torch"], row["triton"], row["workload"], row["mode"], row["command"])
-        runs[key].append(row)
+        measured = (row["provider"], row["T"])
+        if not runs[key] or any((other["provider"], other["T"]) == measured for other in runs[key][-1]):
+            runs[key].append([])
+        runs[key][-1].append(row)
+    return [(key, run) for key, key_runs in runs.items() for run in key_runs]
+
+
+def tables(rows: list[dict]) -> str:
     out = []
-    for (commit, gpu, torch_version, triton_version, workload, mode, command), run in runs.items():
+    for (commit, gpu, torch_version, triton_version, workload, mode, command), run in runs_of(rows):
         tokens = sorted({int(row["T"]) for row in run})
         providers = list(dict.fromkeys(row["provider"] for row in run))
         by_key = {(row["provider"], int(row["T"])): row for row in run}
@@ -112,13 +122,15 @@ def main():
     parser.add_argument("--mode", help="only this mode (full or forward)")
     parser.add_argument("--providers", help="only these providers, comma separated")
     parser.add_argument("--workload", help="only rows whose workload contains this text (e.g. 'V=128256 ', 'loss=jsd')")
+    parser.add_argument("--loss", choices=("cosine", "jsd"), help="only this soft term's rows (jsd: 'loss=jsd' in the workload)")
     parser.add_argument("--compact", action="store_true", help="one table of ratios over the selected runs")
     parser.add_argument("--plot", metavar="PATH.png", help="plot the selected rows (mode full) instead of printing tables")
     args = parser.parse_args()
     providers = args.providers.split(",") if args.providers else None
     rows = [row for row in read(args.ledger) if (not args.commit or row["commit"].startswith(tuple(args.commit)))
             and (not args.mode or row["mode"] == args.mode) and (not providers or row["provider"] in providers)
-            and (not args.workload or args.workload in row["workload"])]
+            and (not args.workload or args.workload in row["workload"])
+            and (not args.loss or ("loss=jsd" in row["workload"]) == (args.loss == "jsd"))]
     if args.plot:
         plot([row for row in rows if row["mode"] == "full"], args.plot)
     elif args.compact:
