@@ -44,10 +44,14 @@ def lanes_of(partials: torch.Tensor) -> torch.Tensor:
     return partials.reshape(-1, 2).sum(0, dtype=torch.int64) & MASK
 
 
+def hash_differs(partials: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Whether the hash of ``partials`` (as ``lanes_of``'s) differs from the kept lanes ``expected``: 0-d bool."""
+    return (lanes_of(partials) != expected).any()
+
+
 def stale_check_torch(partials: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(changed, poison) for the hash of ``partials`` (as ``lanes_of``'s) against the kept lanes ``expected``:
-    changed 0-d, nonzero where they differ; poison 0-d fp32, NaN there, else 0."""
-    changed = (lanes_of(partials) != expected).any()
+    """(changed, poison) on the device: changed as ``hash_differs``; poison 0-d fp32, NaN where it is true, else 0."""
+    changed = hash_differs(partials, expected)
     return changed, torch.where(changed, float("nan"), 0.0)
 
 

@@ -22,7 +22,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._device import HostCopy
-from ._fingerprint import lanes_of
+from ._fingerprint import hash_differs
 
 
 class StaleWeightError(ValueError):
@@ -102,7 +102,7 @@ class WeightCache:
         """The poison for the weight's hash (``partials``, as _fingerprint.lanes_of takes them), or None after a
         comparison read at once; raises if it differs."""
         if compared_on_host(weight):
-            if (lanes_of(partials) != entry.hash).any():
+            if hash_differs(partials, entry.hash):
                 del self.entries[storage]
                 raise StaleWeightError(self._message(weight, "this call"))
             return None
