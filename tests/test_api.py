@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import TOLERANCE, assert_matches_reference, make_problem, reference, rel_err, run_fused
-from cosdistill import FusedLinearCosineDistillLoss, api, fused_linear_cosine_distill
+from cosdistill import FusedLinearCosineDistillLoss, api, fused_linear_cosine_distill, testing
+from cosdistill.reference import NAIVE_LOSSES
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -388,3 +389,21 @@ def test_backward_twice_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward only once"):
         loss.backward()
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+@pytest.mark.parametrize("ignore_every", [0, 3, 1])
+def test_the_float64_reference_in_passes_equals_one_pass(monkeypatch, loss, ignore_every):
+    """The test oracle runs the naive version a few tokens at a time with the whole batch's N (so that the
+    seed workload's fits an 80 GB GPU); its sums equal one pass over the whole batch."""
+    problem = make_problem(tokens=40, batch=2, ignore_every=ignore_every)
+    options = dict(weight_hard_loss=0.3, weight_soft_loss=0.7, beta=0.4, temperature=1.7)
+    upcast = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in problem.args()]
+    whole = NAIVE_LOSSES[loss](*upcast, **options)
+    (whole[0] * 0.5).backward()
+    monkeypatch.setattr(testing, "REFERENCE_ROWS", 7)
+    losses, grads = testing.float64_reference(problem.args(), 0.5, loss, **options)
+    for ours, expected in zip(losses, whole):
+        assert rel_err(ours, expected) < 1e-12, (ours, expected)
+    for ours, leaf in zip(grads, [upcast[0], upcast[1], upcast[5]]):
+        assert ours.shape == leaf.shape and rel_err(ours, leaf.grad) < 1e-12

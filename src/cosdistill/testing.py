@@ -39,16 +39,31 @@ def random_student_teacher(labels, hidden_student, hidden_teacher, vocab_student
     ]
 
 
+REFERENCE_ROWS = 1024  # tokens per float64 pass: the seed workload's float64 logits at once outgrow an 80 GB GPU
+
+
 def float64_reference(args, grad_output=1.0, loss="cosine", **options):
     """(loss, soft, hard) and the gradients of the student's input, weight and bias (where given; None
     where it does not require grad), from the naive version (``loss``: "cosine" or "jsd") on float64 copies
-    of args (the seven of random_student_teacher), for this grad_output."""
+    of args (the seven of random_student_teacher), for this grad_output. The naive version runs on
+    REFERENCE_ROWS tokens at a time with the whole batch's N, the passes' losses and gradients summed."""
     upcast = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in args]
-    losses = NAIVE_LOSSES[loss](*upcast, **options)
-    if losses[0].requires_grad:
-        (losses[0] * grad_output).backward()
+    student_input, student_weight, teacher_input, teacher_weight, labels, student_bias, teacher_bias = upcast
+    if options.get("num_valid_tokens") is None:
+        options = {**options, "num_valid_tokens": max(1, int((labels != options.get("ignore_index", -100)).sum()))}
+    rows = labels.numel()
+    totals = None
+    for start in range(0, max(rows, 1), REFERENCE_ROWS):
+        part = slice(start, start + REFERENCE_ROWS)
+        losses = NAIVE_LOSSES[loss](student_input.reshape(rows, -1)[part], student_weight,
+                                    teacher_input.reshape(rows, -1)[part], teacher_weight, labels.reshape(-1)[part],
+                                    student_bias, teacher_bias, **options)
+        if losses[0].requires_grad:
+            (losses[0] * grad_output).backward()
+        losses = [value.detach() for value in losses]
+        totals = losses if totals is None else [total + value for total, value in zip(totals, losses)]
     grads = [upcast[i].grad for i in (0, 1, 5) if upcast[i] is not None]
-    return [loss.detach() for loss in losses], grads
+    return totals, grads
 
 
 # ---------------------------------------------------------------------------------------------------------
