@@ -12,7 +12,10 @@ peak the whole process's, and mode "max-tokens" marks the largest step that fitt
     python benchmarks/ledger.py --commit 5a0bf7b --providers ours,ours-fp8,liger,naive,floor --compact
     python benchmarks/ledger.py --commit c4e12e7 --workload "V=128256 " --compact
     python benchmarks/ledger.py --commit 1724d88 --loss cosine --compact
+    python benchmarks/ledger.py --commit 65372b1 --loss jsd --gpu H200 --spread
     python benchmarks/ledger.py --commit 1724d88 --loss cosine --providers ours,ours-fp8,liger,naive --plot docs/speed.png
+
+``--spread`` prints every selected run's ratio side by side, for a bar that one run cannot call.
 
 The plot (needs matplotlib) draws each provider's ratio to the floor against T, one line per provider,
 from the selected rows; where a (provider, T) was measured in several runs, the last row counts.
@@ -20,6 +23,7 @@ from the selected rows; where a (provider, T) was measured in several runs, the 
 
 import argparse
 import csv
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -92,6 +96,27 @@ def compact_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def spread_table(rows: list[dict]) -> str:
+    """One table over all the selected runs: a row per provider, a column per T, each cell every run's ratio
+    to the floor in ledger order (the floor: its ms), and their median."""
+    measured = defaultdict(list)
+    for row in rows:
+        if row["ms"] and (row["ratio_to_floor"] or row["provider"] == "floor"):
+            value = float(row["ms"] if row["provider"] == "floor" else row["ratio_to_floor"])
+            measured[(row["provider"], int(row["T"]))].append(value)
+    tokens = sorted({t for _, t in measured})
+    lines = ["| provider | " + " | ".join(f"T = {t}" for t in tokens) + " |", "|---|" + "---|" * len(tokens)]
+    for provider in dict.fromkeys(provider for provider, _ in measured):
+        cells = []
+        for t in tokens:
+            values = measured.get((provider, t), [])
+            unit = " ms" if provider == "floor" else ""
+            listed = " / ".join(f"{value:.{2 if unit else 3}f}" for value in values)
+            cells.append(f"{listed}{unit} (median {statistics.median(values):.{2 if unit else 3}f})" if values else "-")
+        lines.append(f"| {provider} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], path: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -123,16 +148,20 @@ def main():
     parser.add_argument("--providers", help="only these providers, comma separated")
     parser.add_argument("--workload", help="only rows whose workload contains this text (e.g. 'V=128256 ', 'loss=jsd')")
     parser.add_argument("--loss", choices=("cosine", "jsd"), help="only this soft term's rows (jsd: 'loss=jsd' in the workload)")
+    parser.add_argument("--gpu", help="only rows whose GPU contains this text (e.g. 'H200')")
     parser.add_argument("--compact", action="store_true", help="one table of ratios over the selected runs")
+    parser.add_argument("--spread", action="store_true", help="one table with every selected run's ratios")
     parser.add_argument("--plot", metavar="PATH.png", help="plot the selected rows (mode full) instead of printing tables")
     args = parser.parse_args()
     providers = args.providers.split(",") if args.providers else None
     rows = [row for row in read(args.ledger) if (not args.commit or row["commit"].startswith(tuple(args.commit)))
             and (not args.mode or row["mode"] == args.mode) and (not providers or row["provider"] in providers)
-            and (not args.workload or args.workload in row["workload"])
+            and (not args.workload or args.workload in row["workload"]) and (not args.gpu or args.gpu in row["gpu"])
             and (not args.loss or ("loss=jsd" in row["workload"]) == (args.loss == "jsd"))]
     if args.plot:
         plot([row for row in rows if row["mode"] == "full"], args.plot)
+    elif args.spread:
+        print(spread_table(rows), end="")
     elif args.compact:
         print(compact_table(rows), end="")
     else:

@@ -234,14 +234,19 @@ def test_the_ledger_gets_one_row_per_timing_appended_and_renders_as_markdown(cap
     assert [row["ratio_to_floor"] for row in rows if row["provider"] == "floor"] == ["1.0000", "1.0000"]
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "ledger.py"
 
-    def rendered(commit):
-        return subprocess.run([sys.executable, str(script), "--ledger", str(ledger), "--commit", commit],
+    def rendered(commit, *options):
+        return subprocess.run([sys.executable, str(script), "--ledger", str(ledger), "--commit", commit, *options],
                               capture_output=True, text=True, check=True).stdout
 
     table = rendered("abc1234")
     assert "| provider | T = 32 | peak GB above inputs |" in table
     assert table.count("| ours-unchecked | ") == 2 and "| floor | 1.000x" in table  # the same command twice: two runs
     assert rendered("abc") == table and "ours" not in rendered("abd")  # a hash's start selects its rows
+    ratios = [float(row["ratio_to_floor"]) for row in rows if row["provider"] == "ours"]
+    spread = rendered("abc", "--spread")  # both runs side by side, and their median
+    assert f"| ours | {ratios[0]:.3f} / {ratios[1]:.3f} (median {sum(ratios) / 2:.3f}) |" in spread
+    assert spread.count("| floor | ") == 1 and " ms (median " in spread
+    assert rendered("abc", "--gpu", rows[0]["gpu"]) == table and "ours" not in rendered("abc", "--gpu", "no such GPU")
 
 
 def test_bench_of_the_jsd_checks_ours_against_its_naive_version_and_liger(capsys, tmp_path):
