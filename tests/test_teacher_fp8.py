@@ -1,11 +1,20 @@
 """The FP8 teacher path. FP8 GEMMs run on the CPU through torch's reference _scaled_mm, so the math is
 tested here with the hardware check switched off; the public API refuses FP8 off FP8-capable GPUs."""
 
+import functools
+
 import pytest
 import torch
 
 from conftest import make_problem, reference, rel_err
-from cosdistill import fused_linear_cosine_distill
+from cosdistill import (
+    FusedLinearCosineDistillLoss,
+    FusedLinearJSDLoss,
+    fused_linear_cosine_distill,
+    fused_linear_jsd,
+    quantize_teacher_weight,
+)
+from cosdistill.api import FUSED_LOSSES
 from cosdistill.testing import (
     TORCH,
     ChunkRows,
@@ -26,27 +35,30 @@ def test_fp8_is_refused_on_the_cpu():
         fused_linear_cosine_distill(*problem.args(), teacher_precision="int4")
 
 
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
 @pytest.mark.parametrize("vocab_teacher, hidden_teacher", [(101, 24), (128, 32), (131, 40)])
-def test_fp8_teacher_equals_the_reference_on_the_quantized_teacher(impl, monkeypatch, vocab_teacher, hidden_teacher):
-    """Exact up to fp32 rounding once the reference sees the teacher's e4m3-rounded rows (odd shapes get padded)."""
+def test_fp8_teacher_equals_the_reference_on_the_quantized_teacher(impl, monkeypatch, loss, vocab_teacher,
+                                                                   hidden_teacher):
+    """Exact up to fp32 rounding once the reference sees the teacher's e4m3-rounded rows (odd shapes get padded:
+    the padded rows' zero logits must not reach the JSD's softmax)."""
     monkeypatch.setattr(fp8, "check_supported", lambda device: None)
     problem = make_problem(tokens=37, vocab_student=101, vocab_teacher=vocab_teacher, hidden_teacher=hidden_teacher,
                            ignore_every=5)
-    losses = fused_linear_cosine_distill(*problem.args(), return_soft_hard_loss=True, teacher_precision="fp8",
-                                         impl=impl, chunk_size=10)
+    losses = FUSED_LOSSES[loss](*problem.args(), return_soft_hard_loss=True, teacher_precision="fp8", impl=impl,
+                                chunk_size=10)
     losses[0].backward()
     quantized = make_problem(tokens=37, vocab_student=101, vocab_teacher=vocab_teacher, hidden_teacher=hidden_teacher)
     quantized.__dict__.update(problem.__dict__)
     quantized.teacher_input = fp8.dequantized(problem.teacher_input)
     quantized.teacher_weight = fp8.dequantized(problem.teacher_weight)
-    ref_losses, ref_grads = reference(quantized)
+    ref_losses, ref_grads = reference(quantized, loss=loss)
     for got, want in zip(losses, ref_losses):
         assert rel_err(got, want) < 1e-5
     for leaf, want in zip(problem.student_leaves(), ref_grads):
         assert rel_err(leaf.grad, want) < 1e-5
     # and the FP8 teacher really was quantized: against the unquantized teacher the gradient moves
     # far more than rounding (which the comparison above bounds), yet stays close
-    unquantized_grad_weight = reference(problem)[1][1]
+    unquantized_grad_weight = reference(problem, loss=loss)[1][1]
     quantized_err = rel_err(problem.student_weight.grad, ref_grads[1])
     assert 100 * quantized_err < rel_err(problem.student_weight.grad, unquantized_grad_weight) < 0.2
 
@@ -113,3 +125,80 @@ def test_fp8_sub_chunks_read_their_own_rows_of_the_quantized_chunk(hidden_teache
         assert rel_err(got, want) < 1e-5
     for got, want in zip(grads, ref_grads):
         assert rel_err(got, want) < 1e-5
+
+
+def test_a_quantized_head_is_the_cached_copy_bit_for_bit():
+    """quantize_teacher_weight gives the codes and scales that teacher_precision="fp8" caches, and its
+    dequantized weight is the one the FP8 GEMM sees."""
+    weight = torch.randn(131, 40, dtype=torch.bfloat16)
+    quantized = quantize_teacher_weight(weight)
+    codes, scales = fp8.quantized_weights.get(weight, TORCH).value
+    assert torch.equal(quantized.codes.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(quantized.scales, scales)
+    assert quantized.shape == (131, 40) and quantized.dtype == torch.bfloat16 and quantized.device == weight.device
+    assert torch.equal(quantized.dequantized(), fp8.dequantized(weight))
+    with pytest.raises(TypeError, match=r"weight must be a 2-D .* got shape \(131,\) and dtype torch.bfloat16"):
+        quantize_teacher_weight(weight[:, 0])
+    with pytest.raises(TypeError, match="got shape \\(3, 4\\) and dtype torch.int64"):
+        quantize_teacher_weight(torch.ones(3, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="got list"):
+        quantize_teacher_weight([[1.0]])
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+@pytest.mark.parametrize("form", ["function", "module", "compiled"])
+def test_a_quantized_head_gives_the_fp8_teacher_s_numbers_with_nothing_cached(monkeypatch, impl, loss, form):
+    """Passed as teacher_weight, an Fp8TeacherWeight gives what teacher_precision="fp8" gives on the weight it
+    was made from, bit for bit (odd shapes, padding, ignored tokens, biases, Vt > Vs, [B, L, H] inputs), through
+    the function, the module and torch.compile, and puts nothing in the FP8 cache."""
+    monkeypatch.setattr(fp8, "check_supported", lambda device: None)
+    problem = make_problem(tokens=36, batch=2, vocab_student=101, vocab_teacher=131, hidden_teacher=40,
+                           ignore_every=5)
+    function = fused_linear_jsd if loss == "jsd" else fused_linear_cosine_distill
+    module_type = FusedLinearJSDLoss if loss == "jsd" else FusedLinearCosineDistillLoss
+
+    def run(teacher_weight, teacher_precision=None):
+        options = dict(chunk_size=10, return_soft_hard_loss=True, impl=impl, teacher_precision=teacher_precision)
+        module = module_type(0.3, 0.7, 0.4, **options)
+        call = {"function": functools.partial(function, weight_hard_loss=0.3, weight_soft_loss=0.7, beta=0.4, **options),
+                "module": module, "compiled": torch.compile(module, backend="eager", fullgraph=True)}[form]
+        args = list(problem.args())
+        args[3] = teacher_weight
+        losses = call(*args)
+        losses[0].backward()
+        grads = [leaf.grad for leaf in problem.student_leaves()]
+        for leaf in problem.student_leaves():
+            leaf.grad = None
+        return losses, grads
+
+    cached_losses, cached_grads = run(problem.teacher_weight, "fp8")
+    fp8.quantized_weights.entries.clear()
+    quantized = quantize_teacher_weight(problem.teacher_weight)
+    for _ in range(2):  # the second call reuses the first's plan
+        losses, grads = run(quantized)
+        assert all(torch.equal(a, b) for a, b in zip(losses, cached_losses))
+        assert all(torch.equal(a, b) for a, b in zip(grads, cached_grads))
+    assert len(fp8.quantized_weights.entries) == 0
+    with torch.no_grad():
+        problem.teacher_weight.mul_(2.0)  # the caller's weight changed: the head it quantized before did not
+    assert all(torch.equal(a, b) for a, b in zip(run(quantized)[0], cached_losses))
+
+
+def test_a_quantized_head_is_checked_as_its_weight(monkeypatch):
+    problem = make_problem(vocab_student=101, vocab_teacher=131, hidden_teacher=40)
+    quantized = quantize_teacher_weight(problem.teacher_weight)
+    args = list(problem.args())
+    args[3] = quantized
+    with pytest.raises(ValueError, match="needs a CUDA GPU with FP8 tensor cores; the tensors are on cpu"):
+        fused_linear_jsd(*args)
+    monkeypatch.setattr(fp8, "check_supported", lambda device: None)
+    assert plan._call_signature(plan.Options(), args, None, None) is not None  # its plan is kept for the next call
+    with pytest.raises(TypeError, match="teacher_input dtype torch.bfloat16 differs from teacher_weight dtype torch.float32"):
+        fused_linear_jsd(*args[:2], args[2].bfloat16(), *args[3:])
+    with pytest.raises(ValueError, match=r"teacher_input hidden size 24 does not match teacher_weight shape \(131, 40\)"):
+        fused_linear_jsd(*args[:2], args[2][:, :24], *args[3:])
+    with pytest.raises(ValueError, match=r"teacher vocab must be >= student vocab: teacher_weight \(99, 40\)"):
+        fused_linear_jsd(*args[:3], quantize_teacher_weight(problem.teacher_weight[:99]), *args[4:6], None)
+    with pytest.raises(ValueError, match="cosine_via='gram' cannot run with .*an Fp8TeacherWeight"):
+        fused_linear_cosine_distill(*args[:5], cosine_via="gram")
+    with pytest.raises(TypeError, match="teacher_weight must be a torch.Tensor, got tuple"):
+        fused_linear_jsd(*args[:3], (quantized.codes, quantized.scales), *args[4:])

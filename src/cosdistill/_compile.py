@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ._device import on_device_of
 from ._plan import Options, check_accum_dtype, check_tensors, default_accum_dtype, make_plan, run
+from ._teacher_fp8 import Fp8TeacherWeight
 
 # The body reads label counts on the host, which a CUDA graph cannot capture ("reduce-overhead" mode).
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -49,8 +50,10 @@ def fused_linear_cosine_distill_op(
     teacher_bias: Tensor | None,
     labels: Tensor,  # [T]
     num_valid_tokens: Tensor | None,
+    teacher_scales: Tensor | None = None,  # an Fp8TeacherWeight's: teacher_weight is then its codes
     *,
     num_valid_count: float | None,  # num_valid_tokens given as a number
+    teacher_shape: list[int] | None = None,  # an Fp8TeacherWeight's (its codes are padded)
     needs_grad: list[bool],  # input, weight, bias
     # Options' fields, as the op's schema takes them:
     weight_hard_loss: float,
@@ -79,6 +82,8 @@ def fused_linear_cosine_distill_op(
         student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale, cosine_via=cosine_via,
         loss=loss,
     )
+    if teacher_scales is not None:
+        teacher_weight = Fp8TeacherWeight(teacher_weight, teacher_scales, torch.Size(teacher_shape), teacher_input.dtype)
     plan = make_plan(options, student_weight, student_bias, teacher_weight, teacher_bias, labels.numel(),
                      tuple(needs_grad))
     given = num_valid_tokens if num_valid_tokens is not None else num_valid_count
@@ -92,7 +97,7 @@ def fused_linear_cosine_distill_op(
 
 @fused_linear_cosine_distill_op.register_fake
 def _(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
-      num_valid_tokens, *, accum_dtype, needs_grad, **options):
+      num_valid_tokens, teacher_scales=None, *, accum_dtype, needs_grad, **options):
     scalars = [student_input.new_empty((), dtype=torch.float32) for _ in range(3)]
     grad_dtypes = (student_input.dtype, accum_dtype or default_accum_dtype(student_weight.dtype), torch.float32)
     grads = [
@@ -114,7 +119,8 @@ def _backward(ctx, grad_loss, _grad_soft, _grad_hard, *_grad_grads):
         (grad * grad_loss).to(dtype) if need else None  # scaled, then rounded to the leaf's dtype, as in eager
         for need, grad, dtype in zip(ctx.needs_grad, ctx.saved_tensors, ctx.dtypes)
     ]
-    return (*grads, None, None, None, None, None)  # teacher_input, teacher_weight, teacher_bias, labels, num_valid_tokens
+    # teacher_input, teacher_weight, teacher_bias, labels, num_valid_tokens, teacher_scales
+    return (*grads, None, None, None, None, None, None)
 
 
 fused_linear_cosine_distill_op.register_autograd(_backward, setup_context=_setup_context)
@@ -142,16 +148,19 @@ def compiled_distill(options: Options, student_input, student_weight, teacher_in
     grad_on = torch.is_grad_enabled()
     needs_grad = [grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias)]
     given_tensor = torch.is_tensor(num_valid_tokens)
+    quantized = isinstance(teacher_weight, Fp8TeacherWeight)
     loss, soft, hard, *_ = fused_linear_cosine_distill_op(
         student_input.reshape(-1, student_input.shape[-1]),
         student_weight,
         student_bias,
         teacher_input.reshape(-1, teacher_input.shape[-1]),
-        teacher_weight,  # backward gives it None
+        teacher_weight.codes if quantized else teacher_weight,  # backward gives it None
         teacher_bias,
         true_labels.reshape(-1).contiguous(),
         num_valid_tokens if given_tensor else None,
+        teacher_weight.scales if quantized else None,
         num_valid_count=None if given_tensor or num_valid_tokens is None else float(num_valid_tokens),
+        teacher_shape=list(teacher_weight.shape) if quantized else None,
         needs_grad=needs_grad,
         **_op_options(options),
     )

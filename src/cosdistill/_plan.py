@@ -119,9 +119,10 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
     check_accum_dtype(options.accum_dtype, student_weight.dtype)
     backend = backend_for(options.impl, student_weight.device)
     row_step = backend.jsd_row_step if options.loss == "jsd" else backend.row_step
-    if options.teacher_precision == "fp8":
+    fp8 = options.teacher_precision == "fp8" or isinstance(teacher_weight, _teacher_fp8.Fp8TeacherWeight)
+    if fp8:
         _teacher_fp8.check_supported(teacher_weight.device)
-    teacher = "fp8" if options.teacher_precision == "fp8" else "logits"
+    teacher = "fp8" if fp8 else "logits"
     if gram_applies(options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens, needs_grad,
                     vocab_parallel, teacher_gram_cached):
         teacher = "gram"
@@ -190,7 +191,7 @@ def _call_signature(options: Options, tensors, num_valid_tokens, vocab_parallel)
         return None
     signature = [id(options), torch.is_grad_enabled(), count]
     for tensor in tensors:
-        if tensor is not None and not isinstance(tensor, torch.Tensor):
+        if tensor is not None and not isinstance(tensor, (torch.Tensor, _teacher_fp8.Fp8TeacherWeight)):
             return None
         signature.append(None if tensor is None else
                          (type(tensor), tensor.shape, tensor.dtype, tensor.device, tensor.requires_grad))
@@ -291,6 +292,7 @@ def _gram_blockers(options: Options, student_weight, student_bias, teacher_weigh
         ("a student_bias or teacher_bias", student_bias is not None or teacher_bias is not None),
         ("a softcap", options.student_softcap is not None or options.teacher_softcap is not None),
         ("teacher_precision='fp8'", options.teacher_precision is not None),
+        ("an Fp8TeacherWeight", isinstance(teacher_weight, _teacher_fp8.Fp8TeacherWeight)),
         ("vocab_parallel", vocab_parallel is not None),
         ("", student_weight.dtype == torch.float16 or teacher_weight.dtype != student_weight.dtype),
     )
@@ -401,6 +403,8 @@ def check_tensors(student_input, student_weight, teacher_input, teacher_weight, 
         teacher_weight=teacher_weight, true_labels=true_labels, student_bias=student_bias, teacher_bias=teacher_bias,
     )
     for name, tensor in named.items():
+        if name == "teacher_weight" and isinstance(tensor, _teacher_fp8.Fp8TeacherWeight):
+            continue  # a head quantized once by the caller: read as its weight below
         if tensor is not None and not torch.is_tensor(tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor is None and name not in ("student_bias", "teacher_bias"):

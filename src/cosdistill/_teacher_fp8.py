@@ -1,13 +1,17 @@
-"""The teacher's logits GEMM in FP8 (e4m3) with row-wise scales: opt in with teacher_precision="fp8".
+"""The teacher's logits GEMM in FP8 (e4m3) with row-wise scales: opt in with teacher_precision="fp8", or
+pass a head quantized once by the caller (``quantize_teacher_weight``) as the teacher weight.
 
-The teacher weight is quantized once, one scale per vocabulary row, and the result is kept across
-calls while the weight is unchanged (_weight_cache.py). Each chunk's
+With teacher_precision="fp8" the teacher weight is quantized once, one scale per vocabulary row, and the
+result is kept across calls while the weight is unchanged (_weight_cache.py), its contents checked at
+every reuse; a head the caller quantized is the caller's, so nothing is cached or checked. Each chunk's
 teacher activations are quantized per token. ``torch._scaled_mm`` then computes
     logits[i, v] = (x_q[i] . w_q[v]) * scale_x[i] * scale_w[v]
 on the FP8 tensor cores of Hopper-class GPUs, with fast accumulation (``FAST_ACCUMULATION``). Shapes
 that the FP8 GEMM cannot take (a vocabulary or hidden size not divisible by 16) are zero-padded: a
 zero weight row adds a zero teacher logit, which changes neither |t|^2 nor s.t.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -71,20 +75,68 @@ def _quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 quantized_weights = WeightCache("FP8 copy", _quantize_weight)
 
 
+@dataclass(frozen=True, eq=False)
+class Fp8TeacherWeight:
+    """A teacher LM head quantized once, by ``quantize_teacher_weight``. Passed as ``teacher_weight``, the
+    teacher's logits GEMM runs in FP8 from it, as with teacher_precision="fp8" and the same numbers, but
+    nothing is cached, so no call reads the bf16 weight to check a copy (which can then be freed). It is a
+    frozen teacher's form: if the weight changes, quantize it again. For the checks it reads as the
+    head's weight would: ``shape`` (V, H), ``dtype`` (the head's, which teacher_input and the teacher
+    logits take), ``device``."""
+
+    codes: torch.Tensor  # [round16(V), round16(H)] e4m3, zero past (V, H)
+    scales: torch.Tensor  # [1, round16(V)] fp32, _scaled_mm's row-wise scale_b
+    shape: torch.Size
+    dtype: torch.dtype
+    requires_grad = False  # a frozen teacher's: no gradient reaches it
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 [V, H] weight that the FP8 GEMM sees (for references and checks)."""
+        vocab, hidden = self.shape
+        return self.codes[:vocab, :hidden].float() * self.scales[0, :vocab, None]
+
+
+def quantize_teacher_weight(weight: torch.Tensor) -> Fp8TeacherWeight:
+    """The teacher head ``weight`` [V, H] in FP8 e4m3 with one scale per vocabulary row, as
+    teacher_precision="fp8" quantizes it, to pass as ``teacher_weight`` (a vocabulary split: each rank its own
+    rows). On any device; the loss then needs a GPU with FP8 tensor cores."""
+    if not torch.is_tensor(weight) or weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float16,
+                                                                                 torch.float32):
+        shown = f"shape {tuple(weight.shape)} and dtype {weight.dtype}" if torch.is_tensor(weight) else type(weight).__name__
+        raise TypeError(f"weight must be a 2-D bfloat16, float16 or float32 tensor [vocab, hidden], got {shown}")
+    with torch.no_grad():
+        codes, scales = _quantize_weight(weight)
+    return Fp8TeacherWeight(codes, scales, torch.Size(weight.shape), weight.dtype)
+
+
 class Fp8TeacherHead:
     """Teacher logits through the FP8 GEMM; the same interface as _teacher_logits.TeacherHead."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int, backend,
+    def __init__(self, weight: torch.Tensor | Fp8TeacherWeight, bias: torch.Tensor | None, max_rows: int, backend,
                  hash_later: bool = False):
-        """max_rows: the most rows a chunk has (``start_chunk``). backend: whose quantize_rows and hash
-        (_backends.Backend). hash_later: the cached copy's content check left to the caller (``later``,
-        _weight_cache.LaterCheck), which takes its hash with the row step."""
+        """weight: the head's, quantized and cached here, or the caller's Fp8TeacherWeight. max_rows: the most
+        rows a chunk has (``start_chunk``). backend: whose quantize_rows and hash (_backends.Backend).
+        hash_later: the cached copy's content check left to the caller (``later``, _weight_cache.LaterCheck),
+        which takes its hash with the row step."""
         self.quantize = backend.quantize_rows
-        cached = quantized_weights.get(weight, backend, hash_later)
-        (self.weight_fp8, self.weight_scales), self.poison, self.later = cached.value, cached.poison, cached.later
+        if isinstance(weight, Fp8TeacherWeight):  # the caller's: nothing cached, nothing to check
+            self.weight_fp8, self.weight_scales, self.poison, self.later = weight.codes, weight.scales, None, None
+        else:
+            cached = quantized_weights.get(weight, backend, hash_later)
+            (self.weight_fp8, self.weight_scales), self.poison, self.later = cached.value, cached.poison, cached.later
         self.bias, self.logits_dtype = None if bias is None else bias.detach(), weight.dtype
         self.hidden = weight.shape[1]
-        self.vocab = self.weight_fp8.shape[0]  # padded rows give zero logits
+        self.vocab = weight.shape[0]  # the logits the row step reads
+        # The GEMM's output columns: the padded rows' logits are zeros, which the row step must not read (the JSD's
+        # softmax would count them).
+        self.buffer_columns = self.weight_fp8.shape[0]
         # A sub-chunk's GEMM reads its rows rounded up to GEMM_MULTIPLE from its start: at most this many.
         self.code_rows = max(1, max_rows) + GEMM_MULTIPLE - 1
         self.hidden_fp8 = self.hidden_scales = None  # allocated by the first chunk, after its student GEMM

@@ -23,6 +23,7 @@ class TeacherHead:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
         self.vocab, self.logits_dtype = weight.shape[0], weight.dtype
+        self.buffer_columns = self.vocab  # the GEMM's output columns: its logits alone
 
     def buffer_rows(self, rows: int) -> int:
         return rows
@@ -86,7 +87,7 @@ class LogitsTeacher:
 
     def start(self, student_input: torch.Tensor, teacher_input: torch.Tensor) -> None:
         """The logits buffers, allocated once the first student GEMM is queued."""
-        shape = (self.head.buffer_rows(self.rows.teacher), self.head.vocab)
+        shape = (self.head.buffer_rows(self.rows.teacher), self.head.buffer_columns)
         self.buffers = [torch.empty(shape, dtype=self.head.logits_dtype, device=teacher_input.device)
                         for _ in range(1 if self.side is None else 2)]
         self.teacher_input = teacher_input
@@ -118,7 +119,7 @@ class LogitsTeacher:
             else:
                 buffer, stop = self.ahead
             rows = slice(start - chunk_start, stop - chunk_start)
-            args = (student_logits[rows], self.buffers[buffer][: stop - start], labels[rows], self.scales,
+            args = (student_logits[rows], self.buffers[buffer][: stop - start, : self.head.vocab], labels[rows], self.scales,
                     token_losses[rows], write_grad, *(() if lifts is None else (lifts[rows],)))
             step = self.step if self.later is None else self._step_and_check
             if self.side is None:

@@ -1,5 +1,5 @@
 """Vocabulary-parallel heads on gloo (CPU), 2 and 3 ranks: the loss and gradients of the unsplit heads, for the
-cosine loss and the generalized JSD."""
+cosine loss and the generalized JSD, and with each rank's teacher rows quantized once (Fp8TeacherWeight)."""
 
 import datetime
 import json
@@ -11,9 +11,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import make_problem, rel_err
-from cosdistill import fused_linear_cosine_distill
+from cosdistill import fused_linear_cosine_distill, quantize_teacher_weight
 from cosdistill.api import FUSED_LOSSES
 from cosdistill.distributed import VocabParallelOptions
+from cosdistill.testing import teacher_fp8
 
 # (vocab_student, vocab_teacher, dtype): neither divisible by 2 or 3; with 3 ranks the last holds no
 # student rows; fp16 takes the lifted gradient path (grad_input summed in fp32 before its rows are lifted)
@@ -40,6 +41,7 @@ def losses_and_grads(problem, student_weight, student_bias, teacher_weight, teac
 
 def measure_rank(rank, world_size, folder):
     """Each rank compares its sharded run with the unsplit loss on the same inputs; writes errors-<rank>.json."""
+    teacher_fp8.check_supported = lambda device: None  # FP8 GEMMs run on the CPU through torch's reference
     store = dist.FileStore(os.path.join(folder, "store"), world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
@@ -66,6 +68,19 @@ def measure_rank(rank, world_size, folder):
                     "student rows": options.student_rows(problem.student_weight).shape[0],
                     "dtype": str(dtype),
                 }
+            if dtype == torch.float32:  # each rank's teacher rows quantized once by the caller: the FP8 teacher's numbers
+                for loss in ("cosine", "jsd"):
+                    want_losses, want_grads = losses_and_grads(problem, *whole, loss=loss, impl="torch",
+                                                               teacher_precision="fp8")
+                    got_losses, got_grads = losses_and_grads(
+                        problem, shards[0], shards[1], quantize_teacher_weight(shards[2]), shards[3], loss=loss,
+                        vocab_parallel=options)
+                    want_grads[1:] = [options.student_rows(grad) for grad in want_grads[1:]]
+                    errors[f"{case}, {loss}, Fp8TeacherWeight"] = {
+                        "losses": [rel_err(got, want) for got, want in zip(got_losses, want_losses)],
+                        "grads": [rel_err(got, want) for got, want in zip(got_grads, want_grads)],
+                        "dtype": str(dtype),
+                    }
         with open(os.path.join(folder, f"errors-{rank}.json"), "w") as file:
             json.dump(errors, file)
     finally:

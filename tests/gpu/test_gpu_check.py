@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import DEVICES, on_devices
-from cosdistill import fused_linear_cosine_distill
+from cosdistill import fused_linear_cosine_distill, quantize_teacher_weight
 from cosdistill.api import FUSED_LOSSES
 from cosdistill.testing import (
     TORCH_ROW_STEP,
@@ -349,6 +349,24 @@ def test_fp8_teacher_matches_float64_on_the_dequantized_teacher(device, case, lo
     got = fused_run(args, chunk_size=case.chunk_size, teacher_precision="fp8", **loss)
     want = float64_reference(quantized, **loss)
     assert_passed([compare(f"{loss['loss']} fp8 teacher vs float64", case.describe(), BF16, got, want)])
+
+
+@pytest.mark.parametrize("loss", [dict(loss="cosine"), dict(loss="jsd", beta=0.5, temperature=1.5)],
+                         ids=["cosine", "jsd"])
+@pytest.mark.parametrize("device, case", FP8_CASES)
+def test_a_quantized_teacher_head_gives_the_fp8_teacher_s_numbers(device, case, loss, monkeypatch):
+    """An Fp8TeacherWeight as teacher_weight: the losses and gradients of teacher_precision="fp8" on the weight it
+    was made from, bit for bit (the cached copy's check adds nothing to them)."""
+    fp8_or_skip(device, monkeypatch)
+    args = random_problem(case, device)
+    want = fused_run(args, chunk_size=case.chunk_size, teacher_precision="fp8", **loss)
+    want = [t.clone() for t in want[0]], [t.clone() for t in want[1]]
+    quantized = list(args)
+    quantized[3] = quantize_teacher_weight(args[3])
+    got = fused_run(quantized, chunk_size=case.chunk_size, **loss)
+    for name, a, b in zip(("loss", "soft", "hard", "grad_input", "grad_weight", "grad_bias"), [*got[0], *got[1]],
+                          [*want[0], *want[1]]):
+        assert torch.equal(a, b), (name, case.describe(), rel_err(a, b))
 
 
 @pytest.mark.gpu

@@ -158,11 +158,13 @@ def test_fp8_loss_error_is_reported_not_checked(capsys, monkeypatch):
 
     monkeypatch.setattr(bench.fp8, "check_supported", lambda device: None)
     monkeypatch.setitem(bench.TOLERANCE, torch.float32, 2e-6)  # ours' errors are below 1e-6, FP8's above 1e-5
-    code = main(TINY + ["--providers", "ours-fp8,floor", "--mode", "forward"])
+    code = main(TINY + ["--providers", "ours-fp8,ours-fp8-quantized,floor", "--mode", "forward"])
     out = capsys.readouterr().out
     assert code == 0, out
     fp8_row = next(line for line in out.splitlines() if line.startswith("| ours-fp8 | 32 | forward |"))
     assert 2e-6 < float(fp8_row.split("|")[8]) < 1e-2  # the loss err column
+    quantized_row = next(line for line in out.splitlines() if line.startswith("| ours-fp8-quantized | 32 | forward |"))
+    assert quantized_row.split("|")[8] == fp8_row.split("|")[8]  # a head quantized once: the same numbers
     assert "check: passed" in out
 
 

@@ -7,6 +7,8 @@ One process, one workload, every provider on the same tensors:
   between them: "auto"), checked as ours is;
 * ``ours-fp8`` - the same with ``teacher_precision="fp8"`` (automatic chunk size, default accumulator),
   where the device has FP8 tensor cores;
+* ``ours-fp8-quantized`` - ours-fp8's GEMMs from a teacher head quantized once before timing
+  (``quantize_teacher_weight``), passed as the teacher weight: nothing cached, nothing checked;
 * ``ours-unchecked`` / ``ours-fp8-unchecked`` - ours and ours-fp8 with the teacher caches reused without
   their content check (_weight_cache.py): the A/B of what that check costs;
 * ``ours-changing-teacher`` - ours with the teacher weight's version counter moved before every call, as
@@ -45,11 +47,11 @@ from ..api import fused_linear_cosine_distill, fused_linear_jsd
 from ..reference import NAIVE_LOSSES
 from ..testing import rel_err
 
-PROVIDERS = ("ours", "ours-logits", "ours-gram", "ours-fp8", "ours-unchecked", "ours-fp8-unchecked",
-             "ours-changing-teacher", "naive", "liger", "floor")
+PROVIDERS = ("ours", "ours-logits", "ours-gram", "ours-fp8", "ours-fp8-quantized", "ours-unchecked",
+             "ours-fp8-unchecked", "ours-changing-teacher", "naive", "liger", "floor")
 DEFAULT_PROVIDERS = ("ours", "ours-fp8", "naive", "liger", "floor")
 LOSSES = ("cosine", "jsd")
-JSD_PROVIDERS = ("ours", "ours-fp8", "naive", "liger", "floor")  # the providers with a JSD form
+JSD_PROVIDERS = ("ours", "ours-fp8", "ours-fp8-quantized", "naive", "liger", "floor")  # the providers with a JSD form
 MODES = ("full", "forward")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -129,6 +131,7 @@ class OursSetting:
     cosine_via: str = "auto"
     content_check: bool = True  # False: the teacher caches skip their content check (A/B of its cost only)
     changing_teacher: bool = False  # True: the teacher weight's version moves before every call
+    quantized_teacher: bool = False  # True: the teacher weight passed as Tensors.quantized_teacher's head
     loss: str = "cosine"  # or "jsd": fused_linear_jsd
 
 
@@ -137,6 +140,7 @@ FORCED_SETTINGS = {name: OursSetting(None, None, f"ours-{name}", cosine_via=name
 FORCED_SETTINGS["unchecked"] = OursSetting(None, None, "ours-unchecked", content_check=False)
 FORCED_SETTINGS["changing-teacher"] = OursSetting(None, None, "ours-changing-teacher", changing_teacher=True)
 FP8_UNCHECKED_SETTING = replace(FP8_SETTING, label="ours-fp8-unchecked", content_check=False)
+FP8_QUANTIZED_SETTING = OursSetting(None, None, "ours-fp8-quantized", quantized_teacher=True)
 
 
 @contextlib.contextmanager
@@ -179,6 +183,13 @@ class Tensors:
     teacher_input: torch.Tensor  # [T, Ht]
     teacher_weight: torch.Tensor  # [V, Ht]
     labels: torch.Tensor  # [T]
+    quantized_head: fp8.Fp8TeacherWeight | None = None  # teacher_weight's, made by the first call that asks
+
+    def quantized_teacher(self) -> fp8.Fp8TeacherWeight:
+        """teacher_weight quantized once, as a caller holding a frozen teacher would (it never changes here)."""
+        if self.quantized_head is None:
+            self.quantized_head = fp8.quantize_teacher_weight(self.teacher_weight)
+        return self.quantized_head
 
     def args(self):
         return self.student_input, self.student_weight, self.teacher_input, self.teacher_weight, self.labels
@@ -209,12 +220,15 @@ def ours_loss(setting: OursSetting, tensors: Tensors) -> torch.Tensor:
         torch.autograd.graph.increment_version(tensors.teacher_weight)
     if setting.loss == "jsd" and setting.cosine_via != "auto":
         raise ValueError(f"{setting.label}: the JSD has no cosine_via")
+    args = list(tensors.args())
+    if setting.quantized_teacher:
+        args[3] = tensors.quantized_teacher()
     with contextlib.nullcontext() if setting.content_check else content_checks_skipped():
         if setting.loss == "jsd":
-            return fused_linear_jsd(*tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
+            return fused_linear_jsd(*args, chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
                                     teacher_precision=setting.teacher_precision)
         return fused_linear_cosine_distill(
-            *tensors.args(), chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
+            *args, chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
             teacher_precision=setting.teacher_precision, cosine_via=setting.cosine_via,
         )
 
@@ -402,7 +416,8 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
         if liger_loss is None:
             notes.append(why_not)
     fp8_settings = []  # timed; loss error reported, not checked
-    for setting in (replace(FP8_SETTING, loss=loss), replace(FP8_UNCHECKED_SETTING, loss=loss)):
+    for setting in (replace(FP8_SETTING, loss=loss), replace(FP8_QUANTIZED_SETTING, loss=loss),
+                    replace(FP8_UNCHECKED_SETTING, loss=loss)):
         if setting.label in providers:
             try:
                 fp8.check_supported(device)
