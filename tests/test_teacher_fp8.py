@@ -8,6 +8,7 @@ import torch
 
 from conftest import make_problem, reference, rel_err
 from cosdistill import (
+    Fp8TeacherWeight,
     FusedLinearCosineDistillLoss,
     FusedLinearJSDLoss,
     fused_linear_cosine_distill,
@@ -142,6 +143,13 @@ def test_a_quantized_head_is_the_cached_copy_bit_for_bit():
         quantize_teacher_weight(torch.ones(3, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="got list"):
         quantize_teacher_weight([[1.0]])
+    with pytest.raises(ValueError, match=r"codes must be torch.float8_e4m3fn of shape \(144, 48\) for shape \(131, 40\), "
+                                         r"got torch.float8_e4m3fn \(144, 40\)"):
+        Fp8TeacherWeight(quantized.codes[:, :40], quantized.scales, quantized.shape, quantized.dtype)
+    with pytest.raises(ValueError, match=r"scales must be float32 of shape \(1, 144\) on cpu, got torch.float32 \(144, 1\)"):
+        Fp8TeacherWeight(quantized.codes, quantized.scales.t(), quantized.shape, quantized.dtype)
+    with pytest.raises(TypeError, match=r"a 2-D shape and a bfloat16, float16 or float32 dtype, got shape \(131,\)"):
+        Fp8TeacherWeight(quantized.codes, quantized.scales, torch.Size([131]), quantized.dtype)
 
 
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
@@ -200,5 +208,5 @@ def test_a_quantized_head_is_checked_as_its_weight(monkeypatch):
         fused_linear_jsd(*args[:3], quantize_teacher_weight(problem.teacher_weight[:99]), *args[4:6], None)
     with pytest.raises(ValueError, match="cosine_via='gram' cannot run with .*an Fp8TeacherWeight"):
         fused_linear_cosine_distill(*args[:5], cosine_via="gram")
-    with pytest.raises(TypeError, match="teacher_weight must be a torch.Tensor, got tuple"):
+    with pytest.raises(TypeError, match="teacher_weight must be a torch.Tensor or a cosdistill.Fp8TeacherWeight, got tuple"):
         fused_linear_jsd(*args[:3], (quantized.codes, quantized.scales), *args[4:])

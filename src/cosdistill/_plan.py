@@ -406,7 +406,8 @@ def check_tensors(student_input, student_weight, teacher_input, teacher_weight, 
         if name == "teacher_weight" and isinstance(tensor, _teacher_fp8.Fp8TeacherWeight):
             continue  # a head quantized once by the caller: read as its weight below
         if tensor is not None and not torch.is_tensor(tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+            also = " or a cosdistill.Fp8TeacherWeight" if name == "teacher_weight" else ""
+            raise TypeError(f"{name} must be a torch.Tensor{also}, got {type(tensor).__name__}")
         if tensor is None and name not in ("student_bias", "teacher_bias"):
             raise TypeError(f"{name} is required, got None")
     devices = {name: t.device for name, t in named.items() if t is not None}

@@ -90,6 +90,20 @@ class Fp8TeacherWeight:
     dtype: torch.dtype
     requires_grad = False  # a frozen teacher's: no gradient reaches it
 
+    def __post_init__(self):
+        """Made by hand, its parts must be what quantize_teacher_weight makes."""
+        if len(self.shape) != 2 or self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"Fp8TeacherWeight needs a 2-D shape and a bfloat16, float16 or float32 dtype, got shape "
+                            f"{tuple(self.shape)} and dtype {self.dtype}")
+        padded = tuple(_round_up(size, GEMM_MULTIPLE) for size in self.shape)
+        if self.codes.dtype != FP8 or tuple(self.codes.shape) != padded:
+            raise ValueError(f"Fp8TeacherWeight codes must be {FP8} of shape {padded} for shape {tuple(self.shape)}, "
+                             f"got {self.codes.dtype} {tuple(self.codes.shape)}")
+        if (self.scales.dtype != torch.float32 or tuple(self.scales.shape) != (1, padded[0])
+                or self.scales.device != self.codes.device):
+            raise ValueError(f"Fp8TeacherWeight scales must be float32 of shape (1, {padded[0]}) on {self.codes.device}, "
+                             f"got {self.scales.dtype} {tuple(self.scales.shape)} on {self.scales.device}")
+
     @property
     def device(self) -> torch.device:
         return self.codes.device
