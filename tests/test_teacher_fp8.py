@@ -137,6 +137,8 @@ def test_a_quantized_head_is_the_cached_copy_bit_for_bit():
     assert torch.equal(quantized.codes.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(quantized.scales, scales)
     assert quantized.shape == (131, 40) and quantized.dtype == torch.bfloat16 and quantized.device == weight.device
     assert torch.equal(quantized.dequantized(), fp8.dequantized(weight))
+    moved = quantized.to("meta")
+    assert moved.device.type == "meta" and moved.scales.device.type == "meta" and moved.shape == quantized.shape
     with pytest.raises(TypeError, match=r"weight must be a 2-D .* got shape \(131,\) and dtype torch.bfloat16"):
         quantize_teacher_weight(weight[:, 0])
     with pytest.raises(TypeError, match="got shape \\(3, 4\\) and dtype torch.int64"):

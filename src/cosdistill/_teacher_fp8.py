@@ -111,6 +111,10 @@ class Fp8TeacherWeight:
     def dim(self) -> int:
         return len(self.shape)
 
+    def to(self, device) -> "Fp8TeacherWeight":
+        """The same head on ``device`` (quantize where the weight is, then move the half-size codes)."""
+        return Fp8TeacherWeight(self.codes.to(device), self.scales.to(device), self.shape, self.dtype)
+
     def dequantized(self) -> torch.Tensor:
         """The fp32 [V, H] weight that the FP8 GEMM sees (for references and checks)."""
         vocab, hidden = self.shape
