@@ -392,11 +392,11 @@ def test_backward_twice_is_refused():
 
 
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
-@pytest.mark.parametrize("ignore_every", [0, 3, 1])
-def test_the_float64_reference_in_passes_equals_one_pass(monkeypatch, loss, ignore_every):
+@pytest.mark.parametrize("tokens, batch, ignore_every", [(40, 2, 0), (40, 2, 3), (40, 2, 1), (0, None, 0), (0, 2, 0)])
+def test_the_float64_reference_in_passes_equals_one_pass(monkeypatch, loss, tokens, batch, ignore_every):
     """The test oracle runs the naive version a few tokens at a time with the whole batch's N (so that the
-    seed workload's fits an 80 GB GPU); its sums equal one pass over the whole batch."""
-    problem = make_problem(tokens=40, batch=2, ignore_every=ignore_every)
+    seed workload's fits an 80 GB GPU); its sums equal one pass over the whole batch, empty batches included."""
+    problem = make_problem(tokens=tokens, batch=batch, ignore_every=ignore_every)
     options = dict(weight_hard_loss=0.3, weight_soft_loss=0.7, beta=0.4, temperature=1.7)
     upcast = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in problem.args()]
     whole = NAIVE_LOSSES[loss](*upcast, **options)

@@ -55,8 +55,9 @@ def float64_reference(args, grad_output=1.0, loss="cosine", **options):
     totals = None
     for start in range(0, max(rows, 1), REFERENCE_ROWS):
         part = slice(start, start + REFERENCE_ROWS)
-        losses = NAIVE_LOSSES[loss](student_input.reshape(rows, -1)[part], student_weight,
-                                    teacher_input.reshape(rows, -1)[part], teacher_weight, labels.reshape(-1)[part],
+        losses = NAIVE_LOSSES[loss](student_input.reshape(rows, student_weight.shape[1])[part], student_weight,
+                                    teacher_input.reshape(rows, teacher_weight.shape[1])[part], teacher_weight,
+                                    labels.reshape(-1)[part],
                                     student_bias, teacher_bias, **options)
         if losses[0].requires_grad:
             (losses[0] * grad_output).backward()
