@@ -264,10 +264,14 @@ def call(problem, **kwargs):
     return fused_linear_cosine_distill(*problem.args(), **kwargs)
 
 
-def test_mismatched_token_counts():
+def test_mismatched_token_shapes():
     problem = make_problem(tokens=10)
     problem.teacher_input = torch.randn(9, 24)
-    with pytest.raises(ValueError, match=r"token counts.*\(10, 16\).*\(9, 24\)"):
+    with pytest.raises(ValueError, match=r"token shapes differ.*\(10, 16\).*\(9, 24\)"):
+        call(problem)
+    problem = make_problem(tokens=10, batch=2)  # as many tokens, laid out otherwise
+    problem.teacher_input = torch.randn(5, 2, 24)
+    with pytest.raises(ValueError, match=r"token shapes differ.*\(2, 5, 16\).*\(5, 2, 24\)"):
         call(problem)
 
 
@@ -381,6 +385,51 @@ def test_bad_scalars_and_options():
         call(problem, accum_dtype=torch.float16)
     with pytest.raises(TypeError, match="student_input must be a torch.Tensor"):
         fused_linear_cosine_distill([1.0], *problem.args()[1:])
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+@pytest.mark.parametrize("name, value, error, message", [
+    ("weight_hard_loss", "0.5", TypeError, "weight_hard_loss must be a real number, got str"),
+    ("weight_soft_loss", float("nan"), ValueError, "weight_soft_loss must be finite, got nan"),
+    ("beta", None, TypeError, "beta must be a real number, got NoneType"),
+    ("beta", True, TypeError, "beta must be a real number, got bool"),
+    ("temperature", float("inf"), ValueError, "temperature must be finite, got inf"),
+    ("temperature", float("nan"), ValueError, "temperature must be finite, got nan"),
+    ("student_softcap", float("inf"), ValueError, "student_softcap must be finite"),
+    ("teacher_logit_scale", float("-inf"), ValueError, "teacher_logit_scale must be finite"),
+    ("ignore_index", 1.5, TypeError, "ignore_index must be an int, got float"),
+    ("ignore_index", True, TypeError, "ignore_index must be an int, got bool"),
+    ("num_valid_tokens", float("inf"), ValueError, "num_valid_tokens must be finite"),
+    ("num_valid_tokens", "8", TypeError, "num_valid_tokens must be a real number, got str"),
+])
+def test_scalar_options_must_be_finite_numbers(loss, name, value, error, message):
+    """A string, bool, None, NaN or infinity is refused by name: cast to a number it would give a NaN or, for
+    ignore_index=1.5 or True, silently ignore label 1. The module checks its options when built."""
+    from cosdistill.api import FUSED_LOSSES
+
+    problem = make_problem(tokens=9)
+    with pytest.raises(error, match=message):
+        FUSED_LOSSES[loss](*problem.args(), **{name: value})
+    if name != "num_valid_tokens":
+        module = api.FusedLinearJSDLoss if loss == "jsd" else FusedLinearCosineDistillLoss
+        with pytest.raises(error, match=message):
+            module(**{name: value})
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_scalar_options_take_any_real_number_type(loss):
+    """Ints, NumPy scalars and one-element tensors give the float's loss."""
+    import numpy as np
+
+    from cosdistill.api import FUSED_LOSSES
+
+    problem = make_problem(tokens=9, ignore_every=3)
+    want = FUSED_LOSSES[loss](*problem.args(), temperature=2.0, beta=1.0, ignore_index=-100, num_valid_tokens=5)
+    for kinds in [(2, 1, np.int64(-100), 5), (np.float32(2.0), np.float64(1.0), torch.tensor(-100), 5.0),
+                  (torch.tensor(2.0), torch.tensor(1.0), -100, torch.tensor(5))]:
+        got = FUSED_LOSSES[loss](*problem.args(), **dict(zip(["temperature", "beta", "ignore_index", "num_valid_tokens"],
+                                                              kinds)))
+        assert torch.equal(got, want), kinds
 
 
 def test_backward_twice_is_refused():

@@ -154,7 +154,7 @@ def test_the_checks_still_fail_after_a_good_call_of_the_signature():
     problem = make_problem(tokens=12)
     fused_linear_cosine_distill(*problem.args(), num_valid_tokens=5)
     for bad in (0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match="num_valid_tokens must be > 0"):
+        with pytest.raises(ValueError, match="num_valid_tokens must be (> 0|finite)"):
             fused_linear_cosine_distill(*problem.args(), num_valid_tokens=bad)
     args = list(problem.args())
     args[4] = problem.labels[:-1]

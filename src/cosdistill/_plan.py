@@ -6,6 +6,9 @@ and run it with ``run``.
 
 import dataclasses
 import functools
+import math
+import numbers
+import operator
 from typing import Protocol
 
 import torch
@@ -20,6 +23,20 @@ from ._teacher_logits import LogitsTeacher, SideStream, TeacherHead
 COSINE_VIA = ("auto", "logits", "gram")
 LOSSES = ("cosine", "jsd")  # the soft term: cosine similarity (_row_step.py) or generalized JSD (_row_step_jsd.py)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+REAL_OPTIONS = ("weight_hard_loss", "weight_soft_loss", "beta", "temperature", "student_logit_scale",
+                "teacher_logit_scale", "student_softcap", "teacher_softcap")  # the softcaps may also be None
+
+
+def check_finite_real(name: str, value) -> None:
+    """TypeError unless ``value`` is a real number (a one-element real tensor counts, read on the host), ValueError
+    unless finite: a string or a NaN would otherwise reach the row step's constants as a number."""
+    is_tensor = torch.is_tensor(value)
+    real_tensor = is_tensor and value.numel() == 1 and not (value.dtype.is_complex or value.dtype == torch.bool)
+    if isinstance(value, bool) or not (real_tensor or (not is_tensor and isinstance(value, numbers.Real))):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    number = float(value) if is_tensor else value
+    if not -math.inf < number < math.inf:  # comparisons, not math.isfinite: torch.compile traces them
+        raise ValueError(f"{name} must be finite, got {number}")
 
 
 class VocabParallel(Protocol):
@@ -58,6 +75,11 @@ class Options:
     loss: str = "cosine"
 
     def __post_init__(self):
+        for name in REAL_OPTIONS:
+            if getattr(self, name) is not None or not name.endswith("softcap"):
+                check_finite_real(name, getattr(self, name))
+        if isinstance(self.ignore_index, bool) or not _is_integer(self.ignore_index):
+            raise TypeError(f"ignore_index must be an int, got {type(self.ignore_index).__name__} {self.ignore_index!r}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         for name in ("student_softcap", "teacher_softcap"):
@@ -93,6 +115,14 @@ class Options:
             teacher_softcap=optional(self.teacher_softcap), student_logit_scale=float(self.student_logit_scale),
             teacher_logit_scale=float(self.teacher_logit_scale),
         )
+
+
+def _is_integer(value) -> bool:
+    try:
+        operator.index(value)  # ints, NumPy's and one-element integer tensors; not floats
+    except TypeError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,8 +426,10 @@ def check_vocab_parallel(vocab_parallel: VocabParallel, student_weight, teacher_
 def check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
                   ignore_index, num_valid_tokens=None):
     """The call's tensors against each other and the options (shapes, dtypes, devices: no host read)."""
-    if num_valid_tokens is not None and not torch.is_tensor(num_valid_tokens) and not num_valid_tokens > 0:
-        raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
+    if num_valid_tokens is not None and not torch.is_tensor(num_valid_tokens):
+        check_finite_real("num_valid_tokens", num_valid_tokens)
+        if not num_valid_tokens > 0:
+            raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
     named = dict(
         student_input=student_input, student_weight=student_weight, teacher_input=teacher_input,
         teacher_weight=teacher_weight, true_labels=true_labels, student_bias=student_bias, teacher_bias=teacher_bias,
@@ -438,7 +470,8 @@ def check_tensors(student_input, student_weight, teacher_input, teacher_weight, 
             )
     if teacher_input.shape[:-1] != student_input.shape[:-1]:
         raise ValueError(
-            f"token counts differ: student_input {tuple(student_input.shape)} vs teacher_input {tuple(teacher_input.shape)}"
+            f"token shapes differ: student_input {tuple(student_input.shape)} vs teacher_input {tuple(teacher_input.shape)} "
+            "(all but the hidden dimension must match)"
         )
     if true_labels.shape != student_input.shape[:-1]:
         raise ValueError(
