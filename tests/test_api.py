@@ -432,6 +432,25 @@ def test_scalar_options_take_any_real_number_type(loss):
         assert torch.equal(got, want), kinds
 
 
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_a_teacher_input_that_requires_grad_is_refused(loss):
+    """The teacher is frozen: a teacher_input in the autograd graph would silently get no gradient (and keep the
+    teacher's activations alive), so it raises. Detached, or under no_grad, it runs; a teacher weight that
+    requires grad (a frozen model's parameter left trainable) is read as a constant and gets no gradient."""
+    from cosdistill.api import FUSED_LOSSES
+
+    problem = make_problem(tokens=11)
+    problem.teacher_input = problem.teacher_input.detach().requires_grad_()
+    with pytest.raises(ValueError, match=r"teacher_input \(11, 24\) requires grad, but the teacher is frozen"):
+        FUSED_LOSSES[loss](*problem.args())
+    with torch.no_grad():
+        FUSED_LOSSES[loss](*problem.args())
+    problem.teacher_input = problem.teacher_input.detach()
+    problem.teacher_weight = problem.teacher_weight.detach().requires_grad_()
+    FUSED_LOSSES[loss](*problem.args()).backward()
+    assert problem.teacher_weight.grad is None and problem.student_weight.grad is not None
+
+
 def test_backward_twice_is_refused():
     problem = make_problem()
     loss = call(problem)

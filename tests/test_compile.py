@@ -294,6 +294,11 @@ def test_bad_options_raise_at_trace_time():
         torch.compile(TinyStudent.__call__, backend="aot_eager")(student, *data, temperature=0.0)
     with pytest.raises(ValueError, match="cosine_via must be one of"):
         torch.compile(TinyStudent.__call__, backend="aot_eager")(student, *data, cosine_via="gramm")
+    with pytest.raises(ValueError, match="temperature must be finite"):
+        torch.compile(TinyStudent.__call__, backend="aot_eager")(student, *data, temperature=float("nan"))
+    with pytest.raises(ValueError, match="teacher_input .* requires grad, but the teacher is frozen"):
+        torch.compile(TinyStudent.__call__, backend="aot_eager")(student, data[0], data[1].detach().requires_grad_(),
+                                                                          *data[2:])
     torch._dynamo.reset()
     with pytest.raises((torch._dynamo.exc.Unsupported, ValueError)) as raised:
         compiled_forward()(student, *data, temperature=0.0)

@@ -215,7 +215,7 @@ def _call_signature(options: Options, tensors, num_valid_tokens, vocab_parallel)
         return None
     if num_valid_tokens is None or isinstance(num_valid_tokens, torch.Tensor):
         count = None if num_valid_tokens is None else "tensor"  # check_tensors reads neither's value
-    elif isinstance(num_valid_tokens, (int, float)):
+    elif isinstance(num_valid_tokens, (int, float)) and not isinstance(num_valid_tokens, bool):
         count = float(num_valid_tokens)
     else:
         return None
@@ -468,6 +468,12 @@ def check_tensors(student_input, student_weight, teacher_input, teacher_weight, 
                 f"{prefix}_bias must have shape ({weight.shape[0]},) to match {prefix}_weight {tuple(weight.shape)}, "
                 f"got {tuple(bias.shape)}"
             )
+    if torch.is_grad_enabled() and teacher_input.requires_grad:
+        raise ValueError(
+            f"teacher_input {tuple(teacher_input.shape)} requires grad, but the teacher is frozen: no gradient would "
+            "reach it. Pass teacher_input.detach(), or compute the teacher under torch.no_grad() (which also frees "
+            "its activations)"
+        )
     if teacher_input.shape[:-1] != student_input.shape[:-1]:
         raise ValueError(
             f"token shapes differ: student_input {tuple(student_input.shape)} vs teacher_input {tuple(teacher_input.shape)} "
