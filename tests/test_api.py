@@ -401,6 +401,8 @@ def test_bad_scalars_and_options():
     ("ignore_index", True, TypeError, "ignore_index must be an int, got bool"),
     ("num_valid_tokens", float("inf"), ValueError, "num_valid_tokens must be finite"),
     ("num_valid_tokens", "8", TypeError, "num_valid_tokens must be a real number, got str"),
+    ("num_valid_tokens", torch.tensor([4, 4]), TypeError, r"one-element real tensor, got a torch.int64 tensor of shape \(2,\)"),
+    ("num_valid_tokens", torch.tensor(True), TypeError, "one-element real tensor, got a torch.bool tensor"),
 ])
 def test_scalar_options_must_be_finite_numbers(loss, name, value, error, message):
     """A string, bool, None, NaN or infinity is refused by name: cast to a number it would give a NaN or, for

@@ -156,6 +156,13 @@ def test_the_checks_still_fail_after_a_good_call_of_the_signature():
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="num_valid_tokens must be (> 0|finite)"):
             fused_linear_cosine_distill(*problem.args(), num_valid_tokens=bad)
+    fused_linear_cosine_distill(*problem.args(), num_valid_tokens=1)
+    with pytest.raises(TypeError, match="num_valid_tokens must be a real number, got bool"):
+        fused_linear_cosine_distill(*problem.args(), num_valid_tokens=True)  # equal to 1, but not a count
+    fused_linear_cosine_distill(*problem.args(), num_valid_tokens=torch.tensor(5))
+    for bad in (torch.tensor([5, 5]), torch.tensor(True)):
+        with pytest.raises(TypeError, match="one-element real tensor"):
+            fused_linear_cosine_distill(*problem.args(), num_valid_tokens=bad)
     args = list(problem.args())
     args[4] = problem.labels[:-1]
     with pytest.raises(ValueError, match="true_labels shape"):

@@ -213,8 +213,10 @@ def _call_signature(options: Options, tensors, num_valid_tokens, vocab_parallel)
     while it is kept."""
     if vocab_parallel is not None:
         return None
-    if num_valid_tokens is None or isinstance(num_valid_tokens, torch.Tensor):
-        count = None if num_valid_tokens is None else "tensor"  # check_tensors reads neither's value
+    if num_valid_tokens is None:
+        count = None
+    elif isinstance(num_valid_tokens, torch.Tensor):  # check_tensors reads its shape and dtype, not its value
+        count = ("tensor", num_valid_tokens.shape, num_valid_tokens.dtype)
     elif isinstance(num_valid_tokens, (int, float)) and not isinstance(num_valid_tokens, bool):
         count = float(num_valid_tokens)
     else:
@@ -426,7 +428,11 @@ def check_vocab_parallel(vocab_parallel: VocabParallel, student_weight, teacher_
 def check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
                   ignore_index, num_valid_tokens=None):
     """The call's tensors against each other and the options (shapes, dtypes, devices: no host read)."""
-    if num_valid_tokens is not None and not torch.is_tensor(num_valid_tokens):
+    if torch.is_tensor(num_valid_tokens):  # its value is read after the loss is queued (_labels.LabelCounts.wait)
+        if num_valid_tokens.numel() != 1 or num_valid_tokens.dtype in (torch.bool, torch.complex64, torch.complex128):
+            raise TypeError(f"num_valid_tokens must be a number or a one-element real tensor, got a "
+                            f"{num_valid_tokens.dtype} tensor of shape {tuple(num_valid_tokens.shape)}")
+    elif num_valid_tokens is not None:
         check_finite_real("num_valid_tokens", num_valid_tokens)
         if not num_valid_tokens > 0:
             raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
