@@ -47,6 +47,7 @@ class VocabParallel(Protocol):
     start: int
     stop: int
     vocab_student: int  # the student's whole vocabulary
+    vocab_teacher: int | None  # the teacher's whole vocabulary, where known: the shards must cover it
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...  # [ranks, *tensor.shape]
 
@@ -192,10 +193,11 @@ def checked_plan(options: Options, student_input, student_weight, teacher_input,
     if plan is not None:
         return plan
     check_tensors(*tensors, options.ignore_index, num_valid_tokens)
-    if vocab_parallel is not None:
-        check_vocab_parallel(vocab_parallel, student_weight, teacher_weight)
     needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
                        for t in (student_input, student_weight, student_bias))
+    if vocab_parallel is not None:
+        check_vocab_parallel(vocab_parallel, options, student_input, student_weight, teacher_input, teacher_weight,
+                             true_labels)
     plan = make_plan(options, student_weight, student_bias, teacher_weight, teacher_bias, true_labels.numel(),
                      needs_grad, vocab_parallel, gram_cached)
     if key is not None:
@@ -411,18 +413,74 @@ def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, voca
     return ChunkRows(student, min(teacher, student))
 
 
-def check_vocab_parallel(vocab_parallel: VocabParallel, student_weight, teacher_weight) -> None:
-    """The local weight shards against the split."""
+def check_vocab_parallel(vocab_parallel: VocabParallel, options: Options, student_input, student_weight, teacher_input,
+                         teacher_weight, true_labels) -> None:
+    """The local shards against the split, then one all-gather of a few numbers per call, read on the host: every
+    rank raises unless the ranks' teacher rows tile [0, Vt) and they see the same hidden states (by their hashes),
+    labels, vocabularies and options. A rank whose shards are wrong raises its own error, the others name it."""
     start, stop, vocab_student = vocab_parallel.start, vocab_parallel.stop, vocab_parallel.vocab_student
+    local_error = None
     if not 0 <= start < stop:
-        raise ValueError(f"vocab_parallel needs 0 <= start < stop, got start={start}, stop={stop}")
-    student_rows = max(0, min(stop, vocab_student) - start)
-    if teacher_weight.shape[0] != stop - start or student_weight.shape[0] != student_rows:
-        raise ValueError(
+        local_error = ValueError(f"vocab_parallel needs 0 <= start < stop, got start={start}, stop={stop}")
+    elif teacher_weight.shape[0] != stop - start or student_weight.shape[0] != max(0, min(stop, vocab_student) - start):
+        local_error = ValueError(
             f"vocab_parallel rows [{start}, {stop}) with vocab_student={vocab_student} need a teacher_weight shard "
-            f"of {stop - start} rows and a student_weight shard of {student_rows} rows, got "
-            f"{tuple(teacher_weight.shape)} and {tuple(student_weight.shape)}"
+            f"of {stop - start} rows and a student_weight shard of {max(0, min(stop, vocab_student) - start)} rows, "
+            f"got {tuple(teacher_weight.shape)} and {tuple(student_weight.shape)}"
         )
+    vocab_teacher = vocab_parallel.vocab_teacher
+    options_bits = torch.tensor([-1.0 if value is None else float(value) for value in dataclasses.astuple(options.scales)],
+                                dtype=torch.float64).view(torch.int64)  # compared exactly
+    row = torch.cat([
+        torch.tensor([start, stop, local_error is not None, vocab_student, -1 if vocab_teacher is None else vocab_teacher,
+                      true_labels.numel()], dtype=torch.int64),
+        options_bits,
+    ]).to(true_labels.device)
+    hashes = [_hash(student_input.reshape(-1, student_input.shape[-1])),
+              _hash(teacher_input.reshape(-1, teacher_input.shape[-1])), _hash(true_labels.reshape(-1, 1))]
+    ranks = vocab_parallel.all_gather(torch.cat([row, *hashes])).cpu().tolist()
+    if local_error is not None:
+        raise local_error
+    _check_ranks_agree([dict(zip(RANK_COLUMNS, rank)) for rank in ranks], [rank[len(RANK_COLUMNS):] for rank in ranks],
+                       vocab_teacher)
+
+
+RANK_COLUMNS = ("start", "stop", "wrong shards", "vocab_student", "vocab_teacher", "the number of tokens",
+                *(f"option {field.name}" for field in dataclasses.fields(RowStepScales)))
+HASHED = ("student_input", "teacher_input", "true_labels")  # two lanes each
+
+
+def _hash(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits' hash, [2] int64 (_fingerprint.py; the Triton kernel on a GPU)."""
+    return backend_for("triton" if tensor.is_cuda else "torch", tensor.device).fingerprint(tensor).to(torch.int64)
+
+
+def _check_ranks_agree(ranks: list[dict], hashes: list[list[int]], vocab_teacher: int | None) -> None:
+    """Raise unless the gathered rows (RANK_COLUMNS, then the HASHED tensors' lanes) describe one split of one call."""
+    wrong = [rank for rank, row in enumerate(ranks) if row["wrong shards"]]
+    if wrong:
+        raise ValueError(f"vocab_parallel: the shards of rank(s) {wrong} do not match their split (see their error)")
+    for name in RANK_COLUMNS[3:]:
+        values = [row[name] for row in ranks]
+        if len(set(values)) > 1:
+            shown = [float_of_bits(value) for value in values] if name.startswith("option") else values
+            raise ValueError(f"vocab_parallel ranks must agree on {name}, got {shown} (rank by rank)")
+    for index, name in enumerate(HASHED):
+        if len({tuple(lanes[2 * index : 2 * index + 2]) for lanes in hashes}) > 1:
+            raise ValueError(f"vocab_parallel ranks must see the same {name}: its contents differ between ranks")
+    shards = sorted((row["start"], row["stop"]) for row in ranks)
+    tiled = shards[0][0] == 0 and all(left[1] == right[0] for left, right in zip(shards, shards[1:]))
+    if not tiled or (vocab_teacher is not None and shards[-1][1] != vocab_teacher):
+        covers = "[0, Vt)" if vocab_teacher is None else f"[0, {vocab_teacher})"
+        raise ValueError(f"vocab_parallel shards must tile {covers} without gaps or overlaps, got rows {shards}")
+    if ranks[0]["vocab_student"] > shards[-1][1]:
+        raise ValueError(f"vocab_parallel vocab_student={ranks[0]['vocab_student']} exceeds the teacher's vocabulary "
+                         f"{shards[-1][1]}, which the shards cover")
+
+
+def float_of_bits(bits: int) -> float:
+    """The float64 whose bits are this int64."""
+    return torch.tensor([bits], dtype=torch.int64).view(torch.float64).item()
 
 
 def check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,

@@ -4,6 +4,7 @@ cosine loss and the generalized JSD, and with each rank's teacher rows quantized
 import datetime
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -110,10 +111,84 @@ def test_a_rank_may_hold_no_student_rows(errors_per_rank):
 
 
 class FakeSplit:
-    """The VocabParallel protocol without a process group, for the argument checks."""
+    """The VocabParallel protocol on one process without a process group, for the argument checks."""
 
-    def __init__(self, start, stop, vocab_student):
-        self.start, self.stop, self.vocab_student = start, stop, vocab_student
+    def __init__(self, start, stop, vocab_student, vocab_teacher=None):
+        self.start, self.stop, self.vocab_student, self.vocab_teacher = start, stop, vocab_student, vocab_teacher
+
+    def all_gather(self, tensor):
+        return tensor[None]
+
+    def all_reduce(self, tensor):
+        pass
+
+
+# Each a wrong set-up of two ranks: its VocabParallelOptions per rank (start, stop, vocab_student[, group,
+# vocab_teacher]) and what rank 1 changes in its call; every rank must raise the error, none may hang.
+WRONG_SETUPS = {
+    "overlapping shards": ([(0, 20, 23), (10, 31, 23)], {}, r"must tile \[0, Vt\) without gaps or overlaps"),
+    "a gap between shards": ([(0, 10, 23), (15, 31, 23)], {}, "without gaps or overlaps"),
+    "both ranks hold every row": ([(0, 31, 23), (0, 31, 23)], {}, "without gaps or overlaps"),
+    "the tail left out": ([(0, 12, 23, None, 31), (12, 25, 23, None, 31)], {}, r"must tile \[0, 31\)"),
+    "vocab_student past the teacher's rows": ([(0, 16, 23), (16, 20, 23)], {},
+                                              "vocab_student=23 exceeds the teacher's vocabulary 20"),
+    "ranks disagree on vocab_student": ([(0, 16, 23), (16, 31, 22)], {}, r"agree on vocab_student, got \[23, 22\]"),
+    "other labels on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": 1}, "same true_labels"),
+    "other teacher hidden states on one rank": ([(0, 16, 23), (16, 31, 23)], {"teacher_input": 1}, "same teacher_input"),
+    "another temperature on one rank": ([(0, 16, 23), (16, 31, 23)], {"temperature": 2.0},
+                                        r"agree on option temperature, got \[1.5, 2.0\]"),
+    "fewer tokens on one rank": ([(0, 16, 23), (16, 31, 23)], {"tokens": 19}, "agree on the number of tokens"),
+    "a wrong shard on one rank": ([(0, 16, 23), (16, 31, 23)], {"teacher_rows": 14},
+                                  r"need a teacher_weight shard|rank\(s\) \[1\]"),
+}
+
+
+def run_wrong_setups(rank, folder):
+    """Each rank runs every WRONG_SETUPS case and writes the error it raised (or "no error") to raised-<rank>.json."""
+    store = dist.FileStore(os.path.join(folder, "store"), 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        raised = {}
+        for case, (splits, change, _) in WRONG_SETUPS.items():
+            torch.manual_seed(0)
+            problem = make_problem(tokens=20, vocab_student=23, vocab_teacher=31)
+            split = VocabParallelOptions(*splits[rank])
+            teacher_input, labels = problem.teacher_input, problem.labels
+            student_input, teacher_rows = problem.student_input, split.stop - split.start
+            if rank == 1 and "labels" in change:
+                labels = labels.clone()
+                labels[3] = (labels[3] + 1) % 23
+            if rank == 1 and "teacher_input" in change:
+                teacher_input = teacher_input + 1e-3
+            if rank == 1 and "tokens" in change:
+                student_input, teacher_input, labels = (t[: change["tokens"]] for t in (student_input, teacher_input, labels))
+            if rank == 1 and "teacher_rows" in change:
+                teacher_rows = change["teacher_rows"]
+            student_rows = max(0, min(split.stop, split.vocab_student) - split.start)
+            temperature = change.get("temperature", 1.5) if rank == 1 else 1.5
+            try:
+                for loss in FUSED_LOSSES.values():
+                    loss(student_input, problem.student_weight[split.start : split.start + student_rows], teacher_input,
+                         problem.teacher_weight[split.start : split.start + teacher_rows], labels,
+                         temperature=temperature, vocab_parallel=split)
+                raised[case] = "no error"
+            except ValueError as error:
+                raised[case] = str(error)
+        with open(os.path.join(folder, f"raised-{rank}.json"), "w") as file:
+            json.dump(raised, file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_refuses_a_split_or_call_the_ranks_do_not_share(tmp_path):
+    """Shards that overlap, leave gaps or miss the teacher's tail, a student vocabulary past them, and ranks that see
+    other labels, hidden states, options or token counts: each gave a wrong loss (the same on every rank) or a
+    collective mismatch. Now every rank raises, from one all-gather before the loss."""
+    mp.spawn(run_wrong_setups, args=(str(tmp_path),), nprocs=2)
+    for rank in range(2):
+        raised = json.loads((tmp_path / f"raised-{rank}.json").read_text())
+        for case, (_, _, message) in WRONG_SETUPS.items():
+            assert re.search(message, raised[case]), f"rank {rank}, {case}: {raised[case]}"
 
 
 def test_shards_that_do_not_match_the_split_are_refused():
@@ -127,3 +202,18 @@ def test_shards_that_do_not_match_the_split_are_refused():
 def test_even_split_needs_a_process_group_and_sensible_sizes():
     with pytest.raises(ValueError, match="0 < vocab_student <= vocab_teacher"):
         VocabParallelOptions.even_split(10, 11)
+
+
+def test_a_split_checks_its_own_rows_and_the_heads_it_slices():
+    with pytest.raises(ValueError, match="0 <= start < stop"):
+        VocabParallelOptions(5, 5, 20)
+    with pytest.raises(ValueError, match="vocab_student=50, vocab_teacher=41"):
+        VocabParallelOptions(0, 20, 50, None, 41)
+    with pytest.raises(ValueError, match="vocab_teacher=41, stop=45"):
+        VocabParallelOptions(20, 45, 30, None, 41)
+    split = VocabParallelOptions(10, 20, 15, None, 41)
+    assert split.teacher_rows(torch.zeros(41, 3)).shape == (10, 3) and split.student_rows(torch.zeros(15)).shape == (5,)
+    with pytest.raises(ValueError, match=r"teacher_rows needs the full teacher head \(41 rows\), got \(40, 3\)"):
+        split.teacher_rows(torch.zeros(40, 3))
+    with pytest.raises(ValueError, match=r"student_rows needs the full student head, 15 rows, got \(16,\)"):
+        split.student_rows(torch.zeros(16))

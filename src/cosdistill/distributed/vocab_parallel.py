@@ -14,6 +14,9 @@ exp, target logit, s.t, |s|^2, |t|^2, see row_step.ROW_STATS); the statistics ar
 combined (O(tokens) traffic, never the logits), and each rank writes the gradient of its own logits.
 Every rank returns the same loss. grad_input is summed over the group inside the loss (so the hidden
 states' upstream must not all-reduce it again); grad_weight and grad_bias are each rank's own shard's.
+One all-gather per call, before the first chunk, checks that the ranks' rows tile the vocabulary and
+that they see the same tokens, labels, options and hidden states (_plan.py's ``check_vocab_parallel``):
+every rank raises otherwise.
 """
 
 from dataclasses import dataclass
@@ -24,12 +27,23 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class VocabParallelOptions:
-    """This rank's rows [start, stop) of both heads; ``vocab_student`` is the student's whole vocabulary."""
+    """This rank's rows [start, stop) of both heads; ``vocab_student`` is the student's whole vocabulary,
+    ``vocab_teacher`` the teacher's (``even_split`` sets it; given, the ranks' rows must cover it exactly)."""
 
     start: int
     stop: int
     vocab_student: int
     group: dist.ProcessGroup | None = None
+    vocab_teacher: int | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.start < self.stop:
+            raise ValueError(f"need 0 <= start < stop, got start={self.start}, stop={self.stop}")
+        within_teacher = self.vocab_teacher is None or (self.vocab_student <= self.vocab_teacher
+                                                        and self.stop <= self.vocab_teacher)
+        if self.vocab_student <= 0 or not within_teacher:
+            raise ValueError(f"need 0 < vocab_student <= vocab_teacher and stop <= vocab_teacher, got "
+                             f"vocab_student={self.vocab_student}, vocab_teacher={self.vocab_teacher}, stop={self.stop}")
 
     @classmethod
     def even_split(cls, vocab_teacher: int, vocab_student: int | None = None, group=None) -> "VocabParallelOptions":
@@ -42,14 +56,20 @@ class VocabParallelOptions:
             raise ValueError(f"cannot split a vocabulary of {vocab_teacher} over {ranks} ranks")
         base, extra = divmod(vocab_teacher, ranks)
         start = rank * base + min(rank, extra)
-        return cls(start, start + base + (rank < extra), vocab_student, group)
+        return cls(start, start + base + (rank < extra), vocab_student, group, vocab_teacher)
 
     def teacher_rows(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full teacher head weight or bias."""
+        if full.shape[0] != self.vocab_teacher and not (self.vocab_teacher is None and full.shape[0] >= self.stop):
+            raise ValueError(f"teacher_rows needs the full teacher head ({self.vocab_teacher or f'>= {self.stop}'} "
+                             f"rows), got {tuple(full.shape)}")
         return full[self.start : self.stop]
 
     def student_rows(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full student head weight or bias (none past the student's vocabulary)."""
+        if full.shape[0] != self.vocab_student:
+            raise ValueError(f"student_rows needs the full student head, {self.vocab_student} rows, got "
+                             f"{tuple(full.shape)}")
         return full[self.start : max(self.start, min(self.stop, self.vocab_student))]
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
