@@ -407,13 +407,14 @@ def test_every_model_input_of_the_batch_reaches_both_models(tmp_path):
     student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
     seen = {}
     for name, model in (("student", student), ("teacher", teacher)):
-        model.register_forward_pre_hook(lambda module, args, kwargs, _n=name: seen.setdefault(_n, set(kwargs)) and None,
+        model.register_forward_pre_hook(lambda module, args, kwargs, _n=name: seen.setdefault(_n, []).append(set(kwargs)),
                                         with_kwargs=True)
     batch = packed(dataset([5, 6]))
     trainer = make_trainer(tmp_path, student, teacher, [])
     trainer.compute_loss(student, dict(batch, token_type_ids=torch.zeros_like(batch["input_ids"])))
-    for name in ("student", "teacher"):
-        assert {"input_ids", "position_ids", "token_type_ids"} <= seen[name] and "labels" not in seen[name]
+    for name in ("student", "teacher"):  # the forward of the loss's hidden states; the other, the head's check
+        assert any({"input_ids", "position_ids", "token_type_ids"} <= kwargs for kwargs in seen[name])
+        assert all("labels" not in kwargs for kwargs in seen[name])
 
 
 def test_evaluate_logs_soft_and_hard(tmp_path):
@@ -432,6 +433,50 @@ def test_evaluate_logs_soft_and_hard(tmp_path):
     assert test_metrics["test_soft_loss"] == pytest.approx(soft.item(), rel=1e-5)
 
 
+def falcon_h1(lm_head_multiplier):
+    """A tiny Falcon-H1, which multiplies its logits by config.lm_head_multiplier (no config name the loss reads)."""
+    torch.manual_seed(0)
+    config = transformers.FalconH1Config(
+        vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1,
+        mamba_d_state=8, mamba_chunk_size=8, max_position_embeddings=64, lm_head_multiplier=lm_head_multiplier,
+        initializer_range=0.2, pad_token_id=0, tie_word_embeddings=False)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+@pytest.mark.parametrize("change", ["a logit multiplier", "logits cut to fewer columns"])
+def test_a_model_whose_logits_are_not_its_heads_output_raises(change):
+    """The loss reads the head's input and applies what the config names; a model that does more to its logits
+    (Falcon-H1's lm_head_multiplier, a vocabulary cut to its unpadded size) raises on its first call instead of
+    training on other logits (its loss was 10% off with a multiplier of 0.25)."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
+    if change == "a logit multiplier" and hasattr(transformers, "FalconH1Config"):
+        teacher, match = falcon_h1(0.25), r"teacher's logits differ .* \(relative difference 3.0e\+00\)"
+        student = tiny_model("llama", vocab=80)
+    elif change == "a logit multiplier":
+        teacher.get_output_embeddings().register_forward_hook(lambda module, args, output: output * 0.25)
+        match = "teacher's logits differ"
+    else:
+        teacher.get_output_embeddings().register_forward_hook(lambda module, args, output: output[..., :140])
+        match = r"teacher's logits \(1, 8, 140\) are not its LM head's output \(1, 8, 144\)"
+    batch = make_batch(vocab=80)
+    with pytest.raises(ValueError, match=match):
+        cosine_distill_loss(student, teacher, **batch)
+    if change == "a logit multiplier" and hasattr(transformers, "FalconH1Config"):
+        cosine_distill_loss(student, falcon_h1(1.0), **batch)  # the same family, multiplier 1: its head's output
+
+
+def test_the_head_check_runs_once_per_model():
+    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
+    calls = []
+    for model in (student, teacher):
+        model.register_forward_pre_hook(lambda module, args: calls.append(module))
+    batch = make_batch()
+    for _ in range(3):
+        cosine_distill_loss(student, teacher, **batch)
+    assert calls.count(student) == 3 + 1 and calls.count(teacher) == 3 + 1  # the loss's forwards and one probe
+
+
 def test_options_the_loss_cannot_honour_raise(tmp_path):
     student, teacher = tiny_model("llama"), tiny_model("llama", seed=1)
     with pytest.raises(ValueError, match="label_smoothing_factor=0.1"):
@@ -439,6 +484,9 @@ def test_options_the_loss_cannot_honour_raise(tmp_path):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match="compute_loss_func"):
         CosineDistillationTrainer(model=student, args=args, teacher_model=teacher, compute_loss_func=lambda *a, **k: 0)
+    # the Trainer's num_items_in_batch counts labels != -100: another ignore_index divided by the wrong count
+    with pytest.raises(ValueError, match="loss_options ignore_index=-1"):
+        CosineDistillationTrainer(model=student, args=args, teacher_model=teacher, loss_options={"ignore_index": -1})
 
 
 def test_final_hidden_states_passes_model_inputs_on():

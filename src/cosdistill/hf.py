@@ -5,6 +5,8 @@ teacher causal LM and a batch (input_ids, attention_mask, labels), computed with
 either model; ``DistillationTrainer`` is a ``transformers.Trainer`` that trains with it.
 """
 
+import weakref
+
 import torch
 
 try:
@@ -139,6 +141,46 @@ def head_inputs(model, hidden, name="model"):
     return hidden, weight, bias, getattr(config, "final_logit_softcapping", None), 1.0 if scale is None else scale
 
 
+HEAD_CHECK_TOKENS = 8  # the probe's length: enough positions to compare, too few to cost anything
+HEAD_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}  # relative, of the logits
+_heads_checked = weakref.WeakKeyDictionary()  # the models whose logits head_inputs reproduces
+
+
+def check_head_reproduces_logits(model, name="model") -> None:
+    """Raise unless ``head_inputs`` reproduces the model's own logits: on a probe of a few token ids, once per
+    model, the head's output scaled and softcapped as its config says must equal ``model(...).logits``. A family
+    that treats its logits otherwise (a multiplier under another config name, logits cut to an unpadded
+    vocabulary, ...) would otherwise get a wrong loss without a word."""
+    if model in _heads_checked:
+        return
+    head = lm_head(model, name)
+    captured = []
+    handle = head.register_forward_pre_hook(lambda _module, args: captured.append(args[0]))
+    vocab = head.weight.shape[0]
+    probe = (torch.arange(HEAD_CHECK_TOKENS, device=head.weight.device) * 7919 % vocab)[None]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=probe, use_cache=False).logits
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        hidden, weight, bias, softcap, scale = head_inputs(model, captured[-1], name)
+        ours = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float()) * scale
+        if softcap is not None:
+            ours = softcap * torch.tanh(ours / softcap)
+    if logits.shape != ours.shape:
+        raise ValueError(f"{name}'s logits {tuple(logits.shape)} are not its LM head's output {tuple(ours.shape)}: "
+                         "the model reshapes them (e.g. cuts a padded vocabulary), which the fused loss does not")
+    difference = ((ours - logits.float()).norm() / logits.float().norm().clamp(min=1e-30)).item()
+    if not difference <= HEAD_CHECK_TOLERANCE[weight.dtype]:
+        raise ValueError(
+            f"{name}'s logits differ from its LM head's output scaled and softcapped as its config says (relative "
+            f"difference {difference:.1e}): the model applies something to them that the fused loss does not know "
+            f"(e.g. a logit multiplier under another config name)"
+        )
+    _heads_checked[model] = True
+
+
 def distill_loss(
     student,
     teacher,
@@ -172,14 +214,17 @@ def distill_loss(
     model_inputs: the batch's other forward inputs, for both models (a packed batch's position_ids or
     ``cu_seq_lens_q``: they also keep each target within its sequence).
     Each model's logit scale and softcapping are applied as its config says (``head_inputs``), so the
-    loss equals the one computed from ``model(...).logits``. ``num_valid_tokens`` (e.g. the count over
-    all micro-batches of a gradient accumulation step) and ``**loss_options`` (chunk_size, impl,
-    accum_dtype, teacher_precision, cosine_via) go to the fused function.
+    loss equals the one computed from ``model(...).logits``; the first call with a model checks that on a
+    probe of a few tokens (``check_head_reproduces_logits``) and raises where it does not hold.
+    ``num_valid_tokens`` (e.g. the count over all micro-batches of a gradient accumulation step) and
+    ``**loss_options`` (chunk_size, impl, accum_dtype, teacher_precision, cosine_via) go to the fused function.
     """
     if labels is None:
         raise TypeError("labels is required, got None")
     if input_ids is None and (student_hidden is None or teacher_hidden is None):
         raise TypeError("input_ids is required unless both student_hidden and teacher_hidden are given")
+    check_head_reproduces_logits(student, "student")
+    check_head_reproduces_logits(teacher, "teacher")
     model_inputs = model_inputs or {}
     targets = next_token_targets(labels, attention_mask, ignore_index, model_inputs.get("position_ids"),
                                  model_inputs.get("cu_seq_lens_q"))
@@ -262,6 +307,10 @@ class DistillationMixin:
     ):
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError(f"{type(self).__name__} computes its own loss: compute_loss_func cannot be used with it")
+        if (loss_options or {}).get("ignore_index", -100) != -100:
+            raise ValueError(f"{type(self).__name__} does not support loss_options ignore_index="
+                             f"{loss_options['ignore_index']!r}: the Trainer counts the labels that are not -100 "
+                             "(num_items_in_batch), so the loss must ignore -100; set such labels to -100 instead")
         super().__init__(*args, **kwargs)
         check_sharding(self)
         for name, (default, why) in self.unsupported_args.items():
