@@ -80,3 +80,22 @@ def test_sft_options_the_loss_cannot_honour_raise(tmp_path, option):
     name = next(iter(option))
     with pytest.raises(ValueError, match=f"does not support {name}="):
         make_sft_trainer(tmp_path, tiny_model("llama"), tiny_model("llama", seed=1), **option)
+
+
+def tiny_mixtral(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, vocab_size=128, num_local_experts=4, num_experts_per_tok=2, initializer_range=0.2,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def test_a_moe_students_router_loss_is_refused_not_dropped(tmp_path):
+    """SFTTrainer adds a Mixture-of-Experts student's router load-balancing loss by default (the config's
+    coefficient); the distillation loss replaces the model's loss, so it raises until that is turned off (left out,
+    the step was 16% off SFTTrainer's at router_aux_loss_coef=0.5)."""
+    for config in ({}, dict(router_aux_loss_coef=0.5)):
+        with pytest.raises(ValueError, match="does not add the student's router auxiliary loss"):
+            make_sft_trainer(tmp_path, tiny_mixtral(), tiny_model("llama", seed=1), **config)
+    make_sft_trainer(tmp_path, tiny_mixtral(), tiny_model("llama", seed=1), router_aux_loss_coef=0.0).train()

@@ -98,6 +98,21 @@ def test_compute_loss_and_gradients_are_gkds(tmp_path, labels_on_padding, num_it
                 assert rel_err(grad, want_grads[name]) < 1e-5, (beta, temperature, name)
 
 
+def test_a_step_that_counted_no_item_gives_loss_0(tmp_path):
+    """num_items_in_batch counts the step's dataset labels before generation replaced them: where it is 0 the loss
+    is 0 even if the batch trained on has targets (TRL: x / 0, inf; the clamp alone gave the undivided sum)."""
+    student, teacher = models()
+    trainer = make(DistillationGKDTrainer, tmp_path, student, teacher)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
+    assert (batch["labels"][:, 1:] != -100).any()
+    for zero in (0, torch.tensor(0)):
+        loss = trainer.compute_loss(student, dict(batch), num_items_in_batch=zero)
+        loss.backward()
+        assert loss.item() == 0 and all(not grad.any() for grad in student_grads(student).values())
+        student.zero_grad()
+    assert trainer.compute_loss(student, dict(batch), num_items_in_batch=torch.tensor(5)) > 0
+
+
 def test_softcapped_and_scaled_heads_are_gkds(tmp_path):
     """A Gemma-2 student (final logit softcapping) against a Cohere teacher (a logit scale): the loss and gradients
     of GKDTrainer.compute_loss, which reads both models' own logits."""

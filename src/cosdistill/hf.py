@@ -280,6 +280,19 @@ def check_sharding(trainer) -> None:
                          "per GPU (torchrun, accelerate launch)")
 
 
+def check_no_router_aux_loss(trainer) -> None:
+    """Raise for a Mixture-of-Experts student whose router's load-balancing loss is on (config
+    ``output_router_logits`` with a nonzero ``router_aux_loss_coef``, as TRL's SFTTrainer sets by default): the
+    model adds it to its own loss, which this loss replaces, so it would silently be left out."""
+    config = trainer.accelerator.unwrap_model(trainer.model).config.get_text_config()
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0.0):
+        raise ValueError(
+            f"{type(trainer).__name__} does not add the student's router auxiliary loss (router_aux_loss_coef="
+            f"{config.router_aux_loss_coef}): train without it, with router_aux_loss_coef=0.0 (SFTConfig) or "
+            "output_router_logits=False (the model's config)"
+        )
+
+
 class DistillationMixin:
     """``distill_loss`` against a frozen teacher as the loss of a ``transformers.Trainer`` subclass
     (``DistillationTrainer`` here, ``cosdistill.trl.DistillationSFTTrainer`` for TRL): ``loss="cosine"`` (the
@@ -313,6 +326,7 @@ class DistillationMixin:
                              "(num_items_in_batch), so the loss must ignore -100; set such labels to -100 instead")
         super().__init__(*args, **kwargs)
         check_sharding(self)
+        check_no_router_aux_loss(self)
         for name, (default, why) in self.unsupported_args.items():
             if getattr(self.args, name, default) != default:
                 raise ValueError(f"{type(self).__name__} does not support {name}={getattr(self.args, name)!r}: {why}")

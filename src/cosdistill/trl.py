@@ -118,10 +118,11 @@ def _define_gkd_trainer():
         (applied differently per family) and LM heads carrying an adapter raise at construction (Gemma-2's
         ``final_logit_softcapping`` and Cohere's ``logit_scale`` are applied, with their gradients); so do
         DeepSpeed ZeRO-3, FSDP1 and torch.nn.DataParallel (``check_sharding``: the fused loss reads each head
-        whole; FSDP2 works). Where ``num_items_in_batch`` is 0 the loss is 0 (TRL's 0 / 0 is NaN). Under mixed
-        precision both heads run in the autocast dtype as the models' own heads do, with the JSD accumulated in
-        float32 (TRL takes the log-softmax of the autocast-dtype logits after accelerate casts them to float32).
-        ``loss_options`` (chunk_size, impl, accum_dtype, teacher_precision) go to ``fused_linear_jsd``.
+        whole; FSDP2 works). Where ``num_items_in_batch`` is 0 the loss is 0, also for a generated batch with
+        targets (TRL's 0 / 0 is NaN, x / 0 inf). Under mixed precision both heads run in the autocast dtype as
+        the models' own heads do, with the JSD accumulated in float32 (TRL takes the log-softmax of the
+        autocast-dtype logits after accelerate casts them to float32). ``loss_options`` (chunk_size, impl,
+        accum_dtype, teacher_precision) go to ``fused_linear_jsd``.
         """
 
         def __init__(self, *args, loss_options=None, **kwargs):
@@ -144,10 +145,13 @@ def _define_gkd_trainer():
             student = self.accelerator.unwrap_model(model)
             teacher = self.accelerator.unwrap_model(self.teacher_model)
             input_ids, attention_mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
-            if torch.is_tensor(num_items_in_batch):  # no target in the whole step: loss 0 (TRL: NaN)
-                num_items_in_batch = num_items_in_batch.clamp(min=1)
+            # No item counted in the step's dataset batches: loss 0 (TRL's x / 0: NaN or inf), also where a
+            # generated batch has targets. On the device: no host read.
+            counted = None
+            if torch.is_tensor(num_items_in_batch):
+                counted, num_items_in_batch = num_items_in_batch > 0, num_items_in_batch.clamp(min=1)
             elif num_items_in_batch is not None:
-                num_items_in_batch = max(1, num_items_in_batch)
+                counted, num_items_in_batch = num_items_in_batch > 0, max(1, num_items_in_batch)
             self.teacher_model.eval()
             with self.accelerator.autocast():
                 hidden = final_hidden_states(model, input_ids, attention_mask, lm_head(student, "student"))
@@ -160,6 +164,8 @@ def _define_gkd_trainer():
                     teacher_hidden=teacher_hidden, weight_hard_loss=0.0, weight_soft_loss=1.0, beta=self.beta,
                     temperature=1.0, num_valid_tokens=num_items_in_batch, **self.loss_options,
                 )
+            if counted is not None:
+                loss = loss * counted
             # SFTTrainer.prediction_step (predict(), or evaluate() with prediction_loss_only=False) reads
             # outputs.logits: there are none.
             return (loss, CausalLMOutputWithPast(loss=loss, logits=None)) if return_outputs else loss
