@@ -1,4 +1,5 @@
-"""Cosine distillation of Hugging Face causal LMs, from their final hidden states (needs ``transformers``).
+"""Distillation of Hugging Face causal LMs (cosine or generalized JSD), from their final hidden states (needs
+``transformers``).
 
 ``distill_loss`` is the loss of ``fused_linear_cosine_distill`` (or ``fused_linear_jsd``) for a student and a
 teacher causal LM and a batch (input_ids, attention_mask, labels), computed without the full logits of
