@@ -24,15 +24,20 @@ COSINE_VIA = ("auto", "logits", "gram")
 LOSSES = ("cosine", "jsd")  # the soft term: cosine similarity (_row_step.py) or generalized JSD (_row_step_jsd.py)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 REAL_OPTIONS = ("weight_hard_loss", "weight_soft_loss", "beta", "temperature", "student_logit_scale",
-                "teacher_logit_scale", "student_softcap", "teacher_softcap")  # the softcaps may also be None
+                "teacher_logit_scale")
+SOFTCAPS = ("student_softcap", "teacher_softcap")  # real numbers, or None
+
+
+def is_real_scalar_tensor(value) -> bool:
+    """A one-element tensor of a real dtype (not bool, not complex): read on the host, a number."""
+    return torch.is_tensor(value) and value.numel() == 1 and not (value.dtype.is_complex or value.dtype == torch.bool)
 
 
 def check_finite_real(name: str, value) -> None:
     """TypeError unless ``value`` is a real number (a one-element real tensor counts, read on the host), ValueError
     unless finite: a string or a NaN would otherwise reach the row step's constants as a number."""
     is_tensor = torch.is_tensor(value)
-    real_tensor = is_tensor and value.numel() == 1 and not (value.dtype.is_complex or value.dtype == torch.bool)
-    if isinstance(value, bool) or not (real_tensor or (not is_tensor and isinstance(value, numbers.Real))):
+    if isinstance(value, bool) or not (is_real_scalar_tensor(value) or (not is_tensor and isinstance(value, numbers.Real))):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     number = float(value) if is_tensor else value
     if not -math.inf < number < math.inf:  # comparisons, not math.isfinite: torch.compile traces them
@@ -77,16 +82,17 @@ class Options:
 
     def __post_init__(self):
         for name in REAL_OPTIONS:
-            if getattr(self, name) is not None or not name.endswith("softcap"):
-                check_finite_real(name, getattr(self, name))
+            check_finite_real(name, getattr(self, name))
         if isinstance(self.ignore_index, bool) or not _is_integer(self.ignore_index):
             raise TypeError(f"ignore_index must be an int, got {type(self.ignore_index).__name__} {self.ignore_index!r}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        for name in ("student_softcap", "teacher_softcap"):
+        for name in SOFTCAPS:
             cap = getattr(self, name)
-            if cap is not None and not cap > 0:
-                raise ValueError(f"{name} must be > 0 or None, got {cap}")
+            if cap is not None:
+                check_finite_real(name, cap)
+                if not cap > 0:
+                    raise ValueError(f"{name} must be > 0 or None, got {cap}")
         if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
                                            or self.chunk_size <= 0):
             raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
@@ -419,14 +425,14 @@ def check_vocab_parallel(vocab_parallel: VocabParallel, options: Options, studen
     rank raises unless the ranks' teacher rows tile [0, Vt) and they see the same hidden states (by their hashes),
     labels, vocabularies and options. A rank whose shards are wrong raises its own error, the others name it."""
     start, stop, vocab_student = vocab_parallel.start, vocab_parallel.stop, vocab_parallel.vocab_student
-    local_error = None
+    student_rows, local_error = max(0, min(stop, vocab_student) - start), None
     if not 0 <= start < stop:
         local_error = ValueError(f"vocab_parallel needs 0 <= start < stop, got start={start}, stop={stop}")
-    elif teacher_weight.shape[0] != stop - start or student_weight.shape[0] != max(0, min(stop, vocab_student) - start):
+    elif teacher_weight.shape[0] != stop - start or student_weight.shape[0] != student_rows:
         local_error = ValueError(
             f"vocab_parallel rows [{start}, {stop}) with vocab_student={vocab_student} need a teacher_weight shard "
-            f"of {stop - start} rows and a student_weight shard of {max(0, min(stop, vocab_student) - start)} rows, "
-            f"got {tuple(teacher_weight.shape)} and {tuple(student_weight.shape)}"
+            f"of {stop - start} rows and a student_weight shard of {student_rows} rows, got "
+            f"{tuple(teacher_weight.shape)} and {tuple(student_weight.shape)}"
         )
     vocab_teacher = vocab_parallel.vocab_teacher
     options_bits = torch.tensor([-1.0 if value is None else float(value) for value in dataclasses.astuple(options.scales)],
@@ -487,7 +493,7 @@ def check_tensors(student_input, student_weight, teacher_input, teacher_weight, 
                   ignore_index, num_valid_tokens=None):
     """The call's tensors against each other and the options (shapes, dtypes, devices: no host read)."""
     if torch.is_tensor(num_valid_tokens):  # its value is read after the loss is queued (_labels.LabelCounts.wait)
-        if num_valid_tokens.numel() != 1 or num_valid_tokens.dtype in (torch.bool, torch.complex64, torch.complex128):
+        if not is_real_scalar_tensor(num_valid_tokens):
             raise TypeError(f"num_valid_tokens must be a number or a one-element real tensor, got a "
                             f"{num_valid_tokens.dtype} tensor of shape {tuple(num_valid_tokens.shape)}")
     elif num_valid_tokens is not None:

@@ -159,12 +159,11 @@ def check_head_reproduces_logits(model, name="model") -> None:
     handle = head.register_forward_pre_hook(lambda _module, args: captured.append(args[0]))
     vocab = head.weight.shape[0]
     probe = (torch.arange(HEAD_CHECK_TOKENS, device=head.weight.device) * 7919 % vocab)[None]
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=probe, use_cache=False).logits
-    finally:
-        handle.remove()
     with torch.no_grad():
+        try:
+            logits = model(input_ids=probe, use_cache=False).logits
+        finally:
+            handle.remove()
         hidden, weight, bias, softcap, scale = head_inputs(model, captured[-1], name)
         ours = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float()) * scale
         if softcap is not None:

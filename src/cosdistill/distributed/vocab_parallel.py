@@ -60,7 +60,8 @@ class VocabParallelOptions:
 
     def teacher_rows(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full teacher head weight or bias."""
-        if full.shape[0] != self.vocab_teacher and not (self.vocab_teacher is None and full.shape[0] >= self.stop):
+        whole = full.shape[0] >= self.stop if self.vocab_teacher is None else full.shape[0] == self.vocab_teacher
+        if not whole:
             raise ValueError(f"teacher_rows needs the full teacher head ({self.vocab_teacher or f'>= {self.stop}'} "
                              f"rows), got {tuple(full.shape)}")
         return full[self.start : self.stop]
