@@ -13,7 +13,8 @@ import os
 INTERPRETER_SET_HERE = "TRITON_INTERPRET" not in os.environ
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dataclasses import dataclass  # noqa: E402
+import functools  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -168,3 +169,27 @@ def record_write_grad(monkeypatch, module) -> list:
 @pytest.fixture(params=["torch", "triton"])
 def impl(request):
     return request.param
+
+
+def run_jsd_split_stages(student, teacher, labels, scales, bounds, write_grad, lifts=False):
+    """(gradient, losses per shard, lifts per shard) of the JSD Triton step's stages over a vocabulary split at
+    the teacher's column ``bounds``, each shard a rank: every rank's stage, then the combination that
+    split_jsd_row_step_triton makes of the all-gathered [ranks, ...] between the stages. Losses and lifts are
+    NaN-poisoned."""
+    from cosdistill.testing import combine_jsd_sums, kernels
+
+    jsd = kernels.row_step_jsd_triton
+    vocab_student, poisoned = student.shape[1], functools.partial(torch.full, fill_value=float("nan"),
+                                                                  device=student.device)
+    shards = [(student[:, min(a, vocab_student):min(b, vocab_student)].clone(), teacher[:, a:b],
+               replace(scales, vocab_start=a, vocab_student_total=vocab_student)) for a, b in bounds]
+    stats = jsd.combine_shard_stats(torch.stack([jsd.jsd_shard_stats_triton(s, t, labels, shard_scales)
+                                                 for s, t, shard_scales in shards]), scales.temperature)
+    sums = combine_jsd_sums(torch.stack([jsd.jsd_shard_sums_triton(s, t, labels, stats, shard_scales, write_grad and lifts)
+                                         for s, t, shard_scales in shards]))
+    losses, shard_lifts = [], []
+    for s, t, shard_scales in shards:
+        losses.append(poisoned((len(labels), 2)))
+        shard_lifts.append(poisoned((len(labels),)) if lifts else None)
+        jsd.jsd_shard_grad_triton(s, t, labels, stats, sums, shard_scales, losses[-1], write_grad, shard_lifts[-1])
+    return torch.cat([shard[0] for shard in shards], dim=1), losses, shard_lifts

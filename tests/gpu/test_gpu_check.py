@@ -17,7 +17,7 @@ the CPU at small sizes (Triton in its interpreter) as an ordinary test.
 import pytest
 import torch
 
-from conftest import DEVICES, on_devices
+from conftest import DEVICES, on_devices, run_jsd_split_stages
 from cosdistill import fused_linear_cosine_distill, quantize_teacher_weight
 from cosdistill.api import FUSED_LOSSES
 from cosdistill.testing import (
@@ -259,6 +259,68 @@ def test_jsd_triton_fp16_lifts_match_the_spec(vocab, beta, temperature, weights)
         results[name] = lifts
     assert torch.equal(results["triton"], results["torch"])
 
+
+
+# (Vs, Vt, the teacher's column bounds of each rank): the seed's vocabulary over two ranks, a padded student over
+# three (its last shard partial, then none of its columns)
+JSD_SPLIT_CASES = {"seed over 2": (128256, 128256, [(0, 64128), (64128, 128256)]),
+                   "padded over 3": (30000, 32003, [(0, 12000), (12000, 29000), (29000, 32003)]),
+                   "a padding-only shard": (30000, 32003, [(0, 16000), (16000, 30000), (30000, 32003)])}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", JSD_SPLIT_CASES)
+@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (0.3, 2.0), (0.5, 0.7)])
+@pytest.mark.parametrize("write_grad", [True, False])
+def test_the_jsd_triton_split_stages_give_the_whole_rows_step(split, beta, temperature, write_grad):
+    """The vocabulary split's three Triton stages, each shard a rank (the combinations between them as the
+    all-gathers make them), against the unsplit Triton step and the torch spec: every shard the same losses, its
+    columns' gradient; a quarter of the rows ignored, a peaked teacher and a peaked student, NaN-poisoned losses."""
+    vocab_student, vocab_teacher, bounds = JSD_SPLIT_CASES[split]
+    rows = 37
+    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
+    student = (torch.randn(rows, vocab_student, device="cuda") * 3).to(BF16)
+    teacher = (torch.randn(rows, vocab_teacher, device="cuda") * 3).to(BF16)
+    teacher[1] *= 30
+    student[2] *= 30
+    labels = torch.randint(0, vocab_student, (rows,), device="cuda")
+    labels[::4] = -100
+    grad, losses, _ = run_jsd_split_stages(student, teacher, labels, scales, bounds, write_grad)
+    assert all(torch.equal(shard_losses, losses[0]) for shard_losses in losses)
+    ignored = labels == -100
+    assert torch.isfinite(losses[0]).all() and (losses[0][ignored] == 0).all()
+    for name, step, loss_tol in (("triton", kernels.row_step_jsd_triton.row_step_jsd_triton, 1e-5),
+                                 ("torch", row_step_jsd_torch, 2e-5)):
+        want_grad, want_losses = student.clone(), torch.full((rows, 2), POISON, device="cuda")
+        step(want_grad, teacher, labels, scales, want_losses, write_grad)
+        for column in (0, 1):
+            assert rel_err(losses[0][:, column], want_losses[:, column]) < loss_tol, (name, column)
+        if write_grad:
+            assert rel_err(grad, want_grad) < 1e-2, name
+    if write_grad:
+        assert torch.isfinite(grad.float()).all() and torch.count_nonzero(grad[ignored]) == 0
+    else:
+        assert torch.equal(grad, student)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_the_jsd_triton_split_stages_lift_fp16_rows_as_the_whole_step(beta):
+    """fp16 logits over a vocabulary split: every shard lifts a row by the unsplit Triton step's power of two."""
+    rows, vocab = 23, 128256
+    scales = RowStepScales(0.0, 1.0, beta, 1.3, -100, student_softcap=30.0, teacher_logit_scale=1.3)
+    student = (torch.randn(rows, vocab, device="cuda") * 3).to(FP16)
+    teacher = (torch.randn(rows, vocab, device="cuda") * 3).to(FP16)
+    labels = torch.randint(0, vocab, (rows,), device="cuda")
+    labels[::4] = -100
+    grad, _, lifts = run_jsd_split_stages(student, teacher, labels, scales, [(0, 50000), (50000, vocab)], True,
+                                          lifts=True)
+    whole, whole_lifts = student.clone(), torch.full((rows,), POISON, device="cuda")
+    kernels.row_step_jsd_triton.row_step_jsd_triton(whole, teacher, labels, scales,
+                                                    torch.empty(rows, 2, device="cuda"), True, grad_lifts=whole_lifts)
+    assert (whole_lifts > 1).any()
+    assert all(torch.equal(shard_lifts, whole_lifts) for shard_lifts in lifts)
+    torch.testing.assert_close(grad.float(), whole.float(), rtol=1e-2, atol=1e-4)
 
 LOSS_CASES = on_devices([
     LossCase(30, 3203, 3203, 32, FP32, True, 7, 13),

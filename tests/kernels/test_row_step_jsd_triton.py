@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosdistill.testing import RowStepScales, kernels, rel_err, row_step_jsd_torch, row_step_jsd_triton
+from conftest import run_jsd_split_stages
+from cosdistill.testing import (
+    RowStepScales,
+    kernels,
+    rel_err,
+    row_step_jsd_torch,
+    row_step_jsd_triton,
+)
 
 jsd_kernel = kernels.row_step_jsd_triton
 
@@ -321,6 +328,82 @@ def test_fp16_lifts_match_the_spec(beta, temperature, weights):
     torch.testing.assert_close(results["triton"][0].float(), results["torch"][0].float(), rtol=1e-2, atol=1e-4)
 
 
+
+SPLITS = {  # Vs = 130, Vt = 157: the last shard's student columns partial, then none
+    "student across three shards": [(0, 50), (50, 120), (120, 157)],
+    "a shard of padding only": [(0, 64), (64, 130), (130, 157)],
+}
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("write_grad", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+@pytest.mark.parametrize("beta", BETAS)
+def test_the_split_stages_give_the_whole_rows_step(beta, temperature, write_grad, split):
+    """Over a vocabulary split, every shard's losses are the whole row's and its gradient the whole row's
+    columns (against the spec on the unsplit logits): labels in each shard, ignored and out of range."""
+    generator = torch.Generator().manual_seed(int(10 * beta) + int(temperature) + 7 * write_grad)
+    student, teacher = torch.randn(9, 130, generator=generator) * 3, torch.randn(9, 157, generator=generator) * 3
+    labels = torch.tensor([0, 49, 50, 119, IGNORE, 125, 129, 130, 77])  # 130: past the student's vocabulary
+    scales = RowStepScales(0.37, 0.81, beta, temperature, IGNORE)
+    grad, losses, _ = run_jsd_split_stages(student, teacher, labels, scales, SPLITS[split], write_grad)
+    expected_grad, expected_losses = student.clone(), torch.empty(9, 2)
+    row_step_jsd_torch(expected_grad, teacher, labels, scales, expected_losses, write_grad)
+    for shard_losses in losses:
+        assert torch.equal(shard_losses, losses[0])  # every rank returns the same loss
+    if write_grad:
+        assert_matches_spec((grad, losses[0]), (expected_grad, expected_losses), ignored(labels, 130), torch.float32)
+    else:
+        assert torch.equal(grad, student)
+        assert rel_err(losses[0], expected_losses) < TOLERANCE[torch.float32][0]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_the_split_stages_with_softcaps_scales_and_bf16(beta):
+    generator = torch.Generator().manual_seed(int(10 * beta) + 3)
+    student = (torch.randn(9, 130, generator=generator) * 4).bfloat16()
+    teacher = (torch.randn(9, 157, generator=generator) * 4).bfloat16()
+    labels = torch.tensor([0, 49, 50, 119, IGNORE, 125, 129, 130, 77])
+    for temperature in (1.0, 1.7):
+        scales = RowStepScales(0.37, 0.81, beta, temperature, IGNORE, student_softcap=4.0, teacher_softcap=3.0,
+                               student_logit_scale=0.5, teacher_logit_scale=1.5)
+        grad, losses, _ = run_jsd_split_stages(student, teacher, labels, scales, SPLITS["a shard of padding only"], True)
+        expected_grad, expected_losses = student.clone(), torch.empty(9, 2)
+        row_step_jsd_torch(expected_grad, teacher, labels, scales, expected_losses, True)
+        assert_matches_spec((grad, losses[0]), (expected_grad, expected_losses), ignored(labels, 130), torch.bfloat16)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_the_split_stages_lift_fp16_rows_as_the_whole_step(beta):
+    """Every shard lifts a row by the unsplit kernel's power of two: the largest bracket travels with the sums."""
+    generator = torch.Generator().manual_seed(int(10 * beta) + 11)
+    student = (torch.randn(7, 3000, generator=generator) * 3).half()
+    teacher = (torch.randn(7, 3013, generator=generator) * 3).half()
+    labels = labels_for(7, 3000, generator)
+    scales = RowStepScales(0.0, 0.05, beta, 0.6, IGNORE)
+    grad, _, lifts = run_jsd_split_stages(student, teacher, labels, scales, [(0, 1000), (1000, 2900), (2900, 3013)], True,
+                               lifts=True)
+    whole, whole_lifts = student.clone(), torch.full((7,), float("nan"))
+    row_step_jsd_triton(whole, teacher, labels, scales, torch.empty(7, 2), True, grad_lifts=whole_lifts)
+    assert (whole_lifts > 1).any(), whole_lifts  # the lifts are in play
+    for shard_lifts in lifts:
+        assert torch.equal(shard_lifts, whole_lifts)
+    torch.testing.assert_close(grad.float(), whole.float(), rtol=1e-2, atol=1e-4)
+
+
+def test_the_split_row_step_over_one_rank_is_the_whole_step():
+    """split_jsd_row_step_triton itself, its all-gathers over a group of one."""
+    generator = torch.Generator().manual_seed(2)
+    student, teacher = torch.randn(7, 101, generator=generator) * 3, torch.randn(7, 120, generator=generator) * 3
+    labels = labels_for(7, 101, generator)
+    scales = RowStepScales(0.37, 0.81, 0.5, 1.3, IGNORE)
+    got, got_losses = student.clone(), torch.full((7, 2), float("nan"))
+    jsd_kernel.split_jsd_row_step_triton(lambda tensor: tensor[None])(got, teacher, labels, scales, got_losses, True)
+    expected, expected_losses = student.clone(), torch.empty(7, 2)
+    row_step_jsd_torch(expected, teacher, labels, scales, expected_losses, True)
+    assert_matches_spec((got, got_losses), (expected, expected_losses), ignored(labels, 101), torch.float32)
+
+
 COMPILE_FOR_HOPPER = """
 import itertools
 import triton
@@ -349,6 +432,29 @@ for logits, mode, shared, write_grad in variants:
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=jsd.DEFAULT_WARPS))
     print(logits, mode, shared, write_grad, len(compiled.asm["cubin"]), compiled.asm["ptx"].count("cp.async.cg"))
+
+# The vocabulary split's three stages: stage 1 per SHARED, stage 2 per MODE (with LIFT's bracket for fp16), stage 3
+# per MODE x SHARED with gradients (bf16) and per MODE with the lifted gradient (fp16)
+split_variants = [
+    *[(jsd._jsd_shard_stats_kernel, "*bf16", dict(SHARED=shared), jsd.LOSS_ONLY_WARPS) for shared in (True, False)],
+    *[(jsd._jsd_shard_sums_kernel, logits, dict(MODE=mode, LIFT=logits == "*fp16"), jsd.LOSS_ONLY_WARPS)
+      for logits in ("*bf16", "*fp16") for mode in (0, 1, 2)],
+    *[(jsd._jsd_shard_grad_kernel, "*bf16", dict(MODE=mode, SHARED=shared, WRITE_GRAD=True, LIFT=False),
+       jsd.DEFAULT_WARPS) for mode in (0, 1, 2) for shared in (True, False)],
+    *[(jsd._jsd_shard_grad_kernel, "*fp16", dict(MODE=mode, SHARED=False, WRITE_GRAD=True, LIFT=True),
+       jsd.DEFAULT_WARPS) for mode in (0, 1, 2)],
+]
+for kernel, logits, flags, num_warps in split_variants:
+    constants = dict(**flags, BLOCK=jsd.DEFAULT_BLOCK, STAGES=jsd.DEFAULT_STAGES, STUDENT_CAP=False, TEACHER_CAP=False,
+                     student_scale=None, teacher_scale=None)
+    types = dict(student_ptr=logits, teacher_ptr=logits, labels_ptr="*i64", stats_ptr="*fp32", sums_ptr="*fp32",
+                 losses_ptr="*fp32", lifts_ptr="*fp32", **{name: "i32" for name in ints})
+    signature = {name: "constexpr" if name in constants else types.get(name, "fp32") for name in kernel.arg_names}
+    constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned if name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps))
+    print(kernel.__name__, logits, *flags.values(), len(compiled.asm["cubin"]), compiled.asm["ptx"].count("cp.async.cg"))
 """
 
 
@@ -419,8 +525,8 @@ def test_caps_and_scales_are_rounded_before_any_difference():
 
 def test_every_variant_compiles_for_hopper():
     """The interpreter skips Triton's front end and PTX: each MODE x SHARED x WRITE_GRAD for bf16 logits, each
-    MODE for fp32 and each MODE x SHARED for fp16's lifted gradient, through the real compiler (no GPU needed),
-    with the hot loops' loads prefetched (cp.async)."""
+    MODE for fp32 and each MODE x SHARED for fp16's lifted gradient, and the vocabulary split's stages, through the
+    real compiler (no GPU needed), with the hot loops' loads prefetched (cp.async)."""
     lines = compiled_for_hopper(COMPILE_FOR_HOPPER)
-    assert len(lines) == 21 and all(int(line[-2]) > 0 and int(line[-1]) > 0 for line in lines), lines
+    assert len(lines) == 21 + 17 and all(int(line[-2]) > 0 and int(line[-1]) > 0 for line in lines), lines
 

@@ -23,10 +23,9 @@ import torch
 
 from .._fingerprint import LANE_KEYS, MASK
 from .._row_step import RowStepImpl, RowStepScales
-from .._row_step_jsd import split_jsd_row_step
 from . import row_step_cuda
 from .row_step_cuda import MAX_SHARED_BYTES, Layout, _blocks_per_sm, _shared_bytes, _slice_vecs
-from .row_step_jsd_triton import MIXED, _check_scales, mode_of, row_step_jsd_triton
+from .row_step_jsd_triton import MIXED, _check_scales, mode_of, row_step_jsd_triton, split_jsd_row_step_triton
 from .row_step_triton import LOG2E
 
 _SOURCE = row_step_cuda.cuda_source("row_step_jsd.cu")
@@ -157,6 +156,6 @@ def row_step_jsd_cuda_hashing(student_logits, teacher_logits, labels, scales: Ro
     return partials
 
 
-# A vocabulary split over ranks runs the spec's three stages (split_jsd_row_step).
-CUDA_JSD_ROW_STEP = RowStepImpl(row_step_jsd_cuda, None, None, split=split_jsd_row_step,
+# A vocabulary split over ranks runs the Triton step's three stages (the cluster kernel has no split form).
+CUDA_JSD_ROW_STEP = RowStepImpl(row_step_jsd_cuda, None, None, split=split_jsd_row_step_triton,
                                 hashing_step=row_step_jsd_cuda_hashing)

@@ -20,11 +20,12 @@ product left to FMA contraction would be exact in s - max but rounded in the max
 
 import math
 
+import torch
 import triton
 import triton.language as tl
 
 from .._row_step import RowStepImpl, RowStepScales
-from .._row_step_jsd import split_jsd_row_step
+from .._row_step_jsd import combine_jsd_sums
 from .row_step_triton import (
     INTERPRET,
     LOG2E,
@@ -102,9 +103,11 @@ def _online_two(run_max, sum_x, sum_z, v, x_scale, z_scale):
 
 @triton.jit
 def _row_total(run_max, run_sum, scale):
-    """(max, sum of 2^((v - max) scale)) of the row from its lanes'; a lane that saw nothing holds (-inf, 0)."""
+    """(max, sum of 2^((v - max) scale)) of the row from its lanes'; a lane that saw nothing holds (-inf, 0), and
+    a row that saw nothing (a vocabulary split's shard without student columns) gives (-inf, 0), not NaN."""
     row_max = tl.max(run_max, axis=0)
-    return row_max, tl.sum(run_sum * tl.exp2((run_max - row_max) * scale), axis=0)
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    return row_max, tl.sum(run_sum * tl.exp2((run_max - shift) * scale), axis=0)
 
 
 @triton.jit
@@ -224,6 +227,190 @@ def _row_lift(lift_row, weight_hard, soft_coef, largest_bracket, largest_p, row_
 
 
 @triton.jit
+def _row_sums_of_exps(student_row, teacher_row, vocab_student, vocab_teacher, x_scale, z_scale, student_cap,
+                      teacher_cap, student_scale, teacher_scale, SHARED: tl.constexpr, STUDENT_CAP: tl.constexpr,
+                      TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Pass 1: (top_s, total_x, total_z, top_t, total_y), each model's row max and sum of exponentials over the
+    given columns: the student's at T (x) and, unless T == 1 where it is the same stream, unscaled (z); the
+    teacher's at T (y). A student with no columns here gives (-inf, 0). The hot loop runs without masks."""
+    offsets = tl.arange(0, BLOCK)
+    whole_blocks_stop = vocab_student - vocab_student % BLOCK
+    max_s = tl.full([BLOCK], float("-inf"), tl.float32)
+    sum_x = tl.zeros([BLOCK], tl.float32)
+    sum_z = tl.zeros([BLOCK], tl.float32)
+    max_t = tl.full([BLOCK], float("-inf"), tl.float32)
+    sum_y = tl.zeros([BLOCK], tl.float32)
+    for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
+        cols = start + offsets
+        s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
+        t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
+        if SHARED:
+            max_s, sum_x = _online(max_s, sum_x, s, x_scale)
+        else:
+            max_s, sum_x, sum_z = _online_two(max_s, sum_x, sum_z, s, x_scale, z_scale)
+        max_t, sum_y = _online(max_t, sum_y, t, x_scale)
+    for start in range(whole_blocks_stop, vocab_teacher, BLOCK):  # the student's last block, the teacher's rest
+        cols = start + offsets
+        in_student = cols < vocab_student
+        in_teacher = cols < vocab_teacher
+        s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
+        t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
+        # A lane past a vocabulary keeps its state (its 0s computed nothing NaN).
+        if SHARED:
+            new_max, new_sum_x = _online(max_s, sum_x, s, x_scale)
+        else:
+            new_max, new_sum_x, new_sum_z = _online_two(max_s, sum_x, sum_z, s, x_scale, z_scale)
+            sum_z = tl.where(in_student, new_sum_z, sum_z)
+        max_s = tl.where(in_student, new_max, max_s)
+        sum_x = tl.where(in_student, new_sum_x, sum_x)
+        new_max, new_sum_y = _online(max_t, sum_y, t, x_scale)
+        max_t = tl.where(in_teacher, new_max, max_t)
+        sum_y = tl.where(in_teacher, new_sum_y, sum_y)
+    top_s, total_x = _row_total(max_s, sum_x, x_scale)
+    top_t, total_y = _row_total(max_t, sum_y, x_scale)
+    if SHARED:
+        total_z = total_x
+    else:
+        total_z = _row_total(max_s, sum_z, z_scale)[1]
+    return top_s, total_x, total_z, top_t, total_y
+
+
+@triton.jit
+def _with_padding(top_s, total_x, padding, x_scale):
+    """(shift_x, total): the student's soft normaliser, log2 p = (s - shift_x) x_scale - log2(total), with the
+    padding's zeros joined in (not the hard term's). The max keeps the padding's exponential finite in rows
+    without padding, where it is multiplied by 0."""
+    shift_x = tl.where(padding > 0, tl.maximum(top_s, 0.0), top_s)
+    total = total_x * tl.exp2((top_s - shift_x) * x_scale) + padding * tl.exp2(-tl.maximum(shift_x, 0.0) * x_scale)
+    return shift_x, total
+
+
+@triton.jit
+def _inv_ratio(top_s, shift_x, x_scale, norm_x, norm_z, SHARED: tl.constexpr):
+    """With SHARED (T == 1), p / softmax(s) on the student's columns (<= 1; 1 without padding); else unused, the
+    two being independent exponentials."""
+    if SHARED:
+        return tl.exp2((top_s - shift_x) * x_scale + (norm_z - norm_x))
+    else:
+        return tl.full([], 1.0, tl.float32)
+
+
+@triton.jit
+def _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale, z_scale, shift_x, norm_x, top_t,
+                    norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum, keep, beta, lift,
+                    student_cap, teacher_cap, student_scale, teacher_scale, MODE: tl.constexpr, SHARED: tl.constexpr,
+                    LIFT: tl.constexpr, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr,
+                    STAGES: tl.constexpr):
+    """Pass 3: the row's gradient over the student's columns, over its logits (_grad; times ``lift`` with LIFT)."""
+    offsets = tl.arange(0, BLOCK)
+    whole_blocks_stop = vocab_student - vocab_student % BLOCK
+    for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
+        cols = start + offsets
+        s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
+        t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
+        a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
+        grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
+                        row_sum, keep, beta, MODE, SHARED, MASKED=False)
+        grad = _lifted(_through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP), lift, LIFT)
+        tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
+    for start in range(whole_blocks_stop, vocab_student, BLOCK):  # the last, partial block
+        cols = start + offsets
+        in_student = cols < vocab_student
+        s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
+        t = _load_logits(teacher_row, cols, in_student, teacher_scale, teacher_cap, TEACHER_CAP)
+        a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
+        grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
+                        row_sum, keep, beta, MODE, SHARED, MASKED=True)
+        grad = _lifted(_through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP), lift, LIFT)
+        tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_student)
+
+
+@triton.jit
+def _soft_sums(student_row, teacher_row, vocab_student, vocab_teacher, x_scale, shift_x, norm_x, top_t, norm_y, keep,
+               beta, student_cap, teacher_cap, student_scale, teacher_scale, MODE: tl.constexpr, LIFT: tl.constexpr,
+               STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Pass 2 without the gradient: (student_sum, teacher_sum, largest_bracket) over the given columns, the sums of
+    _soft_terms (the student's, sum p (a - x) with x = b or log2 m, is also the gradient's row sum) and with LIFT
+    the largest |_soft_bracket| over the student's columns (0 without). The student's zero padding counts."""
+    offsets = tl.arange(0, BLOCK)
+    whole_blocks_stop = vocab_student - vocab_student % BLOCK
+    largest_bracket = tl.zeros([BLOCK], tl.float32)
+    student_part = tl.zeros([BLOCK], tl.float32)
+    teacher_part = tl.zeros([BLOCK], tl.float32)
+    for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
+        cols = start + offsets
+        s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
+        t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
+        a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
+        student_term, teacher_term = _soft_terms(a, b, d, keep, beta, MODE)
+        student_part += student_term
+        teacher_part += teacher_term
+        if LIFT:
+            largest_bracket = tl.maximum(largest_bracket, tl.abs(_soft_bracket(a, b, d, student_term, MODE)))
+    for start in range(whole_blocks_stop, vocab_teacher, BLOCK):  # s is 0 on [Vs, Vt): the padding counts
+        cols = start + offsets
+        in_student = cols < vocab_student
+        in_teacher = cols < vocab_teacher
+        s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
+        t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
+        a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
+        student_term, teacher_term = _soft_terms(a, b, d, keep, beta, MODE)
+        student_part += tl.where(in_teacher, student_term, 0.0)
+        teacher_part += tl.where(in_teacher, teacher_term, 0.0)
+        if LIFT:  # over the student's columns: the padding has no gradient
+            bracket = tl.abs(_soft_bracket(a, b, d, student_term, MODE))
+            largest_bracket = tl.where(in_student, tl.maximum(largest_bracket, bracket), largest_bracket)
+    return tl.sum(student_part, axis=0), tl.sum(teacher_part, axis=0), tl.max(largest_bracket, axis=0)
+
+
+@triton.jit
+def _soft_loss(student_sum, teacher_sum, keep, MODE: tl.constexpr):
+    """The soft term in nats from _soft_sums' sums."""
+    if MODE == FORWARD:
+        soft = teacher_sum
+    elif MODE == REVERSE:
+        soft = student_sum
+    else:
+        soft = keep * student_sum + teacher_sum
+    return soft * LN2
+
+
+@triton.jit
+def _lift_and_write_row_grad(student_row, teacher_row, lift_row, vocab_student, label_col, x_scale, z_scale, shift_x,
+                             norm_x, top_t, norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, student_sum,
+                             largest_bracket, keep, beta, student_cap, teacher_cap, student_scale, teacher_scale,
+                             MODE: tl.constexpr, SHARED: tl.constexpr, LIFT: tl.constexpr, STUDENT_CAP: tl.constexpr,
+                             TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Pass 3 from the row's whole sums: with LIFT its power of two (stored at ``lift_row``), then the gradient."""
+    if MODE == MIXED:
+        gap_scale = keep  # g = (1 - beta) (a - log m)
+    else:
+        gap_scale = 1.0
+    log_coef = soft_coef * gap_scale * LN2
+    lift = 1.0
+    if LIFT:
+        row_sum = 0.0  # sum_j p_j g_j in nats, which FORWARD's bracket p - q does not take
+        if MODE != FORWARD:
+            row_sum = LN2 * gap_scale * student_sum
+        largest_p = tl.exp2((top_s - shift_x) * x_scale - norm_x)
+        lift = _row_lift(lift_row, weight_hard, soft_coef, gap_scale * largest_bracket, largest_p, row_sum,
+                         student_scale)
+    _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale, z_scale, shift_x, norm_x, top_t,
+                    norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, student_sum, keep, beta, lift,
+                    student_cap, teacher_cap, student_scale, teacher_scale, MODE, SHARED, LIFT, STUDENT_CAP,
+                    TEACHER_CAP, BLOCK, STAGES)
+
+
+@triton.jit
+def _zero_row(student_row, vocab_student, BLOCK: tl.constexpr):
+    """An ignored token's gradient: 0 over the student's columns."""
+    offsets = tl.arange(0, BLOCK)
+    for start in range(0, vocab_student, BLOCK):
+        cols = start + offsets
+        tl.store(student_row + cols, tl.zeros([BLOCK], student_row.dtype.element_ty), mask=cols < vocab_student)
+
+
+@triton.jit
 def _jsd_row_step_kernel(
     student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, losses_ptr, lifts_ptr,
     vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
@@ -249,157 +436,69 @@ def _jsd_row_step_kernel(
     else:
         z_scale = LOG2E  # the unscaled student, for the hard term
     if valid:
-        # Pass 1: the student's and the teacher's running max and sums of exps (the student's at T and, unless
-        # T == 1, unscaled); hot loop without masks.
-        max_s = tl.full([BLOCK], float("-inf"), tl.float32)
-        sum_x = tl.zeros([BLOCK], tl.float32)
-        sum_z = tl.zeros([BLOCK], tl.float32)
-        max_t = tl.full([BLOCK], float("-inf"), tl.float32)
-        sum_y = tl.zeros([BLOCK], tl.float32)
-        for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
-            cols = start + offsets
-            s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
-            t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
-            if SHARED:
-                max_s, sum_x = _online(max_s, sum_x, s, x_scale)
-            else:
-                max_s, sum_x, sum_z = _online_two(max_s, sum_x, sum_z, s, x_scale, z_scale)
-            max_t, sum_y = _online(max_t, sum_y, t, x_scale)
-        for start in range(whole_blocks_stop, vocab_teacher, BLOCK):  # the student's last block, the teacher's rest
-            cols = start + offsets
-            in_student = cols < vocab_student
-            in_teacher = cols < vocab_teacher
-            s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
-            t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
-            # A lane past a vocabulary keeps its state (its 0s computed nothing NaN).
-            if SHARED:
-                new_max, new_sum_x = _online(max_s, sum_x, s, x_scale)
-            else:
-                new_max, new_sum_x, new_sum_z = _online_two(max_s, sum_x, sum_z, s, x_scale, z_scale)
-                sum_z = tl.where(in_student, new_sum_z, sum_z)
-            max_s = tl.where(in_student, new_max, max_s)
-            sum_x = tl.where(in_student, new_sum_x, sum_x)
-            new_max, new_sum_y = _online(max_t, sum_y, t, x_scale)
-            max_t = tl.where(in_teacher, new_max, max_t)
-            sum_y = tl.where(in_teacher, new_sum_y, sum_y)
-        top_s, total_x = _row_total(max_s, sum_x, x_scale)
-        top_t, total_y = _row_total(max_t, sum_y, x_scale)
-        if SHARED:
-            total_z = total_x
-        else:
-            total_z = _row_total(max_s, sum_z, z_scale)[1]
-        # The padding's zeros join the student's soft normaliser (not the hard term's). The max keeps the
-        # padding's exponential finite in rows without padding, where it is multiplied by 0.
-        shift_x = tl.where(padding > 0, tl.maximum(top_s, 0.0), top_s)
-        total_padded = (total_x * tl.exp2((top_s - shift_x) * x_scale)
-                        + padding * tl.exp2(-tl.maximum(shift_x, 0.0) * x_scale))
+        top_s, total_x, total_z, top_t, total_y = _row_sums_of_exps(
+            student_row, teacher_row, vocab_student, vocab_teacher, x_scale, z_scale, student_cap, teacher_cap,
+            student_scale, teacher_scale, SHARED, STUDENT_CAP, TEACHER_CAP, BLOCK, STAGES)
+        shift_x, total_padded = _with_padding(top_s, total_x, padding, x_scale)
         norm_x = tl.log2(total_padded)  # log2 p = (s - shift_x) x_scale - norm_x
         norm_y = tl.log2(total_y)  # log2 q = (t - top_t) x_scale - norm_y
         norm_z = tl.log2(total_z)  # log2 softmax(s) = (s - top_s) z_scale - norm_z
-        if SHARED:  # p / softmax(s) on the student's columns (<= 1; 1 without padding)
-            inv_ratio = tl.exp2((top_s - shift_x) * x_scale + (norm_z - norm_x))
-        else:  # unused: the two are independent exponentials
-            inv_ratio = tl.full([], 1.0, tl.float32)
+        inv_ratio = _inv_ratio(top_s, shift_x, x_scale, norm_x, norm_z, SHARED)
         target = _load_logits(student_row, label_col, label_col >= 0, student_scale, student_cap, STUDENT_CAP)
         hard_loss = (top_s - target) + LN2 * norm_z  # logsumexp(s) - s[label]
 
         # Pass 2: the soft sums, and for FORWARD with gradients the gradient (the target is read above).
         # With LIFT the gradient waits for pass 3 (in FORWARD too): its bound needs the whole row's brackets.
-        largest_bracket = tl.zeros([BLOCK], tl.float32)
-        student_part = tl.zeros([BLOCK], tl.float32)
-        teacher_part = tl.zeros([BLOCK], tl.float32)
-        for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
-            cols = start + offsets
-            s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
-            t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
-            a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
-            if WRITE_GRAD and MODE == FORWARD and not LIFT:
-                grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
-                                   0.0, keep, beta, MODE, SHARED, MASKED=False)
-                teacher_part += term
-                tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
-                    student_row.dtype.element_ty))
-            else:
-                student_term, teacher_term = _soft_terms(a, b, d, keep, beta, MODE)
-                student_part += student_term
-                teacher_part += teacher_term
-                if LIFT:
-                    largest_bracket = tl.maximum(largest_bracket, tl.abs(_soft_bracket(a, b, d, student_term, MODE)))
-        for start in range(whole_blocks_stop, vocab_teacher, BLOCK):  # s is 0 on [Vs, Vt): the padding counts
-            cols = start + offsets
-            in_student = cols < vocab_student
-            in_teacher = cols < vocab_teacher
-            s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
-            t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
-            a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
-            if WRITE_GRAD and MODE == FORWARD and not LIFT:
-                grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, 0.0,
-                                   0.0, keep, beta, MODE, SHARED, MASKED=True)
-                teacher_part += tl.where(in_teacher, term, 0.0)
-                tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
-                    student_row.dtype.element_ty), mask=in_student)
-            else:
-                student_term, teacher_term = _soft_terms(a, b, d, keep, beta, MODE)
-                student_part += tl.where(in_teacher, student_term, 0.0)
-                teacher_part += tl.where(in_teacher, teacher_term, 0.0)
-                if LIFT:  # over the student's columns: the padding has no gradient
-                    bracket = tl.abs(_soft_bracket(a, b, d, student_term, MODE))
-                    largest_bracket = tl.where(in_student, tl.maximum(largest_bracket, bracket), largest_bracket)
-        student_sum = tl.sum(student_part, axis=0)  # sum p (a - x), x = b or log2 m: the gradient's row sum
-        teacher_sum = tl.sum(teacher_part, axis=0)
-        if MODE == FORWARD:
-            soft_loss = LN2 * teacher_sum
-        elif MODE == REVERSE:
-            soft_loss = LN2 * student_sum
-        else:
-            soft_loss = LN2 * (keep * student_sum + teacher_sum)
-        tl.store(losses_row, hard_loss)
-        tl.store(losses_row + 1, soft_loss)
-
-        # Pass 3: REVERSE and MIXED subtract each row's sum_j p_j g_j, known only now; with LIFT each form
-        # scales by the row's power of two, known only now too.
-        if WRITE_GRAD and (MODE != FORWARD or LIFT):
-            if MODE == MIXED:
-                gap_scale = keep  # g = (1 - beta) (a - log m)
-            else:
-                gap_scale = 1.0
-            log_coef = soft_coef * gap_scale * LN2
-            lift = 1.0
-            if LIFT:
-                row_sum = 0.0  # sum_j p_j g_j in nats, which FORWARD's bracket p - q does not take
-                if MODE != FORWARD:
-                    row_sum = LN2 * gap_scale * student_sum
-                largest_p = tl.exp2((top_s - shift_x) * x_scale - norm_x)
-                lift = _row_lift(lifts_ptr + row, weight_hard, soft_coef, gap_scale * tl.max(largest_bracket, axis=0),
-                                 largest_p, row_sum, student_scale)
+        if WRITE_GRAD and MODE == FORWARD and not LIFT:
+            student_sum = 0.0
+            teacher_part = tl.zeros([BLOCK], tl.float32)
             for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
                 cols = start + offsets
                 s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
                 t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
                 a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
-                grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
-                                student_sum, keep, beta, MODE, SHARED, MASKED=False)
-                grad = _lifted(_through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP), lift, LIFT)
-                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
-            for start in range(whole_blocks_stop, vocab_student, BLOCK):  # the last, partial block
+                grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard,
+                                   soft_coef, 0.0, 0.0, keep, beta, MODE, SHARED, MASKED=False)
+                teacher_part += term
+                tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
+                    student_row.dtype.element_ty))
+            for start in range(whole_blocks_stop, vocab_teacher, BLOCK):  # s is 0 on [Vs, Vt): the padding counts
                 cols = start + offsets
                 in_student = cols < vocab_student
+                in_teacher = cols < vocab_teacher
                 s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
-                t = _load_logits(teacher_row, cols, in_student, teacher_scale, teacher_cap, TEACHER_CAP)
+                t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
                 a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
-                grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
-                                student_sum, keep, beta, MODE, SHARED, MASKED=True)
-                grad = _lifted(_through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP), lift, LIFT)
-                tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_student)
+                grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard,
+                                   soft_coef, 0.0, 0.0, keep, beta, MODE, SHARED, MASKED=True)
+                teacher_part += tl.where(in_teacher, term, 0.0)
+                tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
+                    student_row.dtype.element_ty), mask=in_student)
+            teacher_sum = tl.sum(teacher_part, axis=0)
+            largest_bracket = 0.0
+        else:
+            student_sum, teacher_sum, largest_bracket = _soft_sums(
+                student_row, teacher_row, vocab_student, vocab_teacher, x_scale, shift_x, norm_x, top_t, norm_y, keep,
+                beta, student_cap, teacher_cap, student_scale, teacher_scale, MODE, LIFT, STUDENT_CAP, TEACHER_CAP,
+                BLOCK, STAGES)
+        tl.store(losses_row, hard_loss)
+        tl.store(losses_row + 1, _soft_loss(student_sum, teacher_sum, keep, MODE))
+
+        # Pass 3: REVERSE and MIXED subtract each row's sum_j p_j g_j, known only now; with LIFT each form
+        # scales by the row's power of two, known only now too.
+        if WRITE_GRAD and (MODE != FORWARD or LIFT):
+            _lift_and_write_row_grad(
+                student_row, teacher_row, lifts_ptr + row, vocab_student, label_col, x_scale, z_scale, shift_x, norm_x,
+                top_t, norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, student_sum, largest_bracket, keep,
+                beta, student_cap, teacher_cap, student_scale, teacher_scale, MODE, SHARED, LIFT, STUDENT_CAP,
+                TEACHER_CAP, BLOCK, STAGES)
     else:  # an ignored token: no loss, no gradient
         tl.store(losses_row, 0.0)
         tl.store(losses_row + 1, 0.0)
         if LIFT:
             tl.store(lifts_ptr + row, 1.0)
         if WRITE_GRAD:
-            for start in range(0, vocab_student, BLOCK):
-                cols = start + offsets
-                tl.store(student_row + cols, tl.zeros([BLOCK], student_row.dtype.element_ty), mask=cols < vocab_student)
+            _zero_row(student_row, vocab_student, BLOCK)
 
 
 def mode_of(beta: float) -> int:
@@ -443,5 +542,223 @@ def row_step_jsd_triton(student_logits, teacher_logits, labels, scales: RowStepS
     )
 
 
-# A vocabulary split over ranks runs the spec's three stages (split_jsd_row_step): no Triton twin of them yet.
-TRITON_JSD_ROW_STEP = RowStepImpl(row_step_jsd_triton, None, None, split=split_jsd_row_step)
+# The vocabulary split's three stages, the spec's (split_jsd_row_step) in this kernel's terms: a shard's
+# statistics are pairs (max, sum of exponentials relative to it) rather than log-sum-exps, so that once the
+# ranks' pairs are combined every rank forms d from the logits' distances to the whole row's maxima, as the
+# unsplit kernel does. Their layout, [n, 7] fp32 (an ignored row's are placeholders that combine to finite
+# numbers nothing reads):
+SHARD_STATS = (
+    "student_max",  # top_s: the max of s over the shard's student columns (-inf over none)
+    "student_sum",  # total_z: sum of 2^((s - top_s) log2(e)), the hard term's normaliser
+    "padded_shift",  # shift_x: _with_padding's, the max of s and, where the shard has padding, 0
+    "padded_sum",  # sum of 2^((s - shift_x) log2(e) / T) over the teacher's columns, s zero-padded
+    "teacher_max",  # top_t
+    "teacher_sum",  # total_y: sum of 2^((t - top_t) log2(e) / T)
+    "target_logit",  # s[label] if the label falls in this shard, else 0
+)
+NUM_SHARD_STATS: tl.constexpr = tl.constexpr(len(SHARD_STATS))
+# Per row: the _soft_sums of the shard's columns, (student_sum, teacher_sum, largest_bracket); the ranks add up
+# the first two and take the largest of the third (_row_step_jsd.combine_jsd_sums).
+NUM_SHARD_SUMS: tl.constexpr = tl.constexpr(3)
+
+
+@triton.jit
+def _jsd_shard_stats_kernel(
+    student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, stats_ptr,
+    vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
+    x_scale, padding, student_cap, teacher_cap, student_scale, teacher_scale,
+    SHARED: tl.constexpr, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """Stage 1: the SHARD_STATS of each row over the shard's columns (pass 1 of _jsd_row_step_kernel)."""
+    row = tl.program_id(0).to(tl.int64)
+    student_row, valid, in_shard, column = _row_and_label(
+        row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
+        vocab_student_total,
+    )
+    label_col = tl.where(in_shard, column, -1).to(tl.int32)
+    stats_row = stats_ptr + row * NUM_SHARD_STATS
+    if valid:
+        top_s, total_x, total_z, top_t, total_y = _row_sums_of_exps(
+            student_row, teacher_ptr + row * teacher_row_stride, vocab_student, vocab_teacher, x_scale, LOG2E,
+            student_cap, teacher_cap, student_scale, teacher_scale, SHARED, STUDENT_CAP, TEACHER_CAP, BLOCK, STAGES)
+        shift_x, total_padded = _with_padding(top_s, total_x, padding, x_scale)
+        target = _load_logits(student_row, label_col, label_col >= 0, student_scale, student_cap, STUDENT_CAP)
+        tl.store(stats_row, top_s)
+        tl.store(stats_row + 1, total_z)
+        tl.store(stats_row + 2, shift_x)
+        tl.store(stats_row + 3, total_padded)
+        tl.store(stats_row + 4, top_t)
+        tl.store(stats_row + 5, total_y)
+        tl.store(stats_row + 6, target)
+    else:
+        for index in tl.static_range(NUM_SHARD_STATS):
+            tl.store(stats_row + index, (index % 2 == 1) * 1.0)  # maxima 0, sums 1, target 0
+
+
+@triton.jit
+def _whole_row_stats(stats_row):
+    """(top_s, norm_z, shift_x, norm_x, top_t, norm_y, target) from a row's combined SHARD_STATS, the norms
+    log2 of the sums as in _jsd_row_step_kernel."""
+    return (tl.load(stats_row), tl.log2(tl.load(stats_row + 1)), tl.load(stats_row + 2), tl.log2(tl.load(stats_row + 3)),
+            tl.load(stats_row + 4), tl.log2(tl.load(stats_row + 5)), tl.load(stats_row + 6))
+
+
+@triton.jit
+def _jsd_shard_sums_kernel(
+    student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, stats_ptr, sums_ptr,
+    vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
+    x_scale, keep, beta, student_cap, teacher_cap, student_scale, teacher_scale,
+    MODE: tl.constexpr, LIFT: tl.constexpr, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Stage 2: each row's _soft_sums over the shard's columns, from the whole row's statistics (0 if ignored)."""
+    row = tl.program_id(0).to(tl.int64)
+    student_row, valid, in_shard, column = _row_and_label(
+        row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
+        vocab_student_total,
+    )
+    sums_row = sums_ptr + row * NUM_SHARD_SUMS
+    student_sum, teacher_sum, largest_bracket = 0.0, 0.0, 0.0
+    if valid:
+        top_s, norm_z, shift_x, norm_x, top_t, norm_y, target = _whole_row_stats(stats_ptr + row * NUM_SHARD_STATS)
+        student_sum, teacher_sum, largest_bracket = _soft_sums(
+            student_row, teacher_ptr + row * teacher_row_stride, vocab_student, vocab_teacher, x_scale, shift_x,
+            norm_x, top_t, norm_y, keep, beta, student_cap, teacher_cap, student_scale, teacher_scale, MODE, LIFT,
+            STUDENT_CAP, TEACHER_CAP, BLOCK, STAGES)
+    tl.store(sums_row, student_sum)
+    tl.store(sums_row + 1, teacher_sum)
+    tl.store(sums_row + 2, largest_bracket)
+
+
+@triton.jit
+def _jsd_shard_grad_kernel(
+    student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, stats_ptr, sums_ptr, losses_ptr,
+    lifts_ptr, vocab_student, ignore_index, vocab_start, vocab_student_total,
+    weight_hard, soft_coef, x_scale, keep, beta, student_cap, teacher_cap, student_scale, teacher_scale,
+    MODE: tl.constexpr, SHARED: tl.constexpr, WRITE_GRAD: tl.constexpr, LIFT: tl.constexpr,
+    STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Stage 3: each row's losses from the whole row's statistics and sums (the same on every rank) and, with
+    WRITE_GRAD, the gradient of the shard's student columns (pass 3 of _jsd_row_step_kernel, in every MODE)."""
+    row = tl.program_id(0).to(tl.int64)
+    student_row, valid, in_shard, column = _row_and_label(
+        row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
+        vocab_student_total,
+    )
+    label_col = tl.where(in_shard, column, -1).to(tl.int32)
+    losses_row = losses_ptr + row * 2
+    if valid:
+        top_s, norm_z, shift_x, norm_x, top_t, norm_y, target = _whole_row_stats(stats_ptr + row * NUM_SHARD_STATS)
+        sums_row = sums_ptr + row * NUM_SHARD_SUMS
+        student_sum = tl.load(sums_row)
+        tl.store(losses_row, (top_s - target) + LN2 * norm_z)
+        tl.store(losses_row + 1, _soft_loss(student_sum, tl.load(sums_row + 1), keep, MODE))
+        if WRITE_GRAD:
+            _lift_and_write_row_grad(
+                student_row, teacher_ptr + row * teacher_row_stride, lifts_ptr + row, vocab_student, label_col, x_scale,
+                LOG2E, shift_x, norm_x, top_t, norm_y, top_s, norm_z, _inv_ratio(top_s, shift_x, x_scale, norm_x, norm_z,
+                SHARED), weight_hard, soft_coef, student_sum, tl.load(sums_row + 2), keep, beta, student_cap,
+                teacher_cap, student_scale, teacher_scale, MODE, SHARED, LIFT, STUDENT_CAP, TEACHER_CAP, BLOCK, STAGES)
+    else:
+        tl.store(losses_row, 0.0)
+        tl.store(losses_row + 1, 0.0)
+        if LIFT:
+            tl.store(lifts_ptr + row, 1.0)
+        if WRITE_GRAD:
+            _zero_row(student_row, vocab_student, BLOCK)
+
+
+def _shard_launch(student_logits, teacher_logits, labels, scales: RowStepScales, *outputs):
+    """(rows, vocab_student, vocab_teacher) of a shard's logits, checked as row_step_jsd_triton checks them."""
+    _check_scales(scales)
+    rows, vocab_student = student_logits.shape
+    vocab_teacher = teacher_logits.shape[1]
+    if vocab_teacher < vocab_student:
+        raise ValueError(f"the teacher's shard ({vocab_teacher} columns) is narrower than the student's ({vocab_student})")
+    if rows:
+        _check_layout(student_logits, teacher_logits, labels, *outputs)
+    return rows, vocab_student, vocab_teacher
+
+
+def jsd_shard_stats_triton(student_logits, teacher_logits, labels, scales: RowStepScales) -> torch.Tensor:
+    """Stage 1 over a shard's columns: [n, NUM_SHARD_STATS] fp32 (SHARD_STATS)."""
+    stats = torch.empty(len(labels), NUM_SHARD_STATS.value, dtype=torch.float32, device=student_logits.device)
+    rows, vocab_student, vocab_teacher = _shard_launch(student_logits, teacher_logits, labels, scales, stats)
+    if rows:
+        _jsd_shard_stats_kernel[(rows,)](
+            student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats,
+            vocab_student, vocab_teacher, *_common_args(vocab_student, scales), LOG2E.value / scales.temperature,
+            float(vocab_teacher - vocab_student), *_logit_args(scales), **_caps(scales),
+            SHARED=scales.temperature == 1.0, BLOCK=_block(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK),
+            STAGES=LOSS_ONLY_STAGES, num_warps=LOSS_ONLY_WARPS,
+        )
+    return stats
+
+
+def combine_shard_stats(shard_stats: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The whole rows' SHARD_STATS from the ranks', [ranks, n, NUM_SHARD_STATS] -> [n, NUM_SHARD_STATS]: each
+    (max, sum) pair's sums rescaled to the largest max at the pair's own scale (the hard term's log2(e), the
+    others' log2(e) / T), the target logits added up."""
+    stats = torch.empty_like(shard_stats[0])
+    for top, scale in ((0, LOG2E.value), (2, LOG2E.value / temperature), (4, LOG2E.value / temperature)):
+        stats[:, top] = shard_stats[..., top].amax(0)
+        shift = torch.exp2((shard_stats[..., top] - stats[:, top]) * scale)
+        stats[:, top + 1] = (shard_stats[..., top + 1] * shift).sum(0)
+    stats[:, 6] = shard_stats[..., 6].sum(0)
+    return stats
+
+
+def jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats, scales: RowStepScales,
+                          lift_terms=False) -> torch.Tensor:
+    """Stage 2 over a shard's columns, from the combined statistics: [n, NUM_SHARD_SUMS] fp32."""
+    sums = torch.empty(len(labels), NUM_SHARD_SUMS.value, dtype=torch.float32, device=student_logits.device)
+    rows, vocab_student, vocab_teacher = _shard_launch(student_logits, teacher_logits, labels, scales, stats, sums)
+    if rows:
+        _jsd_shard_sums_kernel[(rows,)](
+            student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats, sums,
+            vocab_student, vocab_teacher, *_common_args(vocab_student, scales), LOG2E.value / scales.temperature,
+            1.0 - scales.beta, scales.beta, *_logit_args(scales), **_caps(scales), MODE=mode_of(scales.beta),
+            LIFT=lift_terms, BLOCK=_block(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK),
+            STAGES=LOSS_ONLY_STAGES, num_warps=LOSS_ONLY_WARPS,
+        )
+    return sums
+
+
+def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, scales: RowStepScales, token_losses,
+                          write_grad, grad_lifts=None) -> None:
+    """Stage 3: the losses and, if asked, the shard's gradient over its logits (times each row's lift, given
+    ``grad_lifts``), from the combined statistics and sums."""
+    rows, vocab_student, _ = _shard_launch(student_logits, teacher_logits, labels, scales, stats, sums, token_losses,
+                                           *([] if grad_lifts is None else [grad_lifts]))
+    if not rows:
+        return
+    lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
+    num_warps = DEFAULT_WARPS if write_grad else LOSS_ONLY_WARPS
+    _jsd_shard_grad_kernel[(rows,)](
+        student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats, sums,
+        token_losses, lifts, vocab_student, *_common_args(vocab_student, scales), scales.weight_hard,
+        scales.weight_soft / scales.temperature, LOG2E.value / scales.temperature, 1.0 - scales.beta, scales.beta,
+        *_logit_args(scales), **_caps(scales), MODE=mode_of(scales.beta), SHARED=scales.temperature == 1.0,
+        WRITE_GRAD=write_grad, **lift_flag, BLOCK=_block(vocab_student, None, num_warps), STAGES=DEFAULT_STAGES,
+        num_warps=num_warps,
+    )
+
+
+def split_jsd_row_step_triton(all_gather):
+    """The JSD's row step over a vocabulary split across ranks in three launches, with split_jsd_row_step's two
+    all-gathers of O(rows) per chunk between them (of [n, 7] and [n, 3] fp32)."""
+
+    def row_step(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None):
+        stats = combine_shard_stats(all_gather(jsd_shard_stats_triton(student_logits, teacher_logits, labels, scales)),
+                                    scales.temperature)
+        lift_terms = write_grad and grad_lifts is not None
+        sums = combine_jsd_sums(all_gather(jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats, scales,
+                                                                 lift_terms)))
+        jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, scales, token_losses, write_grad,
+                              grad_lifts)  # every rank: the same stats and sums, so the same losses and lifts
+
+    return row_step
+
+
+TRITON_JSD_ROW_STEP = RowStepImpl(row_step_jsd_triton, None, None, split=split_jsd_row_step_triton)
