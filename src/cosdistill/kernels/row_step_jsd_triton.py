@@ -13,9 +13,10 @@ to three passes over the row:
 2. the soft loss's sums; for beta == 0 also the gradient, whose soft part (p - q) / T needs no row sum;
 3. beta > 0 with gradients only: the gradient.
 
-The launch without gradients runs passes 1 and 2; an ignored token reads nothing. Each pass reloads the logits
-and applies the logit scales and softcaps again, rounding each logit to one fp32 value (``_load_logits``): a
-product left to FMA contraction would be exact in s - max but rounded in the max.
+The launch without gradients runs passes 1 and 2; an ignored token reads nothing. Over a vocabulary split the
+passes are three launches with the ranks' numbers combined between them (``split_jsd_row_step_triton``). Each
+pass reloads the logits and applies the logit scales and softcaps again, rounding each logit to one fp32 value
+(``_load_logits``): a product left to FMA contraction would be exact in s - max but rounded in the max.
 """
 
 import math
