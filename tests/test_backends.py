@@ -41,6 +41,20 @@ def test_auto_picks_the_cluster_step_where_available(monkeypatch):
         backend_for("cuda", cuda)
 
 
+
+def test_a_vocabulary_split_on_a_gpu_runs_kernels_not_the_spec(monkeypatch):
+    """Each GPU backend's row steps split over ranks through its own kernels (the JSD's three Triton stages, the
+    cosine's statistics and gradient kernels): the float64 spec's stages took ten times the unsplit loss there."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(row_step_cuda, "available", lambda device: True)
+    jsd = kernels.row_step_jsd_triton
+    for impl in ("triton", "cuda"):
+        backend = backend_for(impl, cuda)
+        assert backend.jsd_row_step.split is jsd.split_jsd_row_step_triton, impl
+        assert backend.row_step.stats is kernels.row_step_triton.row_stats_triton, impl
+        assert backend.row_step.grad is kernels.row_step_triton.row_grad_triton, impl
+    assert TORCH.jsd_row_step.split is not jsd.split_jsd_row_step_triton
+
 def test_each_backend_quantizes_the_chunks_with_its_own_kernel(impl, monkeypatch):
     """impl="torch" quantizes with torch, "triton" with the Triton kernel: each chunk's rows once, through
     the backend the plan picked (the cached weight is quantized by torch's function, once)."""
