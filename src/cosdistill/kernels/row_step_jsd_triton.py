@@ -517,16 +517,10 @@ def _check_scales(scales: RowStepScales):
 
 def row_step_jsd_triton(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
                         grad_lifts=None, block_size=None, num_warps=None, num_stages=None) -> None:
-    _check_scales(scales)
-    if teacher_logits is None:
-        raise ValueError("the JSD row step needs the teacher's logits (it has no Gram path)")
-    rows, vocab_student = student_logits.shape
-    vocab_teacher = teacher_logits.shape[1]
-    if vocab_teacher < vocab_student:
-        raise ValueError(f"the teacher's vocabulary ({vocab_teacher}) is smaller than the student's ({vocab_student})")
+    rows, vocab_student, vocab_teacher = _checked_sizes(student_logits, teacher_logits, labels, scales, token_losses,
+                                                        *([] if grad_lifts is None else [grad_lifts]))
     if rows == 0:
         return
-    _check_layout(student_logits, teacher_logits, labels, token_losses, *([] if grad_lifts is None else [grad_lifts]))
     lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
     beta, temperature = scales.beta, scales.temperature
     mode = mode_of(beta)
@@ -670,22 +664,25 @@ def _jsd_shard_grad_kernel(
             _zero_row(student_row, vocab_student, BLOCK)
 
 
-def _shard_launch(student_logits, teacher_logits, labels, scales: RowStepScales, *outputs):
-    """(rows, vocab_student, vocab_teacher) of a shard's logits, checked as row_step_jsd_triton checks them."""
+def _checked_sizes(student_logits, teacher_logits, labels, scales: RowStepScales, *contiguous):
+    """(rows, vocab_student, vocab_teacher) of a chunk's logits, whole rows or a shard of them, once the scales,
+    the teacher's logits and, where there are rows, the layouts are checked."""
     _check_scales(scales)
+    if teacher_logits is None:
+        raise ValueError("the JSD row step needs the teacher's logits (it has no Gram path)")
     rows, vocab_student = student_logits.shape
     vocab_teacher = teacher_logits.shape[1]
     if vocab_teacher < vocab_student:
-        raise ValueError(f"the teacher's shard ({vocab_teacher} columns) is narrower than the student's ({vocab_student})")
+        raise ValueError(f"the teacher's vocabulary ({vocab_teacher}) is smaller than the student's ({vocab_student})")
     if rows:
-        _check_layout(student_logits, teacher_logits, labels, *outputs)
+        _check_layout(student_logits, teacher_logits, labels, *contiguous)
     return rows, vocab_student, vocab_teacher
 
 
 def jsd_shard_stats_triton(student_logits, teacher_logits, labels, scales: RowStepScales) -> torch.Tensor:
     """Stage 1 over a shard's columns: [n, NUM_SHARD_STATS] fp32 (SHARD_STATS)."""
     stats = torch.empty(len(labels), NUM_SHARD_STATS.value, dtype=torch.float32, device=student_logits.device)
-    rows, vocab_student, vocab_teacher = _shard_launch(student_logits, teacher_logits, labels, scales, stats)
+    rows, vocab_student, vocab_teacher = _checked_sizes(student_logits, teacher_logits, labels, scales, stats)
     if rows:
         _jsd_shard_stats_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats,
@@ -714,7 +711,7 @@ def jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats, scales:
                           lift_terms=False) -> torch.Tensor:
     """Stage 2 over a shard's columns, from the combined statistics: [n, NUM_SHARD_SUMS] fp32."""
     sums = torch.empty(len(labels), NUM_SHARD_SUMS.value, dtype=torch.float32, device=student_logits.device)
-    rows, vocab_student, vocab_teacher = _shard_launch(student_logits, teacher_logits, labels, scales, stats, sums)
+    rows, vocab_student, vocab_teacher = _checked_sizes(student_logits, teacher_logits, labels, scales, stats, sums)
     if rows:
         _jsd_shard_sums_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats, sums,
@@ -730,8 +727,8 @@ def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, s
                           write_grad, grad_lifts=None) -> None:
     """Stage 3: the losses and, if asked, the shard's gradient over its logits (times each row's lift, given
     ``grad_lifts``), from the combined statistics and sums."""
-    rows, vocab_student, _ = _shard_launch(student_logits, teacher_logits, labels, scales, stats, sums, token_losses,
-                                           *([] if grad_lifts is None else [grad_lifts]))
+    rows, vocab_student, _ = _checked_sizes(student_logits, teacher_logits, labels, scales, stats, sums, token_losses,
+                                            *([] if grad_lifts is None else [grad_lifts]))
     if not rows:
         return
     lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
