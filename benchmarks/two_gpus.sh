@@ -13,7 +13,7 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 python -m pytest -m gpu -q tests/gpu/test_gpu_check.py -k second_gpu 2>&1 | tee "$out/second_gpu.log"
 for loss in cosine jsd; do
   torchrun --standalone --nproc_per_node 2 benchmarks/vocab_parallel_bench.py --loss "$loss" \
-    --out "$out/vocab_parallel_$loss" 2>&1 | tee "$out/vocab_parallel_$loss.log"
+    --out "$out/vocab_parallel_$loss" --ledger "$out/results.csv" 2>&1 | tee "$out/vocab_parallel_$loss.log"
   for sharding in "" --fsdp2; do
     torchrun --standalone --nproc_per_node 2 examples/torchrun_ddp.py --loss "$loss" $sharding 2>&1 \
       | tee "$out/torchrun_${loss}${sharding:+_fsdp2}.log"

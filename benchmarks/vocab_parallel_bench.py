@@ -1,26 +1,32 @@
 """Vocabulary-parallel heads on NCCL: correctness against the unsplit loss, and throughput vs one GPU.
 
-    torchrun --nproc_per_node 2 benchmarks/vocab_parallel_bench.py --out DIR [--loss jsd]
+    torchrun --nproc_per_node 2 benchmarks/vocab_parallel_bench.py --out DIR [--loss jsd] [--ledger CSV]
 
 Seed workload (V = 128256, teacher H = 4096, student H = 2048, bf16). Every rank builds the same full
 tensors, then (1) compares its vocabulary-split loss, grad_input and grad_weight shard with the unsplit
-loss on its own GPU, and (2) times forward + backward: the unsplit loss on one GPU (rank 0, the others
-waiting) and the split loss on all ranks (median of per-rank CUDA-event times, the slowest rank).
-Scaling efficiency = t(1 GPU) / (ranks * t(split)). Rank 0 writes vocab_parallel.json and .md to DIR. Without
-GPUs (a smoke run at small --sizes) the ranks run on the CPU over gloo.
+loss on its own GPU, and (2) times forward + backward in interleaved rounds (CUDA events, the median of each
+round's medians): the unsplit loss and its four GEMMs on one GPU (rank 0, the others waiting), and on all
+ranks the split loss, the split loss with its per-call check skipped (the check's cost), and each rank's
+shard's four GEMMs (a split's time is its slowest rank's). Scaling efficiency = t(1 GPU) / (ranks *
+t(split)). Rank 0 writes vocab_parallel.json and .md to DIR and, with --ledger, appends the rows (ratios to
+the unsplit floor). Without GPUs (a smoke run at small --sizes) the ranks run on the CPU over gloo.
 """
 
 import argparse
+import contextlib
 import json
 import os
+import shlex
+import statistics
+import sys
 
 import torch
 import torch.distributed as dist
 
 from cosdistill import fused_linear_cosine_distill, fused_linear_jsd
 from cosdistill.distributed import VocabParallelOptions
-from cosdistill.testing import rel_err
-from cosdistill.tools.bench import make_tensors, median_ms
+from cosdistill.testing import plan, rel_err
+from cosdistill.tools import bench
 
 
 def shard_tensors(tensors, options):
@@ -39,11 +45,68 @@ def step(loss, args, **kwargs):
     return run
 
 
+@contextlib.contextmanager
+def split_check_skipped():
+    """The split without its per-call check (_plan.check_vocab_parallel): an A/B of the check's cost only."""
+    check = plan.check_vocab_parallel
+    plan.check_vocab_parallel = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        plan.check_vocab_parallel = check
+
+
+def unchecked(run):
+    def run_unchecked():
+        with split_check_skipped():
+            run()
+    return run_unchecked
+
+
+ON_ONE_GPU = ("ours-unsplit", "floor-unsplit")  # rank 0 alone, the whole heads; the others wait
+
+
+def providers(loss, tensors, options):
+    """label -> (step, the Tensors whose grads it clears); the floors' outputs allocated here."""
+    shards = shard_tensors(tensors, options)
+    shard_floor = bench.Tensors(*shards)
+    split = step(loss, shards, vocab_parallel=options)
+    return {"ours-unsplit": (step(loss, tensors.args()), tensors),
+            "floor-unsplit": (bench.floor_provider(tensors, "full"), tensors),
+            "ours-split": (split, tensors),
+            "ours-split-unchecked": (unchecked(split), tensors),
+            "floor-shard": (bench.floor_provider(shard_floor, "full"), shard_floor)}
+
+
+def time_rounds(steps, device, rounds, reps, rank) -> dict:
+    """label -> (each round's median ms, slowest rank's; peak GB above inputs, largest rank's). Each round times
+    every label in turn, starting one later than the round before; ON_ONE_GPU labels run on rank 0 alone."""
+    order = list(steps)
+    times = {label: [] for label in order}
+    peaks = {}
+    for round_index in range(rounds):
+        shift = round_index % len(order)
+        for label in order[shift:] + order[:shift]:
+            run, tensors = steps[label]
+            ms, peak = 0.0, 0.0
+            if rank == 0 or label not in ON_ONE_GPU:
+                ms = bench.median_ms(run, tensors, device, 3 if round_index == 0 else 1, reps)
+                if round_index == rounds - 1:
+                    peak = bench.peak_gb_above_inputs(run, tensors, device) or 0.0
+            slowest = torch.tensor([ms, peak], device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            times[label].append(slowest[0].item())
+            peaks[label] = slowest[1].item()
+    return {label: (times[label], peaks[label]) for label in order}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--check-tokens", type=int, default=1024)
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=10, help="calls per provider and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ledger", help="append the timings to this ledger CSV (benchmarks/results.csv)")
     parser.add_argument("--out", default="results")
     parser.add_argument("--sizes", type=int, nargs=3, default=[128256, 4096, 2048], help="V, H, student H")
     parser.add_argument("--loss", choices=sorted(LOSSES), default="cosine",
@@ -66,7 +129,7 @@ def main():
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "errors": {}, "timings": []}
 
-    tensors = make_tensors(args.check_tokens, vocab, hidden, student_hidden, torch.bfloat16, device)
+    tensors = bench.make_tensors(args.check_tokens, vocab, hidden, student_hidden, torch.bfloat16, device)
     want = loss(*tensors.args(), return_soft_hard_loss=True)
     want[0].backward()
     want_grads = (tensors.student_input.grad, options.student_rows(tensors.student_weight.grad))
@@ -82,34 +145,46 @@ def main():
     report["errors"] = {f"rank {r}": e for r, e in enumerate(gathered)}
     del tensors, split_args, want, got, want_grads
 
+    ledger_rows = []
     for tokens in args.tokens:
-        tensors = make_tensors(tokens, vocab, hidden, student_hidden, torch.bfloat16, device)
-        one_gpu_ms = median_ms(step(loss, tensors.args()), tensors, device, 3, args.reps) if rank == 0 else 0.0
-        dist.barrier()
-        split_step = step(loss, shard_tensors(tensors, options), vocab_parallel=options)
-        split_ms = torch.tensor(median_ms(split_step, tensors, device, 3, args.reps), device=device)
-        dist.all_reduce(split_ms, op=dist.ReduceOp.MAX)
-        one_gpu = torch.tensor(one_gpu_ms, device=device)
-        dist.broadcast(one_gpu, 0)
-        report["timings"].append(dict(tokens=tokens, one_gpu_ms=one_gpu.item(), split_ms=split_ms.item(),
-                                      efficiency=one_gpu.item() / (ranks * split_ms.item())))
-        del tensors, split_step
+        tensors = bench.make_tensors(tokens, vocab, hidden, student_hidden, torch.bfloat16, device)
+        timed = time_rounds(providers(loss, tensors, options), device, args.rounds, args.reps, rank)
+        floor_by_round = timed["floor-unsplit"][0]
+        medians = {label: statistics.median(by_round) for label, (by_round, _) in timed.items()}
+        report["timings"].append(dict(tokens=tokens, ms=medians, one_gpu_ms=medians["ours-unsplit"],
+                                      split_ms=medians["ours-split"],
+                                      efficiency=medians["ours-unsplit"] / (ranks * medians["ours-split"])))
+        for label, (by_round, peak) in timed.items():
+            ratios = [ms / floor for ms, floor in zip(by_round, floor_by_round)]
+            ledger_rows.append(("full", tokens, label, f"{medians[label]:.4f}",
+                                f"{medians[label] / medians['floor-unsplit']:.4f}",
+                                " ".join(f"{ratio:.4f}" for ratio in ratios),
+                                f"{peak:.3f}" if device.type == "cuda" else ""))
+        del tensors, timed
 
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "vocab_parallel.json"), "w") as file:
             json.dump(report, file, indent=1)
         lines = [f"{args.loss}: {ranks} x {report['gpu']}, torch {report['torch']}, V={vocab}, H={hidden}/{student_hidden}, "
-                 "bf16",
-                 "", "| T | 1 GPU ms | split ms | scaling efficiency |", "|---|---|---|---|"]
-        lines += [f"| {t['tokens']} | {t['one_gpu_ms']:.2f} | {t['split_ms']:.2f} | {t['efficiency']:.2f} |"
-                  for t in report["timings"]]
+                 f"bf16, {args.rounds} rounds", "",
+                 "| T | 1 GPU ms | 1 GPU floor ms | split ms | split, check skipped ms | shard floor ms | scaling efficiency |",
+                 "|---|---|---|---|---|---|---|"]
+        lines += [f"| {t['tokens']} | " + " | ".join(f"{t['ms'][label]:.2f}" for label in (
+            "ours-unsplit", "floor-unsplit", "ours-split", "ours-split-unchecked", "floor-shard")) +
+            f" | {t['efficiency']:.2f} |" for t in report["timings"]]
         lines += ["", "Errors of the split against the unsplit loss (relative):"]
         lines += [f"- {name}: " + ", ".join(f"{k} {v:.1e}" for k, v in e.items()) for name, e in report["errors"].items()]
         text = "\n".join(lines)
         print(text)
         with open(os.path.join(args.out, "vocab_parallel.md"), "w") as file:
             file.write(text + "\n")
+        if args.ledger:
+            workload = (f"V={vocab} H={hidden} Hs={student_hidden} bf16 rounds={args.rounds}"
+                        + ("" if args.loss == "cosine" else f" loss={args.loss}") + f" vocab-parallel ranks={ranks}")
+            command = "torchrun --nproc_per_node " + str(ranks) + " " + shlex.join(
+                ["benchmarks/vocab_parallel_bench.py", *sys.argv[1:]])
+            bench.append_ledger_rows(args.ledger, report["gpu"], workload, ledger_rows, command)
     dist.destroy_process_group()
 
 

@@ -1,6 +1,7 @@
 """benchmarks/diagnose.py's subcommands and benchmarks/soak.py in their tiny CPU modes (Triton in its interpreter, see
 conftest), and the profiler-trace parsing on traces made up here, so that the tools keep working between GPU runs."""
 
+import csv
 import importlib.util
 import json
 import math
@@ -303,11 +304,19 @@ def test_the_vocab_parallel_bench_runs_two_ranks_on_the_cpu(tmp_path, loss):
     env = os.environ | {"PYTHONPATH": str(SRC), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              str(BENCHMARKS / "vocab_parallel_bench.py"), "--sizes", "520", "64", "32", "--tokens", "48",
-                             "--check-tokens", "40", "--reps", "1", "--out", str(tmp_path), "--loss", loss],
+                             "--check-tokens", "40", "--reps", "1", "--rounds", "2", "--out", str(tmp_path), "--loss", loss,
+                             "--ledger", str(tmp_path / "ledger.csv")],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "vocab_parallel.json").read_text())
     assert report["loss"] == loss and report["ranks"] == 2 and len(report["timings"]) == 1
+    with open(tmp_path / "ledger.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert [row["provider"] for row in rows] == ["ours-unsplit", "floor-unsplit", "ours-split", "ours-split-unchecked",
+                                                 "floor-shard"]
+    assert all(row["workload"].endswith("vocab-parallel ranks=2") and row["T"] == "48" for row in rows)
+    assert all(len(row["ratio_to_floor_by_round"].split()) == 2 and float(row["ms"]) > 0 for row in rows)
+    assert float(rows[1]["ratio_to_floor"]) == 1.0
     for errors in report["errors"].values():  # bf16: the split sums grad_input's shares in another order
         assert max(errors["loss"], errors["soft"], errors["hard"]) < 1e-5
         assert max(errors["grad_input"], errors["grad_weight_shard"]) < 1e-2

@@ -9,6 +9,7 @@ import functools
 import math
 import numbers
 import operator
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -184,7 +185,7 @@ MAX_PLANS = 64
 
 def checked_plan(options: Options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
                  student_bias=None, teacher_bias=None, num_valid_tokens=None, vocab_parallel=None) -> Plan:
-    """``check_tensors`` (and ``check_vocab_parallel``) then ``make_plan`` for an eager call, both skipped for
+    """``check_tensors`` (and a vocabulary split's shards) then ``make_plan`` for an eager call, both skipped for
     a call whose signature, everything they read, matches an earlier call's: on an idle GPU their host time
     comes before the first GEMM (docs/design.md, Host latency). Where "auto" weighs the teacher's cached Gram
     matrix, its state is asked at every call and is part of the key."""
@@ -202,8 +203,9 @@ def checked_plan(options: Options, student_input, student_weight, teacher_input,
     needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
                        for t in (student_input, student_weight, student_bias))
     if vocab_parallel is not None:
-        check_vocab_parallel(vocab_parallel, options, student_input, student_weight, teacher_input, teacher_weight,
-                             true_labels)
+        shard_error = vocab_parallel_shard_error(vocab_parallel, student_weight, teacher_weight)
+        if shard_error is not None:  # this rank stops here, in the check the others run at their first collective
+            check_vocab_parallel(vocab_parallel, options, student_input, teacher_input, true_labels, shard_error)
     plan = make_plan(options, student_weight, student_bias, teacher_weight, teacher_bias, true_labels.numel(),
                      needs_grad, vocab_parallel, gram_cached)
     if key is not None:
@@ -261,10 +263,11 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
     # (and any cached teacher copy's check) it then covers.
     student_logits = start_student_logits(student_input, student_weight, student_bias, plan.rows)
     backend, scales = plan.backend, plan.scales
-    row_step, reduce_grad_input = plan.row_step.step, None
+    row_step, reduce_grad_input, split = plan.row_step.step, None, None
     if plan.vocab_parallel is not None:
-        row_step = plan.row_step.over_ranks(plan.vocab_parallel.all_gather)
-        reduce_grad_input = plan.vocab_parallel.all_reduce
+        split = SplitCheckedFirst(plan.vocab_parallel, functools.partial(
+            check_vocab_parallel, plan.vocab_parallel, plan.options, student_input, teacher_input, labels))
+        row_step, reduce_grad_input = plan.row_step.over_ranks(split.all_gather), split.all_reduce
     side = SideStream(student_input.device) if plan.side_stream else None
     if plan.teacher == "gram":
         teacher = _teacher_gram.GramTeacher(teacher_weight, student_weight, backend, scales,
@@ -280,10 +283,13 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
     normaliser = LabelCounts(labels, scales.ignore_index, scales.vocab_student_total or student_weight.shape[0],
                              num_valid_tokens, backend, scales.weight_hard, scales.weight_soft)
     try:
-        return chunked_loss_and_grads(
+        result = chunked_loss_and_grads(
             student_input, student_weight, student_bias, teacher_input, teacher, labels, normaliser, plan.rows,
             plan.needs_grad, plan.accum_dtype, backend.scale_unless_one, reduce_grad_input, student_logits,
         )
+        if split is not None:
+            split.finish()
+        return result
     except _teacher_gram.GramOutOfRange:
         if not plan.fall_back:
             raise ValueError(
@@ -419,36 +425,65 @@ def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, voca
     return ChunkRows(student, min(teacher, student))
 
 
-def check_vocab_parallel(vocab_parallel: VocabParallel, options: Options, student_input, student_weight, teacher_input,
-                         teacher_weight, true_labels) -> None:
-    """The local shards against the split, then one all-gather of a few numbers per call, read on the host: every
-    rank raises unless the ranks' teacher rows tile [0, Vt) and they see the same hidden states (by their hashes),
-    labels, vocabularies and options. A rank whose shards are wrong raises its own error, the others name it."""
+def vocab_parallel_shard_error(vocab_parallel: VocabParallel, student_weight, teacher_weight) -> ValueError | None:
+    """The error in this rank's shards against its split, if any (host only: no collective)."""
     start, stop, vocab_student = vocab_parallel.start, vocab_parallel.stop, vocab_parallel.vocab_student
-    student_rows, local_error = max(0, min(stop, vocab_student) - start), None
+    student_rows = max(0, min(stop, vocab_student) - start)
     if not 0 <= start < stop:
-        local_error = ValueError(f"vocab_parallel needs 0 <= start < stop, got start={start}, stop={stop}")
-    elif teacher_weight.shape[0] != stop - start or student_weight.shape[0] != student_rows:
-        local_error = ValueError(
+        return ValueError(f"vocab_parallel needs 0 <= start < stop, got start={start}, stop={stop}")
+    if teacher_weight.shape[0] != stop - start or student_weight.shape[0] != student_rows:
+        return ValueError(
             f"vocab_parallel rows [{start}, {stop}) with vocab_student={vocab_student} need a teacher_weight shard "
             f"of {stop - start} rows and a student_weight shard of {student_rows} rows, got "
             f"{tuple(teacher_weight.shape)} and {tuple(student_weight.shape)}"
         )
+    return None
+
+
+def check_vocab_parallel(vocab_parallel: VocabParallel, options: Options, student_input, teacher_input, true_labels,
+                         shard_error: ValueError | None = None) -> None:
+    """One all-gather of a few numbers per call, read on the host: every rank raises unless the ranks' teacher rows
+    tile [0, Vt) and they see the same hidden states (by their hashes), labels, vocabularies and options. A rank
+    whose shards are wrong (``shard_error``) raises its own error, the others name it. It must be every rank's
+    first collective of the call (``SplitCheckedFirst``): a rank that raised alone would leave the others waiting."""
+    start, stop, vocab_student = vocab_parallel.start, vocab_parallel.stop, vocab_parallel.vocab_student
     vocab_teacher = vocab_parallel.vocab_teacher
     options_bits = torch.tensor([-1.0 if value is None else float(value) for value in dataclasses.astuple(options.scales)],
                                 dtype=torch.float64).view(torch.int64)  # compared exactly
     row = torch.cat([
-        torch.tensor([start, stop, local_error is not None, vocab_student, -1 if vocab_teacher is None else vocab_teacher,
+        torch.tensor([start, stop, shard_error is not None, vocab_student, -1 if vocab_teacher is None else vocab_teacher,
                       true_labels.numel()], dtype=torch.int64),
         options_bits,
     ]).to(true_labels.device)
     hashes = [_hash(student_input.reshape(-1, student_input.shape[-1])),
               _hash(teacher_input.reshape(-1, teacher_input.shape[-1])), _hash(true_labels.reshape(-1, 1))]
     ranks = vocab_parallel.all_gather(torch.cat([row, *hashes])).cpu().tolist()
-    if local_error is not None:
-        raise local_error
+    if shard_error is not None:
+        raise shard_error
     _check_ranks_agree([dict(zip(RANK_COLUMNS, rank)) for rank in ranks], [rank[len(RANK_COLUMNS):] for rank in ranks],
                        vocab_teacher)
+
+
+class SplitCheckedFirst:
+    """A vocabulary split whose call runs ``check`` (check_vocab_parallel) just before its first collective, or at
+    ``finish`` if it had none. By then the first chunk's GEMMs are queued: the GPU runs them while the host hashes,
+    gathers and reads, where a check before them left it idle (docs/design.md, Distributed)."""
+
+    def __init__(self, split: VocabParallel, check: Callable[[], None]):
+        self.split, self.check = split, check
+
+    def finish(self) -> None:
+        check, self.check = self.check, None
+        if check is not None:
+            check()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.finish()
+        return self.split.all_gather(tensor)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self.finish()
+        self.split.all_reduce(tensor)
 
 
 RANK_COLUMNS = ("start", "stop", "wrong shards", "vocab_student", "vocab_teacher", "the number of tokens",

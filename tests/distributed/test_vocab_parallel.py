@@ -15,7 +15,7 @@ from conftest import make_problem, rel_err
 from cosdistill import fused_linear_cosine_distill, quantize_teacher_weight
 from cosdistill.api import FUSED_LOSSES
 from cosdistill.distributed import VocabParallelOptions
-from cosdistill.testing import teacher_fp8
+from cosdistill.testing import plan, teacher_fp8
 
 # (vocab_student, vocab_teacher, dtype): neither divisible by 2 or 3; with 3 ranks the last holds no
 # student rows; fp16 takes the lifted gradient path (grad_input summed in fp32 before its rows are lifted)
@@ -217,3 +217,42 @@ def test_a_split_checks_its_own_rows_and_the_heads_it_slices():
         split.teacher_rows(torch.zeros(40, 3))
     with pytest.raises(ValueError, match=r"student_rows needs the full student head, 15 rows, got \(16,\)"):
         split.student_rows(torch.zeros(16))
+
+
+class RecordingSplit(FakeSplit):
+    """A one-rank split that records its collectives, in order: ("gather", width) or ("reduce", shape)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.collectives = []
+
+    def all_gather(self, tensor):
+        self.collectives.append(("gather", tensor.shape[-1]))
+        return super().all_gather(tensor)
+
+    def all_reduce(self, tensor):
+        self.collectives.append(("reduce", tuple(tensor.shape)))
+
+
+@pytest.mark.parametrize("loss", FUSED_LOSSES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_check_is_every_calls_first_collective_even_without_any(loss, impl, monkeypatch):
+    """The check runs once per call, after the first chunk's student GEMM is queued (the GPU computes while the host
+    checks) and before the call's first collective, so that ranks pair up: at the first chunk's statistics, at
+    grad_input's sum on a rank without tokens, or after a call with neither (_plan.SplitCheckedFirst)."""
+    check = ("gather", len(plan.RANK_COLUMNS) + 2 * len(plan.HASHED))
+    start_student_logits = plan.start_student_logits
+    for tokens, grad in ((19, True), (19, False), (0, True), (0, False)):
+        problem = make_problem(tokens=tokens, vocab_student=23)
+        split = RecordingSplit(0, 23, 23)
+        monkeypatch.setattr(plan, "start_student_logits",
+                            lambda *args: split.collectives.append("student GEMM") or start_student_logits(*args))
+        with torch.set_grad_enabled(grad):
+            FUSED_LOSSES[loss](*problem.args(), chunk_size=8, impl=impl, vocab_parallel=split)
+        assert split.collectives[:2] == ["student GEMM", check], (tokens, grad, split.collectives)
+        assert split.collectives.count(check) == 1, split.collectives
+        summed = [("reduce", (tokens, 16))] if grad else []  # grad_input, over the ranks
+        if tokens:  # the statistics, then grad_input
+            assert split.collectives[2][0] == "gather" and split.collectives[len(split.collectives) - len(summed):] == summed
+        else:
+            assert split.collectives[2:] == summed, split.collectives

@@ -14,9 +14,9 @@ exp, target logit, s.t, |s|^2, |t|^2, see row_step.ROW_STATS); the statistics ar
 combined (O(tokens) traffic, never the logits), and each rank writes the gradient of its own logits.
 Every rank returns the same loss. grad_input is summed over the group inside the loss (so the hidden
 states' upstream must not all-reduce it again); grad_weight and grad_bias are each rank's own shard's.
-One all-gather per call, before the first chunk, checks that the ranks' rows tile the vocabulary and
-that they see the same tokens, labels, options and hidden states (_plan.py's ``check_vocab_parallel``):
-every rank raises otherwise.
+One all-gather per call, each rank's first collective (queued once the first chunk's GEMMs are), checks
+that the ranks' rows tile the vocabulary and that they see the same tokens, labels, options and hidden
+states (_plan.py's ``check_vocab_parallel``): every rank raises otherwise, before any statistics are combined.
 """
 
 from dataclasses import dataclass
