@@ -47,13 +47,14 @@ def step(loss, args, **kwargs):
 
 @contextlib.contextmanager
 def split_check_skipped():
-    """The split without its per-call check (_plan.check_vocab_parallel): an A/B of the check's cost only."""
-    check = plan.check_vocab_parallel
-    plan.check_vocab_parallel = lambda *args, **kwargs: None
+    """The split without its per-call check (_plan.check_vocab_parallel and queue_hash_check): an A/B of its cost."""
+    check, queue = plan.check_vocab_parallel, plan.queue_hash_check
+    plan.check_vocab_parallel = lambda *args: None
+    plan.queue_hash_check = lambda *args: lambda: None
     try:
         yield
     finally:
-        plan.check_vocab_parallel = check
+        plan.check_vocab_parallel, plan.queue_hash_check = check, queue
 
 
 def unchecked(run):

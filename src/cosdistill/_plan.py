@@ -9,6 +9,7 @@ import functools
 import math
 import numbers
 import operator
+import struct
 from collections.abc import Callable
 from typing import Protocol
 
@@ -17,6 +18,7 @@ import torch
 from . import _teacher_fp8, _teacher_gram
 from ._backends import IMPLS, TORCH, Backend, backend_for
 from ._chunk_loop import ChunkResult, ChunkRows, chunked_loss_and_grads, start_student_logits
+from ._device import HostCopy
 from ._labels import LabelCounts
 from ._row_step import RowStepImpl, RowStepScales
 from ._teacher_logits import LogitsTeacher, SideStream, TeacherHead
@@ -185,7 +187,7 @@ MAX_PLANS = 64
 
 def checked_plan(options: Options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
                  student_bias=None, teacher_bias=None, num_valid_tokens=None, vocab_parallel=None) -> Plan:
-    """``check_tensors`` (and a vocabulary split's shards) then ``make_plan`` for an eager call, both skipped for
+    """``check_tensors`` then ``make_plan`` (then a vocabulary split's ``check_vocab_parallel``) for an eager call, skipped for
     a call whose signature, everything they read, matches an earlier call's: on an idle GPU their host time
     comes before the first GEMM (docs/design.md, Host latency). Where "auto" weighs the teacher's cached Gram
     matrix, its state is asked at every call and is part of the key."""
@@ -202,12 +204,11 @@ def checked_plan(options: Options, student_input, student_weight, teacher_input,
     check_tensors(*tensors, options.ignore_index, num_valid_tokens)
     needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
                        for t in (student_input, student_weight, student_bias))
-    if vocab_parallel is not None:
-        shard_error = vocab_parallel_shard_error(vocab_parallel, student_weight, teacher_weight)
-        if shard_error is not None:  # this rank stops here, in the check the others run at their first collective
-            check_vocab_parallel(vocab_parallel, options, student_input, teacher_input, true_labels, shard_error)
     plan = make_plan(options, student_weight, student_bias, teacher_weight, teacher_bias, true_labels.numel(),
                      needs_grad, vocab_parallel, gram_cached)
+    if vocab_parallel is not None:
+        check_vocab_parallel(plan, true_labels.numel(), student_weight.dtype, true_labels.device,
+                             vocab_parallel_shard_error(vocab_parallel, student_weight, teacher_weight))
     if key is not None:
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
@@ -266,7 +267,7 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
     row_step, reduce_grad_input, split = plan.row_step.step, None, None
     if plan.vocab_parallel is not None:
         split = SplitCheckedFirst(plan.vocab_parallel, functools.partial(
-            check_vocab_parallel, plan.vocab_parallel, plan.options, student_input, teacher_input, labels))
+            queue_hash_check, plan.vocab_parallel, student_input, teacher_input, labels))
         row_step, reduce_grad_input = plan.row_step.over_ranks(split.all_gather), split.all_reduce
     side = SideStream(student_input.device) if plan.side_stream else None
     if plan.teacher == "gram":
@@ -440,55 +441,45 @@ def vocab_parallel_shard_error(vocab_parallel: VocabParallel, student_weight, te
     return None
 
 
-def check_vocab_parallel(vocab_parallel: VocabParallel, options: Options, student_input, teacher_input, true_labels,
-                         shard_error: ValueError | None = None) -> None:
-    """One all-gather of a few numbers per call, read on the host: every rank raises unless the ranks' teacher rows
-    tile [0, Vt) and they see the same hidden states (by their hashes), labels, vocabularies and options. A rank
-    whose shards are wrong (``shard_error``) raises its own error, the others name it. It must be every rank's
-    first collective of the call (``SplitCheckedFirst``): a rank that raised alone would leave the others waiting."""
-    start, stop, vocab_student = vocab_parallel.start, vocab_parallel.stop, vocab_parallel.vocab_student
-    vocab_teacher = vocab_parallel.vocab_teacher
-    options_bits = torch.tensor([-1.0 if value is None else float(value) for value in dataclasses.astuple(options.scales)],
-                                dtype=torch.float64).view(torch.int64)  # compared exactly
-    row = torch.cat([
-        torch.tensor([start, stop, shard_error is not None, vocab_student, -1 if vocab_teacher is None else vocab_teacher,
-                      true_labels.numel()], dtype=torch.int64),
-        options_bits,
-    ]).to(true_labels.device)
-    hashes = [_hash(student_input.reshape(-1, student_input.shape[-1])),
-              _hash(teacher_input.reshape(-1, teacher_input.shape[-1])), _hash(true_labels.reshape(-1, 1))]
-    ranks = vocab_parallel.all_gather(torch.cat([row, *hashes])).cpu().tolist()
+def check_vocab_parallel(plan: Plan, num_tokens: int, dtype: torch.dtype, device: torch.device,
+                         shard_error: ValueError | None) -> None:
+    """One all-gather of what the host knows of the call, read at once, before its first GEMM: every rank raises
+    unless the ranks' teacher rows tile [0, Vt) and they agree on the vocabularies, the options and all that sizes
+    the collectives to come (tokens, rows per chunk, the soft term, dtype, gradients asked for), so that none
+    waits in a collective the others skip. A rank whose shards are wrong (``shard_error``) raises its own error,
+    the others name it. The hidden states and labels, which the host does not hold, follow (``queue_hash_check``)."""
+    split, options = plan.vocab_parallel, plan.options
+    values = [split.start, split.stop, shard_error is not None, split.vocab_student,
+              -1 if split.vocab_teacher is None else split.vocab_teacher, num_tokens, plan.rows.student,
+              LOSSES.index(options.loss), FLOAT_DTYPES.index(dtype), sum(bit << i for i, bit in enumerate(plan.needs_grad)),
+              *(bits_of_float(-1.0 if value is None else float(value)) for value in dataclasses.astuple(options.scales))]
+    ranks = split.all_gather(torch.tensor(values, dtype=torch.int64, device=device)).tolist()
     if shard_error is not None:
         raise shard_error
-    _check_ranks_agree([dict(zip(RANK_COLUMNS, rank)) for rank in ranks], [rank[len(RANK_COLUMNS):] for rank in ranks],
-                       vocab_teacher)
-
-
-class SplitCheckedFirst:
-    """A vocabulary split whose call runs ``check`` (check_vocab_parallel) just before its first collective, or at
-    ``finish`` if it had none. By then the first chunk's GEMMs are queued: the GPU runs them while the host hashes,
-    gathers and reads, where a check before them left it idle (docs/design.md, Distributed)."""
-
-    def __init__(self, split: VocabParallel, check: Callable[[], None]):
-        self.split, self.check = split, check
-
-    def finish(self) -> None:
-        check, self.check = self.check, None
-        if check is not None:
-            check()
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.finish()
-        return self.split.all_gather(tensor)
-
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        self.finish()
-        self.split.all_reduce(tensor)
+    _check_ranks_agree([dict(zip(RANK_COLUMNS, rank)) for rank in ranks], split.vocab_teacher)
 
 
 RANK_COLUMNS = ("start", "stop", "wrong shards", "vocab_student", "vocab_teacher", "the number of tokens",
+                "rows per chunk", "the soft term", "student dtype", "gradients asked for (input, weight, bias bits)",
                 *(f"option {field.name}" for field in dataclasses.fields(RowStepScales)))
 HASHED = ("student_input", "teacher_input", "true_labels")  # two lanes each
+
+
+def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels) -> Callable[[], None]:
+    """Queues the hashes of the hidden states and labels (_fingerprint.py) and their all-gather, copied to the host
+    without waiting; returns the check that reads them, run once the call's work is queued: every rank raises unless
+    all ranks saw the same. Any mismatch it finds has gone through collectives of the same sizes on every rank
+    (``check_vocab_parallel``), so it can wait that long."""
+    hashes = torch.cat([_hash(student_input), _hash(teacher_input), _hash(labels.reshape(-1, 1))])
+    gathered = HostCopy(split.all_gather(hashes))
+
+    def check() -> None:
+        lanes = gathered.get().tolist()
+        for index, name in enumerate(HASHED):
+            if len({tuple(rank[2 * index : 2 * index + 2]) for rank in lanes}) > 1:
+                raise ValueError(f"vocab_parallel ranks must see the same {name}: its contents differ between ranks")
+
+    return check
 
 
 def _hash(tensor: torch.Tensor) -> torch.Tensor:
@@ -496,19 +487,18 @@ def _hash(tensor: torch.Tensor) -> torch.Tensor:
     return backend_for("triton" if tensor.is_cuda else "torch", tensor.device).fingerprint(tensor).to(torch.int64)
 
 
-def _check_ranks_agree(ranks: list[dict], hashes: list[list[int]], vocab_teacher: int | None) -> None:
-    """Raise unless the gathered rows (RANK_COLUMNS, then the HASHED tensors' lanes) describe one split of one call."""
+def _check_ranks_agree(ranks: list[dict], vocab_teacher: int | None) -> None:
+    """Raise unless the gathered rows (RANK_COLUMNS) describe one split of one call."""
     wrong = [rank for rank, row in enumerate(ranks) if row["wrong shards"]]
     if wrong:
         raise ValueError(f"vocab_parallel: the shards of rank(s) {wrong} do not match their split (see their error)")
     for name in RANK_COLUMNS[3:]:
         values = [row[name] for row in ranks]
         if len(set(values)) > 1:
-            shown = [float_of_bits(value) for value in values] if name.startswith("option") else values
+            shown = ([float_of_bits(value) for value in values] if name.startswith("option") else
+                     [LOSSES[value] for value in values] if name == "the soft term" else
+                     [str(FLOAT_DTYPES[value]) for value in values] if name == "student dtype" else values)
             raise ValueError(f"vocab_parallel ranks must agree on {name}, got {shown} (rank by rank)")
-    for index, name in enumerate(HASHED):
-        if len({tuple(lanes[2 * index : 2 * index + 2]) for lanes in hashes}) > 1:
-            raise ValueError(f"vocab_parallel ranks must see the same {name}: its contents differ between ranks")
     shards = sorted((row["start"], row["stop"]) for row in ranks)
     tiled = shards[0][0] == 0 and all(left[1] == right[0] for left, right in zip(shards, shards[1:]))
     if not tiled or (vocab_teacher is not None and shards[-1][1] != vocab_teacher):
@@ -519,9 +509,41 @@ def _check_ranks_agree(ranks: list[dict], hashes: list[list[int]], vocab_teacher
                          f"{shards[-1][1]}, which the shards cover")
 
 
+def bits_of_float(value: float) -> int:
+    """The int64 with this float64's bits: options compared exactly."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
 def float_of_bits(bits: int) -> float:
     """The float64 whose bits are this int64."""
-    return torch.tensor([bits], dtype=torch.int64).view(torch.float64).item()
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+class SplitCheckedFirst:
+    """A vocabulary split that queues ``queue_check`` (queue_hash_check) just before its call's first collective,
+    once the first chunk's GEMMs are queued, and runs the check it returns at ``finish``, once the call's work is:
+    the GPU computes while the host hashes and gathers, and never waits for the host to read (docs/design.md,
+    Distributed)."""
+
+    def __init__(self, split: VocabParallel, queue_check: Callable[[], Callable[[], None]]):
+        self.split, self.queue_check, self.check = split, queue_check, None
+
+    def _queued(self) -> None:
+        if self.queue_check is not None:
+            self.check, self.queue_check = self.queue_check(), None
+
+    def finish(self) -> None:
+        self._queued()
+        if self.check is not None:
+            self.check()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._queued()
+        return self.split.all_gather(tensor)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self._queued()
+        self.split.all_reduce(tensor)
 
 
 def check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,

@@ -140,6 +140,13 @@ WRONG_SETUPS = {
     "fewer tokens on one rank": ([(0, 16, 23), (16, 31, 23)], {"tokens": 19}, "agree on the number of tokens"),
     "a wrong shard on one rank": ([(0, 16, 23), (16, 31, 23)], {"teacher_rows": 14},
                                   r"need a teacher_weight shard|rank\(s\) \[1\]"),
+    # each of these sizes or skips a collective on one rank only: a hang, not a wrong loss, before the check
+    "no gradients on one rank": ([(0, 16, 23), (16, 31, 23)], {"grad": False},
+                                 r"agree on gradients asked for \(input, weight, bias bits\), got \[3, 0\]"),
+    "another dtype on one rank": ([(0, 16, 23), (16, 31, 23)], {"dtype": torch.bfloat16},
+                                  r"agree on student dtype, got \['torch.float32', 'torch.bfloat16'\]"),
+    "another soft term on one rank": ([(0, 16, 23), (16, 31, 23)], {"losses": "reversed"},
+                                      r"agree on the soft term, got \['cosine', 'jsd'\]"),
 }
 
 
@@ -166,11 +173,19 @@ def run_wrong_setups(rank, folder):
                 teacher_rows = change["teacher_rows"]
             student_rows = max(0, min(split.stop, split.vocab_student) - split.start)
             temperature = change.get("temperature", 1.5) if rank == 1 else 1.5
+            student_weight = problem.student_weight[split.start : split.start + student_rows]
+            teacher_weight = problem.teacher_weight[split.start : split.start + teacher_rows]
+            if rank == 1 and "dtype" in change:
+                student_input, student_weight, teacher_input, teacher_weight = (
+                    t.to(change["dtype"]) for t in (student_input, student_weight, teacher_input, teacher_weight))
+            losses = list(FUSED_LOSSES.values())
+            if rank == 1 and "losses" in change:
+                losses.reverse()
             try:
-                for loss in FUSED_LOSSES.values():
-                    loss(student_input, problem.student_weight[split.start : split.start + student_rows], teacher_input,
-                         problem.teacher_weight[split.start : split.start + teacher_rows], labels,
-                         temperature=temperature, vocab_parallel=split)
+                with torch.set_grad_enabled(change.get("grad", True) or rank == 0):
+                    for loss in losses:
+                        loss(student_input, student_weight, teacher_input, teacher_weight, labels,
+                             temperature=temperature, vocab_parallel=split)
                 raised[case] = "no error"
             except ValueError as error:
                 raised[case] = str(error)
@@ -236,11 +251,12 @@ class RecordingSplit(FakeSplit):
 
 @pytest.mark.parametrize("loss", FUSED_LOSSES)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_the_check_is_every_calls_first_collective_even_without_any(loss, impl, monkeypatch):
-    """The check runs once per call, after the first chunk's student GEMM is queued (the GPU computes while the host
-    checks) and before the call's first collective, so that ranks pair up: at the first chunk's statistics, at
-    grad_input's sum on a rank without tokens, or after a call with neither (_plan.SplitCheckedFirst)."""
-    check = ("gather", len(plan.RANK_COLUMNS) + 2 * len(plan.HASHED))
+def test_the_checks_gathers_come_first_and_the_hashes_behind_the_first_gemm(loss, impl, monkeypatch):
+    """Every call gathers what the host knows before any GPU work, then the hashes of its hidden states and labels
+    once the first chunk's student GEMM is queued (the GPU computes while the host hashes) and before the call's
+    next collective: at the first chunk's statistics, at grad_input's sum on a rank without tokens, or after a call
+    with neither (_plan.SplitCheckedFirst). Every rank runs the same sequence, so the collectives pair up."""
+    layout, hashes = ("gather", len(plan.RANK_COLUMNS)), ("gather", 2 * len(plan.HASHED))
     start_student_logits = plan.start_student_logits
     for tokens, grad in ((19, True), (19, False), (0, True), (0, False)):
         problem = make_problem(tokens=tokens, vocab_student=23)
@@ -249,10 +265,10 @@ def test_the_check_is_every_calls_first_collective_even_without_any(loss, impl, 
                             lambda *args: split.collectives.append("student GEMM") or start_student_logits(*args))
         with torch.set_grad_enabled(grad):
             FUSED_LOSSES[loss](*problem.args(), chunk_size=8, impl=impl, vocab_parallel=split)
-        assert split.collectives[:2] == ["student GEMM", check], (tokens, grad, split.collectives)
-        assert split.collectives.count(check) == 1, split.collectives
+        assert split.collectives[:3] == [layout, "student GEMM", hashes], (tokens, grad, split.collectives)
+        assert split.collectives.count(layout) == split.collectives.count(hashes) == 1, split.collectives
         summed = [("reduce", (tokens, 16))] if grad else []  # grad_input, over the ranks
         if tokens:  # the statistics, then grad_input
-            assert split.collectives[2][0] == "gather" and split.collectives[len(split.collectives) - len(summed):] == summed
+            assert split.collectives[3][0] == "gather" and split.collectives[len(split.collectives) - len(summed):] == summed
         else:
-            assert split.collectives[2:] == summed, split.collectives
+            assert split.collectives[3:] == summed, split.collectives

@@ -14,9 +14,10 @@ exp, target logit, s.t, |s|^2, |t|^2, see row_step.ROW_STATS); the statistics ar
 combined (O(tokens) traffic, never the logits), and each rank writes the gradient of its own logits.
 Every rank returns the same loss. grad_input is summed over the group inside the loss (so the hidden
 states' upstream must not all-reduce it again); grad_weight and grad_bias are each rank's own shard's.
-One all-gather per call, each rank's first collective (queued once the first chunk's GEMMs are), checks
-that the ranks' rows tile the vocabulary and that they see the same tokens, labels, options and hidden
-states (_plan.py's ``check_vocab_parallel``): every rank raises otherwise, before any statistics are combined.
+Each call checks the split, and every rank raises where it is wrong: before the first GEMM, one all-gather
+of what the host knows, read at once (the ranks' rows tile the vocabulary; they agree on the tokens, options
+and all that sizes the collectives); behind the first chunk's GEMMs, one of the hidden states' and labels'
+hashes, read once the call's work is queued (_plan.py's ``check_vocab_parallel`` and ``queue_hash_check``).
 """
 
 from dataclasses import dataclass
