@@ -25,6 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# all_gather_into_tensor, named all_gather_single from torch 2.13 (the old name warns there)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass(frozen=True)
 class VocabParallelOptions:
@@ -75,9 +78,12 @@ class VocabParallelOptions:
         return full[self.start : max(self.start, min(self.stop, self.vocab_student))]
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(gathered, tensor.contiguous(), group=self.group)
-        return torch.stack(gathered)
+        """[ranks, *tensor.shape], gathered flat into one buffer (gloo takes no stacked form): no list of outputs to
+        copy out and stack."""
+        ranks = dist.get_world_size(self.group)
+        gathered = tensor.new_empty(ranks * tensor.numel())
+        _all_gather_single(gathered, tensor.contiguous().view(-1), group=self.group)
+        return gathered.view(ranks, *tensor.shape)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.group)
