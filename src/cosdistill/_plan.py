@@ -283,14 +283,13 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
         teacher = LogitsTeacher(TeacherHead(teacher_weight, teacher_bias), row_step, scales, plan.rows, side)
     normaliser = LabelCounts(labels, scales.ignore_index, scales.vocab_student_total or student_weight.shape[0],
                              num_valid_tokens, backend, scales.weight_hard, scales.weight_soft)
+    if split is not None:
+        normaliser = HashesReadFirst(normaliser, split)
     try:
-        result = chunked_loss_and_grads(
+        return chunked_loss_and_grads(
             student_input, student_weight, student_bias, teacher_input, teacher, labels, normaliser, plan.rows,
             plan.needs_grad, plan.accum_dtype, backend.scale_unless_one, reduce_grad_input, student_logits,
         )
-        if split is not None:
-            split.finish()
-        return result
     except _teacher_gram.GramOutOfRange:
         if not plan.fall_back:
             raise ValueError(
@@ -467,8 +466,8 @@ HASHED = ("student_input", "teacher_input", "true_labels")  # two lanes each
 
 def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels) -> Callable[[], None]:
     """Queues the hashes of the hidden states and labels (_fingerprint.py) and their all-gather, copied to the host
-    without waiting; returns the check that reads them, run once the call's work is queued: every rank raises unless
-    all ranks saw the same. Any mismatch it finds has gone through collectives of the same sizes on every rank
+    without waiting; returns the check that reads them (``HashesReadFirst``): every rank raises unless all ranks saw
+    the same. Any mismatch it finds has gone through collectives of the same sizes on every rank
     (``check_vocab_parallel``), so it can wait that long."""
     hashes = torch.cat([_hash(student_input), _hash(teacher_input), _hash(labels.reshape(-1, 1))])
     gathered = HostCopy(split.all_gather(hashes))
@@ -521,9 +520,8 @@ def float_of_bits(bits: int) -> float:
 
 class SplitCheckedFirst:
     """A vocabulary split that queues ``queue_check`` (queue_hash_check) just before its call's first collective,
-    once the first chunk's GEMMs are queued, and runs the check it returns at ``finish``, once the call's work is:
-    the GPU computes while the host hashes and gathers, and never waits for the host to read (docs/design.md,
-    Distributed)."""
+    once the first chunk's GEMMs are queued, and runs the check it returns at ``finish``: the GPU computes while the
+    host hashes and gathers (docs/design.md, Distributed)."""
 
     def __init__(self, split: VocabParallel, queue_check: Callable[[], Callable[[], None]]):
         self.split, self.queue_check, self.check = split, queue_check, None
@@ -534,8 +532,9 @@ class SplitCheckedFirst:
 
     def finish(self) -> None:
         self._queued()
-        if self.check is not None:
-            self.check()
+        check, self.check = self.check, None
+        if check is not None:
+            check()
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         self._queued()
@@ -544,6 +543,27 @@ class SplitCheckedFirst:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         self._queued()
         self.split.all_reduce(tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class HashesReadFirst:
+    """A split call's normaliser (_chunk_loop.Normaliser), whose ``wait`` finishes the split's check before it reads
+    the label count: the host waits there anyway (after the first chunk with gradients, at the end without), and
+    ranks whose labels differ all raise that, where a rank with a label past the vocabulary would raise alone and
+    leave the others in the next collective."""
+
+    counts: LabelCounts
+    split: SplitCheckedFirst
+
+    def launch(self) -> None:
+        self.counts.launch()
+
+    def mean_losses(self, token_losses: torch.Tensor, poison: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        return self.counts.mean_losses(token_losses, poison)
+
+    def wait(self) -> float:
+        self.split.finish()
+        return self.counts.wait()
 
 
 def check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,

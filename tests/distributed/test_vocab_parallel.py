@@ -133,7 +133,7 @@ WRONG_SETUPS = {
     "vocab_student past the teacher's rows": ([(0, 16, 23), (16, 20, 23)], {},
                                               "vocab_student=23 exceeds the teacher's vocabulary 20"),
     "ranks disagree on vocab_student": ([(0, 16, 23), (16, 31, 22)], {}, r"agree on vocab_student, got \[23, 22\]"),
-    "other labels on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": 1}, "same true_labels"),
+    "other labels on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "changed"}, "same true_labels"),
     "other teacher hidden states on one rank": ([(0, 16, 23), (16, 31, 23)], {"teacher_input": 1}, "same teacher_input"),
     "another temperature on one rank": ([(0, 16, 23), (16, 31, 23)], {"temperature": 2.0},
                                         r"agree on option temperature, got \[1.5, 2.0\]"),
@@ -147,6 +147,9 @@ WRONG_SETUPS = {
                                   r"agree on student dtype, got \['torch.float32', 'torch.bfloat16'\]"),
     "another soft term on one rank": ([(0, 16, 23), (16, 31, 23)], {"losses": "reversed"},
                                       r"agree on the soft term, got \['cosine', 'jsd'\]"),
+    # that rank alone would raise at its label count, after the first statistics' collectives
+    "a label past the vocabulary on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "past the vocabulary"},
+                                                "same true_labels"),
 }
 
 
@@ -164,7 +167,7 @@ def run_wrong_setups(rank, folder):
             student_input, teacher_rows = problem.student_input, split.stop - split.start
             if rank == 1 and "labels" in change:
                 labels = labels.clone()
-                labels[3] = (labels[3] + 1) % 23
+                labels[3] = 23 if change["labels"] == "past the vocabulary" else (labels[3] + 1) % 23
             if rank == 1 and "teacher_input" in change:
                 teacher_input = teacher_input + 1e-3
             if rank == 1 and "tokens" in change:
