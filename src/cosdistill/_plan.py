@@ -469,7 +469,10 @@ def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels)
     without waiting; returns the check that reads them (``HashesReadFirst``): every rank raises unless all ranks saw
     the same. Any mismatch it finds has gone through collectives of the same sizes on every rank
     (``check_vocab_parallel``), so it can wait that long."""
-    hashes = torch.cat([_hash(student_input), _hash(teacher_input), _hash(labels.reshape(-1, 1))])
+    # the Triton kernel on a GPU whatever the call's impl: the torch spec's float64 products would cost more there
+    fingerprint = backend_for("triton" if labels.is_cuda else "torch", labels.device).fingerprint
+    hashes = torch.cat([fingerprint(tensor).to(torch.int64) for tensor in (student_input, teacher_input,
+                                                                            labels.reshape(-1, 1))])
     gathered = HostCopy(split.all_gather(hashes))
 
     def check() -> None:
@@ -479,11 +482,6 @@ def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels)
                 raise ValueError(f"vocab_parallel ranks must see the same {name}: its contents differ between ranks")
 
     return check
-
-
-def _hash(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits' hash, [2] int64 (_fingerprint.py; the Triton kernel on a GPU)."""
-    return backend_for("triton" if tensor.is_cuda else "torch", tensor.device).fingerprint(tensor).to(torch.int64)
 
 
 def _check_ranks_agree(ranks: list[dict], vocab_teacher: int | None) -> None:
