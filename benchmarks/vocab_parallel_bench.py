@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from cosdistill import fused_linear_cosine_distill, fused_linear_jsd
 from cosdistill.distributed import VocabParallelOptions
-from cosdistill.testing import plan, rel_err
+from cosdistill.testing import rel_err, split_check
 from cosdistill.tools import bench
 
 
@@ -47,14 +47,15 @@ def step(loss, args, **kwargs):
 
 @contextlib.contextmanager
 def split_check_skipped():
-    """The split without its per-call check (_plan.check_vocab_parallel and queue_hash_check): an A/B of its cost."""
-    check, queue = plan.check_vocab_parallel, plan.queue_hash_check
-    plan.check_vocab_parallel = lambda *args: None
-    plan.queue_hash_check = lambda *args: lambda: None
+    """The split without its per-call check (_split_check.check_vocab_parallel and queue_hash_check): an A/B of its
+    cost."""
+    check, queue = split_check.check_vocab_parallel, split_check.queue_hash_check
+    split_check.check_vocab_parallel = lambda *args: None
+    split_check.queue_hash_check = lambda *args: lambda: None
     try:
         yield
     finally:
-        plan.check_vocab_parallel, plan.queue_hash_check = check, queue
+        split_check.check_vocab_parallel, split_check.queue_hash_check = check, queue
 
 
 def unchecked(run):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from conftest import make_problem, record_write_grad, reference, rel_err
 from cosdistill import api, fused_linear_cosine_distill
 from cosdistill.api import FUSED_LOSSES
-from cosdistill.testing import TORCH, ChunkRows, chunk_rows, plan
+from cosdistill.testing import TORCH, ChunkRows, chunk_rows, options_of, plan
 
 
 @pytest.mark.parametrize("grad_enabled, student_requires_grad, want_write_grad",
@@ -93,17 +93,17 @@ def test_the_first_gemm_is_queued_before_the_rest_of_the_set_up(monkeypatch):
 def test_the_function_api_checks_each_set_of_options_once():
     """options_of hands back one checked Options per distinct set of values (the function is called with the same
     keywords at every step); an unhashable value still gets Options' own error, naming the argument."""
-    first = plan.options_of(weight_hard_loss=0.3, beta=0.7)
-    assert plan.options_of(weight_hard_loss=0.3, beta=0.7) is first
-    assert plan.options_of(weight_hard_loss=0.3, beta=0.8) is not first
+    first = options_of(weight_hard_loss=0.3, beta=0.7)
+    assert options_of(weight_hard_loss=0.3, beta=0.7) is first
+    assert options_of(weight_hard_loss=0.3, beta=0.8) is not first
     assert first.scales is first.scales and first.scales.beta == 0.7
     with pytest.raises(ValueError, match="chunk_size must be a positive int or None, got \\[4\\]"):
-        plan.options_of(chunk_size=[4])
+        options_of(chunk_size=[4])
     # Values equal to a checked set's but of another type are checked, not taken for it (1024.0 == 1024)
-    assert plan.options_of(chunk_size=1024).chunk_size == 1024
+    assert options_of(chunk_size=1024).chunk_size == 1024
     for wrong in (1024.0, True):
         with pytest.raises(ValueError, match=f"chunk_size must be a positive int or None, got {wrong}"):
-            plan.options_of(chunk_size=wrong)
+            options_of(chunk_size=wrong)
 
 
 def recorded_plans(monkeypatch) -> list:

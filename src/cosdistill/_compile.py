@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from ._device import on_device_of
-from ._plan import Options, check_accum_dtype, check_tensors, default_accum_dtype, make_plan, run
+from ._options import Options, check_accum_dtype, check_tensors, default_accum_dtype
+from ._plan import make_plan, run
 from ._teacher_fp8 import Fp8TeacherWeight
 
 # The body reads label counts on the host, which a CUDA graph cannot capture ("reduce-overhead" mode).

@@ -1,11 +1,12 @@
 """Public API: the loss as a function and a module, and the autograd wrapper that hands the chunk loop's
-gradients to autograd. Both check their options into one ``_plan.Options`` and run the plan of
+gradients to autograd. Both check their options into one ``_options.Options`` and run the plan of
 ``_plan.checked_plan``; under torch.compile the call goes to the custom op of _compile.py."""
 
 import torch
 
 from ._device import as_rows, on_device_of
-from ._plan import Options, checked_plan, options_of, run
+from ._options import Options, options_of
+from ._plan import checked_plan, run
 
 
 def fused_linear_cosine_distill(

@@ -75,6 +75,7 @@ def float64_reference(args, grad_output=1.0, loss="cosine", **options):
 from . import _backends as backends  # noqa: E402
 from . import _chunk_loop as chunk_loop  # noqa: E402
 from . import _plan as plan  # noqa: E402
+from . import _split_check as split_check  # noqa: E402
 from . import _teacher_fp8 as teacher_fp8  # noqa: E402
 from . import _teacher_gram as teacher_gram  # noqa: E402
 from . import _weight_cache as weight_cache  # noqa: E402
@@ -84,7 +85,8 @@ from ._backends import TORCH, backend_for, scale_unless_one_torch  # noqa: E402
 from ._chunk_loop import ChunkRows, chunked_loss_and_grads  # noqa: E402
 from ._fingerprint import as_words, fingerprint_torch, lanes_of, stale_check_torch  # noqa: E402
 from ._labels import LabelCounts, count_labels_torch, mean_losses_torch  # noqa: E402
-from ._plan import Options, chunk_rows  # noqa: E402
+from ._options import Options, options_of  # noqa: E402
+from ._plan import chunk_rows  # noqa: E402
 from ._row_step import (  # noqa: E402
     TORCH_ROW_STEP,
     RowStepImpl,
@@ -154,11 +156,11 @@ __all__ = [
     # shared by the tests, the benchmarks and cosdistill check
     "float64_reference", "random_student_teacher", "rel_err",
     # internals: modules
-    "backends", "chunk_loop", "kernels", "plan", "teacher_fp8", "teacher_gram", "weight_cache",  # noqa: F822 (kernels: __getattr__)
+    "backends", "chunk_loop", "kernels", "plan", "split_check", "teacher_fp8", "teacher_gram", "weight_cache",  # noqa: F822 (kernels: __getattr__)
     # internals: the torch specs and the chunk loop's pieces
     "TORCH", "backend_for", "scale_unless_one_torch", "ChunkRows", "chunked_loss_and_grads", "fingerprint_torch",
     "as_words", "lanes_of", "stale_check_torch", "LabelCounts", "count_labels_torch", "mean_losses_torch", "Options",
-    "chunk_rows", "TORCH_ROW_STEP", "RowStepImpl",
+    "options_of", "chunk_rows", "TORCH_ROW_STEP", "RowStepImpl",
     "RowStepScales", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
     "with_teacher_products", "LogitsTeacher", "TeacherHead", "AttachGradients",
     "JSD_TORCH_ROW_STEP", "combine_jsd_stats", "combine_jsd_sums", "jsd_lift_bound", "jsd_row_grad", "jsd_row_stats",

@@ -15,7 +15,7 @@ from conftest import make_problem, rel_err
 from cosdistill import fused_linear_cosine_distill, quantize_teacher_weight
 from cosdistill.api import FUSED_LOSSES
 from cosdistill.distributed import VocabParallelOptions
-from cosdistill.testing import plan, teacher_fp8
+from cosdistill.testing import plan, split_check, teacher_fp8
 
 # (vocab_student, vocab_teacher, dtype): neither divisible by 2 or 3; with 3 ranks the last holds no
 # student rows; fp16 takes the lifted gradient path (grad_input summed in fp32 before its rows are lifted)
@@ -258,8 +258,8 @@ def test_the_checks_gathers_come_first_and_the_hashes_behind_the_first_gemm(loss
     """Every call gathers what the host knows before any GPU work, then the hashes of its hidden states and labels
     once the first chunk's student GEMM is queued (the GPU computes while the host hashes) and before the call's
     next collective: at the first chunk's statistics, at grad_input's sum on a rank without tokens, or after a call
-    with neither (_plan.SplitCheckedFirst). Every rank runs the same sequence, so the collectives pair up."""
-    layout, hashes = ("gather", len(plan.RANK_COLUMNS)), ("gather", 2 * len(plan.HASHED))
+    with neither (_split_check.SplitCheckedFirst). Every rank runs the same sequence, so the collectives pair up."""
+    layout, hashes = ("gather", len(split_check.RANK_COLUMNS)), ("gather", 2 * len(split_check.HASHED))
     start_student_logits = plan.start_student_logits
     for tokens, grad in ((19, True), (19, False), (0, True), (0, False)):
         problem = make_problem(tokens=tokens, vocab_student=23)

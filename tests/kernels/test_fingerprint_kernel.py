@@ -44,7 +44,7 @@ def test_the_triton_stale_check_is_the_torch_spec(count):
 @pytest.mark.parametrize("labels", [torch.randint(-100, 50000, (37,)), torch.randint(0, 9, (6,), dtype=torch.int32),
                                     torch.zeros(0, dtype=torch.int64)], ids=["int64", "int32", "empty"])
 def test_labels_and_empty_batches_hash_as_the_spec(labels):
-    """The vocabulary split's check hashes labels as [T, 1] and hidden states of any T (_plan.check_vocab_parallel)."""
+    """The vocabulary split's check hashes labels as [T, 1] and hidden states of any T (_split_check.queue_hash_check)."""
     column = labels.reshape(-1, 1)
     assert torch.equal(fingerprint_triton(column), fingerprint_torch(column))
     if labels.numel():

@@ -17,8 +17,7 @@ states' upstream must not all-reduce it again); grad_weight and grad_bias are ea
 Each call checks the split, and every rank raises where it is wrong: before the first GEMM, one all-gather
 of what the host knows, read at once (the ranks' rows tile the vocabulary; they agree on the tokens, options
 and all that sizes the collectives); behind the first chunk's GEMMs, one of the hidden states' and labels'
-hashes, read where the call waits for its label count (_plan.py's ``check_vocab_parallel`` and
-``queue_hash_check``).
+hashes, read where the call waits for its label count (_split_check.py).
 """
 
 from dataclasses import dataclass

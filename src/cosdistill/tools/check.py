@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .._plan import chunk_rows, default_accum_dtype
+from .._options import default_accum_dtype
+from .._plan import chunk_rows
 from .._row_step import RowStepImpl, RowStepScales, combine_row_stats, row_step_torch
 from ..api import FUSED_LOSSES
 from ..reference import NAIVE_LOSSES

@@ -1,0 +1,217 @@
+"""The loss's options, checked once into ``Options`` (``options_of``: one object per distinct set of values), and a
+call's tensors checked against each other and the options (``check_tensors``): every error for bad input is
+raised here, before the plan (_plan.py) is made.
+"""
+
+import dataclasses
+import functools
+import math
+import numbers
+import operator
+
+import torch
+
+from . import _teacher_fp8
+from ._backends import IMPLS
+from ._row_step import RowStepScales
+
+COSINE_VIA = ("auto", "logits", "gram")
+LOSSES = ("cosine", "jsd")  # the soft term: cosine similarity (_row_step.py) or generalized JSD (_row_step_jsd.py)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+REAL_OPTIONS = ("weight_hard_loss", "weight_soft_loss", "beta", "temperature", "student_logit_scale",
+                "teacher_logit_scale")
+SOFTCAPS = ("student_softcap", "teacher_softcap")  # real numbers, or None
+
+
+def is_real_scalar_tensor(value) -> bool:
+    """A one-element tensor of a real dtype (not bool, not complex): read on the host, a number."""
+    return torch.is_tensor(value) and value.numel() == 1 and not (value.dtype.is_complex or value.dtype == torch.bool)
+
+
+def check_finite_real(name: str, value) -> None:
+    """TypeError unless ``value`` is a real number (a one-element real tensor counts, read on the host), ValueError
+    unless finite: a string or a NaN would otherwise reach the row step's constants as a number."""
+    is_tensor = torch.is_tensor(value)
+    if isinstance(value, bool) or not (is_real_scalar_tensor(value) or (not is_tensor and isinstance(value, numbers.Real))):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    number = float(value) if is_tensor else value
+    if not -math.inf < number < math.inf:  # comparisons, not math.isfinite: torch.compile traces them
+        raise ValueError(f"{name} must be finite, got {number}")
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The loss's options (api.fused_linear_cosine_distill documents each), checked when made: a module
+    checks them once, when it is built."""
+
+    weight_hard_loss: float = 0.5
+    weight_soft_loss: float = 0.5
+    beta: float = 0.5
+    ignore_index: int = -100
+    temperature: float = 1.0
+    chunk_size: int | None = None
+    accum_dtype: torch.dtype | None = None
+    impl: str = "auto"
+    teacher_precision: str | None = None
+    student_softcap: float | None = None
+    teacher_softcap: float | None = None
+    student_logit_scale: float = 1.0
+    teacher_logit_scale: float = 1.0
+    cosine_via: str = "auto"
+    loss: str = "cosine"
+
+    def __post_init__(self):
+        for name in REAL_OPTIONS:
+            check_finite_real(name, getattr(self, name))
+        if isinstance(self.ignore_index, bool) or not _is_integer(self.ignore_index):
+            raise TypeError(f"ignore_index must be an int, got {type(self.ignore_index).__name__} {self.ignore_index!r}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        for name in SOFTCAPS:
+            cap = getattr(self, name)
+            if cap is not None:
+                check_finite_real(name, cap)
+                if not cap > 0:
+                    raise ValueError(f"{name} must be > 0 or None, got {cap}")
+        if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
+                                           or self.chunk_size <= 0):
+            raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
+        if self.accum_dtype not in (None, *FLOAT_DTYPES):
+            raise TypeError(f"accum_dtype must be None, torch.float32 or the student weight's dtype, got {self.accum_dtype}")
+        if self.teacher_precision not in (None, "fp8"):
+            raise ValueError(f"teacher_precision must be None or 'fp8', got {self.teacher_precision!r}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.cosine_via not in COSINE_VIA:
+            raise ValueError(f"cosine_via must be one of {COSINE_VIA}, got {self.cosine_via!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.loss == "jsd":
+            if not 0.0 <= self.beta <= 1.0:
+                raise ValueError(f"beta must be in [0, 1] for the generalized JSD, got {self.beta}")
+            if self.cosine_via == "gram":
+                raise ValueError("loss='jsd' does not take cosine_via='gram': the divergence needs the teacher's logits")
+
+    @functools.cached_property  # read at every call; a frozen dataclass's __dict__ can still hold it
+    def scales(self) -> RowStepScales:
+        """The row step's constants."""
+        optional = lambda value: None if value is None else float(value)  # noqa: E731
+        return RowStepScales(
+            float(self.weight_hard_loss), float(self.weight_soft_loss), float(self.beta), float(self.temperature),
+            int(self.ignore_index), student_softcap=optional(self.student_softcap),
+            teacher_softcap=optional(self.teacher_softcap), student_logit_scale=float(self.student_logit_scale),
+            teacher_logit_scale=float(self.teacher_logit_scale),
+        )
+
+
+def _is_integer(value) -> bool:
+    try:
+        operator.index(value)  # ints, NumPy's and one-element integer tensors; not floats
+    except TypeError:
+        return False
+    return True
+
+
+def check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> None:
+    """The accumulator against the student weight's dtype (the options alone check the rest)."""
+    if accum_dtype not in (None, torch.float32, weight_dtype):
+        raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {weight_dtype}, "
+                        f"got {accum_dtype}")
+
+
+def default_accum_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """grad_weight's accumulator when accum_dtype is None: the weight's dtype, except fp16, whose
+    partial sums (d loss / d logits times hidden, over N, before grad_output -- a loss scale -- can
+    lift them) fall into its subnormals; bf16 has fp32's exponent range."""
+    return torch.float32 if weight_dtype == torch.float16 else weight_dtype
+
+
+@functools.lru_cache(maxsize=64, typed=True)  # typed: 1024.0 == 1024, but only the int is a chunk_size
+def _checked(**fields) -> Options:
+    return Options(**fields)
+
+
+def options_of(**fields) -> Options:
+    """``Options(**fields)``, one object per distinct set of values: the loss function, called with the same
+    keywords at every step, checks them and builds the row step's constants once."""
+    try:
+        hash(tuple(fields.values()))
+    except TypeError:  # an unhashable value: Options names the argument
+        return Options(**fields)
+    return _checked(**fields)
+
+
+def check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
+                  ignore_index, num_valid_tokens=None):
+    """The call's tensors against each other and the options (shapes, dtypes, devices: no host read)."""
+    if torch.is_tensor(num_valid_tokens):  # its value is read after the loss is queued (_labels.LabelCounts.wait)
+        if not is_real_scalar_tensor(num_valid_tokens):
+            raise TypeError(f"num_valid_tokens must be a number or a one-element real tensor, got a "
+                            f"{num_valid_tokens.dtype} tensor of shape {tuple(num_valid_tokens.shape)}")
+    elif num_valid_tokens is not None:
+        check_finite_real("num_valid_tokens", num_valid_tokens)
+        if not num_valid_tokens > 0:
+            raise ValueError(f"num_valid_tokens must be > 0, got {num_valid_tokens}")
+    named = dict(
+        student_input=student_input, student_weight=student_weight, teacher_input=teacher_input,
+        teacher_weight=teacher_weight, true_labels=true_labels, student_bias=student_bias, teacher_bias=teacher_bias,
+    )
+    for name, tensor in named.items():
+        if name == "teacher_weight" and isinstance(tensor, _teacher_fp8.Fp8TeacherWeight):
+            continue  # a head quantized once by the caller: read as its weight below
+        if tensor is not None and not torch.is_tensor(tensor):
+            also = " or a cosdistill.Fp8TeacherWeight" if name == "teacher_weight" else ""
+            raise TypeError(f"{name} must be a torch.Tensor{also}, got {type(tensor).__name__}")
+        if tensor is None and name not in ("student_bias", "teacher_bias"):
+            raise TypeError(f"{name} is required, got None")
+    devices = {name: t.device for name, t in named.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    for name in ("student_input", "student_weight", "teacher_input", "teacher_weight", "student_bias", "teacher_bias"):
+        tensor = named[name]
+        if tensor is not None and tensor.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {tensor.dtype}")
+    for prefix in ("student", "teacher"):
+        hidden, weight = named[f"{prefix}_input"], named[f"{prefix}_weight"]
+        if weight.dim() != 2:
+            raise ValueError(f"{prefix}_weight must be 2-D [vocab, hidden], got shape {tuple(weight.shape)}")
+        if hidden.dim() not in (2, 3):
+            raise ValueError(f"{prefix}_input must be [T, H] or [B, L, H], got shape {tuple(hidden.shape)}")
+        if hidden.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"{prefix}_input hidden size {hidden.shape[-1]} does not match {prefix}_weight "
+                f"shape {tuple(weight.shape)} (expected [vocab, {hidden.shape[-1]}])"
+            )
+        if hidden.dtype != weight.dtype:
+            raise TypeError(f"{prefix}_input dtype {hidden.dtype} differs from {prefix}_weight dtype {weight.dtype}")
+        bias = named[f"{prefix}_bias"]
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(
+                f"{prefix}_bias must have shape ({weight.shape[0]},) to match {prefix}_weight {tuple(weight.shape)}, "
+                f"got {tuple(bias.shape)}"
+            )
+    if torch.is_grad_enabled() and teacher_input.requires_grad:
+        raise ValueError(
+            f"teacher_input {tuple(teacher_input.shape)} requires grad, but the teacher is frozen: no gradient would "
+            "reach it. Pass teacher_input.detach(), or compute the teacher under torch.no_grad() (which also frees "
+            "its activations)"
+        )
+    if teacher_input.shape[:-1] != student_input.shape[:-1]:
+        raise ValueError(
+            f"token shapes differ: student_input {tuple(student_input.shape)} vs teacher_input {tuple(teacher_input.shape)} "
+            "(all but the hidden dimension must match)"
+        )
+    if true_labels.shape != student_input.shape[:-1]:
+        raise ValueError(
+            f"true_labels shape {tuple(true_labels.shape)} does not match student_input tokens {tuple(student_input.shape[:-1])}"
+        )
+    if true_labels.dtype.is_floating_point or true_labels.dtype.is_complex or true_labels.dtype == torch.bool:
+        raise TypeError(f"true_labels must be an integer tensor, got {true_labels.dtype}")
+    label_range = torch.iinfo(true_labels.dtype)
+    if not label_range.min <= ignore_index <= label_range.max:  # the comparison with it would wrap around
+        raise TypeError(f"true_labels of dtype {true_labels.dtype} cannot hold ignore_index={ignore_index}: "
+                        f"pass int64 (or int32) labels")
+    if teacher_weight.shape[0] < student_weight.shape[0]:
+        raise ValueError(
+            f"teacher vocab must be >= student vocab: teacher_weight {tuple(teacher_weight.shape)}, "
+            f"student_weight {tuple(student_weight.shape)}"
+        )

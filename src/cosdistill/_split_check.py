@@ -1,0 +1,181 @@
+"""The vocabulary split's per-call check: every rank raises, none waits in a collective the others skip, unless the
+ranks run one split of one call. Its first half (``check_vocab_parallel``) gathers what the host knows before the
+first GEMM; its second (``queue_hash_check``) hashes the hidden states and labels behind the first chunk's GEMMs
+(``SplitCheckedFirst``) and is read where the call waits for its label count (``HashesReadFirst``;
+docs/design.md, Distributed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from ._backends import backend_for
+from ._device import HostCopy
+from ._labels import LabelCounts
+from ._options import FLOAT_DTYPES, LOSSES
+from ._row_step import RowStepScales
+
+if TYPE_CHECKING:
+    from ._plan import Plan
+
+
+
+class VocabParallel(Protocol):
+    """Both LM heads split along the vocabulary over ranks: this rank holds the teacher's rows
+    [start, stop) and the student's rows from start up to min(stop, vocab_student).
+    ``cosdistill.distributed.VocabParallelOptions`` implements it with torch.distributed."""
+
+    start: int
+    stop: int
+    vocab_student: int  # the student's whole vocabulary
+    vocab_teacher: int | None  # the teacher's whole vocabulary, where known: the shards must cover it
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...  # [ranks, *tensor.shape]
+
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...  # sum, in place
+
+
+
+
+def vocab_parallel_shard_error(vocab_parallel: VocabParallel, student_weight, teacher_weight) -> ValueError | None:
+    """The error in this rank's shards against its split, if any (host only: no collective)."""
+    start, stop, vocab_student = vocab_parallel.start, vocab_parallel.stop, vocab_parallel.vocab_student
+    student_rows = max(0, min(stop, vocab_student) - start)
+    if not 0 <= start < stop:
+        return ValueError(f"vocab_parallel needs 0 <= start < stop, got start={start}, stop={stop}")
+    if teacher_weight.shape[0] != stop - start or student_weight.shape[0] != student_rows:
+        return ValueError(
+            f"vocab_parallel rows [{start}, {stop}) with vocab_student={vocab_student} need a teacher_weight shard "
+            f"of {stop - start} rows and a student_weight shard of {student_rows} rows, got "
+            f"{tuple(teacher_weight.shape)} and {tuple(student_weight.shape)}"
+        )
+    return None
+
+
+def check_vocab_parallel(plan: Plan, num_tokens: int, dtype: torch.dtype, device: torch.device,
+                         shard_error: ValueError | None) -> None:
+    """One all-gather of what the host knows of the call, read at once, before its first GEMM: every rank raises
+    unless the ranks' teacher rows tile [0, Vt) and they agree on the vocabularies, the options and all that sizes
+    the collectives to come (tokens, rows per chunk, the soft term, dtype, gradients asked for), so that none
+    waits in a collective the others skip. A rank whose shards are wrong (``shard_error``) raises its own error,
+    the others name it. The hidden states and labels, which the host does not hold, follow (``queue_hash_check``)."""
+    split, options = plan.vocab_parallel, plan.options
+    values = [split.start, split.stop, shard_error is not None, split.vocab_student,
+              -1 if split.vocab_teacher is None else split.vocab_teacher, num_tokens, plan.rows.student,
+              LOSSES.index(options.loss), FLOAT_DTYPES.index(dtype), sum(bit << i for i, bit in enumerate(plan.needs_grad)),
+              *(bits_of_float(-1.0 if value is None else float(value)) for value in dataclasses.astuple(options.scales))]
+    ranks = split.all_gather(torch.tensor(values, dtype=torch.int64, device=device)).tolist()
+    if shard_error is not None:
+        raise shard_error
+    _check_ranks_agree([dict(zip(RANK_COLUMNS, rank)) for rank in ranks], split.vocab_teacher)
+
+
+RANK_COLUMNS = ("start", "stop", "wrong shards", "vocab_student", "vocab_teacher", "the number of tokens",
+                "rows per chunk", "the soft term", "student dtype", "gradients asked for (input, weight, bias bits)",
+                *(f"option {field.name}" for field in dataclasses.fields(RowStepScales)))
+HASHED = ("student_input", "teacher_input", "true_labels")  # two lanes each
+
+
+def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels) -> Callable[[], None]:
+    """Queues the hashes of the hidden states and labels (_fingerprint.py) and their all-gather, copied to the host
+    without waiting; returns the check that reads them (``HashesReadFirst``): every rank raises unless all ranks saw
+    the same. Any mismatch it finds has gone through collectives of the same sizes on every rank
+    (``check_vocab_parallel``), so it can wait that long."""
+    # the Triton kernel on a GPU whatever the call's impl: the torch spec's float64 products would cost more there
+    fingerprint = backend_for("triton" if labels.is_cuda else "torch", labels.device).fingerprint
+    hashes = torch.cat([fingerprint(tensor).to(torch.int64) for tensor in (student_input, teacher_input,
+                                                                            labels.reshape(-1, 1))])
+    gathered = HostCopy(split.all_gather(hashes))
+
+    def check() -> None:
+        lanes = gathered.get().tolist()
+        for index, name in enumerate(HASHED):
+            if len({tuple(rank[2 * index : 2 * index + 2]) for rank in lanes}) > 1:
+                raise ValueError(f"vocab_parallel ranks must see the same {name}: its contents differ between ranks")
+
+    return check
+
+
+def _check_ranks_agree(ranks: list[dict], vocab_teacher: int | None) -> None:
+    """Raise unless the gathered rows (RANK_COLUMNS) describe one split of one call."""
+    wrong = [rank for rank, row in enumerate(ranks) if row["wrong shards"]]
+    if wrong:
+        raise ValueError(f"vocab_parallel: the shards of rank(s) {wrong} do not match their split (see their error)")
+    for name in RANK_COLUMNS[3:]:
+        values = [row[name] for row in ranks]
+        if len(set(values)) > 1:
+            shown = ([float_of_bits(value) for value in values] if name.startswith("option") else
+                     [LOSSES[value] for value in values] if name == "the soft term" else
+                     [str(FLOAT_DTYPES[value]) for value in values] if name == "student dtype" else values)
+            raise ValueError(f"vocab_parallel ranks must agree on {name}, got {shown} (rank by rank)")
+    shards = sorted((row["start"], row["stop"]) for row in ranks)
+    tiled = shards[0][0] == 0 and all(left[1] == right[0] for left, right in zip(shards, shards[1:]))
+    if not tiled or (vocab_teacher is not None and shards[-1][1] != vocab_teacher):
+        covers = "[0, Vt)" if vocab_teacher is None else f"[0, {vocab_teacher})"
+        raise ValueError(f"vocab_parallel shards must tile {covers} without gaps or overlaps, got rows {shards}")
+    if ranks[0]["vocab_student"] > shards[-1][1]:
+        raise ValueError(f"vocab_parallel vocab_student={ranks[0]['vocab_student']} exceeds the teacher's vocabulary "
+                         f"{shards[-1][1]}, which the shards cover")
+
+
+def bits_of_float(value: float) -> int:
+    """The int64 with this float64's bits: options compared exactly."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def float_of_bits(bits: int) -> float:
+    """The float64 whose bits are this int64."""
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+class SplitCheckedFirst:
+    """A vocabulary split that queues ``queue_check`` (queue_hash_check) just before its call's first collective,
+    once the first chunk's GEMMs are queued, and runs the check it returns at ``finish``: the GPU computes while the
+    host hashes and gathers (docs/design.md, Distributed)."""
+
+    def __init__(self, split: VocabParallel, queue_check: Callable[[], Callable[[], None]]):
+        self.split, self.queue_check, self.check = split, queue_check, None
+
+    def _queued(self) -> None:
+        if self.queue_check is not None:
+            self.check, self.queue_check = self.queue_check(), None
+
+    def finish(self) -> None:
+        self._queued()
+        check, self.check = self.check, None
+        if check is not None:
+            check()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._queued()
+        return self.split.all_gather(tensor)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self._queued()
+        self.split.all_reduce(tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class HashesReadFirst:
+    """A split call's normaliser (_chunk_loop.Normaliser), whose ``wait`` finishes the split's check before it reads
+    the label count: the host waits there anyway (after the first chunk with gradients, at the end without), and
+    ranks whose labels differ all raise that, where a rank with a label past the vocabulary would raise alone and
+    leave the others in the next collective."""
+
+    counts: LabelCounts
+    split: SplitCheckedFirst
+
+    def launch(self) -> None:
+        self.counts.launch()
+
+    def mean_losses(self, token_losses: torch.Tensor, poison: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        return self.counts.mean_losses(token_losses, poison)
+
+    def wait(self) -> float:
+        self.split.finish()
+        return self.counts.wait()
