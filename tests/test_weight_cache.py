@@ -299,3 +299,23 @@ def test_a_row_step_that_takes_the_fp8_copy_s_hash_along_still_catches_a_stale_c
     rebuilt = losses()
     fp8.quantized_weights.entries.clear()
     assert torch.equal(rebuilt, losses()) and not torch.equal(rebuilt, fresh)
+
+
+def test_a_comparison_left_on_the_device_is_read_when_the_caller_asks():
+    """``compare_later`` (a vocabulary split, which gathers every rank's poison before any raises): on the CPU too
+    the reuse gives a NaN poison instead of raising, ``raise_if_stale`` then raises for this call and drops the
+    copy, and the next get rebuilds it from the weight as it is."""
+    generator = torch.Generator().manual_seed(5)
+    head = teacher_module(generator=generator)
+    cache = weight_cache.WeightCache("test copy", lambda weight: weight.sum())
+    assert cache.get(head.weight, TORCH).poison is None  # built: nothing to compare
+    fresh = cache.get(head.weight, TORCH, compare_later=True)
+    assert fresh.poison.item() == 0
+    cache.raise_if_stale(head.weight, "this call")  # read: fresh, no error
+    ema_through_data(head, generator)
+    stale = cache.get(head.weight, TORCH, compare_later=True)
+    assert torch.isnan(stale.poison) and stale.value == fresh.value
+    with pytest.raises(StaleWeightError, match="this call found that copy stale"):
+        cache.raise_if_stale(head.weight, "this call")
+    rebuilt = cache.get(head.weight, TORCH)
+    assert rebuilt.poison is None and rebuilt.value == head.weight.sum()

@@ -84,20 +84,34 @@ def checked_plan(options: Options, student_input, student_weight, teacher_input,
     plan = _plans.get(key) if key is not None else None
     if plan is not None:
         return plan
-    check_tensors(*tensors, options.ignore_index, num_valid_tokens)
-    needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
-                       for t in (student_input, student_weight, student_bias))
-    plan = make_plan(options, student_weight, student_bias, teacher_weight, teacher_bias, true_labels.numel(),
-                     needs_grad, vocab_parallel, gram_cached)
-    if vocab_parallel is not None:
-        _split_check.check_vocab_parallel(
-            plan, true_labels.numel(), student_weight.dtype, true_labels.device,
-            _split_check.vocab_parallel_shard_error(vocab_parallel, student_weight, teacher_weight))
+    if vocab_parallel is None:
+        plan = _checked_new_plan(options, tensors, num_valid_tokens, None, gram_cached)
+    else:  # every rank reaches the split's first gather, which tells the others what any rank raised
+        plan, error = None, None
+        try:
+            plan = _checked_new_plan(options, tensors, num_valid_tokens, vocab_parallel, gram_cached)
+            error = _split_check.vocab_parallel_shard_error(vocab_parallel, student_weight, teacher_weight)
+            if plan.teacher == "fp8" and torch.is_tensor(teacher_weight):  # a check the last call left unread
+                _teacher_fp8.quantized_weights.raise_if_stale(teacher_weight)
+        except (TypeError, ValueError) as raised:
+            error = raised
+        _split_check.check_vocab_parallel(vocab_parallel, plan, true_labels.numel() if plan else 0,
+                                          student_weight.dtype if plan else None, _split_check.gather_device(tensors),
+                                          error)
     if key is not None:
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
     return plan
+
+
+def _checked_new_plan(options: Options, tensors, num_valid_tokens, vocab_parallel, gram_cached) -> Plan:
+    student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias = tensors
+    check_tensors(*tensors, options.ignore_index, num_valid_tokens)
+    needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
+                       for t in (student_input, student_weight, student_bias))
+    return make_plan(options, student_weight, student_bias, teacher_weight, teacher_bias, true_labels.numel(),
+                     needs_grad, vocab_parallel, gram_cached)
 
 
 def _call_signature(options: Options, tensors, num_valid_tokens, vocab_parallel) -> tuple | None:
@@ -148,21 +162,24 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
     # (and any cached teacher copy's check) it then covers.
     student_logits = start_student_logits(student_input, student_weight, student_bias, plan.rows)
     backend, scales = plan.backend, plan.scales
-    row_step, reduce_grad_input, split = plan.row_step.step, None, None
+    row_step, reduce_grad_input, split, fp8_head = plan.row_step.step, None, None, None
+    if plan.teacher == "fp8":
+        # The copy's content check rides on the first row step where it can take the weight's hash along; under a
+        # split, on the split's hash check, which every rank reads.
+        hashing_step = plan.row_step.hashing_step if plan.vocab_parallel is None else None
+        fp8_head = _teacher_fp8.Fp8TeacherHead(teacher_weight, teacher_bias, plan.rows.student, backend,
+                                               hash_later=hashing_step is not None,
+                                               compare_later=plan.vocab_parallel is not None)
     if plan.vocab_parallel is not None:
         split = _split_check.SplitCheckedFirst(plan.vocab_parallel, functools.partial(
-            _split_check.queue_hash_check, plan.vocab_parallel, student_input, teacher_input, labels))
+            _split_check.queue_hash_check, plan.vocab_parallel, student_input, teacher_input, labels, fp8_head))
         row_step, reduce_grad_input = plan.row_step.over_ranks(split.all_gather), split.all_reduce
     side = SideStream(student_input.device) if plan.side_stream else None
     if plan.teacher == "gram":
         teacher = _teacher_gram.GramTeacher(teacher_weight, student_weight, backend, scales,
                                             write_grad_weight=plan.needs_grad[1])
     elif plan.teacher == "fp8":
-        # The copy's content check rides on the first row step where it can take the weight's hash along.
-        hashing_step = plan.row_step.hashing_step if plan.vocab_parallel is None else None
-        head = _teacher_fp8.Fp8TeacherHead(teacher_weight, teacher_bias, plan.rows.student, backend,
-                                           hash_later=hashing_step is not None)
-        teacher = LogitsTeacher(head, row_step, scales, plan.rows, side, hashing_step, backend.fingerprint)
+        teacher = LogitsTeacher(fp8_head, row_step, scales, plan.rows, side, hashing_step, backend.fingerprint)
     else:
         teacher = LogitsTeacher(TeacherHead(teacher_weight, teacher_bias), row_step, scales, plan.rows, side)
     normaliser = LabelCounts(labels, scales.ignore_index, scales.vocab_student_total or student_weight.shape[0],

@@ -40,8 +40,6 @@ class VocabParallel(Protocol):
     def all_reduce(self, tensor: torch.Tensor) -> None: ...  # sum, in place
 
 
-
-
 def vocab_parallel_shard_error(vocab_parallel: VocabParallel, student_weight, teacher_weight) -> ValueError | None:
     """The error in this rank's shards against its split, if any (host only: no collective)."""
     start, stop, vocab_student = vocab_parallel.start, vocab_parallel.stop, vocab_parallel.vocab_student
@@ -57,43 +55,76 @@ def vocab_parallel_shard_error(vocab_parallel: VocabParallel, student_weight, te
     return None
 
 
-def check_vocab_parallel(plan: Plan, num_tokens: int, dtype: torch.dtype, device: torch.device,
-                         shard_error: ValueError | None) -> None:
+def gather_device(tensors) -> torch.device:
+    """Where the check's first gather runs: the call's device, or, where this rank's tensors are not on one, a CUDA
+    device among theirs (NCCL's collectives take no CPU tensor)."""
+    devices = [tensor.device for tensor in tensors if torch.is_tensor(tensor)]
+    return next((device for device in devices if device.type == "cuda"), devices[0] if devices else torch.device("cpu"))
+
+
+def check_vocab_parallel(split: VocabParallel, plan: Plan | None, num_tokens: int, dtype: torch.dtype,
+                         device: torch.device, error: Exception | None) -> None:
     """One all-gather of what the host knows of the call, read at once, before its first GEMM: every rank raises
     unless the ranks' teacher rows tile [0, Vt) and they agree on the vocabularies, the options and all that sizes
     the collectives to come (tokens, rows per chunk, the soft term, dtype, gradients asked for), so that none
-    waits in a collective the others skip. A rank whose shards are wrong (``shard_error``) raises its own error,
-    the others name it. The hidden states and labels, which the host does not hold, follow (``queue_hash_check``)."""
-    split, options = plan.vocab_parallel, plan.options
-    values = [split.start, split.stop, shard_error is not None, split.vocab_student,
-              -1 if split.vocab_teacher is None else split.vocab_teacher, num_tokens, plan.rows.student,
-              LOSSES.index(options.loss), FLOAT_DTYPES.index(dtype), sum(bit << i for i, bit in enumerate(plan.needs_grad)),
-              *(bits_of_float(-1.0 if value is None else float(value)) for value in dataclasses.astuple(options.scales))]
+    waits in a collective the others skip. A rank that found an error of its own (``error``: its arguments, its
+    shards, its stale FP8 copy; then ``plan`` may be None) raises it, the others name that rank. The hidden states
+    and labels, which the host does not hold, follow (``queue_hash_check``)."""
+    if error is not None:
+        values = [split.start, split.stop, 1] + [0] * (len(RANK_COLUMNS) - 3)
+    else:
+        options = plan.options
+        values = [split.start, split.stop, 0, split.vocab_student,
+                  -1 if split.vocab_teacher is None else split.vocab_teacher, num_tokens, plan.rows.student,
+                  LOSSES.index(options.loss), FLOAT_DTYPES.index(dtype),
+                  sum(bit << i for i, bit in enumerate(plan.needs_grad)),
+                  *(bits_of_float(-1.0 if value is None else float(value))
+                    for value in dataclasses.astuple(options.scales))]
     ranks = split.all_gather(torch.tensor(values, dtype=torch.int64, device=device)).tolist()
-    if shard_error is not None:
-        raise shard_error
+    if error is not None:
+        raise error
     _check_ranks_agree([dict(zip(RANK_COLUMNS, rank)) for rank in ranks], split.vocab_teacher)
 
 
-RANK_COLUMNS = ("start", "stop", "wrong shards", "vocab_student", "vocab_teacher", "the number of tokens",
+RANK_COLUMNS = ("start", "stop", "raised", "vocab_student", "vocab_teacher", "the number of tokens",
                 "rows per chunk", "the soft term", "student dtype", "gradients asked for (input, weight, bias bits)",
                 *(f"option {field.name}" for field in dataclasses.fields(RowStepScales)))
 HASHED = ("student_input", "teacher_input", "true_labels")  # two lanes each
+HASH_COLUMNS = 2 * len(HASHED) + 1  # the lanes, then whether this call found the rank's cached FP8 copy stale
 
 
-def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels) -> Callable[[], None]:
-    """Queues the hashes of the hidden states and labels (_fingerprint.py) and their all-gather, copied to the host
-    without waiting; returns the check that reads them (``HashesReadFirst``): every rank raises unless all ranks saw
-    the same. Any mismatch it finds has gone through collectives of the same sizes on every rank
-    (``check_vocab_parallel``), so it can wait that long."""
+class CachedCopy(Protocol):
+    """A teacher side's cached copy of its weight, whose content check stays on the device (_teacher_fp8.Fp8TeacherHead
+    with ``compare_later``)."""
+
+    poison: torch.Tensor | None  # 0-d: NaN where this call found the copy stale; None: nothing was compared
+
+    def raise_if_stale(self) -> None: ...  # StaleWeightError where it was (the comparison read on the host)
+
+
+def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels,
+                     cached_copy: CachedCopy | None = None) -> Callable[[], None]:
+    """Queues the hashes of the hidden states and labels (_fingerprint.py), with whether the rank's cached teacher
+    copy was stale, and their all-gather, copied to the host without waiting; returns the check that reads them
+    (``HashesReadFirst``): every rank raises unless all ranks saw the same and every copy was fresh. Any mismatch
+    it finds has gone through collectives of the same sizes on every rank (``check_vocab_parallel``), so it can
+    wait that long."""
     # the Triton kernel on a GPU whatever the call's impl: the torch spec's float64 products would cost more there
     fingerprint = backend_for("triton" if labels.is_cuda else "torch", labels.device).fingerprint
+    poison = None if cached_copy is None else cached_copy.poison
+    stale = torch.zeros(1, dtype=torch.int64, device=labels.device) if poison is None else poison.isnan().view(1)
     hashes = torch.cat([fingerprint(tensor).to(torch.int64) for tensor in (student_input, teacher_input,
-                                                                            labels.reshape(-1, 1))])
+                                                                            labels.reshape(-1, 1))] + [stale.long()])
     gathered = HostCopy(split.all_gather(hashes))
 
     def check() -> None:
         lanes = gathered.get().tolist()
+        stale_ranks = [rank for rank, row in enumerate(lanes) if row[-1]]
+        if stale_ranks:
+            if poison is not None:
+                cached_copy.raise_if_stale()
+            raise ValueError(f"vocab_parallel: this call found the cached FP8 teacher copy of rank(s) {stale_ranks} "
+                             "stale (see their StaleWeightError)")
         for index, name in enumerate(HASHED):
             if len({tuple(rank[2 * index : 2 * index + 2]) for rank in lanes}) > 1:
                 raise ValueError(f"vocab_parallel ranks must see the same {name}: its contents differ between ranks")
@@ -103,9 +134,10 @@ def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels)
 
 def _check_ranks_agree(ranks: list[dict], vocab_teacher: int | None) -> None:
     """Raise unless the gathered rows (RANK_COLUMNS) describe one split of one call."""
-    wrong = [rank for rank, row in enumerate(ranks) if row["wrong shards"]]
-    if wrong:
-        raise ValueError(f"vocab_parallel: the shards of rank(s) {wrong} do not match their split (see their error)")
+    raised = [rank for rank, row in enumerate(ranks) if row["raised"]]
+    if raised:
+        raise ValueError(f"vocab_parallel: rank(s) {raised} raised an error of their own on this call's arguments, "
+                         "shards or cached teacher copy (see theirs)")
     for name in RANK_COLUMNS[3:]:
         values = [row[name] for row in ranks]
         if len(set(values)) > 1:

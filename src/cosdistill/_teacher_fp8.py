@@ -138,16 +138,18 @@ class Fp8TeacherHead:
     """Teacher logits through the FP8 GEMM; the same interface as _teacher_logits.TeacherHead."""
 
     def __init__(self, weight: torch.Tensor | Fp8TeacherWeight, bias: torch.Tensor | None, max_rows: int, backend,
-                 hash_later: bool = False):
+                 hash_later: bool = False, compare_later: bool = False):
         """weight: the head's, quantized and cached here, or the caller's Fp8TeacherWeight. max_rows: the most
         rows a chunk has (``start_chunk``). backend: whose quantize_rows and hash (_backends.Backend).
         hash_later: the cached copy's content check left to the caller (``later``, _weight_cache.LaterCheck),
-        which takes its hash with the row step."""
+        which takes its hash with the row step. compare_later: its comparison kept on the device on the CPU too,
+        read by ``raise_if_stale`` (a vocabulary split first shares every rank's ``poison``)."""
         self.quantize = backend.quantize_rows
+        self.weight = weight
         if isinstance(weight, Fp8TeacherWeight):  # the caller's: nothing cached, nothing to check
             self.weight_fp8, self.weight_scales, self.poison, self.later = weight.codes, weight.scales, None, None
         else:
-            cached = quantized_weights.get(weight, backend, hash_later)
+            cached = quantized_weights.get(weight, backend, hash_later, compare_later)
             (self.weight_fp8, self.weight_scales), self.poison, self.later = cached.value, cached.poison, cached.later
         self.bias, self.logits_dtype = None if bias is None else bias.detach(), weight.dtype
         self.hidden = weight.shape[1]
@@ -158,6 +160,11 @@ class Fp8TeacherHead:
         # A sub-chunk's GEMM reads its rows rounded up to GEMM_MULTIPLE from its start: at most this many.
         self.code_rows = max(1, max_rows) + GEMM_MULTIPLE - 1
         self.hidden_fp8 = self.hidden_scales = None  # allocated by the first chunk, after its student GEMM
+
+    def raise_if_stale(self) -> None:
+        """StaleWeightError where this call found the cached copy stale (its comparison, left on the device)."""
+        if not isinstance(self.weight, Fp8TeacherWeight):
+            quantized_weights.raise_if_stale(self.weight, "this call")
 
     def buffer_rows(self, rows: int) -> int:
         return _round_up(rows, GEMM_MULTIPLE)

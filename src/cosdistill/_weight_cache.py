@@ -76,11 +76,13 @@ class WeightCache:
         self.what, self.build = what, build
         self.entries = WeakIdKeyDictionary()
 
-    def get(self, weight: torch.Tensor, backend, hash_later: bool = False) -> Cached:
+    def get(self, weight: torch.Tensor, backend, hash_later: bool = False, compare_later: bool = False) -> Cached:
         """The value for the weight as it is now, rebuilt where its identity changed. ``backend``: its
         ``fingerprint`` hashes the weight (every backend's gives the same numbers), its ``stale_check``
         compares on the device (_backends.Backend). ``hash_later``: a reuse on a GPU leaves the hash and
-        comparison to the caller (``Cached.later``)."""
+        comparison to the caller (``Cached.later``). ``compare_later``: the comparison stays on the device on
+        the CPU too, for a caller that shares its poison with other ranks before anyone raises, then reads it
+        (``raise_if_stale``)."""
         storage, entry = self._lookup(weight)
         if entry is None or entry.value is None or entry.identity != _identity(weight):
             entry = _Entry(_identity(weight))
@@ -88,20 +90,22 @@ class WeightCache:
                 entry.value, entry.hash = self.build(weight), backend.fingerprint(weight)
             self.entries[storage] = entry
             return Cached(entry.value, None)
-        return self.check_contents(weight, storage, entry, backend, hash_later)
+        return self.check_contents(weight, storage, entry, backend, hash_later, compare_later)
 
-    def check_contents(self, weight: torch.Tensor, storage, entry: _Entry, backend, hash_later=False) -> Cached:
+    def check_contents(self, weight: torch.Tensor, storage, entry: _Entry, backend, hash_later=False,
+                       compare_later=False) -> Cached:
         """The reused value with its content check: the poison, or None after a comparison read at once (which
         raises if the hash differs); with ``hash_later`` on a GPU, the check for the caller to finish."""
-        compare = functools.partial(self._compare, weight, storage, entry, backend.stale_check)
+        compare = functools.partial(self._compare, weight, storage, entry, backend.stale_check, compare_later)
         if hash_later and not compared_on_host(weight):
             return Cached(entry.value, None, LaterCheck(weight, compare))
         return Cached(entry.value, compare(backend.fingerprint(weight)))
 
-    def _compare(self, weight: torch.Tensor, storage, entry: _Entry, stale_check, partials: torch.Tensor):
+    def _compare(self, weight: torch.Tensor, storage, entry: _Entry, stale_check, compare_later: bool,
+                 partials: torch.Tensor):
         """The poison for the weight's hash (``partials``, as _fingerprint.lanes_of takes them), or None after a
         comparison read at once; raises if it differs."""
-        if compared_on_host(weight):
+        if compared_on_host(weight) and not compare_later:
             if hash_differs(partials, entry.hash):
                 del self.entries[storage]
                 raise StaleWeightError(self._message(weight, "this call"))
@@ -120,7 +124,12 @@ class WeightCache:
         self.entries[storage] = _Entry(_identity(weight))
         return False
 
-    def _lookup(self, weight: torch.Tensor):
+    def raise_if_stale(self, weight: torch.Tensor, when: str | None = None) -> None:
+        """Reads the last reuse's comparison left on the device, if not read yet: raises (and drops the value) if it
+        found the weight changed. ``when``: that reuse, for the message (default: the previous call)."""
+        self._lookup(weight, *(() if when is None else (when,)))
+
+    def _lookup(self, weight: torch.Tensor, when: str = "the previous call with it (whose loss and gradients are NaN)"):
         """(storage, its entry or None); raises if the last reuse of the entry found the weight changed."""
         storage = weight.untyped_storage()
         entry = self.entries.get(storage)
@@ -128,8 +137,7 @@ class WeightCache:
             pending, entry.pending = entry.pending, None
             if pending.get().item():
                 del self.entries[storage]
-                raise StaleWeightError(self._message(
-                    weight, "the previous call with it (whose loss and gradients are NaN)"))
+                raise StaleWeightError(self._message(weight, when))
         return storage, entry
 
     def _message(self, weight: torch.Tensor, when: str) -> str:

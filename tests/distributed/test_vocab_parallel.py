@@ -12,10 +12,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import make_problem, rel_err
-from cosdistill import fused_linear_cosine_distill, quantize_teacher_weight
+from cosdistill import StaleWeightError, fused_linear_cosine_distill, quantize_teacher_weight
 from cosdistill.api import FUSED_LOSSES
 from cosdistill.distributed import VocabParallelOptions
-from cosdistill.testing import plan, split_check, teacher_fp8
+from cosdistill.testing import plan, split_check, teacher_fp8, weight_cache
 
 # (vocab_student, vocab_teacher, dtype): neither divisible by 2 or 3; with 3 ranks the last holds no
 # student rows; fp16 takes the lifted gradient path (grad_input summed in fp32 before its rows are lifted)
@@ -150,6 +150,13 @@ WRONG_SETUPS = {
     # that rank alone would raise at its label count, after the first statistics' collectives
     "a label past the vocabulary on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "past the vocabulary"},
                                                 "same true_labels"),
+    # that rank alone would raise in its argument checks, before the first gather
+    "labels of another shape on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "one fewer"},
+                                            r"true_labels shape \(19,\) does not match|rank\(s\) \[1\] raised"),
+    "float labels on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "float"},
+                                 r"true_labels must be an integer tensor|rank\(s\) \[1\] raised"),
+    "tensors on two devices on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "on the meta device"},
+                                           r"all tensors must be on one device|rank\(s\) \[1\] raised"),
 }
 
 
@@ -166,8 +173,10 @@ def run_wrong_setups(rank, folder):
             teacher_input, labels = problem.teacher_input, problem.labels
             student_input, teacher_rows = problem.student_input, split.stop - split.start
             if rank == 1 and "labels" in change:
-                labels = labels.clone()
-                labels[3] = 23 if change["labels"] == "past the vocabulary" else (labels[3] + 1) % 23
+                labels = {"one fewer": labels[:-1], "float": labels.float(), "on the meta device": labels.to("meta")}.get(
+                    change["labels"], labels.clone())
+                if change["labels"] in ("past the vocabulary", "changed"):
+                    labels[3] = 23 if change["labels"] == "past the vocabulary" else (labels[3] + 1) % 23
             if rank == 1 and "teacher_input" in change:
                 teacher_input = teacher_input + 1e-3
             if rank == 1 and "tokens" in change:
@@ -190,7 +199,7 @@ def run_wrong_setups(rank, folder):
                         loss(student_input, student_weight, teacher_input, teacher_weight, labels,
                              temperature=temperature, vocab_parallel=split)
                 raised[case] = "no error"
-            except ValueError as error:
+            except (TypeError, ValueError) as error:
                 raised[case] = str(error)
         with open(os.path.join(folder, f"raised-{rank}.json"), "w") as file:
             json.dump(raised, file)
@@ -207,6 +216,53 @@ def test_every_rank_refuses_a_split_or_call_the_ranks_do_not_share(tmp_path):
         raised = json.loads((tmp_path / f"raised-{rank}.json").read_text())
         for case, (_, _, message) in WRONG_SETUPS.items():
             assert re.search(message, raised[case]), f"rank {rank}, {case}: {raised[case]}"
+
+
+def run_stale_copy(rank, folder):
+    """Both ranks call the JSD with cached FP8 copies of their teacher rows four times; between the first and second
+    call rank 1 writes its rows through ``.data`` (which moves no version counter). Writes what each call gave."""
+    teacher_fp8.check_supported = lambda device: None  # FP8 GEMMs run on the CPU through torch's reference
+    store = dist.FileStore(os.path.join(folder, "store"), 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        problem = make_problem(tokens=20, vocab_student=23, vocab_teacher=31)
+        split = VocabParallelOptions.even_split(31, 23)
+        student_weight, teacher_weight = split.student_rows(problem.student_weight), split.teacher_rows(problem.teacher_weight)
+        calls = []
+        for call in range(4):
+            if call == 1 and rank == 1:
+                teacher_weight.data[2] += 0.5
+            try:
+                loss = FUSED_LOSSES["jsd"](problem.student_input, student_weight, problem.teacher_input, teacher_weight,
+                                           problem.labels, teacher_precision="fp8", vocab_parallel=split)
+                quantized = FUSED_LOSSES["jsd"](problem.student_input, student_weight, problem.teacher_input,
+                                                quantize_teacher_weight(teacher_weight), problem.labels,
+                                                vocab_parallel=split)
+                calls.append(["loss", loss.item(), quantized.item()])
+            except ValueError as error:
+                calls.append([type(error).__name__, str(error)])
+        with open(os.path.join(folder, f"calls-{rank}.json"), "w") as file:
+            json.dump(calls, file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_stale_cached_copy_on_one_rank_raises_on_every_rank_in_that_call(tmp_path):
+    """A rank whose cached FP8 copy a call finds stale raised alone (on the CPU at once, on a GPU at its next call,
+    its loss NaN before) and left the other rank waiting in a collective, or returning a loss built on the stale
+    rows. Now the stale flag rides on the split's hash check: every rank raises in that call, and the next call
+    rebuilds the copy and gives the numbers of a head quantized afresh."""
+    mp.spawn(run_stale_copy, args=(str(tmp_path),), nprocs=2)
+    calls = [json.loads((tmp_path / f"calls-{rank}.json").read_text()) for rank in range(2)]
+    for rank in range(2):
+        first, stale, rebuilt, reused = calls[rank]
+        assert first[0] == rebuilt[0] == reused[0] == "loss", calls[rank]
+        assert first[1] == first[2] and rebuilt[1] == rebuilt[2] == reused[1], calls[rank]
+        assert rebuilt[1] != first[1]  # rank 1's rows changed
+    assert calls[1][1][0] == "StaleWeightError" and "this call found that copy stale" in calls[1][1][1], calls[1][1]
+    assert calls[0][1][0] == "ValueError" and re.search(r"FP8 teacher copy of rank\(s\) \[1\] stale", calls[0][1][1])
+    assert [call[1] for call in calls[0][2:]] == [call[1] for call in calls[1][2:]]  # one loss on both ranks
 
 
 def test_shards_that_do_not_match_the_split_are_refused():
@@ -238,14 +294,15 @@ def test_a_split_checks_its_own_rows_and_the_heads_it_slices():
 
 
 class RecordingSplit(FakeSplit):
-    """A one-rank split that records its collectives, in order: ("gather", width) or ("reduce", shape)."""
+    """A one-rank split that records its collectives, in order: ("gather", shape) or ("reduce", shape)."""
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.collectives = []
+        self.collectives, self.gathered = [], []
 
     def all_gather(self, tensor):
-        self.collectives.append(("gather", tensor.shape[-1]))
+        self.collectives.append(("gather", tuple(tensor.shape)))
+        self.gathered.append(tensor.clone())
         return super().all_gather(tensor)
 
     def all_reduce(self, tensor):
@@ -259,7 +316,7 @@ def test_the_checks_gathers_come_first_and_the_hashes_behind_the_first_gemm(loss
     once the first chunk's student GEMM is queued (the GPU computes while the host hashes) and before the call's
     next collective: at the first chunk's statistics, at grad_input's sum on a rank without tokens, or after a call
     with neither (_split_check.SplitCheckedFirst). Every rank runs the same sequence, so the collectives pair up."""
-    layout, hashes = ("gather", len(split_check.RANK_COLUMNS)), ("gather", 2 * len(split_check.HASHED))
+    layout, hashes = ("gather", (len(split_check.RANK_COLUMNS),)), ("gather", (split_check.HASH_COLUMNS,))
     start_student_logits = plan.start_student_logits
     for tokens, grad in ((19, True), (19, False), (0, True), (0, False)):
         problem = make_problem(tokens=tokens, vocab_student=23)
@@ -275,3 +332,21 @@ def test_the_checks_gathers_come_first_and_the_hashes_behind_the_first_gemm(loss
             assert split.collectives[3][0] == "gather" and split.collectives[len(split.collectives) - len(summed):] == summed
         else:
             assert split.collectives[3:] == summed, split.collectives
+
+
+def test_a_stale_copy_that_an_unsplit_call_left_unread_is_told_in_the_first_gather(monkeypatch):
+    """On a GPU an unsplit call that finds the cached FP8 copy stale returns NaN and leaves the comparison for the next
+    call to read. A split call that comes next reads it before its first gather and tells the other ranks there
+    (its "raised" column), rather than raising alone after it, when the others are already in the next collective."""
+    monkeypatch.setattr(teacher_fp8, "check_supported", lambda device: None)
+    monkeypatch.setattr(weight_cache, "compared_on_host", lambda weight: False)  # the GPU's path, on the CPU
+    problem = make_problem(tokens=19, vocab_student=23)
+    args = problem.args()
+    FUSED_LOSSES["jsd"](*args, teacher_precision="fp8")  # builds the copy
+    args[3].data[4] += 1.0
+    assert FUSED_LOSSES["jsd"](*args, teacher_precision="fp8").isnan()  # stale: NaN, its comparison left unread
+    split = RecordingSplit(0, 23, 23)
+    with pytest.raises(StaleWeightError, match="previous call with it"):
+        FUSED_LOSSES["jsd"](*args, teacher_precision="fp8", vocab_parallel=split)
+    assert split.collectives == [("gather", (len(split_check.RANK_COLUMNS),))]
+    assert split.gathered[0][split_check.RANK_COLUMNS.index("raised")] == 1

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import DEVICES, on_devices, run_jsd_split_stages
-from cosdistill import fused_linear_cosine_distill, quantize_teacher_weight
+from cosdistill import StaleWeightError, fused_linear_cosine_distill, quantize_teacher_weight
 from cosdistill.api import FUSED_LOSSES
 from cosdistill.testing import (
     TORCH_ROW_STEP,
@@ -554,6 +554,45 @@ def test_uint8_labels_that_cannot_hold_ignore_index_raise(device):
     args = random_problem(STUDENT_CASES[device], device)
     with pytest.raises(TypeError, match="cannot hold"):
         fused_linear_cosine_distill(*args[:4], args[4].clamp(min=0, max=255).to(torch.uint8))
+
+
+class OneRankSplit:
+    """The vocabulary split's protocol over one rank and no process group: its collectives are the tensor itself."""
+
+    def __init__(self, vocab):
+        self.start, self.stop, self.vocab_student, self.vocab_teacher = 0, vocab, vocab, vocab
+
+    def all_gather(self, tensor):
+        return tensor[None]
+
+    def all_reduce(self, tensor):
+        pass
+
+
+STALE_SPLIT_CASES = {"cpu": LossCase(120, 97, 97, 16, FP32, False, 7, 64),
+                     "cuda": LossCase(3000, 32011, 32011, 512, BF16, False, 7, None)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_under_a_vocabulary_split_a_stale_fp8_copy_raises_in_its_call(device, loss, monkeypatch):
+    """Under a split the cached copy's comparison rides on the split's hash check, which every rank reads where the
+    call waits for its label count: the call that finds the copy stale raises (an unsplit call on a GPU returns NaN
+    and the next call raises); the next call rebuilds the copy and gives the numbers of a head quantized afresh."""
+    fp8_or_skip(device, monkeypatch)
+    case = STALE_SPLIT_CASES[device]
+    args = list(random_problem(case, device))
+    split, weight = OneRankSplit(case.vocab_teacher), args[3]
+    options = dict(loss=loss, chunk_size=case.chunk_size, vocab_parallel=split)
+    first = fused_run(args, teacher_precision="fp8", **options)
+    assert all(torch.isfinite(value).all() for value in first[0])
+    weight.data[5] += 1.0  # through .data: no version counter moves
+    with pytest.raises(StaleWeightError, match="this call found that copy stale"):
+        fused_run(args, teacher_precision="fp8", **options)
+    rebuilt = fused_run(args, teacher_precision="fp8", **options)
+    fresh = fused_run(args[:3] + [quantize_teacher_weight(weight)] + args[4:], **options)
+    for got, want in zip(rebuilt[0] + rebuilt[1], fresh[0] + fresh[1]):
+        assert torch.equal(got, want)
 
 
 HUGE_LOGITS_CASES = {"cpu": LossCase(256, 300, 300, 16, BF16, False, 7, None),
