@@ -1,6 +1,7 @@
 """The loss's options, checked once into ``Options`` (``options_of``: one object per distinct set of values), and a
-call's tensors checked against each other and the options (``check_tensors``): every error for bad input is
-raised here, before the plan (_plan.py) is made.
+call's tensors checked against each other and the options (``check_tensors``): shapes, dtypes and devices, before
+the plan (_plan.py) is made. What depends on the plan (the FP8 GEMMs' device, the Gram path's blockers) is checked
+there; labels past the vocabulary where the count is read (_labels.py).
 """
 
 import dataclasses

@@ -1,8 +1,9 @@
-"""The vocabulary split's per-call check: every rank raises, none waits in a collective the others skip, unless the
-ranks run one split of one call. Its first half (``check_vocab_parallel``) gathers what the host knows before the
-first GEMM; its second (``queue_hash_check``) hashes the hidden states and labels behind the first chunk's GEMMs
-(``SplitCheckedFirst``) and is read where the call waits for its label count (``HashesReadFirst``;
-docs/design.md, Distributed).
+"""The vocabulary split's per-call check: every rank raises unless the ranks run one split of one call, and where
+one rank raises on its own the others raise too, so that none waits in a collective the others skip. Its first
+half (``check_vocab_parallel``) gathers what the host knows, and whether the rank raised, before the first GEMM;
+its second (``queue_hash_check``) hashes the hidden states and labels, with whether the rank's cached FP8 copy
+was stale, behind the first chunk's GEMMs (``SplitCheckedFirst``) and is read where the call waits for its label
+count (``HashesReadFirst``; docs/design.md, Distributed).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from ._row_step import RowStepScales
 
 if TYPE_CHECKING:
     from ._plan import Plan
-
 
 
 class VocabParallel(Protocol):
