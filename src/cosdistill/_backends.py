@@ -29,7 +29,6 @@ class Backend:
     scale_unless_one: Callable  # (values, factor): values *= factor in place unless factor (0-d) is 1
     quantize_rows: Callable  # (rows, out, scales): row-wise FP8
     fingerprint: Callable  # (weight) -> its hash, [2] int64 (the cached teacher copies' check)
-    fingerprint_partials: Callable  # (tensor) -> its hash's partial lanes, [n, 2] int32 (_fingerprint.lanes_of sums)
     stale_check: Callable  # (partial lanes, kept hash) -> (changed, poison): that check's comparison on the device
 
 
@@ -41,7 +40,7 @@ def scale_unless_one_torch(values: torch.Tensor, factor: torch.Tensor) -> None:
 
 TORCH = Backend("torch", _row_step.TORCH_ROW_STEP, _row_step_jsd.JSD_TORCH_ROW_STEP, _labels.count_labels_torch,
                 _labels.mean_losses_torch, scale_unless_one_torch, _teacher_fp8.quantize_rows, _fingerprint.fingerprint_torch,
-                _fingerprint.partials_torch, _fingerprint.stale_check_torch)
+                _fingerprint.stale_check_torch)
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,8 +50,7 @@ def _triton() -> Backend:
     return Backend("triton", row_step_triton.TRITON_ROW_STEP, row_step_jsd_triton.TRITON_JSD_ROW_STEP,
                    labels.count_labels_triton, labels.mean_losses_triton,
                    grad_output.scale_unless_one_triton, fp8_quantize.quantize_rows_triton,
-                   fingerprint.fingerprint_triton, fingerprint.fingerprint_partials_triton,
-                   fingerprint.stale_check_triton)
+                   fingerprint.fingerprint_triton, fingerprint.stale_check_triton)
 
 
 def backend_for(impl: str, device: torch.device) -> Backend:

@@ -67,13 +67,6 @@ def _times_mod(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     return (low + high) & MASK
 
 
-def partials_torch(weight: torch.Tensor) -> torch.Tensor:
-    """The hash as one row of partial lanes, [1, 2] int32 wrapped mod 2^32 (``lanes_of`` sums them back): the
-    Triton kernel's form (``fingerprint_partials_triton``), for callers that gather partials before summing."""
-    lanes = fingerprint_torch(weight)
-    return (lanes - ((lanes >> 31) << 32)).to(torch.int32).view(1, 2)
-
-
 def fingerprint_torch(weight: torch.Tensor) -> torch.Tensor:
     """[2] int64 on the weight's device, each lane in [0, 2^32)."""
     words = as_words(weight)

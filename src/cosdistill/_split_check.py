@@ -17,7 +17,6 @@ import torch
 
 from ._backends import backend_for
 from ._device import HostCopy
-from ._fingerprint import lanes_of
 from ._labels import LabelCounts
 from ._options import FLOAT_DTYPES, LOSSES
 from ._row_step import RowStepScales
@@ -90,7 +89,8 @@ def check_vocab_parallel(split: VocabParallel, plan: Plan | None, num_tokens: in
 RANK_COLUMNS = ("start", "stop", "raised", "vocab_student", "vocab_teacher", "the number of tokens",
                 "rows per chunk", "the soft term", "student dtype", "gradients asked for (input, weight, bias bits)",
                 *(f"option {field.name}" for field in dataclasses.fields(RowStepScales)))
-HASHED = ("student_input", "teacher_input", "true_labels")
+HASHED = ("student_input", "teacher_input", "true_labels")  # two lanes each
+HASH_COLUMNS = 2 * len(HASHED) + 1  # the lanes, then whether this call found the rank's cached FP8 copy stale
 
 
 class CachedCopy(Protocol):
@@ -108,27 +108,25 @@ def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels,
     copy was stale, and their all-gather, copied to the host without waiting; returns the check that reads them
     (``HashesReadFirst``): every rank raises unless all ranks saw the same and every copy was fresh. Any mismatch
     it finds has gone through collectives of the same sizes on every rank (``check_vocab_parallel``), so it can
-    wait that long. The hashes go as their partial lanes, summed on the host after the gather: a launch per tensor
-    and nothing more on the device."""
+    wait that long."""
     # the Triton kernel on a GPU whatever the call's impl: the torch spec's float64 products would cost more there
-    partials_of = backend_for("triton" if labels.is_cuda else "torch", labels.device).fingerprint_partials
-    partials = [partials_of(tensor) for tensor in (student_input, teacher_input, labels.reshape(-1, 1))]
+    fingerprint = backend_for("triton" if labels.is_cuda else "torch", labels.device).fingerprint
     poison = None if cached_copy is None else cached_copy.poison
-    stale = (torch.zeros(1, 2, dtype=torch.int32, device=labels.device) if poison is None
-             else poison.isnan().to(torch.int32).expand(1, 2))  # both columns the flag
-    gathered = HostCopy(split.all_gather(torch.cat(partials + [stale])))
-    sizes = [len(part) for part in partials]
+    stale = torch.zeros(1, dtype=torch.int64, device=labels.device) if poison is None else poison.isnan().view(1)
+    hashes = torch.cat([fingerprint(tensor).to(torch.int64) for tensor in (student_input, teacher_input,
+                                                                            labels.reshape(-1, 1))] + [stale.long()])
+    gathered = HostCopy(split.all_gather(hashes))
 
     def check() -> None:
-        ranks = gathered.get()  # [ranks, rows, 2]
-        stale_ranks = [rank for rank, flag in enumerate(ranks[:, -1, 0].tolist()) if flag]
+        lanes = gathered.get().tolist()
+        stale_ranks = [rank for rank, row in enumerate(lanes) if row[-1]]
         if stale_ranks:
             if poison is not None:
                 cached_copy.raise_if_stale()
             raise ValueError(f"vocab_parallel: this call found the cached FP8 teacher copy of rank(s) {stale_ranks} "
                              "stale (see their StaleWeightError)")
-        for name, parts in zip(HASHED, ranks[:, :-1].split(sizes, dim=1)):
-            if len({tuple(lanes_of(rank_parts).tolist()) for rank_parts in parts}) > 1:
+        for index, name in enumerate(HASHED):
+            if len({tuple(rank[2 * index : 2 * index + 2]) for rank in lanes}) > 1:
                 raise ValueError(f"vocab_parallel ranks must see the same {name}: its contents differ between ranks")
 
     return check

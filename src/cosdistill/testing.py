@@ -83,7 +83,7 @@ from . import _weight_cache as weight_cache  # noqa: E402
 # The torch specs and the pieces of the chunk loop, by name:
 from ._backends import TORCH, backend_for, scale_unless_one_torch  # noqa: E402
 from ._chunk_loop import ChunkRows, chunked_loss_and_grads  # noqa: E402
-from ._fingerprint import as_words, fingerprint_torch, lanes_of, partials_torch, stale_check_torch  # noqa: E402
+from ._fingerprint import as_words, fingerprint_torch, lanes_of, stale_check_torch  # noqa: E402
 from ._labels import LabelCounts, count_labels_torch, mean_losses_torch  # noqa: E402
 from ._options import Options, options_of  # noqa: E402
 from ._plan import chunk_rows  # noqa: E402
@@ -117,8 +117,8 @@ _KERNEL_NAMES = {  # name -> the kernels module that defines it
     "TRITON_ROW_STEP": "row_step_triton", "row_step_triton": "row_step_triton", "row_stats_triton": "row_step_triton",
     "row_grad_triton": "row_step_triton", "count_labels_triton": "labels", "mean_losses_triton": "labels",
     "scale_unless_one_triton": "grad_output", "quantize_rows_triton": "fp8_quantize",
-    "fingerprint_triton": "fingerprint", "fingerprint_partials_triton": "fingerprint", "stale_check_triton": "fingerprint",
-    "TRITON_JSD_ROW_STEP": "row_step_jsd_triton", "row_step_jsd_triton": "row_step_jsd_triton",
+    "fingerprint_triton": "fingerprint", "stale_check_triton": "fingerprint", "TRITON_JSD_ROW_STEP": "row_step_jsd_triton",
+    "row_step_jsd_triton": "row_step_jsd_triton",
 }
 _COMPILE_NAMES = ("compiled_distill", "fused_linear_cosine_distill_op")
 
@@ -159,8 +159,8 @@ __all__ = [
     "backends", "chunk_loop", "kernels", "plan", "split_check", "teacher_fp8", "teacher_gram", "weight_cache",  # noqa: F822 (kernels: __getattr__)
     # internals: the torch specs and the chunk loop's pieces
     "TORCH", "backend_for", "scale_unless_one_torch", "ChunkRows", "chunked_loss_and_grads", "fingerprint_torch",
-    "as_words", "lanes_of", "partials_torch", "stale_check_torch", "LabelCounts", "count_labels_torch",
-    "mean_losses_torch", "Options", "options_of", "chunk_rows", "TORCH_ROW_STEP", "RowStepImpl",
+    "as_words", "lanes_of", "stale_check_torch", "LabelCounts", "count_labels_torch", "mean_losses_torch", "Options",
+    "options_of", "chunk_rows", "TORCH_ROW_STEP", "RowStepImpl",
     "RowStepScales", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
     "with_teacher_products", "LogitsTeacher", "TeacherHead", "AttachGradients",
     "JSD_TORCH_ROW_STEP", "combine_jsd_stats", "combine_jsd_sums", "jsd_lift_bound", "jsd_row_grad", "jsd_row_stats",

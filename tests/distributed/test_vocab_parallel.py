@@ -316,8 +316,7 @@ def test_the_checks_gathers_come_first_and_the_hashes_behind_the_first_gemm(loss
     once the first chunk's student GEMM is queued (the GPU computes while the host hashes) and before the call's
     next collective: at the first chunk's statistics, at grad_input's sum on a rank without tokens, or after a call
     with neither (_split_check.SplitCheckedFirst). Every rank runs the same sequence, so the collectives pair up."""
-    # the hashes on the CPU: a row of lanes each (the torch spec's), then the stale copy's flag
-    layout, hashes = ("gather", (len(split_check.RANK_COLUMNS),)), ("gather", (len(split_check.HASHED) + 1, 2))
+    layout, hashes = ("gather", (len(split_check.RANK_COLUMNS),)), ("gather", (split_check.HASH_COLUMNS,))
     start_student_logits = plan.start_student_logits
     for tokens, grad in ((19, True), (19, False), (0, True), (0, False)):
         problem = make_problem(tokens=tokens, vocab_student=23)

@@ -32,21 +32,15 @@ def _fingerprint_kernel(words_ptr, rows, cols, stride_row, stride_col, partials_
 BLOCK_ROWS, BLOCK_COLS, WARPS = 16, 512, 8  # the fastest tile measured on the H200 (docs/design.md)
 
 
-def fingerprint_partials_triton(weight: torch.Tensor) -> torch.Tensor:
-    """The hash's partial lanes, [programs, 2] int32 (``lanes_of`` sums them into fingerprint_torch's numbers), in
-    one Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+def fingerprint_triton(weight: torch.Tensor) -> torch.Tensor:
+    """fingerprint_torch's numbers in one Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     words = as_words(weight)
     rows, cols = words.shape
     programs = max(1, triton.cdiv(rows, BLOCK_ROWS))
     partials = torch.empty(programs, 2, dtype=torch.int32, device=words.device)
     _fingerprint_kernel[(programs,)](words, rows, cols, words.stride(0), words.stride(1), partials, LANE_KEYS[0],
                                      LANE_KEYS[1], BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, num_warps=WARPS)
-    return partials
-
-
-def fingerprint_triton(weight: torch.Tensor) -> torch.Tensor:
-    """fingerprint_torch's numbers in one Triton kernel."""
-    return lanes_of(fingerprint_partials_triton(weight))
+    return lanes_of(partials)
 
 
 @triton.jit
