@@ -1,6 +1,11 @@
 """Vocabulary-parallel heads on gloo (CPU), 2 and 3 ranks: the loss and gradients of the unsplit heads, for the
-cosine loss and the generalized JSD, and with each rank's teacher rows quantized once (Fp8TeacherWeight)."""
+cosine loss and the generalized JSD, and with each rank's teacher rows quantized once (Fp8TeacherWeight); every
+rank raising where the ranks' set-ups or calls differ, or one rank raises on its own.
 
+With COSDISTILL_DISTRIBUTED_BACKEND=nccl (and TRITON_INTERPRET=0) the tests that every rank raises run over NCCL,
+a GPU per rank, the FP8 GEMMs for real (benchmarks/two_gpus.sh)."""
+
+import dataclasses
 import datetime
 import json
 import os
@@ -27,6 +32,34 @@ OPTIONS = dict(weight_hard_loss=0.3, weight_soft_loss=0.7, beta=0.8, temperature
                return_soft_hard_loss=True)
 GRAD_OUTPUT = 0.5
 JSD_BETAS = (0.0, 0.8, 1.0)  # forward KL, the generalized JSD, reverse KL: three forms of the gradient
+BACKEND = os.environ.get("COSDISTILL_DISTRIBUTED_BACKEND", "gloo")
+
+
+def join_group(rank, world_size, folder, backend="gloo", timeout_s=60) -> torch.device:
+    """This rank's process group and the device its tensors go to: a GPU per rank over NCCL, else the CPU, where
+    the FP8 GEMMs run through torch's reference."""
+    store = dist.FileStore(os.path.join(folder, "store"), world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    teacher_fp8.check_supported = lambda device: None
+    return torch.device("cpu")
+
+
+def on_backends_gpus():
+    """Skips where BACKEND is NCCL and this host has fewer than two GPUs."""
+    if BACKEND == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("COSDISTILL_DISTRIBUTED_BACKEND=nccl needs two CUDA GPUs")
+
+
+def problem_on(device, **sizes):
+    """make_problem's tensors (the same on every rank: seed 0), on ``device``."""
+    torch.manual_seed(0)
+    problem = make_problem(**sizes)
+    return dataclasses.replace(problem, **{name: None if value is None else value.to(device)
+                                           for name, value in vars(problem).items()})
 
 
 def losses_and_grads(problem, student_weight, student_bias, teacher_weight, teacher_bias, loss="cosine", **kwargs):
@@ -42,10 +75,7 @@ def losses_and_grads(problem, student_weight, student_bias, teacher_weight, teac
 
 def measure_rank(rank, world_size, folder):
     """Each rank compares its sharded run with the unsplit loss on the same inputs; writes errors-<rank>.json."""
-    teacher_fp8.check_supported = lambda device: None  # FP8 GEMMs run on the CPU through torch's reference
-    store = dist.FileStore(os.path.join(folder, "store"), world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+    join_group(rank, world_size, folder, timeout_s=120)
     try:
         errors = {}
         for case, (vocab_student, vocab_teacher, dtype) in CASES.items():
@@ -162,13 +192,11 @@ WRONG_SETUPS = {
 
 def run_wrong_setups(rank, folder):
     """Each rank runs every WRONG_SETUPS case and writes the error it raised (or "no error") to raised-<rank>.json."""
-    store = dist.FileStore(os.path.join(folder, "store"), 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    device = join_group(rank, 2, folder, BACKEND)
     try:
         raised = {}
         for case, (splits, change, _) in WRONG_SETUPS.items():
-            torch.manual_seed(0)
-            problem = make_problem(tokens=20, vocab_student=23, vocab_teacher=31)
+            problem = problem_on(device, tokens=20, vocab_student=23, vocab_teacher=31)
             split = VocabParallelOptions(*splits[rank])
             teacher_input, labels = problem.teacher_input, problem.labels
             student_input, teacher_rows = problem.student_input, split.stop - split.start
@@ -211,6 +239,7 @@ def test_every_rank_refuses_a_split_or_call_the_ranks_do_not_share(tmp_path):
     """Shards that overlap, leave gaps or miss the teacher's tail, a student vocabulary past them, and ranks that see
     other labels, hidden states, options or token counts: each gave a wrong loss (the same on every rank) or a
     collective mismatch. Now every rank raises, from one all-gather before the loss."""
+    on_backends_gpus()
     mp.spawn(run_wrong_setups, args=(str(tmp_path),), nprocs=2)
     for rank in range(2):
         raised = json.loads((tmp_path / f"raised-{rank}.json").read_text())
@@ -221,12 +250,9 @@ def test_every_rank_refuses_a_split_or_call_the_ranks_do_not_share(tmp_path):
 def run_stale_copy(rank, folder):
     """Both ranks call the JSD with cached FP8 copies of their teacher rows four times; between the first and second
     call rank 1 writes its rows through ``.data`` (which moves no version counter). Writes what each call gave."""
-    teacher_fp8.check_supported = lambda device: None  # FP8 GEMMs run on the CPU through torch's reference
-    store = dist.FileStore(os.path.join(folder, "store"), 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    device = join_group(rank, 2, folder, BACKEND)
     try:
-        torch.manual_seed(0)
-        problem = make_problem(tokens=20, vocab_student=23, vocab_teacher=31)
+        problem = problem_on(device, tokens=20, vocab_student=23, vocab_teacher=31)
         split = VocabParallelOptions.even_split(31, 23)
         student_weight, teacher_weight = split.student_rows(problem.student_weight), split.teacher_rows(problem.teacher_weight)
         calls = []
@@ -253,6 +279,7 @@ def test_a_stale_cached_copy_on_one_rank_raises_on_every_rank_in_that_call(tmp_p
     its loss NaN before) and left the other rank waiting in a collective, or returning a loss built on the stale
     rows. Now the stale flag rides on the split's hash check: every rank raises in that call, and the next call
     rebuilds the copy and gives the numbers of a head quantized afresh."""
+    on_backends_gpus()
     mp.spawn(run_stale_copy, args=(str(tmp_path),), nprocs=2)
     calls = [json.loads((tmp_path / f"calls-{rank}.json").read_text()) for rank in range(2)]
     for rank in range(2):
