@@ -7,6 +7,7 @@ import torch
 from ._device import as_rows, on_device_of
 from ._options import Options, options_of
 from ._plan import checked_plan, run
+from ._split_check import check_vocab_parallel, gather_device
 
 
 def fused_linear_cosine_distill(
@@ -82,7 +83,8 @@ def fused_linear_cosine_distill(
     ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget (on the seed
     workload, 2048 tokens per chunk with the teacher's logits in halves of 1024).
     """
-    options = options_of(
+    options = call_options(
+        (student_input, student_weight, teacher_input, teacher_weight, true_labels), vocab_parallel,
         weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
         temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
         teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
@@ -91,6 +93,19 @@ def fused_linear_cosine_distill(
     return distill(options, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
                    teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
                    return_soft_hard_loss=return_soft_hard_loss)
+
+
+def call_options(tensors, vocab_parallel, **fields) -> Options:
+    """``options_of(**fields)`` for a function call. Under a vocabulary split a rank whose options are wrong tells
+    the other ranks in the split's first gather (_split_check.check_vocab_parallel), where they wait for it, and
+    every rank raises."""
+    try:
+        return options_of(**fields)
+    except (TypeError, ValueError) as error:
+        if vocab_parallel is None:
+            raise
+        check_vocab_parallel(vocab_parallel, None, 0, None, gather_device(tensors), error)
+        raise  # check_vocab_parallel raised it already
 
 
 def distill(options: Options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
@@ -209,7 +224,8 @@ def fused_linear_jsd(
     for compatibility with Liger and changes nothing. fp16 weights take the cosine loss's lifted fp16 gradient
     (the Triton step's on a GPU: the cluster kernel takes bf16 only).
     """
-    options = options_of(
+    options = call_options(
+        (student_input, student_weight, teacher_input, teacher_weight, true_labels), vocab_parallel,
         weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
         temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
         teacher_precision=teacher_precision, cosine_via="logits", loss="jsd", student_softcap=student_softcap,

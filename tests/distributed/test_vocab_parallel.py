@@ -185,6 +185,8 @@ WRONG_SETUPS = {
                                             r"true_labels shape \(19,\) does not match|rank\(s\) \[1\] raised"),
     "float labels on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "float"},
                                  r"true_labels must be an integer tensor|rank\(s\) \[1\] raised"),
+    "an invalid temperature on one rank": ([(0, 16, 23), (16, 31, 23)], {"temperature": -1.0},
+                                           r"temperature must be > 0, got -1.0|rank\(s\) \[1\] raised"),
     "tensors on two devices on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "on the meta device"},
                                            r"all tensors must be on one device|rank\(s\) \[1\] raised"),
 }
