@@ -2,6 +2,7 @@
 with no graph break under fullgraph=True and the numbers of eager."""
 
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -319,3 +320,15 @@ def test_the_compiled_op_returns_the_forward_time_gradient_of_a_student_changed_
     got = torch.autograd.grad(loss, problem.student_leaves())
     for got_grad, want_grad in zip(got, want):
         torch.testing.assert_close(got_grad, want_grad)
+
+
+def test_a_compiled_call_builds_its_options_without_the_eager_cache():
+    """options_of's lru_cache is for eager calls: Dynamo traced through it and warned of "silent incorrectness" at
+    a user's compile. Under compile the options are built once per trace anyway."""
+    getattr(torch._dynamo.utils, "warn_once_cache", set()).clear()
+    torch._dynamo.reset()
+    student, data = make_step_problem(batch=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_step(compiled_forward(), student, data, 1.0, chunk_size=8)
+    assert not [str(warning.message) for warning in caught if "lru_cache" in str(warning.message)]

@@ -133,7 +133,10 @@ def _checked(**fields) -> Options:
 
 def options_of(**fields) -> Options:
     """``Options(**fields)``, one object per distinct set of values: the loss function, called with the same
-    keywords at every step, checks them and builds the row step's constants once."""
+    keywords at every step, checks them and builds the row step's constants once. Not under torch.compile, which
+    builds them once per trace and would trace through the cache (and warn)."""
+    if torch.compiler.is_compiling():
+        return Options(**fields)
     try:
         hash(tuple(fields.values()))
     except TypeError:  # an unhashable value: Options names the argument
