@@ -6,23 +6,19 @@ was stale, behind the first chunk's GEMMs (``SplitCheckedFirst``) and is read wh
 count (``HashesReadFirst``; docs/design.md, Distributed).
 """
 
-from __future__ import annotations
-
 import dataclasses
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from ._backends import backend_for
+from ._chunk_loop import ChunkRows
 from ._device import HostCopy
 from ._labels import LabelCounts
-from ._options import FLOAT_DTYPES, LOSSES
+from ._options import FLOAT_DTYPES, LOSSES, Options
 from ._row_step import RowStepScales
-
-if TYPE_CHECKING:
-    from ._plan import Plan
 
 
 class VocabParallel(Protocol):
@@ -38,6 +34,14 @@ class VocabParallel(Protocol):
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...  # [ranks, *tensor.shape]
 
     def all_reduce(self, tensor: torch.Tensor) -> None: ...  # sum, in place
+
+
+class PlannedCall(Protocol):
+    """What the first half reads of a call's plan (_plan.Plan)."""
+
+    options: Options
+    rows: ChunkRows
+    needs_grad: tuple[bool, bool, bool]  # input, weight, bias
 
 
 def vocab_parallel_shard_error(vocab_parallel: VocabParallel, student_weight, teacher_weight) -> ValueError | None:
@@ -62,7 +66,7 @@ def gather_device(tensors) -> torch.device:
     return next((device for device in devices if device.type == "cuda"), devices[0] if devices else torch.device("cpu"))
 
 
-def check_vocab_parallel(split: VocabParallel, plan: Plan | None, num_tokens: int, dtype: torch.dtype,
+def check_vocab_parallel(split: VocabParallel, plan: PlannedCall | None, num_tokens: int, dtype: torch.dtype,
                          device: torch.device, error: Exception | None) -> None:
     """One all-gather of what the host knows of the call, read at once, before its first GEMM: every rank raises
     unless the ranks' teacher rows tile [0, Vt) and they agree on the vocabularies, the options and all that sizes

@@ -24,6 +24,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ._device import HostCopy
 from ._fingerprint import hash_differs
 
+PREVIOUS_CALL = "the previous call with it (whose loss and gradients are NaN)"  # where a pending comparison is read
+
 
 class StaleWeightError(ValueError):
     """teacher_weight's contents changed behind its version counter while a value derived from it was cached."""
@@ -124,12 +126,12 @@ class WeightCache:
         self.entries[storage] = _Entry(_identity(weight))
         return False
 
-    def raise_if_stale(self, weight: torch.Tensor, when: str | None = None) -> None:
+    def raise_if_stale(self, weight: torch.Tensor, when: str = PREVIOUS_CALL) -> None:
         """Reads the last reuse's comparison left on the device, if not read yet: raises (and drops the value) if it
-        found the weight changed. ``when``: that reuse, for the message (default: the previous call)."""
-        self._lookup(weight, *(() if when is None else (when,)))
+        found the weight changed. ``when``: that reuse, for the message."""
+        self._lookup(weight, when)
 
-    def _lookup(self, weight: torch.Tensor, when: str = "the previous call with it (whose loss and gradients are NaN)"):
+    def _lookup(self, weight: torch.Tensor, when: str = PREVIOUS_CALL):
         """(storage, its entry or None); raises if the last reuse of the entry found the weight changed."""
         storage = weight.untyped_storage()
         entry = self.entries.get(storage)
