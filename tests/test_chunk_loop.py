@@ -1,14 +1,12 @@
 """The chunk loop (_chunk_loop.py): teacher sub-chunks, the last chunk's deferred GEMM, and when the host reads N."""
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
 from conftest import TOLERANCE, assert_matches_reference, make_problem, reference, rel_err, run_fused
 from cosdistill import fused_linear_cosine_distill, fused_linear_jsd
-from cosdistill.api import FUSED_LOSSES
 from cosdistill.testing import (
     TORCH,
     ChunkRows,
@@ -200,41 +198,3 @@ def test_the_logits_teacher_takes_its_chunks_in_order():
     with pytest.raises(RuntimeError, match="in order"):
         teacher.row_step(logits, problem.student_input[8:16], problem.teacher_input[8:16], problem.labels[8:16],
                          torch.empty(8, 2), False)
-
-
-class CaughtUp:
-    """A GPU's forward_done event where the GPU has run the forward by the time backward starts."""
-
-    def query(self):
-        return True
-
-
-def never_on_the_device(values, grad_output):
-    raise AssertionError("grad_output was applied on the device although the GPU had caught up")
-
-
-@pytest.mark.parametrize("dtype, tokens", [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 37),
-                                           (torch.bfloat16, 37), (torch.float16, 37)])
-@pytest.mark.parametrize("loss", ["cosine", "jsd"])
-@pytest.mark.parametrize("grad_output", [-1.5, 1.0, float("nan")])
-def test_grad_output_read_on_the_host_once_the_gpu_caught_up(monkeypatch, dtype, tokens, loss, grad_output):
-    """Where the forward's work has run when backward starts (a small problem: the host is the slower),
-    backward reads grad_output on the host and puts it on the GEMMs' alpha and beta and a plain multiply, with
-    no launch of the device-side scaling: the gradients are the reference's, one chunk or several, NaN too."""
-
-    def caught_up(*args, **kwargs):
-        result = chunked_loss_and_grads(*args, **kwargs)
-        result.gradients.forward_done = CaughtUp()
-        result.gradients.scale_unless_one = never_on_the_device
-        return result
-
-    monkeypatch.setattr(plan, "chunked_loss_and_grads", caught_up)
-    problem = make_problem(tokens=tokens, dtype=dtype, ignore_every=5)
-    losses = FUSED_LOSSES[loss](*problem.args(), chunk_size=16)
-    (losses * grad_output).backward()
-    _, ref_grads = reference(problem, grad_output, loss=loss)
-    for leaf, want in zip(problem.student_leaves(), ref_grads):
-        if math.isnan(grad_output):
-            assert leaf.grad.isnan().all()
-        else:
-            assert rel_err(leaf.grad, want) < TOLERANCE[dtype][1]

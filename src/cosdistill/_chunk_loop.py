@@ -88,21 +88,16 @@ class Gradients:
     student_weight: torch.Tensor | None = None  # for that GEMM
     poison: torch.Tensor | None = None  # the teacher side's (NaN where a cached teacher copy was stale), added to grad_output
     scale_unless_one: Callable | None = None  # the backend's (_backends.py): grad_input's and grad_bias's scaling
-    forward_done: torch.cuda.Event | None = None  # recorded behind the forward's work on a GPU
 
     @torch.no_grad()  # backward(create_graph=True) runs it in grad mode; the views here were made in no_grad
     def finish(self, grad_output: torch.Tensor | None = None):
         """(grad_input, grad_weight, grad_bias) for this grad_output (a 0-d tensor; None: 1)."""
         if self.poison is not None:
             grad_output = self.poison + (1.0 if grad_output is None else grad_output)
-        if grad_output is not None and self.forward_done is not None and self.forward_done.query():
-            # The GPU has run the forward already (the host was the slower, a small problem): reading grad_output
-            # idles it no longer, and spares the launches of its scaling on the device (docs/design.md, Host latency).
-            grad_output = grad_output.item()
         if self.correct_last is not None and self.correct_last(overwrite=not self.accumulate_last):
             self.accumulate_last = True  # grad_weight holds the correction (or is None)
         host_grad_output = None
-        if self.last_grad_logits is not None and torch.is_tensor(grad_output) and self._scale_on_host():
+        if self.last_grad_logits is not None and grad_output is not None and self._scale_on_host():
             host_grad_output = HostCopy(grad_output)  # queued ahead of the GEMM below, so not waiting for it
         if self.last_grad_input is not None:
             self.last_grad_input.addmm_(self.last_grad_logits, self.student_weight, beta=0.0, alpha=self.inv_normaliser)
@@ -114,17 +109,10 @@ class Gradients:
                 factors = 1.0 / self.grad_input_lifts[start : start + self.chunk_rows, None]  # exact: powers of two
                 rows.copy_(rows.float() * (factors if grad_output is None else factors * grad_output))
         elif self.grad_input is not None and grad_output is not None:
-            self._scale(self.grad_input, grad_output)
+            self.scale_unless_one(self.grad_input, grad_output)
         if self.grad_bias is not None and grad_output is not None:
-            self._scale(self.grad_bias, grad_output)
+            self.scale_unless_one(self.grad_bias, grad_output)
         return self.grad_input, self.grad_weight, self.grad_bias
-
-    def _scale(self, values: torch.Tensor, grad_output: torch.Tensor | float) -> None:
-        """values *= grad_output, in place: on the device for a tensor, nothing for a host 1."""
-        if torch.is_tensor(grad_output):
-            self.scale_unless_one(values, grad_output)
-        elif grad_output != 1.0:  # NaN too
-            values.mul_(grad_output)
 
     def _scale_on_host(self) -> bool:
         """Whether grad_output goes onto the grad_weight GEMM's alpha and beta, read on the host."""
@@ -138,9 +126,8 @@ class Gradients:
         ~0.25 ms, the wait only what the GPU has not queued behind it."""
         hidden, alpha, beta = self.last_hidden, self.inv_normaliser, 1.0 if self.accumulate_last else 0.0
         if host_grad_output is not None:
-            grad_output = float(host_grad_output.get())
-        if isinstance(grad_output, float):
-            alpha, beta = alpha * grad_output, beta * grad_output
+            scale = float(host_grad_output.get())
+            alpha, beta = alpha * scale, beta * scale
         elif grad_output is not None:
             hidden = hidden.clone()
             self.scale_unless_one(hidden, grad_output)
@@ -355,7 +342,4 @@ def chunked_loss_and_grads(
             poison=teacher.poison,
             scale_unless_one=scale_unless_one,
         )
-        if device.type == "cuda":
-            gradients.forward_done = torch.cuda.Event()
-            gradients.forward_done.record()
     return ChunkResult(loss, soft_loss, hard_loss, gradients)

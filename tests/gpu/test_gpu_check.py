@@ -549,52 +549,6 @@ def test_a_student_changed_in_place_before_backward_raises(device, changed):
         loss.backward()
 
 
-class RecordedQuery:
-    """Gradients.forward_done, its answers recorded."""
-
-    def __init__(self, event):
-        self.event, self.answers = event, []
-
-    def query(self):
-        self.answers.append(self.event.query())
-        return self.answers[-1]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("loss", ["cosine", "jsd"])
-@pytest.mark.parametrize("chunk_size", [None, 1024])  # one chunk; several, the last's grad_weight GEMM in backward
-@pytest.mark.parametrize("gpu_caught_up", [True, False])
-def test_grad_output_on_the_host_or_on_the_device_gives_float64_s_gradients(loss, chunk_size, gpu_caught_up,
-                                                                            monkeypatch):
-    """Backward reads grad_output on the host where the GPU has run the forward, and scales on the device where
-    it has not (_chunk_loop.Gradients.finish): both give float64's gradients for grad_output != 1. A sleep queued
-    ahead of the forward keeps the GPU busy past backward's start; a synchronize lets it catch up."""
-    recorded = []
-
-    def recording(*args, **kwargs):
-        result = plan_loop(*args, **kwargs)
-        result.gradients.forward_done = RecordedQuery(result.gradients.forward_done)
-        recorded.append(result.gradients.forward_done)
-        return result
-
-    plan_loop = plan.chunked_loss_and_grads
-    monkeypatch.setattr(plan, "chunked_loss_and_grads", recording)
-    case = STUDENT_CASES["cuda"]
-    args = random_problem(case, "cuda")
-    options = dict(loss=loss, **case.options())
-    want = float64_reference(args, -0.37, **options)
-    torch.cuda.synchronize()
-    if not gpu_caught_up:
-        torch.cuda._sleep(200_000_000)  # about 0.1 s at the H200's clocks
-    losses = FUSED_LOSSES[loss](*args, chunk_size=chunk_size, return_soft_hard_loss=True, **case.options())
-    if gpu_caught_up:
-        torch.cuda.synchronize()
-    (losses[0] * -0.37).backward()
-    got = list(losses), [args[i].grad for i in (0, 1, 5) if args[i] is not None]
-    assert recorded[0].answers == [gpu_caught_up]
-    assert_passed([compare(f"{loss} grad_output -0.37", case.describe(), case.dtype, got, want)])
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_uint8_labels_that_cannot_hold_ignore_index_raise(device):
     args = random_problem(STUDENT_CASES[device], device)
