@@ -7,6 +7,7 @@ import torch
 
 from conftest import TOLERANCE, assert_matches_reference, make_problem, reference, rel_err, run_fused
 from cosdistill import fused_linear_cosine_distill, fused_linear_jsd
+from cosdistill.api import FUSED_LOSSES
 from cosdistill.testing import (
     TORCH,
     ChunkRows,
@@ -61,6 +62,41 @@ def test_last_chunk_grad_input_gemm_runs_in_backward(monkeypatch, dtype, weight_
     (losses[0] * -1.5).backward()
     _, ref_grads = reference(problem, -1.5)
     assert rel_err(problem.student_input.grad, ref_grads[0]) < TOLERANCE[dtype][1]
+
+
+SMALL_CALLS = [  # (dtype, accum_dtype, in_forward)
+    (torch.float32, None, True), (torch.bfloat16, None, True), (torch.bfloat16, torch.float32, True),
+    (torch.float16, None, False),  # fp16: the lifted rows' grad_output is read on the host, for the GEMM's alpha
+]
+
+
+@pytest.mark.parametrize("impl, dtype, accum_dtype, in_forward, loss, grad_output", [
+    *[("torch", *case, loss, grad_output) for case in SMALL_CALLS for loss in ("cosine", "jsd") for grad_output in (1.0, -1.5)],
+    # the Triton kernels' scaling of grad_weight, and its skip where grad_output is 1 (1024 rows: slow interpreted)
+    ("triton", torch.bfloat16, None, True, "jsd", -1.5), ("triton", torch.bfloat16, None, True, "cosine", 1.0),
+])
+def test_a_small_call_runs_the_last_grad_weight_gemm_in_forward(monkeypatch, impl, dtype, accum_dtype, in_forward, loss,
+                                                               grad_output):
+    """A small call (_plan.small_call: one chunk of 1024 tokens here) leaves no GEMM for backward: grad_weight is
+    whole after forward, and backward scales it by grad_output unless that is 1. Both gradients match float64."""
+    results = []
+
+    def recording(*args, **kwargs):
+        results.append(chunked_loss_and_grads(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(plan, "chunked_loss_and_grads", recording)
+    problem = make_problem(tokens=1024, vocab_student=67, vocab_teacher=75, dtype=dtype, ignore_every=5)
+    kwargs = dict(impl=impl, accum_dtype=accum_dtype, return_soft_hard_loss=True, beta=0.3)
+    losses = FUSED_LOSSES[loss](*problem.args(), **kwargs)
+    gradients = results[0].gradients
+    assert (gradients.last_grad_logits is None) == in_forward and gradients.scale_grad_weight == in_forward
+    ref_losses, ref_grads = reference(problem, grad_output, loss=loss, beta=0.3)
+    if in_forward:  # for grad_output = 1, before backward
+        assert rel_err(gradients.grad_weight, ref_grads[1] / grad_output) < TOLERANCE[dtype][1]
+    (losses[0] * grad_output).backward()
+    for leaf, want in zip(problem.student_leaves(), ref_grads):
+        assert leaf.grad.dtype == leaf.dtype and rel_err(leaf.grad, want) < TOLERANCE[dtype][1], tuple(leaf.shape)
 
 
 @pytest.mark.parametrize("grad", [True, False])

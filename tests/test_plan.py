@@ -51,6 +51,20 @@ def test_automatic_chunk_rows():
     assert chunk_rows(512, 100, **seed) == ChunkRows(100, 100)
 
 
+def test_small_calls_run_the_last_grad_weight_gemm_in_forward():
+    """One chunk of at least 1024 tokens whose four GEMMs come to under 10^12 FLOPs (host-bound from an idle GPU:
+    V = 32000 at T = 1024, not at 2048 nor at the seed vocabulary), with the chunk rows the plan picks."""
+    def small(tokens, vocab, student=(2048,), teacher_hidden=4096, chunk_size=None):
+        rows = chunk_rows(chunk_size, tokens, vocab, vocab, 2)
+        return plan.small_call(rows, tokens, (vocab, *student), (vocab, teacher_hidden))
+
+    assert small(1024, 32000) and small(1472, 32000) and not small(1536, 32000)  # 0.97 and 1.01 * 10^12
+    assert not small(2048, 32000) and not small(1024, 128256)  # 1.3 and 2.7 * 10^12 FLOPs
+    assert not small(1000, 32000)  # fewer tokens: grad_output's pass over grad_weight would cost about the GEMM
+    assert not small(1024, 32000, chunk_size=512)  # two chunks: the last one's GEMM runs while backward starts
+    assert small(4096, 32000, student=(512,), teacher_hidden=1024)  # a smaller model: 0.76 * 10^12
+
+
 def test_where_the_row_steps_run_beside_the_teacher_gemms():
     """For the JSD on CUDA: teacher logits in more than one sub-chunk, the second teacher buffer within the hard
     budget, no vocabulary split."""

@@ -5,8 +5,8 @@ writes the student's logits into a reused buffer, the teacher side (``TeacherSid
 sub-chunks, _teacher_logits.py, or its Gram matrices, _teacher_gram.py) runs the fused row step, which
 turns the student buffer into d loss / d logits in place, and two more GEMMs turn that into grad_input
 (written straight into its slice) and grad_weight (accumulated). Backward applies grad_output, folding
-it into the last chunk's grad_weight GEMM (``Gradients.finish``), and runs the last chunk's grad_input
-GEMM while the host reads grad_output.
+it into the last chunk's grad_weight GEMM (``Gradients.finish``; a small call runs that GEMM in forward and
+scales grad_weight), and runs the last chunk's grad_input GEMM while the host reads grad_output.
 """
 
 import functools
@@ -70,7 +70,8 @@ class Gradients:
     for grad_output: scaling by it then rides on that GEMM instead of a pass over grad_weight (measured:
     1.1 ms at T = 1024 on the H200). The last chunk's grad_input GEMM
     waits too where it can (``last_grad_input``): queued in backward before the host waits to read
-    grad_output, it keeps the GPU busy while the host launches the grad_weight GEMM."""
+    grad_output, it keeps the GPU busy while the host launches the grad_weight GEMM. A small call runs that
+    grad_weight GEMM in forward instead (``scale_grad_weight``): its GPU would idle until backward launched it."""
 
     grad_input: torch.Tensor | None
     grad_weight: torch.Tensor | None  # in the accum dtype
@@ -88,6 +89,7 @@ class Gradients:
     student_weight: torch.Tensor | None = None  # for that GEMM
     poison: torch.Tensor | None = None  # the teacher side's (NaN where a cached teacher copy was stale), added to grad_output
     scale_unless_one: Callable | None = None  # the backend's (_backends.py): grad_input's and grad_bias's scaling
+    scale_grad_weight: bool = False  # grad_weight is whole already (its last GEMM ran in forward): scale it too
 
     @torch.no_grad()  # backward(create_graph=True) runs it in grad mode; the views here were made in no_grad
     def finish(self, grad_output: torch.Tensor | None = None):
@@ -112,6 +114,8 @@ class Gradients:
             self.scale_unless_one(self.grad_input, grad_output)
         if self.grad_bias is not None and grad_output is not None:
             self.scale_unless_one(self.grad_bias, grad_output)
+        if self.scale_grad_weight and grad_output is not None:
+            self.scale_unless_one(self.grad_weight, grad_output)
         return self.grad_input, self.grad_weight, self.grad_bias
 
     def _scale_on_host(self) -> bool:
@@ -243,6 +247,7 @@ def chunked_loss_and_grads(
     scale_unless_one: Callable,  # the backend's, for grad_output in backward
     reduce_grad_input: Callable[[torch.Tensor], None] | None = None,  # sums it over a vocabulary split
     student_logits: torch.Tensor | None = None,  # from start_student_logits, if the caller queued it; None: here
+    grad_weight_in_forward: bool = False,  # the last chunk's grad_weight GEMM too (not with fp16's lifted rows)
 ) -> ChunkResult:
     """The row step does not need N (1/N is the gradient GEMMs' alpha), so N is counted behind the first
     chunk's student logits GEMM and, with gradients, waited for once the first chunk's row step is queued:
@@ -276,6 +281,8 @@ def chunked_loss_and_grads(
     # share of grad_input (written first).
     defer_grad_input = (num_tokens > chunk and grad_input is not None and grad_weight is not None and unlift is None
                         and reduce_grad_input is None and not teacher.adds_grad_input_share)
+    # The last chunk's grad_weight GEMM waits for backward (Gradients), unless the caller runs it here.
+    defer_grad_weight = grad_weight is not None and num_tokens > 0 and not (grad_weight_in_forward and unlift is None)
 
     inv_normaliser = None  # 1 / N on the host, for the gradient GEMMs
     weight_started = False  # whether grad_weight holds a sum yet (the first GEMM overwrites it)
@@ -303,7 +310,7 @@ def chunked_loss_and_grads(
             unlift.count_scaled_down(stop - start)
         if unlift is not None and grad_weight is not None:
             hidden = unlift.hidden_rows(hidden)
-        if grad_weight is not None and stop < num_tokens:  # the last chunk's waits for backward
+        if grad_weight is not None and (stop < num_tokens or not defer_grad_weight):
             _grad_weight_gemm(grad_weight, grad_logits, hidden, alpha=inv_normaliser, beta=1.0 if weight_started else 0.0)
             weight_started = True
         if grad_bias is not None and unlift is not None:
@@ -326,11 +333,10 @@ def chunked_loss_and_grads(
     gradients = None
     if write_grad:
         last_start = (num_tokens - 1) // chunk * chunk if num_tokens else 0
-        defer = grad_weight is not None and num_tokens > 0  # otherwise nothing waits for backward
         gradients = Gradients(
             grad_input, grad_weight, grad_bias,
-            last_grad_logits=student_logits[: num_tokens - last_start] if defer else None,
-            last_hidden=hidden if defer else None,  # the last chunk's (divided by its lifts in fp16)
+            last_grad_logits=student_logits[: num_tokens - last_start] if defer_grad_weight else None,
+            last_hidden=hidden if defer_grad_weight else None,  # the last chunk's (divided by its lifts in fp16)
             accumulate_last=weight_started,
             inv_normaliser=inv_normaliser,
             grad_input_lifts=None if unlift is None or grad_input is None else unlift.grad_input_lifts,
@@ -341,5 +347,6 @@ def chunked_loss_and_grads(
             student_weight=student_weight if defer_grad_input else None,
             poison=teacher.poison,
             scale_unless_one=scale_unless_one,
+            scale_grad_weight=grad_weight is not None and num_tokens > 0 and not defer_grad_weight,
         )
     return ChunkResult(loss, soft_loss, hard_loss, gradients)

@@ -34,6 +34,7 @@ class Plan:
     vocab_parallel: VocabParallel | None
     fall_back: bool  # on the Gram path: run on the logits path where its range check fails (else raise)
     side_stream: bool = False  # the row steps beside the teacher GEMMs (``row_step_beside_gemms``)
+    grad_weight_in_forward: bool = False  # the last chunk's grad_weight GEMM in forward (``small_call``)
 
 
 def make_plan(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens: int,
@@ -59,7 +60,8 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
                                         vocab_student, vocab_teacher, student_weight.element_size(), vocab_parallel)
     return Plan(options, backend, row_step, scales, teacher, rows, tuple(needs_grad),
                 options.accum_dtype or default_accum_dtype(student_weight.dtype), vocab_parallel,
-                fall_back=options.cosine_via == "auto", side_stream=side_stream)
+                fall_back=options.cosine_via == "auto", side_stream=side_stream,
+                grad_weight_in_forward=small_call(rows, num_tokens, student_weight.shape, teacher_weight.shape))
 
 
 # Plans of earlier calls by signature (``checked_plan``); cleared when full, so a process that keeps changing
@@ -155,6 +157,21 @@ def row_step_beside_gemms(loss: str, backend: Backend, device: torch.device, tea
     return rows.student * vocab_student * itemsize + 2 * rows.teacher * vocab_teacher * itemsize <= MAX_BUFFER_BYTES
 
 
+# The four GEMMs of a call under this many FLOPs take about as long on an H200 as the host takes to queue the
+# call, so from an idle GPU (a small model's training step, the bench) the GPU catches up with the host and would
+# idle from forward's end until backward queued the deferred grad_weight GEMM (docs/design.md, Host latency).
+SMALL_CALL_FLOPS = 10**12
+
+
+def small_call(rows: ChunkRows, num_tokens: int, student_shape, teacher_shape) -> bool:
+    """Whether the last chunk's grad_weight GEMM runs in forward: a call of one chunk, at least MIN_PREFERRED_ROWS
+    tokens (so that grad_output's pass over grad_weight in backward, where it is not 1, costs well under the GEMM)
+    and under SMALL_CALL_FLOPS."""
+    (vocab_student, hidden_student), (vocab_teacher, hidden_teacher) = student_shape, teacher_shape
+    flops = 2 * num_tokens * (3 * vocab_student * hidden_student + vocab_teacher * hidden_teacher)
+    return MIN_PREFERRED_ROWS <= num_tokens <= rows.student and flops < SMALL_CALL_FLOPS
+
+
 def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
         num_valid_tokens=None) -> ChunkResult:
     """The loss and, for grad_output = 1, the gradients the plan asks for. 2-D inputs, 1-D labels."""
@@ -190,6 +207,7 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
         return chunked_loss_and_grads(
             student_input, student_weight, student_bias, teacher_input, teacher, labels, normaliser, plan.rows,
             plan.needs_grad, plan.accum_dtype, backend.scale_unless_one, reduce_grad_input, student_logits,
+            plan.grad_weight_in_forward,
         )
     except _teacher_gram.GramOutOfRange:
         if not plan.fall_back:

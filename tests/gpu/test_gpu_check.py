@@ -363,6 +363,30 @@ def test_jsd_matches_float64(device, case):
     assert_passed(check_jsd(device, [case]))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("teacher_precision", [None, "fp8"])
+@pytest.mark.parametrize("loss", [dict(loss="cosine"), dict(loss="jsd", beta=0.5, temperature=1.5)], ids=["cosine", "jsd"])
+@pytest.mark.parametrize("grad_output", [1.0, -1.5])
+def test_a_small_call_s_grad_weight_made_in_forward_matches_float64(teacher_precision, loss, grad_output, monkeypatch):
+    """V = 32000, T = 1024, the bench's hidden sizes: a small call (_plan.small_call), whose last grad_weight GEMM
+    runs in forward and whose grad_weight backward scales by grad_output (the Triton kernel, where it is not 1).
+    FP8: against float64 on the dequantized teacher."""
+    if teacher_precision:
+        fp8_or_skip("cuda", monkeypatch)
+    case = LossCase(1024, 32000, 32000, 4096, BF16, False, 7, None)
+    assert plan.small_call(plan.chunk_rows(None, 1024, 32000, 32000, 2), 1024, (32000, 2048), (32000, 4096))
+    args = random_problem(case, "cuda")
+    reference_args = list(args)
+    if teacher_precision:
+        reference_args[2], reference_args[3] = fp8.dequantized(args[2]), fp8.dequantized(args[3])
+    want = float64_reference(reference_args, grad_output, **loss)
+    losses = FUSED_LOSSES[loss["loss"]](*args, return_soft_hard_loss=True, teacher_precision=teacher_precision,
+                                        **{key: value for key, value in loss.items() if key != "loss"})
+    (losses[0] * grad_output).backward()
+    got = (list(losses), [args[0].grad, args[1].grad])
+    assert_passed([compare(f"small call grad_output={grad_output:g}", case.describe(), BF16, got, want)])
+
+
 @pytest.mark.parametrize("device, size", on_devices([(37, 1100)], [(1000, 4099)], lambda size: "x".join(map(str, size))))
 def test_fp8_quantization_is_the_formula(device, size):
     """fp8.quantize_rows on the device against the textbook formula on the CPU: the scales may differ by one ulp
