@@ -2,19 +2,20 @@
 
     torchrun --nproc_per_node 2 benchmarks/vocab_parallel_bench.py --out DIR [--loss jsd] [--ledger CSV]
 
-Seed workload (V = 128256, teacher H = 4096, student H = 2048, bf16). Every rank builds the same full
-tensors, then (1) compares its vocabulary-split loss, grad_input and grad_weight shard with the unsplit
-loss on its own GPU, and (2) times forward + backward in interleaved rounds (CUDA events, the median of each
-round's medians): the unsplit loss and its four GEMMs on one GPU (rank 0, the others waiting), and on all
-ranks the split loss, the split loss with its per-call check skipped (the check's cost), and each rank's
-shard's four GEMMs (a split's time is its slowest rank's). Scaling efficiency = t(1 GPU) / (ranks *
-t(split)). Rank 0 writes vocab_parallel.json and .md to DIR and, with --ledger, appends the rows (ratios to
-the unsplit floor). Without GPUs (a smoke run at small --sizes) the ranks run on the CPU over gloo.
+Seed workload (V = 128256, teacher H = 4096, student H = 2048, bf16). Every rank builds the same full tensors,
+then (1) compares its vocabulary-split loss, grad_input and grad_weight shard with the unsplit loss on its own
+GPU, and (2) times forward + backward in interleaved rounds (CUDA events, the median of each round's medians,
+each provider after --settle-s seconds of its calls): the unsplit loss and its four GEMMs on one GPU (rank 0,
+the others waiting), and on all ranks the split loss, the split loss with its per-call check skipped (the
+check's cost), and each rank's shard's four GEMMs (a split's time is its slowest rank's). Scaling efficiency =
+t(1 GPU) / (ranks * t(split)). Rank 0 writes vocab_parallel.json and .md to DIR and, with --ledger, appends the
+rows (ratios to the unsplit floor). Without GPUs (a smoke run at small --sizes) the ranks run on the CPU over gloo.
 """
 
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import statistics
@@ -80,9 +81,27 @@ def providers(loss, tensors, options):
             "floor-shard": (bench.floor_provider(shard_floor, "full"), shard_floor)}
 
 
-def time_rounds(steps, device, rounds, reps, rank) -> dict:
+def settle(run, tensors, device, seconds: float, together: bool) -> None:
+    """At least ``seconds`` of calls, as the single-GPU bench's settle (bench.Workload.settle_s: the power limiter
+    cuts the clock under load). A split's calls hold collectives, so with ``together`` every rank makes as many:
+    the count that fills the time on the slowest rank."""
+    if not seconds:
+        return
+    tensors.clear_grads()
+    calls = torch.tensor([math.ceil(seconds * 1e3 / bench.call_ms(run, device))], device=device)
+    if together:
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+    for _ in range(int(calls.item())):
+        tensors.clear_grads()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the time is the GPU's, not the queue's
+
+
+def time_rounds(steps, device, rounds, reps, rank, settle_s=0.0) -> dict:
     """label -> (each round's median ms, slowest rank's; peak GB above inputs, largest rank's). Each round times
-    every label in turn, starting one later than the round before; ON_ONE_GPU labels run on rank 0 alone."""
+    every label in turn, starting one later than the round before, each after ``settle_s`` seconds of its calls;
+    ON_ONE_GPU labels run on rank 0 alone."""
     order = list(steps)
     times = {label: [] for label in order}
     peaks = {}
@@ -92,6 +111,7 @@ def time_rounds(steps, device, rounds, reps, rank) -> dict:
             run, tensors = steps[label]
             ms, peak = 0.0, 0.0
             if rank == 0 or label not in ON_ONE_GPU:
+                settle(run, tensors, device, settle_s, together=label not in ON_ONE_GPU)
                 ms = bench.median_ms(run, tensors, device, 3 if round_index == 0 else 1, reps)
                 if round_index == rounds - 1:
                     peak = bench.peak_gb_above_inputs(run, tensors, device) or 0.0
@@ -108,6 +128,8 @@ def main():
     parser.add_argument("--check-tokens", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=10, help="calls per provider and round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--settle-s", type=float, help="seconds of each provider's calls before it is timed, in every "
+                        "round (default: the single-GPU bench's on CUDA, 0 on the CPU)")
     parser.add_argument("--ledger", help="append the timings to this ledger CSV (benchmarks/results.csv)")
     parser.add_argument("--out", default="results")
     parser.add_argument("--sizes", type=int, nargs=3, default=[128256, 4096, 2048], help="V, H, student H")
@@ -150,7 +172,8 @@ def main():
     ledger_rows = []
     for tokens in args.tokens:
         tensors = bench.make_tensors(tokens, vocab, hidden, student_hidden, torch.bfloat16, device)
-        timed = time_rounds(providers(loss, tensors, options), device, args.rounds, args.reps, rank)
+        settle_s = args.settle_s if args.settle_s is not None else bench.CUDA_WORKLOAD.settle_s if device.type == "cuda" else 0.0
+        timed = time_rounds(providers(loss, tensors, options), device, args.rounds, args.reps, rank, settle_s)
         floor_by_round = timed["floor-unsplit"][0]
         medians = {label: statistics.median(by_round) for label, (by_round, _) in timed.items()}
         report["timings"].append(dict(tokens=tokens, ms=medians, one_gpu_ms=medians["ours-unsplit"],

@@ -300,11 +300,13 @@ def test_the_fsdp2_parity_script_runs_its_loop_on_gloo(tmp_path):
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
 def test_the_vocab_parallel_bench_runs_two_ranks_on_the_cpu(tmp_path, loss):
     """benchmarks/vocab_parallel_bench.py under torchrun, two ranks over gloo at a tiny size: each rank's split loss
-    and gradients against the unsplit ones, then one timing."""
+    and gradients against the unsplit ones, then one timing, each provider after a settle (a split's on every rank
+    for as many calls, or its collectives would hang)."""
     env = os.environ | {"PYTHONPATH": str(SRC), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              str(BENCHMARKS / "vocab_parallel_bench.py"), "--sizes", "520", "64", "32", "--tokens", "48",
-                             "--check-tokens", "40", "--reps", "1", "--rounds", "2", "--out", str(tmp_path), "--loss", loss,
+                             "--check-tokens", "40", "--reps", "1", "--rounds", "2", "--settle-s", "0.2", "--out",
+                             str(tmp_path), "--loss", loss,
                              "--ledger", str(tmp_path / "ledger.csv")],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
