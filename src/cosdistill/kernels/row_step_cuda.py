@@ -21,6 +21,7 @@ the student's logits alone, each row's s.t and |t|^2 given, each row's coefficie
 no rescue there (a row whose sums overflow gets NaN losses and gradient, as _teacher_gram.py's range says).
 """
 
+import contextlib
 import ctypes
 import functools
 import importlib.resources
@@ -241,12 +242,32 @@ def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scale
                  float(scales.beta), 1.0 / (scales.temperature * scales.temperature), teacher_products, teacher_coefs])
 
 
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    """The CUDA driver library, opened once (torch's helper opens it again at every launch)."""
+    return torch.cuda._utils._get_gpu_runtime_library()
+
+
+def _packed(args: list) -> tuple[list, ctypes.Array]:
+    """The kernel's arguments as the driver takes them, by torch._compile_kernel's conventions, which the kernels'
+    signatures follow: tensors as device pointers, ints as C ints, floats as doubles. The values come back with
+    the array of their addresses, to outlive the launch."""
+    values = [ctypes.c_void_p(arg.data_ptr()) if isinstance(arg, torch.Tensor)
+              else ctypes.c_double(arg) if isinstance(arg, float) else ctypes.c_int(arg) for arg in args]
+    return values, (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values))
+
+
 def launch_rows(kernel, layout: Layout, rows: int, shared_bytes: int, device: torch.device, args: list) -> None:
     """A cluster kernel's launch, one cluster per row, on the tensors' device and its current stream, whichever
-    device is current."""
-    with torch.cuda.device(device):
-        kernel(grid=(rows * layout.cluster, 1, 1), block=(layout.threads, 1, 1), shared_mem=shared_bytes, args=args,
-               stream=torch.cuda.current_stream(device))
+    device is current. Straight through the driver: torch's launch wrapper costs more host time than the kernel
+    takes at small vocabularies, where the host is what the GPU waits for (docs/design.md, Host latency)."""
+    values, pointers = _packed(args)
+    switch = contextlib.nullcontext() if torch.cuda.current_device() == device.index else torch.cuda.device(device)
+    with switch:
+        stream = ctypes.c_void_p(torch._C._cuda_getCurrentRawStream(device.index))
+        torch.cuda._utils._check_cuda(_driver().cuLaunchKernel(
+            kernel.func, rows * layout.cluster, 1, 1, layout.threads, 1, 1, shared_bytes, stream, pointers, None))
+    del values  # kept alive until here: the driver reads the arguments through their addresses at the launch
 
 
 def row_step_cuda(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
