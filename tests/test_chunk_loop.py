@@ -74,6 +74,8 @@ SMALL_CALLS = [  # (dtype, accum_dtype, in_forward)
     *[("torch", *case, loss, grad_output) for case in SMALL_CALLS for loss in ("cosine", "jsd") for grad_output in (1.0, -1.5)],
     # the Triton kernels' scaling of grad_weight, and its skip where grad_output is 1 (1024 rows: slow interpreted)
     ("triton", torch.bfloat16, None, True, "jsd", -1.5), ("triton", torch.bfloat16, None, True, "cosine", 1.0),
+    # the cosine loss's Gram path, whose soft share of grad_weight is added after the loop (no biases there)
+    ("torch", torch.float32, None, True, "gram", -1.5), ("torch", torch.bfloat16, None, True, "gram", 1.0),
 ])
 def test_a_small_call_runs_the_last_grad_weight_gemm_in_forward(monkeypatch, impl, dtype, accum_dtype, in_forward, loss,
                                                                grad_output):
@@ -86,9 +88,11 @@ def test_a_small_call_runs_the_last_grad_weight_gemm_in_forward(monkeypatch, imp
         return results[-1]
 
     monkeypatch.setattr(plan, "chunked_loss_and_grads", recording)
-    problem = make_problem(tokens=1024, vocab_student=67, vocab_teacher=75, dtype=dtype, ignore_every=5)
+    gram = loss == "gram"
+    loss = "cosine" if gram else loss
+    problem = make_problem(tokens=1024, vocab_student=67, vocab_teacher=75, dtype=dtype, ignore_every=5, bias=not gram)
     kwargs = dict(impl=impl, accum_dtype=accum_dtype, return_soft_hard_loss=True, beta=0.3)
-    losses = FUSED_LOSSES[loss](*problem.args(), **kwargs)
+    losses = FUSED_LOSSES[loss](*problem.args(), **kwargs, **dict(cosine_via="gram") if gram else {})
     gradients = results[0].gradients
     assert (gradients.last_grad_logits is None) == in_forward and gradients.scale_grad_weight == in_forward
     ref_losses, ref_grads = reference(problem, grad_output, loss=loss, beta=0.3)
