@@ -88,7 +88,7 @@ class Gradients:
     last_grad_input: torch.Tensor | None = None  # the last chunk's rows of grad_input, their GEMM not run yet
     student_weight: torch.Tensor | None = None  # for that GEMM
     poison: torch.Tensor | None = None  # the teacher side's (NaN where a cached teacher copy was stale), added to grad_output
-    scale_unless_one: Callable | None = None  # the backend's (_backends.py): grad_input's and grad_bias's scaling
+    scale_unless_one: Callable | None = None  # the backend's (_backends.py): grad_output onto the finished gradients
     scale_grad_weight: bool = False  # grad_weight is whole already (its last GEMM ran in forward): scale it too
 
     @torch.no_grad()  # backward(create_graph=True) runs it in grad mode; the views here were made in no_grad
