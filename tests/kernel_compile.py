@@ -90,7 +90,7 @@ def compile_for_hopper(kernel, logits_type, constants, aligned=False, num_warps=
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
              for name in ALIGNED if aligned and name in kernel.arg_names and name not in constants}
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
-                          options=dict(num_warps=num_warps))
+                          options=dict(num_warps=num_warps, **kernels.TRITON_OPTIONS))
 
 
 def variants():
@@ -121,7 +121,7 @@ def compile_fp8_quantization(rows_type):
     signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index("BLOCK"),): fp8_quantize.BLOCK}
     return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER,
-                          options=dict(num_warps=fp8_quantize.WARPS))
+                          options=dict(num_warps=fp8_quantize.WARPS, **kernels.TRITON_OPTIONS))
 
 
 def compile_small_kernels():
@@ -129,7 +129,8 @@ def compile_small_kernels():
     def compile_one(kernel, types, constants):
         signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
         constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
-        return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER, options=dict(num_warps=4))
+        return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER,
+                              options=dict(num_warps=4, **kernels.TRITON_OPTIONS))
 
     yield "label count", compile_one(labels._count_labels_kernel, dict(
         labels_ptr="*i64", num_tokens="i32", ignore_index="i32", vocab_student="i32", counts_ptr="*i32"),

@@ -68,3 +68,42 @@ def test_each_backend_quantizes_the_chunks_with_its_own_kernel(impl, monkeypatch
     problem = make_problem(tokens=20)
     fused_linear_cosine_distill(*problem.args(), teacher_precision="fp8", impl=impl, chunk_size=8)
     assert calls == [8, 8, 4]
+
+
+def test_every_triton_launch_pins_fma_contraction(monkeypatch):
+    """Each Triton kernel is launched with kernels.TRITON_OPTIONS (FMA contraction on: Triton 3.10 turns its default
+    off, which would change the kernels' code under an upgrade): every kernel of the Triton modules, each called
+    once through its wrapper, records the option."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from conftest import random_chunk, run_jsd_split_stages
+    from cosdistill.testing import RowStepScales
+    from cosdistill.tools.check import split_in_two
+
+    launched = {}
+    run = InterpretedFunction.run
+
+    def recording(self, *args, **kwargs):
+        launched[self.__name__] = kwargs.get("enable_fp_fusion")
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    modules = [kernels.row_step_triton, kernels.row_step_jsd_triton, kernels.labels, kernels.grad_output,
+               kernels.fp8_quantize, kernels.fingerprint]
+    every_kernel = {name for module in modules for name, value in vars(module).items()
+                    if isinstance(value, InterpretedFunction) and name.endswith("_kernel")}
+    student, teacher, labels = random_chunk(6, 40, 45, torch.float32)
+    scales = RowStepScales(0.4, 0.6, 0.5, 1.5, -7)
+    losses = torch.empty(6, 2)
+    kernels.row_step_triton.row_step_triton(student.clone(), teacher, labels, scales, losses, True)
+    split_in_two(TRITON_ROW_STEP, student.clone(), teacher, labels, scales, losses, True)  # statistics, gradient
+    kernels.row_step_jsd_triton.row_step_jsd_triton(student.clone(), teacher, labels, scales, losses, True)
+    run_jsd_split_stages(student, teacher, labels, scales, [(0, 20), (20, 45)], True)
+    counts = kernels.labels.count_labels_triton(labels, -7, 40)
+    kernels.labels.mean_losses_triton(losses, counts, None, 0.4, 0.6)
+    kernels.grad_output.scale_unless_one_triton(torch.randn(50), torch.tensor(0.5))
+    quantize_rows_triton(teacher, torch.empty(6, 45, dtype=fp8.FP8), torch.empty(6, 1))
+    partials = kernels.fingerprint.fingerprint_triton(teacher)
+    kernels.fingerprint.stale_check_triton(partials, partials)
+    assert every_kernel and set(launched) == every_kernel, every_kernel ^ set(launched)
+    assert all(launched.values()), launched

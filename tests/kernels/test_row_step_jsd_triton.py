@@ -430,7 +430,7 @@ for logits, mode, shared, write_grad in variants:
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=jsd.DEFAULT_WARPS))
+                              options=dict(num_warps=jsd.DEFAULT_WARPS, **kernels.TRITON_OPTIONS))
     print(logits, mode, shared, write_grad, len(compiled.asm["cubin"]), compiled.asm["ptx"].count("cp.async.cg"))
 
 # The vocabulary split's three stages: stage 1 per SHARED, stage 2 per MODE (with LIFT's bracket for fp16), stage 3
@@ -453,7 +453,7 @@ for kernel, logits, flags, num_warps in split_variants:
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned if name in kernel.arg_names}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps))
+                              options=dict(num_warps=num_warps, **kernels.TRITON_OPTIONS))
     print(kernel.__name__, logits, *flags.values(), len(compiled.asm["cubin"]), compiled.asm["ptx"].count("cp.async.cg"))
 """
 
@@ -478,7 +478,7 @@ for mode, shared, student_cap, teacher_cap in ((2, True, False, True), (0, True,
     signature = {name: "constexpr" if name in constants else types.get(name, "fp32") for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     ptx = triton.compile(ASTSource(kernel, signature, constexprs, {}), target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=jsd.DEFAULT_WARPS)).asm["ptx"]
+                         options=dict(num_warps=jsd.DEFAULT_WARPS, **kernels.TRITON_OPTIONS)).asm["ptx"]
     caps = [name for name, on in (("student_cap", student_cap), ("teacher_cap", teacher_cap)) if on]
     for name in caps + ["student_scale", "teacher_scale"]:
         param = kernel.arg_names.index(name)  # all before the constexprs: the PTX parameter's index

@@ -12,3 +12,7 @@ code that calls it, and the tests compare the two.
 - ``fingerprint.py``: the hash of a cached teacher weight and its comparison with the kept one; spec
   ``_fingerprint.py``.
 """
+
+# Every Triton launch here passes these: FMA contraction on, as the kernels were written and measured with it.
+# It is Triton's default through 3.9, which warns at each process's first compile that 3.10 turns it off.
+TRITON_OPTIONS = {"enable_fp_fusion": True}

@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 
 from .._fingerprint import LANE_KEYS, as_words, lanes_of
+from . import TRITON_OPTIONS
 
 
 @triton.jit
@@ -39,7 +40,8 @@ def fingerprint_triton(weight: torch.Tensor) -> torch.Tensor:
     programs = max(1, triton.cdiv(rows, BLOCK_ROWS))
     partials = torch.empty(programs, 2, dtype=torch.int32, device=words.device)
     _fingerprint_kernel[(programs,)](words, rows, cols, words.stride(0), words.stride(1), partials, LANE_KEYS[0],
-                                     LANE_KEYS[1], BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, num_warps=WARPS)
+                                     LANE_KEYS[1], BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, num_warps=WARPS,
+                                     **TRITON_OPTIONS)
     return lanes_of(partials)
 
 
@@ -72,5 +74,5 @@ def stale_check_triton(partials: torch.Tensor, expected: torch.Tensor) -> tuple[
     changed = torch.empty((), dtype=torch.int32, device=partials.device)
     poison = torch.empty((), dtype=torch.float32, device=partials.device)
     _stale_check_kernel[(1,)](partials, partials.shape[0], expected, changed, poison, BLOCK=STALE_CHECK_BLOCK,
-                              num_warps=STALE_CHECK_WARPS)
+                              num_warps=STALE_CHECK_WARPS, **TRITON_OPTIONS)
     return changed, poison

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .._teacher_fp8 import FP8_MAX
+from . import TRITON_OPTIONS
 from .row_step_triton import FLOAT32_TINY, INTERPRET
 
 FP8_MAX_CONST: tl.constexpr = tl.constexpr(FP8_MAX)  # a jit global must be a constexpr
@@ -66,4 +67,5 @@ def quantize_rows_triton(rows: torch.Tensor, out: torch.Tensor, scales: torch.Te
         raise ValueError(f"quantize_rows_triton needs unit column strides, got rows {rows.stride()} and out {out.stride()}")
     _quantize_rows_kernel[(rows.shape[0],)](
         rows, rows.stride(0), out, out.stride(0), scales, scales.stride(0), rows.shape[1], BLOCK=BLOCK, num_warps=WARPS,
+        **TRITON_OPTIONS,
     )

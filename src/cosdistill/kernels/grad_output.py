@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import TRITON_OPTIONS
+
 BLOCK = 4096
 PROGRAMS_PER_SM = 4  # a grid-stride loop: a fixed, small grid however large the tensor
 
@@ -37,4 +39,4 @@ def scale_unless_one_triton(values: torch.Tensor, factor: torch.Tensor) -> None:
     else:  # Triton's interpreter (tests)
         programs = 2
     grid = (max(1, min(programs, triton.cdiv(values.numel(), BLOCK))),)
-    _scale_unless_one_kernel[grid](values, values.numel(), factor, BLOCK=BLOCK)
+    _scale_unless_one_kernel[grid](values, values.numel(), factor, BLOCK=BLOCK, **TRITON_OPTIONS)

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import TRITON_OPTIONS
+
 BLOCK = 1024
 
 
@@ -60,7 +62,8 @@ def _mean_losses_kernel(token_losses_ptr, num_tokens, normaliser_ptr, normaliser
 def count_labels_triton(labels: torch.Tensor, ignore_index: int, vocab_student: int) -> torch.Tensor:
     """[counted, out of range] as int32 on labels' device (contiguous 1-D labels)."""
     counts = torch.empty(2, dtype=torch.int32, device=labels.device)
-    _count_labels_kernel[(1,)](labels, labels.numel(), ignore_index, vocab_student, counts, BLOCK=BLOCK)
+    _count_labels_kernel[(1,)](labels, labels.numel(), ignore_index, vocab_student, counts, BLOCK=BLOCK,
+                               **TRITON_OPTIONS)
     return counts
 
 
@@ -75,5 +78,5 @@ def mean_losses_triton(token_losses, counts, given, weight_hard: float, weight_s
     loss, soft, hard = (torch.empty((), dtype=torch.float32, device=token_losses.device) for _ in range(3))
     _mean_losses_kernel[(1,)](token_losses, len(token_losses), normaliser_tensor, normaliser, weight_hard, weight_soft,
                               loss if poison is None else poison, loss, soft, hard, N_FROM=n_from,
-                              POISONED=poison is not None, BLOCK=BLOCK)
+                              POISONED=poison is not None, BLOCK=BLOCK, **TRITON_OPTIONS)
     return loss, soft, hard

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .._row_step import RowStepImpl, RowStepScales
 from .._row_step_jsd import combine_jsd_sums
+from . import TRITON_OPTIONS
 from .row_step_triton import (
     INTERPRET,
     LOG2E,
@@ -533,7 +534,7 @@ def row_step_jsd_triton(student_logits, teacher_logits, labels, scales: RowStepS
         scales.weight_hard, scales.weight_soft / temperature, LOG2E.value / temperature,
         float(vocab_teacher - vocab_student), 1.0 - beta, beta, *_logit_args(scales), **_caps(scales),
         MODE=mode, SHARED=temperature == 1.0, WRITE_GRAD=write_grad, **lift_flag, BLOCK=block, STAGES=stages,
-        num_warps=num_warps,
+        num_warps=num_warps, **TRITON_OPTIONS,
     )
 
 
@@ -689,7 +690,7 @@ def jsd_shard_stats_triton(student_logits, teacher_logits, labels, scales: RowSt
             vocab_student, vocab_teacher, *_common_args(vocab_student, scales), LOG2E.value / scales.temperature,
             float(vocab_teacher - vocab_student), *_logit_args(scales), **_caps(scales),
             SHARED=scales.temperature == 1.0, BLOCK=_block(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK),
-            STAGES=LOSS_ONLY_STAGES, num_warps=LOSS_ONLY_WARPS,
+            STAGES=LOSS_ONLY_STAGES, num_warps=LOSS_ONLY_WARPS, **TRITON_OPTIONS,
         )
     return stats
 
@@ -718,7 +719,7 @@ def jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats, scales:
             vocab_student, vocab_teacher, *_common_args(vocab_student, scales), LOG2E.value / scales.temperature,
             1.0 - scales.beta, scales.beta, *_logit_args(scales), **_caps(scales), MODE=mode_of(scales.beta),
             LIFT=lift_terms, BLOCK=_block(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK),
-            STAGES=LOSS_ONLY_STAGES, num_warps=LOSS_ONLY_WARPS,
+            STAGES=LOSS_ONLY_STAGES, num_warps=LOSS_ONLY_WARPS, **TRITON_OPTIONS,
         )
     return sums
 
@@ -739,7 +740,7 @@ def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, s
         scales.weight_soft / scales.temperature, LOG2E.value / scales.temperature, 1.0 - scales.beta, scales.beta,
         *_logit_args(scales), **_caps(scales), MODE=mode_of(scales.beta), SHARED=scales.temperature == 1.0,
         WRITE_GRAD=write_grad, **lift_flag, BLOCK=_block(vocab_student, None, num_warps), STAGES=DEFAULT_STAGES,
-        num_warps=num_warps,
+        num_warps=num_warps, **TRITON_OPTIONS,
     )
 
 

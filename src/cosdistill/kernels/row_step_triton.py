@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .._row_step import COSINE_EPS, MAX_LIFT_EXPONENT, MAX_STORED_EXPONENT, NUM_STATS, RowStepImpl, RowStepScales
+from . import TRITON_OPTIONS
 
 # H200 sweeps (docs/design.md, The row step). STAGES: each hot loop's loads go through
 # shared memory STAGES - 1 blocks ahead (cp.async; 1: plain loads into registers).
@@ -516,7 +517,7 @@ def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepScale
             student_logits, student_logits.stride(0), teacher, teacher_stride, labels, token_losses,
             lifts, vocab_student, vocab_teacher, *_common_args(vocab_student, scales), *_loss_args(scales),
             **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue, BLOCK=block,
-            STAGES=stages, num_warps=num_warps,
+            STAGES=stages, num_warps=num_warps, **TRITON_OPTIONS,
         )
 
 
@@ -532,7 +533,7 @@ def row_stats_triton(student_logits, teacher_logits, labels, scales: RowStepScal
         student_logits, student_logits.stride(0), teacher, teacher_stride, labels, stats,
         vocab_student, vocab_teacher, *_common_args(vocab_student, scales), *_logit_args(scales),
         **_caps(scales), NUM_STATS=NUM_STATS, BLOCK=_block(vocab_student, block_size, num_warps), STAGES=num_stages,
-        num_warps=num_warps,
+        num_warps=num_warps, **TRITON_OPTIONS,
     )
     return stats
 
@@ -551,6 +552,7 @@ def row_grad_triton(student_logits, teacher_logits, labels, stats, scales: RowSt
         token_losses, lifts, vocab_student, *_common_args(vocab_student, scales), *_loss_args(scales),
         **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, NUM_STATS=NUM_STATS,
         BLOCK=_block(vocab_student, block_size, num_warps), STAGES=num_stages, num_warps=num_warps,
+        **TRITON_OPTIONS,
     )
 
 
