@@ -166,7 +166,7 @@ def compile_cluster_kernel(source_text: str, name: str, layout: Layout, shared_b
     """A cluster kernel compiled by NVRTC for the device, or None where not one cluster of it fits on the device
     (16 blocks need a GPC with 16 free SMs, which a MIG slice may not have) or where this NVRTC spills its
     registers to local memory within the __launch_bounds__ of the register vectors."""
-    driver, check = torch.cuda._utils._get_gpu_runtime_library(), torch.cuda._utils._check_cuda
+    driver, check = _driver(), torch.cuda._utils._check_cuda
     with torch.cuda.device(device_index):
         try:
             kernel = torch.cuda._compile_kernel(source_text, name, nvcc_options=["-std=c++17"])
@@ -182,7 +182,7 @@ def compile_cluster_kernel(source_text: str, name: str, layout: Layout, shared_b
 
 def kernel_attribute(kernel, attribute: int) -> int:
     """A compiled kernel's CUfunction_attribute (the study prints its registers, _NUM_REGS)."""
-    driver, check = torch.cuda._utils._get_gpu_runtime_library(), torch.cuda._utils._check_cuda
+    driver, check = _driver(), torch.cuda._utils._check_cuda
     value = ctypes.c_int()
     check(driver.cuFuncGetAttribute(ctypes.byref(value), attribute, kernel.func))
     return value.value
@@ -190,7 +190,7 @@ def kernel_attribute(kernel, attribute: int) -> int:
 
 def max_active_clusters(kernel, layout: Layout, shared_bytes: int) -> int:
     """Clusters of this compiled kernel the current device holds at once (the driver's occupancy query)."""
-    driver, check = torch.cuda._utils._get_gpu_runtime_library(), torch.cuda._utils._check_cuda
+    driver, check = _driver(), torch.cuda._utils._check_cuda
     config = _CuLaunchConfig((layout.cluster, 1, 1), (layout.threads, 1, 1), shared_bytes, None, None, 0)
     clusters = ctypes.c_int()
     check(driver.cuOccupancyMaxActiveClusters(ctypes.byref(clusters), kernel.func, ctypes.byref(config)))
@@ -244,7 +244,8 @@ def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scale
 
 @functools.cache
 def _driver() -> ctypes.CDLL:
-    """The CUDA driver library, opened once (torch's helper opens it again at every launch)."""
+    """The CUDA driver library, opened once for the launches and the kernels' set-up (torch's helper opens it
+    again at every call)."""
     return torch.cuda._utils._get_gpu_runtime_library()
 
 
