@@ -16,10 +16,12 @@ row_step_cuda = kernels.row_step_cuda
 def test_torch_scale():
     values = torch.randn(50)
     kept = values.clone()
-    scale_unless_one_torch(values, torch.tensor(1.0))
+    scale_unless_one_torch((values,), torch.tensor(1.0))
     assert torch.equal(values, kept)
-    scale_unless_one_torch(values, torch.tensor(0.5))
-    assert torch.equal(values, kept * 0.5)
+    other = torch.randn(7)
+    other_kept = other.clone()
+    scale_unless_one_torch((values, other), torch.tensor(0.5))
+    assert torch.equal(values, kept * 0.5) and torch.equal(other, other_kept * 0.5)
 
 
 def test_not_available_on_the_cpu():
@@ -101,7 +103,7 @@ def test_every_triton_launch_pins_fma_contraction(monkeypatch):
     run_jsd_split_stages(student, teacher, labels, scales, [(0, 20), (20, 45)], True)
     counts = kernels.labels.count_labels_triton(labels, -7, 40)
     kernels.labels.mean_losses_triton(losses, counts, None, 0.4, 0.6)
-    kernels.grad_output.scale_unless_one_triton(torch.randn(50), torch.tensor(0.5))
+    kernels.grad_output.scale_unless_one_triton((torch.randn(50),), torch.tensor(0.5))
     quantize_rows_triton(teacher, torch.empty(6, 45, dtype=fp8.FP8), torch.empty(6, 1))
     partials = kernels.fingerprint.fingerprint_triton(teacher)
     kernels.fingerprint.stale_check_triton(partials, partials)

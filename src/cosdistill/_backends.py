@@ -4,7 +4,7 @@
 - torch: the plain-torch specs, the CPU path (and any device, slowly).
 - triton: the Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1).
 - cuda: Triton's, with the row steps of kernels/row_step_cuda.py and kernels/row_step_jsd_cuda.py (Hopper
-  clusters) where they apply.
+  clusters) where they apply, and grad_output's scale launched through the driver (kernels/grad_output_cuda.py).
 """
 
 import dataclasses
@@ -26,16 +26,18 @@ class Backend:
     jsd_row_step: _row_step.RowStepImpl  # the generalized JSD's
     count_labels: Callable  # (labels, ignore_index, vocab_student) -> [counted, out of range]
     mean_losses: Callable  # (token_losses, counts, given, weight_hard, weight_soft, poison) -> (loss, soft, hard)
-    scale_unless_one: Callable  # (values, factor): values *= factor in place unless factor (0-d) is 1
+    scale_unless_one: Callable  # (values, factor): each of values (a tuple) *= factor in place unless factor (0-d) is 1
     quantize_rows: Callable  # (rows, out, scales): row-wise FP8
     fingerprint: Callable  # (weight) -> its hash, [2] int64 (the cached teacher copies' check)
     stale_check: Callable  # (partial lanes, kept hash) -> (changed, poison): that check's comparison on the device
 
 
-def scale_unless_one_torch(values: torch.Tensor, factor: torch.Tensor) -> None:
-    """values *= factor in place, in fp32 (a 0-d factor) and rounded once, unless factor is 1 (read on the host)."""
+def scale_unless_one_torch(values: tuple[torch.Tensor, ...], factor: torch.Tensor) -> None:
+    """Each of values *= factor in place, in fp32 (a 0-d factor) and rounded once, unless factor is 1 (read on the
+    host)."""
     if factor.item() != 1.0:
-        values.mul_(factor)
+        for tensor in values:
+            tensor.mul_(factor)
 
 
 TORCH = Backend("torch", _row_step.TORCH_ROW_STEP, _row_step_jsd.JSD_TORCH_ROW_STEP, _labels.count_labels_torch,
@@ -73,7 +75,8 @@ def backend_for(impl: str, device: torch.device) -> Backend:
 
 @functools.lru_cache(maxsize=None)
 def _cuda() -> Backend:
-    from .kernels import row_step_cuda, row_step_jsd_cuda
+    from .kernels import grad_output_cuda, row_step_cuda, row_step_jsd_cuda
 
     return dataclasses.replace(_triton(), name="cuda", row_step=row_step_cuda.CUDA_ROW_STEP,
-                               jsd_row_step=row_step_jsd_cuda.CUDA_JSD_ROW_STEP)
+                               jsd_row_step=row_step_jsd_cuda.CUDA_JSD_ROW_STEP,
+                               scale_unless_one=grad_output_cuda.scale_unless_one_cuda)

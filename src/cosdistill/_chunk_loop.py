@@ -110,12 +110,11 @@ class Gradients:
                 rows = self.grad_input[start : start + self.chunk_rows]
                 factors = 1.0 / self.grad_input_lifts[start : start + self.chunk_rows, None]  # exact: powers of two
                 rows.copy_(rows.float() * (factors if grad_output is None else factors * grad_output))
-        elif self.grad_input is not None and grad_output is not None:
-            self.scale_unless_one(self.grad_input, grad_output)
-        if self.grad_bias is not None and grad_output is not None:
-            self.scale_unless_one(self.grad_bias, grad_output)
-        if self.scale_grad_weight and grad_output is not None:
-            self.scale_unless_one(self.grad_weight, grad_output)
+        unscaled = (None if self.grad_input_lifts is not None else self.grad_input, self.grad_bias,
+                    self.grad_weight if self.scale_grad_weight else None)
+        to_scale = tuple(values for values in unscaled if values is not None)
+        if grad_output is not None and to_scale:  # one launch for all: its host time is what backward costs
+            self.scale_unless_one(to_scale, grad_output)
         return self.grad_input, self.grad_weight, self.grad_bias
 
     def _scale_on_host(self) -> bool:
@@ -134,7 +133,7 @@ class Gradients:
             alpha, beta = alpha * scale, beta * scale
         elif grad_output is not None:
             hidden = hidden.clone()
-            self.scale_unless_one(hidden, grad_output)
+            self.scale_unless_one((hidden,), grad_output)
         _grad_weight_gemm(self.grad_weight, self.last_grad_logits, hidden, alpha=alpha, beta=beta)
 
 

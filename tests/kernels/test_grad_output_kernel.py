@@ -1,10 +1,11 @@
-"""grad_output's in-place scale, skipped when it is 1 (kernels/grad_output.py), against plain torch, through
-Triton's interpreter."""
+"""grad_output's in-place scale of a call's gradients in one launch, skipped when it is 1 (kernels/grad_output.py),
+against plain torch, through Triton's interpreter."""
 
 import pytest
 import torch
 
 from cosdistill.testing import kernels, scale_unless_one_triton
+from kernel_compile import nvrtc_compile
 
 BLOCK = kernels.grad_output.BLOCK
 SIZES = (1, 37, 3 * BLOCK + 17)  # the last needs the grid-stride loop: the interpreter runs two programs
@@ -16,7 +17,7 @@ def test_scale_matches_torch(numel, dtype):
     values = torch.randn(numel).to(dtype)
     factor = torch.tensor(-2.7)
     expected = (values.float() * factor).to(dtype)
-    scale_unless_one_triton(values, factor)
+    scale_unless_one_triton((values,), factor)
     if dtype == torch.bfloat16:  # the interpreter truncates to bf16 (the GPU rounds to nearest): one ulp
         assert ((values.float() - expected.float()).abs() <= expected.float().abs() * 2**-7).all()
     else:
@@ -30,16 +31,47 @@ def test_factor_one_writes_nothing(numel):
     values = (payloads | 0x7F800000).view(torch.float32)  # exponent all ones, quiet bit clear
     before = values.clone()
     assert not torch.equal((values * 1.0).view(torch.int32), before.view(torch.int32))  # a store would show
-    scale_unless_one_triton(values, torch.tensor(1.0))
+    scale_unless_one_triton((values,), torch.tensor(1.0))
     assert torch.equal(values.view(torch.int32), before.view(torch.int32))
 
 
 def test_nan_factor_reaches_every_value():
     values = torch.randn(2 * BLOCK + 3)
-    scale_unless_one_triton(values, torch.tensor(float("nan")))
-    assert values.isnan().all()
+    others = torch.randn(5).bfloat16(), torch.randn(BLOCK + 1)
+    scale_unless_one_triton((values, *others), torch.tensor(float("nan")))
+    assert all(tensor.isnan().all() for tensor in (values, *others))
 
 
 def test_scale_needs_contiguous_values():
     with pytest.raises(ValueError, match="contiguous"):
-        scale_unless_one_triton(torch.randn(8, 6)[:, ::2], torch.tensor(2.0))
+        scale_unless_one_triton((torch.randn(3), torch.randn(8, 6)[:, ::2]), torch.tensor(2.0))
+
+
+def test_scale_takes_one_to_three_tensors():
+    for count in (0, 4):
+        with pytest.raises(ValueError, match="1 to 3 tensors, got " + str(count)):
+            scale_unless_one_triton((torch.randn(3),) * count, torch.tensor(2.0))
+
+
+@pytest.mark.parametrize("numels", [(3 * BLOCK + 17, 37, 1), (5, 2 * BLOCK + 9), (0, 37), (37, 0, 2 * BLOCK)])
+def test_every_tensor_of_one_launch_is_scaled(numels):
+    """A call's gradients (grad_input, grad_weight, grad_bias) in one launch, of any sizes and dtypes: the grid is
+    the largest's, and each program strides over every tensor."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float32)
+    values = tuple(torch.randn(numel).to(dtype) for numel, dtype in zip(numels, dtypes))
+    expected = tuple((tensor.float() * -2.7).to(tensor.dtype) for tensor in values)
+    scale_unless_one_triton(values, torch.tensor(-2.7))
+    for got, want in zip(values, expected):
+        tolerance = 2**-7 if got.dtype == torch.bfloat16 else 0.0  # the interpreter truncates bf16: one ulp
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * tolerance).all()
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 3, (torch.float16, torch.float32, torch.bfloat16),
+                                    (torch.float32,) * 3])
+def test_the_cuda_twin_compiles_for_hopper_with_vector_accesses(dtypes):
+    """grad_output_cuda.py's source (its bits against this kernel's are checked on the H200, tests/gpu): 16-byte
+    loads and stores, and nothing on the stack."""
+    ptx = nvrtc_compile(kernels.grad_output_cuda.source(dtypes))
+    assert "ld.global.v4." in ptx and "st.global.v4." in ptx and ".local" not in ptx
+    conversions = {torch.bfloat16: "cvt.rn.bf16.f32", torch.float16: "cvt.rn.f16.f32"}
+    assert all(conversions[dtype] in ptx for dtype in dtypes if dtype in conversions)

@@ -4,6 +4,8 @@ Backward gets grad_output as a 0-d tensor on the GPU. Reading it on the host (to
 when it is 1) waits for the whole forward to finish, and the GPU then idles while the host launches
 what follows (~0.07 ms a call). Here one small kernel reads it: when it
 is 1 (a plain ``loss.backward()``), every program returns at once; otherwise they scale in place.
+All of a call's gradients go through one launch, since each launch's host time is what backward costs
+where the GPU has finished forward.
 """
 
 import torch
@@ -14,29 +16,48 @@ from . import TRITON_OPTIONS
 
 BLOCK = 4096
 PROGRAMS_PER_SM = 4  # a grid-stride loop: a fixed, small grid however large the tensor
+MAX_TENSORS = 3  # grad_input, grad_weight, grad_bias
 
 
 @triton.jit
-def _scale_unless_one_kernel(values_ptr, numel, factor_ptr, BLOCK: tl.constexpr):
+def _scale(values_ptr, numel, factor, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, numel, tl.num_programs(0) * BLOCK):
+        cols = start + offsets
+        in_range = cols < numel
+        values = tl.load(values_ptr + cols, mask=in_range)
+        tl.store(values_ptr + cols, (values.to(tl.float32) * factor).to(values.dtype), mask=in_range)
+
+
+@triton.jit
+def _scale_unless_one_kernel(first_ptr, first_numel, second_ptr, second_numel, third_ptr, third_numel, factor_ptr,
+                             BLOCK: tl.constexpr):
     factor = tl.load(factor_ptr).to(tl.float32)
     if factor != 1.0:  # NaN too: it must reach the gradients
-        offsets = tl.arange(0, BLOCK)
-        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, numel, tl.num_programs(0) * BLOCK):
-            cols = start + offsets
-            in_range = cols < numel
-            values = tl.load(values_ptr + cols, mask=in_range)
-            tl.store(values_ptr + cols, (values.to(tl.float32) * factor).to(values.dtype), mask=in_range)
+        _scale(first_ptr, first_numel, factor, BLOCK)
+        _scale(second_ptr, second_numel, factor, BLOCK)
+        _scale(third_ptr, third_numel, factor, BLOCK)
 
 
-def scale_unless_one_triton(values: torch.Tensor, factor: torch.Tensor) -> None:
-    """values *= factor in place, in fp32 and rounded once to values' dtype; nothing written when factor == 1."""
-    if not values.is_contiguous():
-        raise ValueError(f"values must be contiguous, got strides {values.stride()} for shape {tuple(values.shape)}")
-    if values.numel() == 0:
+def check_values(values: tuple[torch.Tensor, ...]) -> None:
+    """What both launches (this one and grad_output_cuda.py's) take: 1 to MAX_TENSORS contiguous tensors."""
+    if not 1 <= len(values) <= MAX_TENSORS:
+        raise ValueError(f"values must hold 1 to {MAX_TENSORS} tensors, got {len(values)}")
+    for tensor in values:
+        if not tensor.is_contiguous():
+            raise ValueError(f"values must be contiguous, got strides {tensor.stride()} for shape {tuple(tensor.shape)}")
+
+
+def scale_unless_one_triton(values: tuple[torch.Tensor, ...], factor: torch.Tensor) -> None:
+    """Each of ``values`` *= factor in place, in fp32 and rounded once to its dtype; nothing written when factor == 1."""
+    check_values(values)
+    largest = max(tensor.numel() for tensor in values)
+    if largest == 0:
         return
-    if values.is_cuda:
-        programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(values.device).multi_processor_count
+    if values[0].is_cuda:
+        programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(values[0].device).multi_processor_count
     else:  # Triton's interpreter (tests)
         programs = 2
-    grid = (max(1, min(programs, triton.cdiv(values.numel(), BLOCK))),)
-    _scale_unless_one_kernel[grid](values, values.numel(), factor, BLOCK=BLOCK, **TRITON_OPTIONS)
+    slots = [(tensor, tensor.numel()) for tensor in values] + [(values[0], 0)] * (MAX_TENSORS - len(values))
+    grid = (max(1, min(programs, triton.cdiv(largest, BLOCK))),)
+    _scale_unless_one_kernel[grid](*(arg for slot in slots for arg in slot), factor, BLOCK=BLOCK, **TRITON_OPTIONS)
