@@ -4,7 +4,7 @@
 - torch: the plain-torch specs, the CPU path (and any device, slowly).
 - triton: the Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1).
 - cuda: Triton's, with the row steps of kernels/row_step_cuda.py and kernels/row_step_jsd_cuda.py (Hopper
-  clusters) where they apply, and grad_output's scale launched through the driver (kernels/grad_output_cuda.py).
+  clusters) where they apply.
 """
 
 import dataclasses
@@ -75,8 +75,7 @@ def backend_for(impl: str, device: torch.device) -> Backend:
 
 @functools.lru_cache(maxsize=None)
 def _cuda() -> Backend:
-    from .kernels import grad_output_cuda, row_step_cuda, row_step_jsd_cuda
+    from .kernels import row_step_cuda, row_step_jsd_cuda
 
     return dataclasses.replace(_triton(), name="cuda", row_step=row_step_cuda.CUDA_ROW_STEP,
-                               jsd_row_step=row_step_jsd_cuda.CUDA_JSD_ROW_STEP,
-                               scale_unless_one=grad_output_cuda.scale_unless_one_cuda)
+                               jsd_row_step=row_step_jsd_cuda.CUDA_JSD_ROW_STEP)

@@ -130,7 +130,6 @@ def _kernels():
         fingerprint,
         fp8_quantize,
         grad_output,
-        grad_output_cuda,
         labels,
         row_step_cuda,
         row_step_jsd_cuda,

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from cosdistill.testing import kernels, scale_unless_one_triton
-from kernel_compile import nvrtc_compile
 
 BLOCK = kernels.grad_output.BLOCK
 SIZES = (1, 37, 3 * BLOCK + 17)  # the last needs the grid-stride loop: the interpreter runs two programs
@@ -65,13 +64,3 @@ def test_every_tensor_of_one_launch_is_scaled(numels):
         tolerance = 2**-7 if got.dtype == torch.bfloat16 else 0.0  # the interpreter truncates bf16: one ulp
         assert ((got.float() - want.float()).abs() <= want.float().abs() * tolerance).all()
 
-
-@pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 3, (torch.float16, torch.float32, torch.bfloat16),
-                                    (torch.float32,) * 3])
-def test_the_cuda_twin_compiles_for_hopper_with_vector_accesses(dtypes):
-    """grad_output_cuda.py's source (its bits against this kernel's are checked on the H200, tests/gpu): 16-byte
-    loads and stores, and nothing on the stack."""
-    ptx = nvrtc_compile(kernels.grad_output_cuda.source(dtypes))
-    assert "ld.global.v4." in ptx and "st.global.v4." in ptx and ".local" not in ptx
-    conversions = {torch.bfloat16: "cvt.rn.bf16.f32", torch.float16: "cvt.rn.f16.f32"}
-    assert all(conversions[dtype] in ptx for dtype in dtypes if dtype in conversions)

@@ -8,8 +8,6 @@ code that calls it, and the tests compare the two.
 - ``row_step_jsd_cuda.py`` + ``row_step_jsd.cu``: the same in one read per logit, on clusters.
 - ``labels.py``: the label count (N) and the losses' mean; spec ``_labels.py``.
 - ``grad_output.py``: grad_output applied without a host read; spec ``_backends.scale_unless_one_torch``.
-- ``grad_output_cuda.py`` + ``grad_output.cu``: the same, launched through the driver (``cuda_launch.py``:
-  NVRTC kernels' launch, shared with the cluster row steps).
 - ``fp8_quantize.py``: row-wise FP8 quantization; spec ``_teacher_fp8.quantize_rows``.
 - ``fingerprint.py``: the hash of a cached teacher weight and its comparison with the kept one; spec
   ``_fingerprint.py``.

@@ -39,18 +39,13 @@ def _scale_unless_one_kernel(first_ptr, first_numel, second_ptr, second_numel, t
         _scale(third_ptr, third_numel, factor, BLOCK)
 
 
-def check_values(values: tuple[torch.Tensor, ...]) -> None:
-    """What both launches (this one and grad_output_cuda.py's) take: 1 to MAX_TENSORS contiguous tensors."""
+def scale_unless_one_triton(values: tuple[torch.Tensor, ...], factor: torch.Tensor) -> None:
+    """Each of ``values`` *= factor in place, in fp32 and rounded once to its dtype; nothing written when factor == 1."""
     if not 1 <= len(values) <= MAX_TENSORS:
         raise ValueError(f"values must hold 1 to {MAX_TENSORS} tensors, got {len(values)}")
     for tensor in values:
         if not tensor.is_contiguous():
             raise ValueError(f"values must be contiguous, got strides {tensor.stride()} for shape {tuple(tensor.shape)}")
-
-
-def scale_unless_one_triton(values: tuple[torch.Tensor, ...], factor: torch.Tensor) -> None:
-    """Each of ``values`` *= factor in place, in fp32 and rounded once to its dtype; nothing written when factor == 1."""
-    check_values(values)
     largest = max(tensor.numel() for tensor in values)
     if largest == 0:
         return

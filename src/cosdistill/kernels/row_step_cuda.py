@@ -21,6 +21,7 @@ the student's logits alone, each row's s.t and |t|^2 given, each row's coefficie
 no rescue there (a row whose sums overflow gets NaN losses and gradient, as _teacher_gram.py's range says).
 """
 
+import contextlib
 import ctypes
 import functools
 import importlib.resources
@@ -29,7 +30,6 @@ from typing import NamedTuple
 import torch
 
 from .._row_step import COSINE_EPS, RowStepImpl, RowStepScales
-from . import cuda_launch
 from .row_step_triton import row_grad_triton, row_stats_triton, row_step_triton
 
 MAX_SHARED_BYTES = 200 * 1024  # beside the static shared memory, under the H200's 227 KB per block
@@ -166,10 +166,10 @@ def compile_cluster_kernel(source_text: str, name: str, layout: Layout, shared_b
     """A cluster kernel compiled by NVRTC for the device, or None where not one cluster of it fits on the device
     (16 blocks need a GPC with 16 free SMs, which a MIG slice may not have) or where this NVRTC spills its
     registers to local memory within the __launch_bounds__ of the register vectors."""
-    driver, check = cuda_launch.driver(), cuda_launch.check
+    driver, check = _driver(), torch.cuda._utils._check_cuda
     with torch.cuda.device(device_index):
         try:
-            kernel = cuda_launch.compile_kernel(source_text, name, device_index)
+            kernel = torch.cuda._compile_kernel(source_text, name, nvcc_options=["-std=c++17"])
         except RuntimeError as error:
             raise RuntimeError(f"compiling the CUDA kernel {name} failed; impl='triton' runs without it: "
                                f"{error}") from error
@@ -182,7 +182,7 @@ def compile_cluster_kernel(source_text: str, name: str, layout: Layout, shared_b
 
 def kernel_attribute(kernel, attribute: int) -> int:
     """A compiled kernel's CUfunction_attribute (the study prints its registers, _NUM_REGS)."""
-    driver, check = cuda_launch.driver(), cuda_launch.check
+    driver, check = _driver(), torch.cuda._utils._check_cuda
     value = ctypes.c_int()
     check(driver.cuFuncGetAttribute(ctypes.byref(value), attribute, kernel.func))
     return value.value
@@ -190,7 +190,7 @@ def kernel_attribute(kernel, attribute: int) -> int:
 
 def max_active_clusters(kernel, layout: Layout, shared_bytes: int) -> int:
     """Clusters of this compiled kernel the current device holds at once (the driver's occupancy query)."""
-    driver, check = cuda_launch.driver(), cuda_launch.check
+    driver, check = _driver(), torch.cuda._utils._check_cuda
     config = _CuLaunchConfig((layout.cluster, 1, 1), (layout.threads, 1, 1), shared_bytes, None, None, 0)
     clusters = ctypes.c_int()
     check(driver.cuOccupancyMaxActiveClusters(ctypes.byref(clusters), kernel.func, ctypes.byref(config)))
@@ -242,9 +242,33 @@ def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scale
                  float(scales.beta), 1.0 / (scales.temperature * scales.temperature), teacher_products, teacher_coefs])
 
 
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    """The CUDA driver library, opened once for the launches and the kernels' set-up (torch's helper opens it
+    again at every call)."""
+    return torch.cuda._utils._get_gpu_runtime_library()
+
+
+def _packed(args: list) -> tuple[list, ctypes.Array]:
+    """The kernel's arguments as the driver takes them, by torch._compile_kernel's conventions, which the kernels'
+    signatures follow: tensors as device pointers, ints as C ints, floats as doubles. The values come back with
+    the array of their addresses, to outlive the launch."""
+    values = [ctypes.c_void_p(arg.data_ptr()) if isinstance(arg, torch.Tensor)
+              else ctypes.c_double(arg) if isinstance(arg, float) else ctypes.c_int(arg) for arg in args]
+    return values, (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values))
+
+
 def launch_rows(kernel, layout: Layout, rows: int, shared_bytes: int, device: torch.device, args: list) -> None:
-    """A cluster kernel's launch, one cluster per row (cuda_launch.py: through the driver)."""
-    cuda_launch.launch(kernel.func, rows * layout.cluster, layout.threads, shared_bytes, device, args)
+    """A cluster kernel's launch, one cluster per row, on the tensors' device and its current stream, whichever
+    device is current. Straight through the driver: torch's launch wrapper costs more host time than the kernel
+    takes at small vocabularies, where the host is what the GPU waits for (docs/design.md, Host latency)."""
+    values, pointers = _packed(args)
+    switch = contextlib.nullcontext() if torch.cuda.current_device() == device.index else torch.cuda.device(device)
+    with switch:
+        stream = ctypes.c_void_p(torch._C._cuda_getCurrentRawStream(device.index))
+        torch.cuda._utils._check_cuda(_driver().cuLaunchKernel(
+            kernel.func, rows * layout.cluster, 1, 1, layout.threads, 1, 1, shared_bytes, stream, pointers, None))
+    del values  # kept alive until here: the driver reads the arguments through their addresses at the launch
 
 
 def row_step_cuda(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
