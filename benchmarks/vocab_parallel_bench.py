@@ -170,9 +170,9 @@ def main():
     del tensors, split_args, want, got, want_grads
 
     ledger_rows = []
+    settle_s = args.settle_s if args.settle_s is not None else bench.CUDA_WORKLOAD.settle_s if device.type == "cuda" else 0.0
     for tokens in args.tokens:
         tensors = bench.make_tensors(tokens, vocab, hidden, student_hidden, torch.bfloat16, device)
-        settle_s = args.settle_s if args.settle_s is not None else bench.CUDA_WORKLOAD.settle_s if device.type == "cuda" else 0.0
         timed = time_rounds(providers(loss, tensors, options), device, args.rounds, args.reps, rank, settle_s)
         floor_by_round = timed["floor-unsplit"][0]
         medians = {label: statistics.median(by_round) for label, (by_round, _) in timed.items()}

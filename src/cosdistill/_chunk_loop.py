@@ -281,7 +281,8 @@ def chunked_loss_and_grads(
     defer_grad_input = (num_tokens > chunk and grad_input is not None and grad_weight is not None and unlift is None
                         and reduce_grad_input is None and not teacher.adds_grad_input_share)
     # The last chunk's grad_weight GEMM waits for backward (Gradients), unless the caller runs it here.
-    defer_grad_weight = grad_weight is not None and num_tokens > 0 and not (grad_weight_in_forward and unlift is None)
+    weight_whole_in_forward = grad_weight is not None and num_tokens > 0 and grad_weight_in_forward and unlift is None
+    defer_grad_weight = grad_weight is not None and num_tokens > 0 and not weight_whole_in_forward
 
     inv_normaliser = None  # 1 / N on the host, for the gradient GEMMs
     weight_started = False  # whether grad_weight holds a sum yet (the first GEMM overwrites it)
@@ -346,6 +347,6 @@ def chunked_loss_and_grads(
             student_weight=student_weight if defer_grad_input else None,
             poison=teacher.poison,
             scale_unless_one=scale_unless_one,
-            scale_grad_weight=grad_weight is not None and num_tokens > 0 and not defer_grad_weight,
+            scale_grad_weight=weight_whole_in_forward,
         )
     return ChunkResult(loss, soft_loss, hard_loss, gradients)
