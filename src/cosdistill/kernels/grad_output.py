@@ -8,6 +8,8 @@ All of a call's gradients go through one launch, since each launch's host time i
 where the GPU has finished forward.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +41,11 @@ def _scale_unless_one_kernel(first_ptr, first_numel, second_ptr, second_numel, t
         _scale(third_ptr, third_numel, factor, BLOCK)
 
 
+@functools.cache  # backward's host time is the cost here, and a device's SM count never changes
+def _programs(device_index: int) -> int:
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def scale_unless_one_triton(values: tuple[torch.Tensor, ...], factor: torch.Tensor) -> None:
     """Each of ``values`` *= factor in place, in fp32 and rounded once to its dtype; nothing written when factor == 1."""
     if not 1 <= len(values) <= MAX_TENSORS:
@@ -49,10 +56,7 @@ def scale_unless_one_triton(values: tuple[torch.Tensor, ...], factor: torch.Tens
     largest = max(tensor.numel() for tensor in values)
     if largest == 0:
         return
-    if values[0].is_cuda:
-        programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(values[0].device).multi_processor_count
-    else:  # Triton's interpreter (tests)
-        programs = 2
+    programs = _programs(values[0].device.index) if values[0].is_cuda else 2  # 2: Triton's interpreter (tests)
     slots = [(tensor, tensor.numel()) for tensor in values] + [(values[0], 0)] * (MAX_TENSORS - len(values))
     grid = (max(1, min(programs, triton.cdiv(largest, BLOCK))),)
     _scale_unless_one_kernel[grid](*(arg for slot in slots for arg in slot), factor, BLOCK=BLOCK, **TRITON_OPTIONS)
