@@ -351,6 +351,13 @@ def test_input_dtype_differs_from_weight():
     problem.teacher_input = problem.teacher_input.half()
     with pytest.raises(TypeError, match="teacher_input dtype torch.float16 differs from teacher_weight"):
         call(problem)
+    # a bias in another dtype than its head failed inside the first GEMM (torch's RuntimeError), after it was queued
+    for prefix in ("student", "teacher"):
+        problem = make_problem(dtype=torch.bfloat16)
+        setattr(problem, f"{prefix}_bias", getattr(problem, f"{prefix}_bias").detach().float())
+        with pytest.raises(TypeError, match=f"{prefix}_bias dtype torch.float32 differs from {prefix}_weight dtype "
+                                            "torch.bfloat16"):
+            call(problem)
 
 
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
@@ -477,3 +484,49 @@ def test_the_float64_reference_in_passes_equals_one_pass(monkeypatch, loss, toke
         assert rel_err(ours, expected) < 1e-12, (ours, expected)
     for ours, leaf in zip(grads, [upcast[0], upcast[1], upcast[5]]):
         assert ours.shape == leaf.shape and rel_err(ours, leaf.grad) < 1e-12
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_options_given_as_tensors_are_read_at_every_call(loss):
+    """A one-element tensor option (a schedule kept in a tensor and updated in place) gives, at each call, the loss
+    of its current value: checked options are reused across calls only where every value is a number."""
+    from cosdistill.api import FUSED_LOSSES
+
+    problem = make_problem(tokens=9, ignore_every=3)
+    function, module_class = FUSED_LOSSES[loss], api.FusedLinearJSDLoss if loss == "jsd" else FusedLinearCosineDistillLoss
+    before = dict(weight_soft_loss=0.5, beta=0.5, temperature=2.0, ignore_index=-100)
+    problem.labels[problem.labels == -100] = 7  # ignored once ignore_index becomes 7
+    after = dict(weight_soft_loss=0.2, beta=0.9, temperature=3.0, ignore_index=7)
+    want_before = function(*problem.args(), **before)
+    for name in before:
+        want_after = function(*problem.args(), **{**before, name: after[name]})
+        assert (loss, name) == ("cosine", "temperature") or not torch.equal(want_before, want_after), name
+        tensors = {name: torch.tensor(before[name])}
+        module = module_class(**{**before, **tensors})
+        assert torch.equal(function(*problem.args(), **{**before, **tensors}), want_before), name
+        assert torch.equal(module(*problem.args()), want_before), name
+        tensors[name].fill_(after[name])
+        assert torch.equal(function(*problem.args(), **{**before, **tensors}), want_after), name
+        assert torch.equal(module(*problem.args()), want_after), name
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_module_options_assigned_after_construction_take_effect(loss):
+    """As in Liger's modules, the options are attributes: one assigned between calls (a beta or weight schedule) is
+    checked when assigned and used by the next call; a bad value raises, naming it, and leaves the module as it was."""
+    from cosdistill.api import FUSED_LOSSES
+
+    problem = make_problem(tokens=9, ignore_every=3)
+    module_class = api.FusedLinearJSDLoss if loss == "jsd" else FusedLinearCosineDistillLoss
+    module = module_class(beta=0.5, weight_soft_loss=0.5)
+    assert module.beta == 0.5 and module.options.beta == 0.5
+    module.beta, module.weight_soft_loss, module.temperature = 1.0, 0.25, 3.0
+    assert module.beta == 1.0 and module.options.beta == 1.0
+    want = FUSED_LOSSES[loss](*problem.args(), beta=1.0, weight_soft_loss=0.25, temperature=3.0)
+    assert torch.equal(module(*problem.args()), want)
+    with pytest.raises(ValueError, match="temperature must be > 0, got -1"):
+        module.temperature = -1.0
+    with pytest.raises(TypeError, match="beta must be a real number, got str"):
+        module.beta = "0.5"
+    assert module.temperature == 3.0 and module.beta == 1.0
+    assert torch.equal(module(*problem.args()), want)

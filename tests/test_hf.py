@@ -635,9 +635,22 @@ def test_the_trainer_trains_with_the_jsd(tmp_path):
         assert rel_err(old - new.detach(), ref.grad) < 1e-5
 
 
-def test_an_unknown_loss_raises():
-    from cosdistill.hf import distill_loss
+def test_an_unknown_loss_or_option_raises_before_any_model_runs(tmp_path, monkeypatch):
+    """An unknown loss, or an option its fused function does not take (cosine_via is the cosine loss's), raises
+    before the models' forwards, and a Trainer's at construction rather than at its first step."""
+    from cosdistill import hf
+    from cosdistill.hf import DistillationTrainer
 
     teacher, batch = tiny_model("llama", vocab=144, seed=1), make_batch(vocab=128)
-    with pytest.raises(ValueError, match="loss must be 'cosine' or 'jsd'"):
-        distill_loss(teacher, teacher, **batch, loss="kl")
+    monkeypatch.setattr(hf, "final_hidden_states", lambda *a, **k: pytest.fail("a model ran"))
+    monkeypatch.setattr(hf, "check_head_reproduces_logits", lambda *a, **k: pytest.fail("a model ran"))
+    with pytest.raises(ValueError, match=r"loss must be one of \('cosine', 'jsd'\), got 'kl'"):
+        hf.distill_loss(teacher, teacher, **batch, loss="kl")
+    with pytest.raises(TypeError, match=r"loss_options \['cosine_via'\] are not options of fused_linear_jsd"):
+        hf.distill_loss(teacher, teacher, **batch, loss="jsd", cosine_via="gram")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match=r"loss must be one of \('cosine', 'jsd'\), got 'kl'"):
+        DistillationTrainer(model=teacher, args=args, teacher_model=teacher, loss="kl")
+    with pytest.raises(TypeError, match=r"loss_options \['chunks', 'cosine_via'\] are not options of fused_linear_jsd"):
+        DistillationTrainer(model=teacher, args=args, teacher_model=teacher, loss="jsd",
+                            loss_options={"cosine_via": "gram", "chunks": 4})

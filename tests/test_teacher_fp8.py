@@ -42,7 +42,7 @@ def test_fp8_teacher_equals_the_reference_on_the_quantized_teacher(impl, monkeyp
                                                                    hidden_teacher):
     """Exact up to fp32 rounding once the reference sees the teacher's e4m3-rounded rows (odd shapes get padded:
     the padded rows' zero logits must not reach the JSD's softmax)."""
-    monkeypatch.setattr(fp8, "check_supported", lambda device: None)
+    monkeypatch.setattr(fp8, "check_supported", lambda *args: None)
     problem = make_problem(tokens=37, vocab_student=101, vocab_teacher=vocab_teacher, hidden_teacher=hidden_teacher,
                            ignore_every=5)
     losses = FUSED_LOSSES[loss](*problem.args(), return_soft_hard_loss=True, teacher_precision="fp8", impl=impl,
@@ -160,7 +160,7 @@ def test_a_quantized_head_gives_the_fp8_teacher_s_numbers_with_nothing_cached(mo
     """Passed as teacher_weight, an Fp8TeacherWeight gives what teacher_precision="fp8" gives on the weight it
     was made from, bit for bit (odd shapes, padding, ignored tokens, biases, Vt > Vs, [B, L, H] inputs), through
     the function, the module and torch.compile, and puts nothing in the FP8 cache."""
-    monkeypatch.setattr(fp8, "check_supported", lambda device: None)
+    monkeypatch.setattr(fp8, "check_supported", lambda *args: None)
     problem = make_problem(tokens=36, batch=2, vocab_student=101, vocab_teacher=131, hidden_teacher=40,
                            ignore_every=5)
     function = fused_linear_jsd if loss == "jsd" else fused_linear_cosine_distill
@@ -198,9 +198,10 @@ def test_a_quantized_head_is_checked_as_its_weight(monkeypatch):
     quantized = quantize_teacher_weight(problem.teacher_weight)
     args = list(problem.args())
     args[3] = quantized
-    with pytest.raises(ValueError, match="needs a CUDA GPU with FP8 tensor cores; the tensors are on cpu"):
+    with pytest.raises(ValueError, match="a teacher_weight from quantize_teacher_weight needs a CUDA GPU with FP8 "
+                                         "tensor cores; the tensors are on cpu"):
         fused_linear_jsd(*args)
-    monkeypatch.setattr(fp8, "check_supported", lambda device: None)
+    monkeypatch.setattr(fp8, "check_supported", lambda *args: None)
     assert plan._call_signature(plan.Options(), args, None, None) is not None  # its plan is kept for the next call
     with pytest.raises(TypeError, match="teacher_input dtype torch.bfloat16 differs from teacher_weight dtype torch.float32"):
         fused_linear_jsd(*args[:2], args[2].bfloat16(), *args[3:])

@@ -61,6 +61,11 @@ class Options:
     loss: str = "cosine"
 
     def __post_init__(self):
+        # Whether an option is a one-element tensor, whose value these options read: they serve one call (a tensor
+        # updated in place between calls must not meet an earlier call's checked options or plan). An attribute,
+        # not a field (the custom op's schema is the fields) nor a cached property (torch.compile cannot trace its lock).
+        object.__setattr__(self, "reads_tensors", any(
+            torch.is_tensor(getattr(self, field.name)) for field in dataclasses.fields(self)))
         for name in REAL_OPTIONS:
             check_finite_real(name, getattr(self, name))
         if isinstance(self.ignore_index, bool) or not _is_integer(self.ignore_index):
@@ -134,14 +139,16 @@ def _checked(**fields) -> Options:
 def options_of(**fields) -> Options:
     """``Options(**fields)``, one object per distinct set of values: the loss function, called with the same
     keywords at every step, checks them and builds the row step's constants once. Not under torch.compile, which
-    builds them once per trace and would trace through the cache (and warn)."""
+    builds them once per trace and would trace through the cache (and warn), nor where a value is a tensor."""
     if torch.compiler.is_compiling():
         return Options(**fields)
     try:
         hash(tuple(fields.values()))
     except TypeError:  # an unhashable value: Options names the argument
         return Options(**fields)
-    return _checked(**fields)
+    options = _checked(**fields)
+    # A tensor hashes by its identity, and its value may have changed since the cached options read it.
+    return Options(**fields) if options.reads_tensors else options
 
 
 def check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
@@ -193,6 +200,8 @@ def check_tensors(student_input, student_weight, teacher_input, teacher_weight, 
                 f"{prefix}_bias must have shape ({weight.shape[0]},) to match {prefix}_weight {tuple(weight.shape)}, "
                 f"got {tuple(bias.shape)}"
             )
+        if bias is not None and bias.dtype != weight.dtype:
+            raise TypeError(f"{prefix}_bias dtype {bias.dtype} differs from {prefix}_weight dtype {weight.dtype}")
     if torch.is_grad_enabled() and teacher_input.requires_grad:
         raise ValueError(
             f"teacher_input {tuple(teacher_input.shape)} requires grad, but the teacher is frozen: no gradient would "

@@ -43,9 +43,11 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
     check_accum_dtype(options.accum_dtype, student_weight.dtype)
     backend = backend_for(options.impl, student_weight.device)
     row_step = backend.jsd_row_step if options.loss == "jsd" else backend.row_step
-    fp8 = options.teacher_precision == "fp8" or isinstance(teacher_weight, _teacher_fp8.Fp8TeacherWeight)
+    quantized = isinstance(teacher_weight, _teacher_fp8.Fp8TeacherWeight)
+    fp8 = options.teacher_precision == "fp8" or quantized
     if fp8:
-        _teacher_fp8.check_supported(teacher_weight.device)
+        _teacher_fp8.check_supported(teacher_weight.device, "a teacher_weight from quantize_teacher_weight" if quantized
+                                     else "teacher_precision='fp8'")
     teacher = "fp8" if fp8 else "logits"
     if gram_applies(options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens, needs_grad,
                     vocab_parallel, teacher_gram_cached):
@@ -119,10 +121,11 @@ def _checked_new_plan(options: Options, tensors, num_valid_tokens, vocab_paralle
 def _call_signature(options: Options, tensors, num_valid_tokens, vocab_parallel) -> tuple | None:
     """What check_tensors and make_plan read of a call: the options, whether gradients are on, whether
     num_valid_tokens passes, each tensor's type, shape, dtype, device and requires_grad. None where they must run:
-    a vocabulary split (an object the plan holds, which may change), an argument that is not a tensor. The
+    a vocabulary split (an object the plan holds, which may change), options holding tensors (made for one call),
+    an argument that is not a tensor. The
     options go in by identity, cheaper than hashing their fields: the plan holds them, so their id stays theirs
     while it is kept."""
-    if vocab_parallel is not None:
+    if vocab_parallel is not None or options.reads_tensors:
         return None
     if num_valid_tokens is None:
         count = None

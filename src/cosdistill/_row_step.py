@@ -21,13 +21,13 @@ s.t and |t|^2 through ``with_teacher_products`` and the gradient's t term itself
   the soft term's entries, of order weight_soft * beta / (|s| * sqrt(V)), fall below that at LLM
   vocabularies; k < 0 brings a bound above 2^14 down into (2^13, 2^14] (a student row of norm
   ~0 has entries ~1/eps = 1e8, past fp16's 65504). The chunk loop divides it out again
-  (chunked._Unlift).
+  (_chunk_loop._Unlift).
 
 It does so in two stages, so that a vocabulary split over ranks (cosdistill.distributed) can add up
 the per-row statistics of its shards in between:
 
-1. ``row_stats``: per row, the ROW_STATS below over this shard's columns;
-2. ``row_grad``: from the (combined) statistics, the losses and, if asked, the gradient.
+1. ``row_stats_torch``: per row, the ROW_STATS below over this shard's columns;
+2. ``row_grad_torch``: from the (combined) statistics, the losses and, if asked, the gradient.
 
 The sums of squares and s.t are kept relative to per-row scales (max |s|, max |t|), so logits near
 the dtype's largest value do not overflow |s|^2 in fp32; the Triton twin uses scale 1 and rescales
@@ -159,7 +159,7 @@ def row_stats_torch(student_logits, teacher_logits, labels, scales: RowStepScale
 
 def with_teacher_products(stats: torch.Tensor, dot: torch.Tensor, sum_sq_teacher: torch.Tensor,
                           scales: RowStepScales) -> torch.Tensor:
-    """The statistics of a row step run without teacher logits (row_stats(s, None, ...)), completed
+    """The statistics of a row step run without teacher logits (row_stats_torch(s, None, ...)), completed
     with each row's s.t and |t|^2 of the heads' raw logits (before the logit scales), which the Gram
     path computes from the weights' Gram matrices instead (gram.py). In place; returns stats."""
     teacher_scale = scales.teacher_logit_scale

@@ -7,8 +7,9 @@ every reuse; a head the caller quantized is the caller's, so nothing is cached o
 teacher activations are quantized per token. ``torch._scaled_mm`` then computes
     logits[i, v] = (x_q[i] . w_q[v]) * scale_x[i] * scale_w[v]
 on the FP8 tensor cores of Hopper-class GPUs, with fast accumulation (``FAST_ACCUMULATION``). Shapes
-that the FP8 GEMM cannot take (a vocabulary or hidden size not divisible by 16) are zero-padded: a
-zero weight row adds a zero teacher logit, which changes neither |t|^2 nor s.t.
+that the FP8 GEMM cannot take (a vocabulary or hidden size not divisible by 16) are zero-padded; the
+row step reads only the first ``vocab`` logit columns, never the padded rows' (the JSD's softmax would
+count them).
 """
 
 from dataclasses import dataclass
@@ -27,14 +28,14 @@ FAST_ACCUMULATION = True
 WEIGHT_ROWS_PER_STEP = 8192  # quantize the weight in slices: bounded temporary memory
 
 
-def check_supported(device: torch.device) -> None:
-    """Raise ValueError saying why FP8 cannot run here."""
+def check_supported(device: torch.device, asked_by: str = "teacher_precision='fp8'") -> None:
+    """Raise ValueError saying why FP8 cannot run here; ``asked_by`` names what asked for it."""
     if device.type != "cuda":
-        raise ValueError(f"teacher_precision='fp8' needs a CUDA GPU with FP8 tensor cores; the tensors are on {device}")
+        raise ValueError(f"{asked_by} needs a CUDA GPU with FP8 tensor cores; the tensors are on {device}")
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
         raise ValueError(
-            f"teacher_precision='fp8' needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or newer); "
+            f"{asked_by} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or newer); "
             f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}"
         )
 

@@ -2,12 +2,17 @@
 gradients to autograd. Both check their options into one ``_options.Options`` and run the plan of
 ``_plan.checked_plan``; under torch.compile the call goes to the custom op of _compile.py."""
 
+import dataclasses
+import inspect
+
 import torch
 
 from ._device import as_rows, on_device_of
 from ._options import Options, options_of
 from ._plan import checked_plan, run
 from ._split_check import check_vocab_parallel, gather_device
+
+_OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(Options))
 
 
 def fused_linear_cosine_distill(
@@ -136,7 +141,51 @@ def distill(options: Options, student_input, student_weight, teacher_input, teac
     return (loss, result.soft_loss, result.hard_loss) if return_soft_hard_loss else loss
 
 
-class FusedLinearCosineDistillLoss(torch.nn.Module):
+class _LossModule(torch.nn.Module):
+    """The modules' options are attributes, as Liger's modules keep theirs: one assigned between calls (a schedule of
+    beta or of the weights) is checked when assigned and used from the next call; one given as a tensor is read at
+    every call."""
+
+    def __init__(self, return_soft_hard_loss, **given):
+        super().__init__()
+        self._given = given
+        self._options = Options(**given)  # a bad value raises here, when the module is built
+        self.return_soft_hard_loss = return_soft_hard_loss
+
+    @property
+    def options(self) -> Options:
+        """The checked options of the next call."""
+        return Options(**self._given) if self._options.reads_tensors else self._options
+
+    def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
+                teacher_bias=None, *, num_valid_tokens=None, vocab_parallel=None):
+        return distill(self.options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
+                       student_bias, teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
+                       return_soft_hard_loss=self.return_soft_hard_loss)
+
+
+def _option_attribute(name: str) -> property:
+    def read(module):
+        return module._given[name]
+
+    def assign(module, value):
+        given = {**module._given, name: value}
+        module._options = Options(**given)  # checked before the module changes
+        module._given = given
+
+    return property(read, assign, doc=f"The loss's {name}: assigning it checks it, and the next call uses it.")
+
+
+def _options_as_attributes(module_class):
+    """Each option its constructor takes becomes an attribute (_option_attribute)."""
+    for name in inspect.signature(module_class.__init__).parameters:
+        if name in _OPTION_NAMES:
+            setattr(module_class, name, _option_attribute(name))
+    return module_class
+
+
+@_options_as_attributes
+class FusedLinearCosineDistillLoss(_LossModule):
     """nn.Module form of ``fused_linear_cosine_distill``; a drop-in for LigerFusedLinearCosineSimilarityLoss."""
 
     def __init__(
@@ -159,20 +208,13 @@ class FusedLinearCosineDistillLoss(torch.nn.Module):
         teacher_logit_scale=1.0,
         cosine_via="auto",
     ):
-        super().__init__()
-        self.options = Options(
-            weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
-            temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
-            teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
-            student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale, cosine_via=cosine_via,
+        super().__init__(
+            return_soft_hard_loss, weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
+            ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype,
+            impl=impl, teacher_precision=teacher_precision, student_softcap=student_softcap,
+            teacher_softcap=teacher_softcap, student_logit_scale=student_logit_scale,
+            teacher_logit_scale=teacher_logit_scale, cosine_via=cosine_via,
         )
-        self.return_soft_hard_loss = return_soft_hard_loss
-
-    def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
-                teacher_bias=None, *, num_valid_tokens=None, vocab_parallel=None):
-        return distill(self.options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
-                       student_bias, teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
-                       return_soft_hard_loss=self.return_soft_hard_loss)
 
 
 def fused_linear_jsd(
@@ -240,28 +282,21 @@ def fused_linear_jsd(
 FUSED_LOSSES = {"cosine": fused_linear_cosine_distill, "jsd": fused_linear_jsd}  # the loss function of each Options.loss
 
 
-class FusedLinearJSDLoss(torch.nn.Module):
+@_options_as_attributes
+class FusedLinearJSDLoss(_LossModule):
     """nn.Module form of ``fused_linear_jsd``; a drop-in for Liger-Kernel's LigerFusedLinearJSDLoss."""
 
     def __init__(self, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100, temperature=1.0,
                  compiled=True, chunk_size=None, return_soft_hard_loss=False, *, accum_dtype=None, impl="auto",
                  teacher_precision=None, student_softcap=None, teacher_softcap=None, student_logit_scale=1.0,
                  teacher_logit_scale=1.0):
-        super().__init__()
-        self.options = Options(
-            weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
-            temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
-            teacher_precision=teacher_precision, cosine_via="logits", loss="jsd", student_softcap=student_softcap,
-            teacher_softcap=teacher_softcap, student_logit_scale=student_logit_scale,
+        super().__init__(
+            return_soft_hard_loss, weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
+            ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype,
+            impl=impl, teacher_precision=teacher_precision, cosine_via="logits", loss="jsd",
+            student_softcap=student_softcap, teacher_softcap=teacher_softcap, student_logit_scale=student_logit_scale,
             teacher_logit_scale=teacher_logit_scale,
         )
-        self.return_soft_hard_loss = return_soft_hard_loss
-
-    def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
-                teacher_bias=None, *, num_valid_tokens=None, vocab_parallel=None):
-        return distill(self.options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
-                       student_bias, teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
-                       return_soft_hard_loss=self.return_soft_hard_loss)
 
 
 class _AttachGradients(torch.autograd.Function):

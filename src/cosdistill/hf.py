@@ -6,6 +6,7 @@ teacher causal LM and a batch (input_ids, attention_mask, labels), computed with
 either model; ``DistillationTrainer`` is a ``transformers.Trainer`` that trains with it.
 """
 
+import inspect
 import weakref
 
 import torch
@@ -16,6 +17,9 @@ except ImportError as error:
     raise ImportError("cosdistill.hf needs transformers: pip install 'cosdistill[hf]'") from error
 
 from .api import FUSED_LOSSES
+
+__all__ = ["CosineDistillationTrainer", "DistillationMixin", "DistillationTrainer", "cosine_distill_loss", "distill_loss",
+           "final_hidden_states", "head_inputs", "loss_labels", "next_token_targets"]
 
 
 def lm_head(model, name="model"):
@@ -217,8 +221,10 @@ def distill_loss(
     loss equals the one computed from ``model(...).logits``; the first call with a model checks that on a
     probe of a few tokens (``check_head_reproduces_logits``) and raises where it does not hold.
     ``num_valid_tokens`` (e.g. the count over all micro-batches of a gradient accumulation step) and
-    ``**loss_options`` (chunk_size, impl, accum_dtype, teacher_precision, cosine_via) go to the fused function.
+    ``**loss_options`` (chunk_size, impl, accum_dtype, teacher_precision; cosine_via for the cosine loss) go to
+    the fused function of ``loss``.
     """
+    check_loss_options(loss, loss_options)
     if labels is None:
         raise TypeError("labels is required, got None")
     if input_ids is None and (student_hidden is None or teacher_hidden is None):
@@ -237,8 +243,6 @@ def distill_loss(
                                                  **model_inputs)
         teacher_args = head_inputs(teacher, teacher_hidden, "teacher")
     hidden, weight, bias, softcap, logit_scale = head_inputs(student, student_hidden, "student")
-    if loss not in ("cosine", "jsd"):
-        raise ValueError(f"loss must be 'cosine' or 'jsd', got {loss!r}")
     fused = FUSED_LOSSES[loss]
     head_options = dict(student_softcap=softcap, teacher_softcap=teacher_args[3], student_logit_scale=logit_scale,
                         teacher_logit_scale=teacher_args[4])
@@ -251,6 +255,17 @@ def distill_loss(
         )
 
 cosine_distill_loss = distill_loss  # its name from before loss="jsd"
+
+_FUSED_OPTIONS = {loss: frozenset(inspect.signature(fused).parameters) for loss, fused in FUSED_LOSSES.items()}
+
+
+def check_loss_options(loss: str, loss_options: dict) -> None:
+    """Raises for an unknown ``loss`` or an option its fused function does not take, before any model runs."""
+    if loss not in FUSED_LOSSES:
+        raise ValueError(f"loss must be one of {tuple(FUSED_LOSSES)}, got {loss!r}")
+    unknown = sorted(set(loss_options) - _FUSED_OPTIONS[loss])
+    if unknown:
+        raise TypeError(f"loss_options {unknown} are not options of {FUSED_LOSSES[loss].__name__} (loss={loss!r})")
 
 
 # Trainer options that change the loss in ways this loss does not follow: each raises at construction.
@@ -308,7 +323,7 @@ class DistillationMixin:
     ``eval_hard_loss``. The student may be on one device, under DDP or under FSDP2 (the head's weight is
     gathered whole for the loss, ``whole_head_weight``); DeepSpeed ZeRO-3, FSDP1 and torch.nn.DataParallel
     raise at construction (``check_sharding``). ``loss_options`` (chunk_size, impl, ...)
-    go to ``fused_linear_cosine_distill``. Trainer options the loss cannot honour (``UNSUPPORTED_ARGS``, a
+    go to the fused function of ``loss``, checked at construction. Trainer options the loss cannot honour (``UNSUPPORTED_ARGS``, a
     ``compute_loss_func``) raise a ValueError.
     """
 
@@ -320,6 +335,7 @@ class DistillationMixin:
     ):
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError(f"{type(self).__name__} computes its own loss: compute_loss_func cannot be used with it")
+        check_loss_options(loss, loss_options or {})
         if (loss_options or {}).get("ignore_index", -100) != -100:
             raise ValueError(f"{type(self).__name__} does not support loss_options ignore_index="
                              f"{loss_options['ignore_index']!r}: the Trainer counts the labels that are not -100 "

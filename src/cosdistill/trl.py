@@ -32,6 +32,9 @@ except ImportError as error:
 
 from .hf import UNSUPPORTED_ARGS, DistillationMixin, check_sharding, distill_loss, final_hidden_states, lm_head
 
+# DistillationGKDTrainer is made on first use (__getattr__ below)
+__all__ = ["CosineDistillationSFTTrainer", "DistillationGKDTrainer", "DistillationSFTTrainer"]  # noqa: F822
+
 # SFTConfig options that change the loss in ways this loss does not follow.
 UNSUPPORTED_SFT_ARGS = {
     **UNSUPPORTED_ARGS,

@@ -10,7 +10,7 @@ labels. Pass the local shards and a ``VocabParallelOptions`` to ``fused_linear_c
         labels, vocab_parallel=options)
 
 Per chunk, each rank computes its logits and the per-token statistics of its columns (max, sum of
-exp, target logit, s.t, |s|^2, |t|^2, see row_step.ROW_STATS); the statistics are all-gathered and
+exp, target logit, s.t, |s|^2, |t|^2, see _row_step.ROW_STATS); the statistics are all-gathered and
 combined (O(tokens) traffic, never the logits), and each rank writes the gradient of its own logits.
 Every rank returns the same loss. grad_input is summed over the group inside the loss (so the hidden
 states' upstream must not all-reduce it again); grad_weight and grad_bias are each rank's own shard's.
@@ -42,12 +42,12 @@ class VocabParallelOptions:
 
     def __post_init__(self):
         if not 0 <= self.start < self.stop:
-            raise ValueError(f"need 0 <= start < stop, got start={self.start}, stop={self.stop}")
+            raise ValueError(f"VocabParallelOptions needs 0 <= start < stop, got start={self.start}, stop={self.stop}")
         within_teacher = self.vocab_teacher is None or (self.vocab_student <= self.vocab_teacher
                                                         and self.stop <= self.vocab_teacher)
         if self.vocab_student <= 0 or not within_teacher:
-            raise ValueError(f"need 0 < vocab_student <= vocab_teacher and stop <= vocab_teacher, got "
-                             f"vocab_student={self.vocab_student}, vocab_teacher={self.vocab_teacher}, stop={self.stop}")
+            raise ValueError(f"VocabParallelOptions needs 0 < vocab_student <= vocab_teacher and stop <= vocab_teacher, "
+                             f"got vocab_student={self.vocab_student}, vocab_teacher={self.vocab_teacher}, stop={self.stop}")
 
     @classmethod
     def even_split(cls, vocab_teacher: int, vocab_student: int | None = None, group=None) -> "VocabParallelOptions":

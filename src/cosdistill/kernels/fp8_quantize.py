@@ -1,4 +1,4 @@
-"""The FP8 teacher's per-token quantization in one Triton kernel: the twin of ``fp8.quantize_rows``.
+"""The FP8 teacher's per-token quantization in one Triton kernel: the twin of ``_teacher_fp8.quantize_rows``.
 
 torch's version launches four kernels per teacher sub-chunk (the max norm, two on the scales, the
 division); this one reads each row, keeps its max in registers, writes the scale and reads the row
@@ -60,7 +60,7 @@ def _quantize_rows_kernel(rows, row_stride, out, out_stride, scales, scale_strid
 
 
 def quantize_rows_triton(rows: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
-    """As fp8.quantize_rows: out[i] = rows[i] / scales[i] in FP8, scales[i] = max |rows[i]| / FP8_MAX."""
+    """As _teacher_fp8.quantize_rows: out[i] = rows[i] / scales[i] in FP8, scales[i] = max |rows[i]| / FP8_MAX."""
     if rows.shape[0] == 0:
         return
     if rows.stride(1) != 1 or out.stride(1) != 1:

@@ -273,7 +273,7 @@ def launch_rows(kernel, layout: Layout, rows: int, shared_bytes: int, device: to
 
 def row_step_cuda(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
                   grad_lifts=None) -> None:
-    """row_step.row_step_torch: this kernel and the Triton RESCUE launch where ``supported``, else Triton."""
+    """_row_step.row_step_torch: this kernel and the Triton RESCUE launch where ``supported``, else Triton."""
     if not (supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts)
             and token_losses.is_contiguous() and _launch(student_logits.shape[1], labels.dtype,
                                                           student_logits.device.index) is not None):

@@ -221,7 +221,7 @@ def _row_losses(losses_row, valid, row_max, sum_exp, target_logit, dot, sum_sq_s
                 teacher_unit, beta, inv_temp_sq, eps, usable):
     """Stores the row's hard and soft losses (NaN if not ``usable``: the RESCUE launch redoes the row) and
     returns what the gradient's coefficients need (row_step.cosine_terms)."""
-    log_sum_exp = tl.log(sum_exp)  # kept apart from row_max, see row_step.row_grad_torch
+    log_sum_exp = tl.log(sum_exp)  # kept apart from row_max, see _row_step.row_grad_torch
     norm_student = tl.sqrt(sum_sq_student * inv_temp_sq)
     norm_teacher = tl.sqrt(sum_sq_teacher * inv_temp_sq)
     student_eps = eps / student_unit
@@ -251,7 +251,7 @@ def _grad_coefficients(sum_sq_student, sum_sq_teacher, student_unit, teacher_uni
                        student_scale, lift_row, LIFT: tl.constexpr):
     """The row's d L / d s per logit is prob_coef * softmax + teacher_coef * t + student_coef * s, less
     prob_coef at the label (row_grad_torch); with LIFT, times the row's power of two, stored at
-    ``lift_row`` (row_step.row_lift_bound, lift_for)."""
+    ``lift_row`` (_row_step.row_lift_bound, lift_for)."""
     # d L / d s = weight_hard * (softmax - onehot) - weight_soft * beta * d cos / d s, and
     # d cos / d s = coef_teacher * t - coef_student * s.
     coef_teacher = inv_temp_sq / (clamped_student * clamped_teacher) / student_unit / teacher_unit
@@ -416,7 +416,7 @@ def _row_stats_kernel(
             student_row, teacher_row, vocab_student, vocab_teacher, student_scale, teacher_scale,
             student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, BLOCK,
         )
-    stats_row = stats_ptr + row * NUM_STATS  # the order of row_step.ROW_STATS
+    stats_row = stats_ptr + row * NUM_STATS  # the order of _row_step.ROW_STATS
     tl.store(stats_row, row_max)
     tl.store(stats_row + 1, sum_exp)
     tl.store(stats_row + 2, target_logit)
