@@ -25,3 +25,16 @@ def test_bad_argument_exits_2_with_one_line(capsys, bad, message):
     err = capsys.readouterr().err
     assert err.startswith(f"cosdistill: error: {message}")
     assert err.count("\n") == 1
+
+
+def test_an_error_of_the_run_itself_keeps_its_traceback(monkeypatch):
+    """Only what the arguments make (ValueError, TypeError, OSError) is a one-line usage error: a kernel's error or
+    an out-of-memory error (RuntimeErrors) propagates with its traceback."""
+    from cosdistill.tools import demo
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(demo, "run_demo", fail)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        main(["demo", "--steps", "1"])

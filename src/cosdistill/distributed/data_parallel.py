@@ -77,7 +77,8 @@ class DataParallelCosineDistillLoss(_GlobalNormaliser, FusedLinearCosineDistillL
         dist.all_reduce(logged, group=group)  # sum (gloo has no AVG)
         logged /= dist.get_world_size(group)
 
-    The soft and hard terms of ``return_soft_hard_loss`` are shares in the same way.
+    The soft and hard terms of ``return_soft_hard_loss`` are shares in the same way. Its forward takes no
+    ``vocab_parallel``: a vocabulary split inside data parallel is not supported by these modules.
     """
 
 

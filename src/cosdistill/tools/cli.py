@@ -228,7 +228,7 @@ def main(argv=None):
     args.command_line = "cosdistill " + shlex.join(argv)  # for the ledger
     try:
         return args.run(args)
-    except (ValueError, TypeError, RuntimeError, OSError) as error:
+    except (ValueError, TypeError, OSError) as error:  # what the arguments make: not a kernel's error or an OOM
         raise_usage_error(str(error).splitlines()[0] if str(error) else type(error).__name__)
 
 
