@@ -229,8 +229,8 @@ def dataset(lengths, vocab=128, seed=0):
 
 def make_trainer(tmp_path, student, teacher, train_dataset, **args):
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
-        logging_steps=1, seed=0, dataloader_num_workers=0, **args,
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", disable_tqdm=True, logging_steps=1, seed=0,
+        dataloader_num_workers=0, **{"save_strategy": "no", **args},
     )
     return CosineDistillationTrainer(
         model=student, args=args, train_dataset=train_dataset, data_collator=collate, teacher_model=teacher, **OPTIONS,
@@ -654,3 +654,46 @@ def test_an_unknown_loss_or_option_raises_before_any_model_runs(tmp_path, monkey
     with pytest.raises(TypeError, match=r"loss_options \['chunks', 'cosine_via'\] are not options of fused_linear_jsd"):
         DistillationTrainer(model=teacher, args=args, teacher_model=teacher, loss="jsd",
                             loss_options={"cosine_via": "gram", "chunks": 4})
+
+
+def test_metrics_that_would_read_logits_raise_and_predict_gives_the_loss(tmp_path):
+    """The loss never computes logits: compute_metrics would have been handed the soft and hard losses as
+    "predictions", so it raises at construction; predict() returns the loss and no predictions."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
+    rows = dataset([9, 4, 6, 2, 7])
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    for name in ("compute_metrics", "preprocess_logits_for_metrics"):
+        with pytest.raises(ValueError, match=f"does not support {name}: evaluation has no logits"):
+            CosineDistillationTrainer(model=student, args=args, teacher_model=teacher, **{name: lambda *a: {}})
+    trainer = make_trainer(tmp_path, student, teacher, rows, per_device_eval_batch_size=2)
+    output = trainer.predict(rows)
+    assert output.metrics["test_loss"] == pytest.approx(trainer.evaluate(eval_dataset=rows)["eval_loss"], rel=1e-6)
+    assert output.predictions is None or len(output.predictions) == 0
+
+
+def test_a_resumed_run_logs_the_soft_and_hard_loss_of_its_steps(tmp_path):
+    """The logged soft and hard terms are means over the optimizer steps since the last log; a run resumed from a
+    checkpoint counts its first log's steps from where it resumed, not from step 0."""
+    teacher, rows = tiny_model("llama", vocab=144, seed=1), dataset([9, 4, 6, 2, 7, 3, 8, 5])
+    runs = {}
+    for resumed in (False, True):
+        trainer = make_trainer(tmp_path / str(resumed), tiny_model("llama"), teacher, rows, per_device_train_batch_size=2,
+                               max_steps=4, learning_rate=1e-2, save_strategy="steps", save_steps=2)
+        trainer.train()
+        if resumed:
+            trainer = make_trainer(tmp_path / str(resumed), tiny_model("llama"), teacher, rows,
+                                   per_device_train_batch_size=2, max_steps=4, learning_rate=1e-2)
+            trainer.train(resume_from_checkpoint=str(tmp_path / str(resumed) / "checkpoint-2"))
+        runs[resumed] = {log["step"]: log for log in trainer.state.log_history if "soft_loss" in log}
+    assert set(runs[True]) >= {3, 4}
+    for step in (3, 4):
+        for key in ("loss", "soft_loss", "hard_loss"):
+            assert runs[True][step][key] == pytest.approx(runs[False][step][key], rel=1e-4), (step, key)
+
+
+def test_liger_kernels_in_the_trainer_raise(tmp_path):
+    """With use_liger_kernel the Trainer hands the models skip_logits, and Liger's patched forward skips the LM
+    head the loss reads from."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
+    with pytest.raises(ValueError, match="does not support use_liger_kernel=True"):
+        make_trainer(tmp_path, student, teacher, [], use_liger_kernel=True)

@@ -99,3 +99,12 @@ def test_a_moe_students_router_loss_is_refused_not_dropped(tmp_path):
         with pytest.raises(ValueError, match="does not add the student's router auxiliary loss"):
             make_sft_trainer(tmp_path, tiny_mixtral(), tiny_model("llama", seed=1), **config)
     make_sft_trainer(tmp_path, tiny_mixtral(), tiny_model("llama", seed=1), router_aux_loss_coef=0.0).train()
+
+
+def test_sft_predict_and_evaluate_give_the_loss_without_logits(tmp_path):
+    """SFTTrainer's prediction step reads outputs.logits: the loss's outputs carry none (predict crashed on a dict)."""
+    trainer = make_sft_trainer(tmp_path, tiny_model("llama"), tiny_model("llama", vocab=144, seed=1))
+    dataset = trainer.train_dataset
+    output = trainer.predict(dataset)
+    assert output.metrics["test_loss"] == pytest.approx(trainer.evaluate(eval_dataset=dataset)["eval_loss"], rel=1e-6)
+    assert output.metrics["test_loss"] > 0

@@ -176,6 +176,7 @@ def assert_trained_as_gkd(trainer, generations, steps, recorder, generator):
     assert len(generations) == len(steps) == len(recorder.grads) == trainer.args.max_steps
     assert any((step["batch"]["attention_mask"][:, step["batch"]["prompts"].shape[1]:] == 0).any() for step in steps)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == trainer.args.max_steps
     for (model, (input_ids, attention_mask, labels)), step, grads, logged in zip(generations, steps, recorder.grads,
                                                                                  losses):
         assert model is generator
@@ -245,11 +246,14 @@ def test_evaluation_and_prediction_losses_are_gkds(tmp_path):
 
 
 @pytest.mark.parametrize("option", ["compute_metrics", "preprocess_logits_for_metrics", "student logits_scaling",
-                                    "loss_options beta"])
+                                    "loss_options beta", "loss_type", "label_smoothing_factor"])
 def test_options_the_fused_loss_cannot_honour_raise(tmp_path, option):
     student, teacher = models()
-    kwargs = {}
-    if option == "compute_metrics":
+    kwargs, config = {}, {}
+    if option in ("loss_type", "label_smoothing_factor"):  # GKDTrainer ignores them; a set one expects an effect
+        config = {option: "dft" if option == "loss_type" else 0.1}
+        match = f"does not support {option}="
+    elif option == "compute_metrics":
         kwargs, match = dict(compute_metrics=lambda prediction: {}), "does not support compute_metrics"
     elif option == "preprocess_logits_for_metrics":
         kwargs = dict(preprocess_logits_for_metrics=lambda logits, labels: logits)
@@ -260,7 +264,7 @@ def test_options_the_fused_loss_cannot_honour_raise(tmp_path, option):
     else:
         kwargs, match = dict(loss_options=dict(beta=0.9)), r"loss_options cannot set \['beta'\]"
     with pytest.raises(ValueError, match=match):
-        DistillationGKDTrainer(model=student, teacher_model=teacher, args=gkd_config(tmp_path),
+        DistillationGKDTrainer(model=student, teacher_model=teacher, args=gkd_config(tmp_path, **config),
                                train_dataset=chat_dataset(), processing_class=chat_tokenizer(), **kwargs)
 
 

@@ -13,6 +13,7 @@ import torch
 
 try:
     from transformers import Trainer
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError as error:
     raise ImportError("cosdistill.hf needs transformers: pip install 'cosdistill[hf]'") from error
 
@@ -271,6 +272,7 @@ def check_loss_options(loss: str, loss_options: dict) -> None:
 # Trainer options that change the loss in ways this loss does not follow: each raises at construction.
 UNSUPPORTED_ARGS = {
     "label_smoothing_factor": (0, "label smoothing is not part of this loss (its hard term is plain cross-entropy)"),
+    "use_liger_kernel": (False, "Liger's patched forward skips the LM head whose input the loss reads"),
 }
 
 
@@ -280,7 +282,8 @@ NOT_MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "labels", "completi
 
 def check_sharding(trainer) -> None:
     """Raise for the ways of spreading the student over devices that the loss cannot read the head whole
-    from: DeepSpeed ZeRO-3 and FSDP1 (FSDP2 works, ``whole_head_weight``), and torch.nn.DataParallel."""
+    from: DeepSpeed ZeRO-3 and FSDP1 (FSDP2 works, ``whole_head_weight``), and torch.nn.DataParallel; and for
+    context or sequence parallelism, which split each sequence whose next tokens the loss reads."""
     state = trainer.accelerator.state
     deepspeed = getattr(state, "deepspeed_plugin", None)
     if getattr(trainer, "is_deepspeed_enabled", False) and getattr(deepspeed, "zero_stage", 0) == 3:
@@ -290,6 +293,11 @@ def check_sharding(trainer) -> None:
     if getattr(trainer, "is_fsdp_enabled", False) and getattr(fsdp, "fsdp_version", 1) != 2:
         raise ValueError("FSDP1 flattens the student's parameters, so the fused loss cannot read the LM head: use FSDP2 "
                          "(fsdp_config={'fsdp_version': 2})")
+    parallelism = getattr(trainer.accelerator, "parallelism_config", None)
+    for kind in ("cp", "sp"):  # each device holds a slice of every sequence, which the loss's targets cross
+        if getattr(parallelism, f"{kind}_enabled", False):
+            raise ValueError(f"{'context' if kind == 'cp' else 'sequence'} parallelism splits each sequence over "
+                             "devices, and the loss reads each token's next one: train without it")
     if trainer.args.n_gpu > 1:
         raise ValueError(f"torch.nn.DataParallel over {trainer.args.n_gpu} GPUs is not supported: launch one process "
                          "per GPU (torchrun, accelerate launch)")
@@ -323,8 +331,9 @@ class DistillationMixin:
     ``eval_hard_loss``. The student may be on one device, under DDP or under FSDP2 (the head's weight is
     gathered whole for the loss, ``whole_head_weight``); DeepSpeed ZeRO-3, FSDP1 and torch.nn.DataParallel
     raise at construction (``check_sharding``). ``loss_options`` (chunk_size, impl, ...)
-    go to the fused function of ``loss``, checked at construction. Trainer options the loss cannot honour (``UNSUPPORTED_ARGS``, a
-    ``compute_loss_func``) raise a ValueError.
+    go to the fused function of ``loss``, checked at construction. Trainer options the loss cannot honour
+    (``UNSUPPORTED_ARGS``, a ``compute_loss_func``, ``compute_metrics`` and ``preprocess_logits_for_metrics``: there
+    are no logits) raise a ValueError. With ``loss="cosine"`` ``temperature`` changes nothing, as in Liger's.
     """
 
     unsupported_args = UNSUPPORTED_ARGS
@@ -335,6 +344,10 @@ class DistillationMixin:
     ):
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError(f"{type(self).__name__} computes its own loss: compute_loss_func cannot be used with it")
+        for name in ("compute_metrics", "preprocess_logits_for_metrics"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{type(self).__name__} does not support {name}: evaluation has no logits (the fused "
+                                 "loss never computes them); it reports eval_loss, eval_soft_loss and eval_hard_loss")
         check_loss_options(loss, loss_options or {})
         if (loss_options or {}).get("ignore_index", -100) != -100:
             raise ValueError(f"{type(self).__name__} does not support loss_options ignore_index="
@@ -355,7 +368,7 @@ class DistillationMixin:
         # Makes the Trainer count num_items_in_batch and take our loss as already normalised over the step.
         self.model_accepts_loss_kwargs = True
         self._soft_hard_sums = None  # training: soft and hard summed since the last log
-        self._soft_hard_since_step = 0
+        self._soft_hard_since_step = None  # the optimizer step at the first of those (a resumed run's too)
         self._eval_sums = None  # evaluation: soft and hard times rows, and the rows
         self._evaluation_prefix = None  # the metrics' prefix while evaluate() runs
 
@@ -394,12 +407,16 @@ class DistillationMixin:
             loss, soft, hard = (value * self.accelerator.num_processes for value in (loss, soft, hard))
         sums = torch.stack([soft, hard]).detach()
         if model.training:
-            self._soft_hard_sums = sums if self._soft_hard_sums is None else self._soft_hard_sums + sums
+            if self._soft_hard_sums is None:
+                self._soft_hard_sums, self._soft_hard_since_step = sums, self.state.global_step
+            else:
+                self._soft_hard_sums = self._soft_hard_sums + sums
         else:  # evaluation: the mean over rows, as the Trainer's eval_loss (each batch's loss once per row)
             rows = input_ids.shape[0]
             sums = torch.cat([sums * rows, sums.new_full((1,), rows)])
             self._eval_sums = sums if self._eval_sums is None else self._eval_sums + sums
-        return (loss, {"soft_loss": soft, "hard_loss": hard}) if return_outputs else loss
+        # No logits: the fused loss never computes them (soft and hard reach the logs through log below).
+        return (loss, CausalLMOutputWithPast(loss=loss, logits=None)) if return_outputs else loss
 
     def log(self, logs, *args, **kwargs):
         """Adds the mean soft and hard loss per optimizer step since the last training log, and per row (as
@@ -408,7 +425,7 @@ class DistillationMixin:
             steps = max(1, self.state.global_step - self._soft_hard_since_step)
             soft, hard = (self.accelerator.gather(self._soft_hard_sums[None]).mean(0) / steps).tolist()
             logs.update(soft_loss=soft, hard_loss=hard)
-            self._soft_hard_sums, self._soft_hard_since_step = None, self.state.global_step
+            self._soft_hard_sums = None
         prefix = self._evaluation_prefix
         if prefix is not None and f"{prefix}_loss" in logs:  # every process logs it: each takes part in the gather
             sums = self._eval_sums if self._eval_sums is not None else torch.zeros(3, device=self.args.device)

@@ -39,7 +39,6 @@ __all__ = ["CosineDistillationSFTTrainer", "DistillationGKDTrainer", "Distillati
 UNSUPPORTED_SFT_ARGS = {
     **UNSUPPORTED_ARGS,
     "loss_type": ("nll", "the hard term is plain cross-entropy (loss_type='nll')"),
-    "use_liger_kernel": (False, "Liger's patched forward skips the LM head whose input the loss reads"),
 }
 
 
@@ -59,6 +58,13 @@ CosineDistillationSFTTrainer = DistillationSFTTrainer  # its name from before lo
 # final_logit_softcapping and Cohere's logit_scale are applied, as cosdistill.hf.head_inputs reads them.)
 UNSUPPORTED_HEAD_CONFIG = {
     "logits_scaling": (None, 1, 1.0),  # Granite, HyperCLOVA X, MiniCPM3: applied differently per family
+}
+
+# GKDConfig's SFT loss fields, with the value that changes nothing: GKDTrainer's loss ignores them too, but a set
+# one says the user expects an effect, so each raises here as it does for DistillationSFTTrainer.
+UNSUPPORTED_GKD_CONFIG = {
+    "loss_type": ("nll", "GKD's loss is the generalized JSD alone (loss_type='nll')"),
+    "label_smoothing_factor": (0, "label smoothing is not part of GKD's generalized JSD"),
 }
 
 # GKDTrainer arguments that read the student's logits, which this trainer never computes.
@@ -134,6 +140,9 @@ def _define_gkd_trainer():
                 if bound.get(name) is not None:
                     raise ValueError(f"{type(self).__name__} does not support {name}: {why}")
             super().__init__(*args, **kwargs)
+            for name, (default, why) in UNSUPPORTED_GKD_CONFIG.items():
+                if getattr(self.args, name, default) != default:
+                    raise ValueError(f"{type(self).__name__} does not support {name}={getattr(self.args, name)!r}: {why}")
             check_sharding(self)
             check_gkd_heads(self, self.accelerator.unwrap_model(self.model),
                             self.accelerator.unwrap_model(self.teacher_model))
