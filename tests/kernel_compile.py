@@ -140,8 +140,8 @@ def compile_small_kernels():
         third_numel="i32", factor_ptr="*fp32"), dict(BLOCK=grad_output.BLOCK))
     yield "fingerprint", compile_one(fingerprint._fingerprint_kernel, dict(
         words_ptr="*i16", rows="i32", cols="i32", stride_row="i32", stride_col="i32", partials_ptr="*i32"),
-        dict(KEYS_0=fingerprint.LANE_KEYS[0], KEYS_1=fingerprint.LANE_KEYS[1], BLOCK_ROWS=fingerprint.BLOCK_ROWS,
-             BLOCK_COLS=fingerprint.BLOCK_COLS))
+        dict(KEYS_0=fingerprint.LANE_KEYS[0], KEYS_1=fingerprint.LANE_KEYS[1], MIX=fingerprint.MIX,
+             BLOCK_ROWS=fingerprint.BLOCK_ROWS, BLOCK_COLS=fingerprint.BLOCK_COLS))
     yield "stale check", compile_one(fingerprint._stale_check_kernel, dict(
         partials_ptr="*i32", count="i32", expected_ptr="*i64", changed_ptr="*i32", poison_ptr="*fp32"),
         dict(BLOCK=fingerprint.STALE_CHECK_BLOCK))

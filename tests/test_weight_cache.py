@@ -50,6 +50,9 @@ OUTCOMES = {
     "weight.data.copy_": "stale",
     "EMA through .data": "stale",
     "one row through .data": "stale",
+    "every sign through .data": "stale",
+    "times 2 through .data": "stale",
+    "two signs through .data": "stale",
 }
 assert set(OUTCOMES) == set(TEACHER_MUTATIONS)
 copy_through_data = TEACHER_MUTATIONS["weight.data.copy_"]

@@ -2,13 +2,17 @@
 that the weight's contents have not changed (weight_cache.py).
 
 The weight is read as a matrix of 32-bit words b[r, c] (two bf16 or fp16 elements each where its rows
-allow, else one 16-bit element each; fp32 elements as they are). Each lane of the hash is
+allow, else one 16-bit element each, sign-extended; fp32 elements as they are). Each word is first mixed,
+m = mix(b) (xor-shift, multiply, xor-shift: a bijection of 32-bit words), and each lane of the hash is
 
-    sum over r of  row_key(r) * (sum over c of b[r, c] * column_key(c))   mod 2^32
+    sum over r of  row_key(r) * (sum over c of m[r, c] * column_key(c))   mod 2^32
 
 with odd 32-bit keys drawn from each position by a linear congruence. Changing any one word changes
-every lane: multiplying by an odd number is a bijection mod 2^32, so a changed word always changes its
-term. Two lanes with different keys make an accidental match of a larger change about 2^-64 likely.
+every lane: mix and multiplying by an odd number are bijections mod 2^32, so a changed word always changes
+its term. Without the mix, edits that move only the words' top bits or add one power of two to every word
+cancel in the sums (two sign flips add 2^31 twice; doubling a power-of-two-shaped fp32 head adds 2^23 to each
+word); mixed, a change of a word's top bits reaches its low bits, with a change that depends on the rest of
+the word. Two lanes with different keys then make an accidental match of a larger change about 2^-64 likely.
 Integer sums do not depend on their order, so the hash is exact and reproducible.
 
 ``fingerprint_torch`` is the spec and the CPU path; its products mod 2^32 are taken from 16-bit halves,
@@ -24,6 +28,9 @@ MASK = 2**32 - 1
 # signed int32 values (the Triton kernel's arithmetic).
 LANE_KEYS = ((-1640531535, 2135587861, -2048144789, 1013904223), (-1028477387, 374761393, 668265261, -1150833019))
 ROWS_PER_SLICE = 1024  # the spec's float64 copies of the rows: bounded memory
+# mix(b): b ^= b >> MIX_SHIFTS[0]; b *= MIX_MULTIPLIER (mod 2^32); b ^= b >> MIX_SHIFTS[1], shifts of the unsigned word
+MIX_MULTIPLIER = 0x7FEB352D
+MIX_SHIFTS = (16, 15)
 
 
 def as_words(weight: torch.Tensor) -> torch.Tensor:
@@ -60,6 +67,14 @@ def _keys(positions: torch.Tensor, multiplier: int, increment: int) -> torch.Ten
     return ((positions * (multiplier & MASK) + (increment & MASK)) & MASK) | 1
 
 
+def mix_words_torch(bits: torch.Tensor) -> torch.Tensor:
+    """mix of each word's 32 bits (int64 holding signed or unsigned 32-bit values): int64 in [0, 2^32)."""
+    words = bits & MASK
+    words = words ^ (words >> MIX_SHIFTS[0])
+    words = (words * MIX_MULTIPLIER) & MASK  # under 2^63: exact in int64
+    return words ^ (words >> MIX_SHIFTS[1])
+
+
 def _times_mod(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """left * right mod 2^32 for int64 values in [0, 2^32), exactly (through 16-bit halves)."""
     low = (left & 0xFFFF) * right
@@ -77,7 +92,7 @@ def fingerprint_torch(weight: torch.Tensor) -> torch.Tensor:
     key_low, key_high = (column_keys & 0xFFFF).double(), (column_keys >> 16).double()
     lanes = torch.zeros(len(LANE_KEYS), dtype=torch.int64, device=device)
     for start in range(0, rows, ROWS_PER_SLICE):
-        bits = words[start : start + ROWS_PER_SLICE].to(torch.int64)
+        bits = mix_words_torch(words[start : start + ROWS_PER_SLICE].to(torch.int64))
         low, high = (bits & 0xFFFF).double(), (bits >> 16).double()
         shifted = (high @ key_low + low @ key_high).long() & 0xFFFF
         inner = ((low @ key_low).long() + (shifted << 16)) & MASK  # [n, lanes]

@@ -25,6 +25,38 @@ def test_the_triton_fingerprint_is_the_torch_spec_and_sees_any_one_changed_eleme
     assert shape[0] == 1 or torch.equal(swapped, weight) or not torch.equal(fingerprint_torch(swapped), want)
 
 
+def _sign_flips(weight, indices):
+    changed = weight.clone()
+    changed.view(-1)[indices] = -changed.view(-1)[indices]
+    return changed
+
+
+# Edits that only move words' top bits or add one power of two to every word: a sum of the words times odd keys
+# mod 2^32 misses them (two sign flips add 2^31 twice; doubling a power-of-two-shaped fp32 head adds 2^23 to every
+# word), so each word is mixed first.
+STRUCTURED_EDITS = {
+    "two sign flips": lambda weight: _sign_flips(weight, [0, weight.numel() - 1]),
+    "two sign flips, odd columns": lambda weight: _sign_flips(weight, [1, 3]),
+    "every sign": torch.neg,
+    "odd columns' signs": lambda weight: weight * torch.tensor([1.0, -1.0]).repeat(weight.shape[1] // 2).to(weight.dtype),
+    "times 2": lambda weight: weight * 2,
+    "times 0.5": lambda weight: weight * 0.5,
+    "times 4": lambda weight: weight * 4,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(64, 32), (100, 30), (256, 128)])
+@pytest.mark.parametrize("edit", list(STRUCTURED_EDITS))
+def test_edits_of_the_top_bits_and_powers_of_two_change_the_hash(dtype, shape, edit):
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    changed = STRUCTURED_EDITS[edit](weight)
+    assert not torch.equal(changed, weight)
+    want = fingerprint_torch(changed)
+    assert not torch.equal(want, fingerprint_torch(weight))
+    assert torch.equal(fingerprint_triton(changed), want)
+
+
 @pytest.mark.parametrize("count", [1, 3, 4096, 9001])
 def test_the_triton_stale_check_is_the_torch_spec(count):
     """Partial lanes as the kernels leave them (int32, wrapped) or the lanes themselves ([2] int64): unchanged

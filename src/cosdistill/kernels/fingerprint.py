@@ -4,13 +4,27 @@ import torch
 import triton
 import triton.language as tl
 
-from .._fingerprint import LANE_KEYS, as_words, lanes_of
+from .._fingerprint import LANE_KEYS, MIX_MULTIPLIER, MIX_SHIFTS, as_words, lanes_of
 from . import TRITON_OPTIONS
 
 
 @triton.jit
+def _shift_right(bits, SHIFT: tl.constexpr):
+    """bits >> SHIFT as an unsigned 32-bit word's (a logical shift), for int32 bits."""
+    return (bits.to(tl.uint32, bitcast=True) >> SHIFT).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _mix(bits, MULTIPLIER: tl.constexpr, SHIFT_0: tl.constexpr, SHIFT_1: tl.constexpr):
+    """_fingerprint.mix_words_torch on int32 words, wrapping mod 2^32."""
+    bits = bits ^ _shift_right(bits, SHIFT_0)
+    bits = bits * MULTIPLIER
+    return bits ^ _shift_right(bits, SHIFT_1)
+
+
+@triton.jit
 def _fingerprint_kernel(words_ptr, rows, cols, stride_row, stride_col, partials_ptr, KEYS_0: tl.constexpr,
-                        KEYS_1: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+                        KEYS_1: tl.constexpr, MIX: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     """partials[program] = both lanes over BLOCK_ROWS rows, in int32 arithmetic (wrapping: mod 2^32). The
     column sums are kept per column until the end: one multiply-add per word and lane in the loop."""
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -21,7 +35,7 @@ def _fingerprint_kernel(words_ptr, rows, cols, stride_row, stride_col, partials_
         col = start + offsets
         inside = (row < rows)[:, None] & (col < cols)[None, :]
         pointers = words_ptr + row.to(tl.int64)[:, None] * stride_row + col[None, :].to(tl.int64) * stride_col
-        bits = tl.load(pointers, mask=inside, other=0).to(tl.int32)
+        bits = _mix(tl.load(pointers, mask=inside, other=0).to(tl.int32), MIX[0], MIX[1], MIX[2])  # mix(0) = 0
         inner_0 += bits * ((col * KEYS_0[2] + KEYS_0[3]) | 1)[None, :]
         inner_1 += bits * ((col * KEYS_1[2] + KEYS_1[3]) | 1)[None, :]
     lane_0 = tl.sum(tl.sum(inner_0, axis=1) * ((row * KEYS_0[0] + KEYS_0[1]) | 1), axis=0)
@@ -31,6 +45,7 @@ def _fingerprint_kernel(words_ptr, rows, cols, stride_row, stride_col, partials_
 
 
 BLOCK_ROWS, BLOCK_COLS, WARPS = 16, 512, 8  # the fastest tile measured on the H200 (docs/design.md)
+MIX = (MIX_MULTIPLIER, *MIX_SHIFTS)
 
 
 def fingerprint_triton(weight: torch.Tensor) -> torch.Tensor:
@@ -40,7 +55,7 @@ def fingerprint_triton(weight: torch.Tensor) -> torch.Tensor:
     programs = max(1, triton.cdiv(rows, BLOCK_ROWS))
     partials = torch.empty(programs, 2, dtype=torch.int32, device=words.device)
     _fingerprint_kernel[(programs,)](words, rows, cols, words.stride(0), words.stride(1), partials, LANE_KEYS[0],
-                                     LANE_KEYS[1], BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, num_warps=WARPS,
+                                     LANE_KEYS[1], MIX, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, num_warps=WARPS,
                                      **TRITON_OPTIONS)
     return lanes_of(partials)
 

@@ -95,11 +95,16 @@ __device__ __forceinline__ uint4 grad_vector(float* g, bool holds_label, int lab
 
 #if HASH_ROW_VECS
 // A weight's hash (_fingerprint.py, with kernels/fingerprint.py's numbers) taken along by the step: each block
-// hashes its share of the weight's rows of 32-bit words (HASH_ROW_VECS 16-byte vectors each) into its partial
-// lanes, which the caller sums mod 2^32. Its reads fill HBM time that the step, held by its exponentials, leaves.
+// hashes its share of the weight's rows of 32-bit words (HASH_ROW_VECS 16-byte vectors each), each word mixed, into
+// its partial lanes, which the caller sums mod 2^32. Its reads fill HBM time that the step, held by its exponentials, leaves.
 #define HASH_PARAMS , const uint4* hash_words, int hash_rows, int hash_stride, unsigned* hash_partials
 __device__ __forceinline__ unsigned hash_key(unsigned position, unsigned multiplier, unsigned increment) {
   return (position * multiplier + increment) | 1u;  // mod 2^32, odd
+}
+__device__ __forceinline__ unsigned hash_mix(unsigned word) {  // _fingerprint.mix_words_torch: a bijection
+  word ^= word >> HASH_MIX_SHIFT_0;
+  word *= HASH_MIX_MULTIPLIER;
+  return word ^ (word >> HASH_MIX_SHIFT_1);
 }
 __device__ void hash_share(const uint4* words, int rows, int stride, unsigned* partials, unsigned (*warp_lanes)[2]) {
   const int per_block = (rows + gridDim.x - 1) / gridDim.x;
@@ -111,7 +116,7 @@ __device__ void hash_share(const uint4* words, int rows, int stride, unsigned* p
     #pragma unroll 4
     for (int row = first; row < last; ++row) {
       const uint4 w = __ldcs(words + (long long)row * stride + vec);  // streamed: read once
-      const unsigned bits[4] = {w.x, w.y, w.z, w.w};
+      const unsigned bits[4] = {hash_mix(w.x), hash_mix(w.y), hash_mix(w.z), hash_mix(w.w)};
       const unsigned row_keys[2] = {hash_key((unsigned)row, HASH_KEY_00, HASH_KEY_01),
                                     hash_key((unsigned)row, HASH_KEY_10, HASH_KEY_11)};
       #pragma unroll

@@ -324,6 +324,11 @@ def _optimizer_step(head, generator, **options):
     head.weight.requires_grad_(False)
 
 
+def _negate_first_and_last(weight):
+    weight.view(-1)[0].neg_()
+    weight.view(-1)[-1].neg_()
+
+
 def _ema(weight, update, momentum=0.99):
     weight.mul_(momentum).add_(update, alpha=1 - momentum)
 
@@ -343,6 +348,10 @@ TEACHER_MUTATIONS = {
     "weight.data.copy_": lambda head, gen: head.weight.data.copy_(_new_like(head.weight, gen)),
     "EMA through .data": lambda head, gen: _ema(head.weight.data, _new_like(head.weight, gen)),
     "one row through .data": lambda head, gen: head.weight.data[-1].add_(0.01),
+    # edits that move only the words' top bits or one power of two in each (docs/design.md, Cached teacher copies)
+    "every sign through .data": lambda head, gen: head.weight.data.neg_(),
+    "times 2 through .data": lambda head, gen: head.weight.data.mul_(2),
+    "two signs through .data": lambda head, gen: _negate_first_and_last(head.weight.data),
 }
 
 
