@@ -250,7 +250,10 @@ def test_a_reused_plan_is_the_plan_a_fresh_call_makes(steps):
                 needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
                                    for t in (problem.student_input, problem.student_weight, problem.student_bias))
             told = answers[asked] if len(answers) > asked else None
-            fresh = plan.make_plan(run_plans[-1].options, problem.student_weight, problem.student_bias,
+            # the call's own options, not the reused plan's: a plan kept across other options must not match
+            called = plan.Options(weight_hard_loss=call["weight_hard"], loss=call["loss"],
+                                  cosine_via=call["cosine_via"] if call["loss"] == "cosine" else "logits")
+            fresh = plan.make_plan(called, problem.student_weight, problem.student_bias,
                                    problem.teacher_weight, problem.teacher_bias, call["tokens"], needs_grad, None, told)
             assert run_plans[-1] == fresh, (steps, call)
     finally:

@@ -101,7 +101,7 @@ def checked_plan(options: Options, student_input, student_weight, teacher_input,
             error = raised
         _split_check.check_vocab_parallel(vocab_parallel, plan, true_labels.numel() if plan else 0,
                                           student_weight.dtype if plan else None, _split_check.gather_device(tensors),
-                                          error)
+                                          error, num_valid_tokens)
     if key is not None:
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
@@ -192,7 +192,8 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
                                                compare_later=plan.vocab_parallel is not None)
     if plan.vocab_parallel is not None:
         split = _split_check.SplitCheckedFirst(plan.vocab_parallel, functools.partial(
-            _split_check.queue_hash_check, plan.vocab_parallel, student_input, teacher_input, labels, fp8_head))
+            _split_check.queue_hash_check, plan.vocab_parallel, student_input, teacher_input, labels, fp8_head,
+            num_valid_tokens))
         row_step, reduce_grad_input = plan.row_step.over_ranks(split.all_gather), split.all_reduce
     side = SideStream(student_input.device) if plan.side_stream else None
     if plan.teacher == "gram":

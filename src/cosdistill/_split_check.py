@@ -67,13 +67,14 @@ def gather_device(tensors) -> torch.device:
 
 
 def check_vocab_parallel(split: VocabParallel, plan: PlannedCall | None, num_tokens: int, dtype: torch.dtype,
-                         device: torch.device, error: Exception | None) -> None:
+                         device: torch.device, error: Exception | None, num_valid_tokens=None) -> None:
     """One all-gather of what the host knows of the call, read at once, before its first GEMM: every rank raises
     unless the ranks' teacher rows tile [0, Vt) and they agree on the vocabularies, the options and all that sizes
     the collectives to come (tokens, rows per chunk, the soft term, dtype, gradients asked for), so that none
     waits in a collective the others skip. A rank that found an error of its own (``error``: its arguments, its
     shards, its stale FP8 copy; then ``plan`` may be None) raises it, the others name that rank. The hidden states
-    and labels, which the host does not hold, follow (``queue_hash_check``)."""
+    and labels, which the host does not hold, follow (``queue_hash_check``), and so does a ``num_valid_tokens``
+    given as a tensor; one given as a number is compared here."""
     if error is not None:
         values = [split.start, split.stop, 1] + [0] * (len(RANK_COLUMNS) - 3)
     else:
@@ -81,7 +82,7 @@ def check_vocab_parallel(split: VocabParallel, plan: PlannedCall | None, num_tok
         values = [split.start, split.stop, 0, split.vocab_student,
                   -1 if split.vocab_teacher is None else split.vocab_teacher, num_tokens, plan.rows.student,
                   LOSSES.index(options.loss), FLOAT_DTYPES.index(dtype),
-                  sum(bit << i for i, bit in enumerate(plan.needs_grad)),
+                  sum(bit << i for i, bit in enumerate(plan.needs_grad)), _normaliser_bits(num_valid_tokens),
                   *(bits_of_float(-1.0 if value is None else float(value))
                     for value in dataclasses.astuple(options.scales))]
     ranks = split.all_gather(torch.tensor(values, dtype=torch.int64, device=device)).tolist()
@@ -92,9 +93,19 @@ def check_vocab_parallel(split: VocabParallel, plan: PlannedCall | None, num_tok
 
 RANK_COLUMNS = ("start", "stop", "raised", "vocab_student", "vocab_teacher", "the number of tokens",
                 "rows per chunk", "the soft term", "student dtype", "gradients asked for (input, weight, bias bits)",
-                *(f"option {field.name}" for field in dataclasses.fields(RowStepScales)))
+                "num_valid_tokens", *(f"option {field.name}" for field in dataclasses.fields(RowStepScales)))
 HASHED = ("student_input", "teacher_input", "true_labels")  # two lanes each
-HASH_COLUMNS = 2 * len(HASHED) + 1  # the lanes, then whether this call found the rank's cached FP8 copy stale
+# the lanes, then a num_valid_tokens tensor's value (its float64 bits; 0 where not a tensor), then whether this
+# call found the rank's cached FP8 copy stale
+HASH_COLUMNS = 2 * len(HASHED) + 2
+NORMALISER_COUNTED, NORMALISER_TENSOR = -1.0, -2.0  # the first gather's num_valid_tokens: None, a tensor
+
+
+def _normaliser_bits(num_valid_tokens) -> int:
+    """num_valid_tokens as the first gather compares it: a number's float64 bits, or which kind it is."""
+    if num_valid_tokens is None:
+        return bits_of_float(NORMALISER_COUNTED)
+    return bits_of_float(NORMALISER_TENSOR if torch.is_tensor(num_valid_tokens) else float(num_valid_tokens))
 
 
 class CachedCopy(Protocol):
@@ -107,18 +118,21 @@ class CachedCopy(Protocol):
 
 
 def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels,
-                     cached_copy: CachedCopy | None = None) -> Callable[[], None]:
-    """Queues the hashes of the hidden states and labels (_fingerprint.py), with whether the rank's cached teacher
-    copy was stale, and their all-gather, copied to the host without waiting; returns the check that reads them
-    (``HashesReadFirst``): every rank raises unless all ranks saw the same and every copy was fresh. Any mismatch
-    it finds has gone through collectives of the same sizes on every rank (``check_vocab_parallel``), so it can
-    wait that long."""
+                     cached_copy: CachedCopy | None = None, num_valid_tokens=None) -> Callable[[], None]:
+    """Queues the hashes of the hidden states and labels (_fingerprint.py), a ``num_valid_tokens`` tensor's value,
+    whether the rank's cached teacher copy was stale, and their all-gather, copied to the host without waiting;
+    returns the check that reads them (``HashesReadFirst``): every rank raises unless all ranks saw the same and
+    every copy was fresh. Any mismatch it finds has gone through collectives of the same sizes on every rank
+    (``check_vocab_parallel``), so it can wait that long."""
     # the Triton kernel on a GPU whatever the call's impl: the torch spec's float64 products would cost more there
     fingerprint = backend_for("triton" if labels.is_cuda else "torch", labels.device).fingerprint
     poison = None if cached_copy is None else cached_copy.poison
     stale = torch.zeros(1, dtype=torch.int64, device=labels.device) if poison is None else poison.isnan().view(1)
-    hashes = torch.cat([fingerprint(tensor).to(torch.int64) for tensor in (student_input, teacher_input,
-                                                                            labels.reshape(-1, 1))] + [stale.long()])
+    normaliser = (num_valid_tokens.detach().to(device=labels.device, dtype=torch.float64).reshape(1).view(torch.int64)
+                  if torch.is_tensor(num_valid_tokens) else torch.zeros(1, dtype=torch.int64, device=labels.device))
+    # labels as int64: any integer dtype hashes (a 1-byte one has no 16-bit words), and equal labels alike
+    hashed = (student_input, teacher_input, labels.reshape(-1, 1).to(torch.int64))
+    hashes = torch.cat([fingerprint(tensor).to(torch.int64) for tensor in hashed] + [normaliser, stale.long()])
     gathered = HostCopy(split.all_gather(hashes))
 
     def check() -> None:
@@ -132,6 +146,9 @@ def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels,
         for index, name in enumerate(HASHED):
             if len({tuple(rank[2 * index : 2 * index + 2]) for rank in lanes}) > 1:
                 raise ValueError(f"vocab_parallel ranks must see the same {name}: its contents differ between ranks")
+        normalisers = [float_of_bits(rank[-2]) for rank in lanes]
+        if len(set(normalisers)) > 1:
+            raise ValueError(f"vocab_parallel ranks must agree on num_valid_tokens, got {normalisers} (rank by rank)")
 
     return check
 
@@ -146,6 +163,7 @@ def _check_ranks_agree(ranks: list[dict], vocab_teacher: int | None) -> None:
         values = [row[name] for row in ranks]
         if len(set(values)) > 1:
             shown = ([float_of_bits(value) for value in values] if name.startswith("option") else
+                     [_shown_normaliser(value) for value in values] if name == "num_valid_tokens" else
                      [LOSSES[value] for value in values] if name == "the soft term" else
                      [str(FLOAT_DTYPES[value]) for value in values] if name == "student dtype" else values)
             raise ValueError(f"vocab_parallel ranks must agree on {name}, got {shown} (rank by rank)")
@@ -157,6 +175,11 @@ def _check_ranks_agree(ranks: list[dict], vocab_teacher: int | None) -> None:
     if ranks[0]["vocab_student"] > shards[-1][1]:
         raise ValueError(f"vocab_parallel vocab_student={ranks[0]['vocab_student']} exceeds the teacher's vocabulary "
                          f"{shards[-1][1]}, which the shards cover")
+
+
+def _shown_normaliser(bits: int):
+    value = float_of_bits(bits)
+    return "counted" if value == NORMALISER_COUNTED else "a tensor" if value == NORMALISER_TENSOR else value
 
 
 def bits_of_float(value: float) -> int:

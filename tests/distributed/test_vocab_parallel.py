@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import make_problem, rel_err
-from cosdistill import StaleWeightError, fused_linear_cosine_distill, quantize_teacher_weight
+from cosdistill import StaleWeightError, api, fused_linear_cosine_distill, quantize_teacher_weight
 from cosdistill.api import FUSED_LOSSES
 from cosdistill.distributed import VocabParallelOptions
 from cosdistill.testing import plan, split_check, teacher_fp8, weight_cache
@@ -189,6 +189,15 @@ WRONG_SETUPS = {
                                            r"temperature must be > 0, got -1.0|rank\(s\) \[1\] raised"),
     "tensors on two devices on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "on the meta device"},
                                            r"all tensors must be on one device|rank\(s\) \[1\] raised"),
+    # a normaliser per rank (rank 0's, rank 1's): each rank divided by its own, or one raised alone at its count
+    "another num_valid_tokens on one rank": ([(0, 16, 23), (16, 31, 23)], {"num_valid_tokens": (10.0, 20.0)},
+                                             r"agree on num_valid_tokens, got \[10.0, 20.0\]"),
+    "a num_valid_tokens tensor on one rank only": ([(0, 16, 23), (16, 31, 23)], {"num_valid_tokens": (10.0, "10")},
+                                                   r"agree on num_valid_tokens, got \[10.0, 'a tensor'\]"),
+    "another num_valid_tokens tensor on one rank": ([(0, 16, 23), (16, 31, 23)], {"num_valid_tokens": ("10", "20")},
+                                                    r"agree on num_valid_tokens, got \[10.0, 20.0\]"),
+    "a zero num_valid_tokens tensor on one rank": ([(0, 16, 23), (16, 31, 23)], {"num_valid_tokens": ("10", "0")},
+                                                   r"agree on num_valid_tokens, got \[10.0, 0.0\]"),
 }
 
 
@@ -223,11 +232,14 @@ def run_wrong_setups(rank, folder):
             losses = list(FUSED_LOSSES.values())
             if rank == 1 and "losses" in change:
                 losses.reverse()
+            num_valid_tokens = change.get("num_valid_tokens", (None, None))[rank]
+            if isinstance(num_valid_tokens, str):  # a tensor's
+                num_valid_tokens = torch.tensor(float(num_valid_tokens), device=device)
             try:
                 with torch.set_grad_enabled(change.get("grad", True) or rank == 0):
                     for loss in losses:
                         loss(student_input, student_weight, teacher_input, teacher_weight, labels,
-                             temperature=temperature, vocab_parallel=split)
+                             temperature=temperature, vocab_parallel=split, num_valid_tokens=num_valid_tokens)
                 raised[case] = "no error"
             except (TypeError, ValueError) as error:
                 raised[case] = str(error)
@@ -292,6 +304,17 @@ def test_a_stale_cached_copy_on_one_rank_raises_on_every_rank_in_that_call(tmp_p
     assert calls[1][1][0] == "StaleWeightError" and "this call found that copy stale" in calls[1][1][1], calls[1][1]
     assert calls[0][1][0] == "ValueError" and re.search(r"FP8 teacher copy of rank\(s\) \[1\] stale", calls[0][1][1])
     assert [call[1] for call in calls[0][2:]] == [call[1] for call in calls[1][2:]]  # one loss on both ranks
+
+
+@pytest.mark.parametrize("loss", FUSED_LOSSES)
+def test_one_byte_labels_hash_under_a_split(loss):
+    """The split's check hashes the labels as int64: int8 labels (which the checks accept, -100 included) have no
+    16-bit words to hash as they are, and raised inside the first chunk's collective."""
+    problem = make_problem(tokens=19, vocab_student=23, ignore_every=4)
+    problem.labels = problem.labels.to(torch.int8)
+    want = FUSED_LOSSES[loss](*problem.args()[:5])
+    got = FUSED_LOSSES[loss](*problem.args()[:5], vocab_parallel=FakeSplit(0, 23, 23))
+    assert rel_err(got, want) < 1e-6
 
 
 def test_shards_that_do_not_match_the_split_are_refused():
@@ -361,6 +384,23 @@ def test_the_checks_gathers_come_first_and_the_hashes_behind_the_first_gemm(loss
             assert split.collectives[3][0] == "gather" and split.collectives[len(split.collectives) - len(summed):] == summed
         else:
             assert split.collectives[3:] == summed, split.collectives
+
+
+@pytest.mark.parametrize("loss", FUSED_LOSSES)
+def test_a_modules_tensor_option_gone_bad_is_told_in_the_first_gather(loss):
+    """A module's option held in a tensor is checked at every call; where an in-place update made it invalid, the
+    rank raises through the split's first gather (which tells the other ranks), not before it (they would wait)."""
+    module_class = api.FusedLinearJSDLoss if loss == "jsd" else api.FusedLinearCosineDistillLoss
+    temperature = torch.tensor(1.5)
+    module = module_class(temperature=temperature)
+    problem = make_problem(tokens=19, vocab_student=23)
+    module(*problem.args()[:5], vocab_parallel=FakeSplit(0, 23, 23))
+    temperature.fill_(-1.0)
+    split = RecordingSplit(0, 23, 23)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        module(*problem.args()[:5], vocab_parallel=split)
+    assert split.collectives == [("gather", (len(split_check.RANK_COLUMNS),))]
+    assert split.gathered[0][split_check.RANK_COLUMNS.index("raised")] == 1
 
 
 def test_a_stale_copy_that_an_unsplit_call_left_unread_is_told_in_the_first_gather(monkeypatch):
