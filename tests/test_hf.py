@@ -185,8 +185,9 @@ def test_autocast_runs_the_heads_in_bf16(monkeypatch):
         loss = cosine_distill_loss(student, teacher, **batch)
     loss.backward()
     assert seen == [(torch.bfloat16,) * 4]
-    assert loss.dtype == torch.float32 and rel_err(loss, ref_loss) < 2e-2
-    assert_grads_match(student, ref_grads, 0.1)  # fp32 gradients of a bf16 forward
+    # bf16's level, several times under what dropping the student's softcap gives
+    assert loss.dtype == torch.float32 and rel_err(loss, ref_loss) < 5e-3
+    assert_grads_match(student, ref_grads, 5e-2)  # fp32 gradients of a bf16 forward
 
 
 def test_errors():
