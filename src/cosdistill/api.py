@@ -160,7 +160,7 @@ class _LossModule(torch.nn.Module):
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
                 teacher_bias=None, *, num_valid_tokens=None, vocab_parallel=None):
         options = self._options
-        if options.reads_tensors:  # checked again at every call, as the function's, a split's ranks told of an error
+        if options.reads_tensors:  # read and checked at every call; under a split an error reaches every rank
             options = call_options((student_input, student_weight, teacher_input, teacher_weight, true_labels),
                                    vocab_parallel, Options, **self._given)
         return distill(options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
