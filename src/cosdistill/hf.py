@@ -280,6 +280,15 @@ UNSUPPORTED_ARGS = {
 NOT_MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "labels", "completion_mask", "assistant_masks"})
 
 
+def check_unsupported_args(trainer, unsupported: dict) -> None:
+    """Raise for each of the trainer's args set away from the value that changes nothing (``unsupported``: name ->
+    (that value, why the loss cannot follow another))."""
+    for name, (default, why) in unsupported.items():
+        value = getattr(trainer.args, name, default)
+        if value != default:
+            raise ValueError(f"{type(trainer).__name__} does not support {name}={value!r}: {why}")
+
+
 def check_sharding(trainer) -> None:
     """Raise for the ways of spreading the student over devices that the loss cannot read the head whole
     from: DeepSpeed ZeRO-3 and FSDP1 (FSDP2 works, ``whole_head_weight``), and torch.nn.DataParallel; and for
@@ -356,9 +365,7 @@ class DistillationMixin:
         super().__init__(*args, **kwargs)
         check_sharding(self)
         check_no_router_aux_loss(self)
-        for name, (default, why) in self.unsupported_args.items():
-            if getattr(self.args, name, default) != default:
-                raise ValueError(f"{type(self).__name__} does not support {name}={getattr(self.args, name)!r}: {why}")
+        check_unsupported_args(self, self.unsupported_args)
         device = next(self.model.parameters()).device
         self.teacher_model = teacher_model.to(device).eval().requires_grad_(False)
         self.loss_options = dict(

@@ -30,7 +30,15 @@ try:
 except ImportError as error:
     raise ImportError("cosdistill.trl needs trl: pip install 'cosdistill[trl]'") from error
 
-from .hf import UNSUPPORTED_ARGS, DistillationMixin, check_sharding, distill_loss, final_hidden_states, lm_head
+from .hf import (
+    UNSUPPORTED_ARGS,
+    DistillationMixin,
+    check_sharding,
+    check_unsupported_args,
+    distill_loss,
+    final_hidden_states,
+    lm_head,
+)
 
 # DistillationGKDTrainer is made on first use (__getattr__ below)
 __all__ = ["CosineDistillationSFTTrainer", "DistillationGKDTrainer", "DistillationSFTTrainer"]  # noqa: F822
@@ -140,9 +148,7 @@ def _define_gkd_trainer():
                 if bound.get(name) is not None:
                     raise ValueError(f"{type(self).__name__} does not support {name}: {why}")
             super().__init__(*args, **kwargs)
-            for name, (default, why) in UNSUPPORTED_GKD_CONFIG.items():
-                if getattr(self.args, name, default) != default:
-                    raise ValueError(f"{type(self).__name__} does not support {name}={getattr(self.args, name)!r}: {why}")
+            check_unsupported_args(self, UNSUPPORTED_GKD_CONFIG)
             check_sharding(self)
             check_gkd_heads(self, self.accelerator.unwrap_model(self.model),
                             self.accelerator.unwrap_model(self.teacher_model))

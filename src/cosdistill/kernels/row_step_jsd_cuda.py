@@ -71,9 +71,10 @@ def source(vocab: int, label_dtype: torch.dtype, layout: Layout, mode: int, shar
     """The kernel's CUDA C for one vocabulary, layout and form: ``mode`` FORWARD / REVERSE / MIXED (mode_of),
     ``shared`` T == 1 (the hard term's softmax is p), ``hash_row_vecs`` > 0: it also hashes a weight whose rows
     hold that many 16-byte vectors of 32-bit words (_fingerprint.py's mix and keys)."""
-    keys = {f"HASH_KEY_{lane}{k}": f"{key & MASK}u" for lane, lane_keys in enumerate(LANE_KEYS)
-            for k, key in enumerate(lane_keys)} if hash_row_vecs else {}
+    keys = {}
     if hash_row_vecs:
+        keys = {f"HASH_KEY_{lane}{k}": f"{key & MASK}u" for lane, lane_keys in enumerate(LANE_KEYS)
+                for k, key in enumerate(lane_keys)}
         keys.update(HASH_MIX_MULTIPLIER=f"{MIX_MULTIPLIER}u", HASH_MIX_SHIFT_0=MIX_SHIFTS[0],
                     HASH_MIX_SHIFT_1=MIX_SHIFTS[1])
     return row_step_cuda.with_defines(dict(row_step_cuda.layout_defines(vocab, label_dtype, layout, _tiles(mode)),
