@@ -151,7 +151,7 @@ def check(case: Case):
       pass; the error must then stay below grad_tol on top of that floor. grad_weight's bound also
       carries the rounding its accumulator adds per chunk (tools.check.accumulation_floor; 0 for fp32
       accumulation and for one chunk). A gradient still past its bound is held to grad_tol plus the
-      error that storing d loss / d logits in the logits' dtype alone gives (the design's floor,
+      error that holding the logits in their dtype alone gives (the design's floor,
       tools.check.logits_rounding_floors), if that is larger.
     * Losses that the shared arithmetic cannot hold to loss_tol: a loss past loss_tol is held to
       loss_tol plus the naive version's own error on the same inputs, which, like ours, takes the

@@ -133,43 +133,57 @@ def random_problem(case: LossCase, device):
                                   case.vocab_teacher, case.dtype, case.bias, case.bias)
 
 
-class _KeepStudentLogits(TorchFunctionMode):
-    """Keeps the first F.linear output of the naive version (the student logits) with its gradient."""
+class _LogitsInDtype(TorchFunctionMode):
+    """Rounds each F.linear output of the naive version to ``dtype`` (None: leaves them), as the GEMMs that
+    write the logits do, passing gradients straight through; keeps the first (the student logits) with its
+    gradient."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype | None):
         super().__init__()
-        self.logits = None
+        self.dtype, self.logits = dtype, None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is F.linear and self.logits is None:
-            out.retain_grad()
-            self.logits = out
+        if func is F.linear:
+            if self.dtype is not None:
+                out = out + (out.to(self.dtype).to(out.dtype) - out).detach()
+            if self.logits is None:
+                out.retain_grad()
+                self.logits = out
         return out
 
 
-def logits_rounding_floors(args, dtype: torch.dtype, grad_output=1.0, loss="cosine", **options) -> list[float]:
-    """[grad_input, grad_weight, grad_bias] floors: the relative error that storing d loss / d logits in
-    the logits' dtype brings by itself (the design: the row step overwrites the logits buffer with
-    it). The float64 gradients recomputed from the float64 d loss / d logits rounded to ``dtype`` as
-    the chunk loop stores it (unnormalised, before grad_output), against the float64 gradients.
-    Cancellation in the sums over tokens or vocabulary can make it large: e.g. grad_bias of a soft
-    term alone in bf16, 1.5e-2 (the property test that showed it was off by 2.1e-2). ``args`` as
-    fused_linear_cosine_distill's first seven; ``loss``: "cosine" or "jsd"; ``options`` its loss keywords."""
-    upcast = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in args]
-    keeper = _KeepStudentLogits()
+def _grad_student_logits(upcast, dtype, grad_output, loss, options) -> torch.Tensor:
+    """d loss / d student logits of the naive version on float64 ``upcast``, its logits held in ``dtype``."""
+    keeper = _LogitsInDtype(dtype)
     with keeper:
         losses = NAIVE_LOSSES[loss](*upcast, **options)
     (losses[0] * grad_output).backward()
-    labels, vocab = args[4], args[1].shape[0]
-    grad_logits = keeper.logits.grad.reshape(-1, vocab)
+    return keeper.logits.grad.reshape(-1, upcast[1].shape[0])
+
+
+def logits_rounding_floors(args, dtype: torch.dtype, grad_output=1.0, loss="cosine", **options) -> list[float]:
+    """[grad_input, grad_weight, grad_bias] floors: the relative error that holding the logits in their
+    dtype brings by itself (the design: the GEMMs write the logits in it, and the row step overwrites
+    them with d loss / d logits). The float64 gradients recomputed from d loss / d logits taken at the
+    logits rounded to ``dtype`` and stored rounded to it as the chunk loop stores it (unnormalised,
+    before grad_output), against the float64 gradients. A low temperature or a large logit scale
+    magnifies the logits' rounding (bf16 at temperature 0.45 and student scale 1.9: 2e-2); cancellation
+    in the sums over tokens or vocabulary magnifies the stored one (grad_bias of a soft term alone in
+    bf16: 1.5e-2). ``args`` as fused_linear_cosine_distill's first seven; ``loss``: "cosine" or "jsd";
+    ``options`` its loss keywords."""
+    def upcast():
+        return [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in args]
+
+    exact = _grad_student_logits(upcast(), None, grad_output, loss, options)
+    in_dtype = _grad_student_logits(upcast(), dtype, grad_output, loss, options)
     given = options.get("num_valid_tokens")
-    normaliser = float(given) if given is not None else max(1, int((labels != options.get("ignore_index", -100)).sum()))
-    stored = grad_logits * (normaliser / grad_output)
+    normaliser = float(given) if given is not None else max(1, int((args[4] != options.get("ignore_index", -100)).sum()))
+    stored = in_dtype * (normaliser / grad_output)
     rounded = stored.to(dtype).double() * (grad_output / normaliser)
-    hidden, weight = upcast[0].detach().reshape(-1, upcast[0].shape[-1]), upcast[1].detach()
-    return [rel_err(rounded @ weight, grad_logits @ weight), rel_err(rounded.t() @ hidden, grad_logits.t() @ hidden),
-            rel_err(rounded.sum(0), grad_logits.sum(0))]
+    hidden, weight = args[0].detach().double().reshape(-1, args[0].shape[-1]), args[1].detach().double()
+    return [rel_err(rounded @ weight, exact @ weight), rel_err(rounded.t() @ hidden, exact.t() @ hidden),
+            rel_err(rounded.sum(0), exact.sum(0))]
 
 
 def accumulation_floor(dtype: torch.dtype, accum_dtype: torch.dtype | None, chunk_size: int | None, tokens: int,
