@@ -228,13 +228,14 @@ def dataset(lengths, vocab=128, seed=0):
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def make_trainer(tmp_path, student, teacher, train_dataset, **args):
+def make_trainer(tmp_path, student, teacher, train_dataset, loss="cosine", **args):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, report_to="none", disable_tqdm=True, logging_steps=1, seed=0,
         dataloader_num_workers=0, **{"save_strategy": "no", **args},
     )
     return CosineDistillationTrainer(
-        model=student, args=args, train_dataset=train_dataset, data_collator=collate, teacher_model=teacher, **OPTIONS,
+        model=student, args=args, train_dataset=train_dataset, data_collator=collate, teacher_model=teacher, loss=loss,
+        **OPTIONS,
     )
 
 

@@ -1,0 +1,75 @@
+"""The Trainers under DDP (two processes, gloo on the CPU): one optimizer step over a batch shared by the ranks
+takes the step and logs the losses of one process over the whole batch. The ranks hold different numbers of
+tokens, so a loss normalised per rank, or DDP's average left in place, would step otherwise."""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+transformers = pytest.importorskip("transformers")
+
+from cosdistill.testing import rel_err  # noqa: E402
+from test_hf import dataset, make_trainer, tiny_model  # noqa: E402
+
+WORLD = 2
+ROWS = [14, 3, 9, 2]  # 13, 2, 8 and 1 targets: however the sampler deals them, the ranks hold different counts
+# (per-device batch, gradient accumulation steps): WORLD * their product rows per optimizer step
+SPLITS = {"one micro-batch per rank": (2, 1), "two accumulated micro-batches per rank": (1, 2)}
+LOGGED = ("loss", "soft_loss", "hard_loss")
+
+
+def one_step(folder, teacher, per_device, accumulation, loss, **args):
+    """The step (lr 1, plain SGD: minus the gradient) and the first log of one Trainer step."""
+    student = tiny_model("llama")
+    before = [p.detach().clone() for p in student.parameters()]
+    trainer = make_trainer(folder, student, teacher, dataset(ROWS), loss=loss, per_device_train_batch_size=per_device,
+                           gradient_accumulation_steps=accumulation, max_steps=1, optim="sgd", learning_rate=1.0,
+                           lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
+                           **args)
+    trainer.train()
+    step = [old - new.detach() for old, new in zip(before, student.parameters())]
+    return step, {key: trainer.state.log_history[0][key] for key in LOGGED}
+
+
+def train_rank(rank, port, folder):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    teacher = tiny_model("llama", vocab=160, seed=1)
+    results = {}
+    for loss in ("cosine", "jsd"):
+        for name, (per_device, accumulation) in SPLITS.items():
+            results[loss, name] = one_step(os.path.join(folder, "out"), teacher, per_device, accumulation, loss,
+                                              ddp_backend="gloo", average_tokens_across_devices=True)
+    if rank == 0:
+        torch.save(results, os.path.join(folder, "steps.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ranks")
+    mp.spawn(train_rank, args=(free_port(), str(folder)), nprocs=WORLD)
+    return torch.load(folder / "steps.pt")
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_a_step_under_ddp_is_one_processs_step_on_the_whole_batch(steps, loss, split, tmp_path):
+    ddp_step, ddp_log = steps[loss, split]
+    one_process_step, one_process_log = one_step(tmp_path, tiny_model("llama", vocab=160, seed=1), 4, 1, loss)
+    errors = [rel_err(got, want) for got, want in zip(ddp_step, one_process_step)]
+    assert max(errors) < 1e-5, json.dumps(errors)
+    for key in LOGGED:
+        assert ddp_log[key] == pytest.approx(one_process_log[key], rel=1e-4), (key, ddp_log, one_process_log)
