@@ -40,15 +40,23 @@ def prompt_completion_dataset(lengths=((5, 3), (2, 6), (4, 4), (3, 2)), seed=0):
     return datasets.Dataset.from_list([{"prompt": words(p), "completion": " " + words(c)} for p, c in lengths])
 
 
-def make_sft_trainer(tmp_path, student, teacher, loss="cosine", **config):
+def text_dataset(lengths=(8, 8, 8, 6), seed=0):
+    """Language modelling rows: every token a target, so a packed example's first token is one too."""
+    generator = torch.Generator().manual_seed(seed)
+    return datasets.Dataset.from_list([
+        {"text": " ".join(f"w{int(i)}" for i in torch.randint(len(SPECIAL), VOCAB, (n,), generator=generator))}
+        for n in lengths])
+
+
+def make_sft_trainer(tmp_path, student, teacher, loss="cosine", train_dataset=None, **config):
     args = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
                          logging_steps=1, seed=0, max_steps=1, per_device_train_batch_size=4, optim="sgd",
                          learning_rate=1.0, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                          max_grad_norm=0.0, bf16=False, **config)  # SFTConfig turns bf16 on by default
     assert CosineDistillationSFTTrainer is DistillationSFTTrainer
     return DistillationSFTTrainer(model=student, teacher_model=teacher, args=args,
-                                        train_dataset=prompt_completion_dataset(), processing_class=word_tokenizer(),
-                                        loss=loss, **OPTIONS)
+                                  train_dataset=train_dataset or prompt_completion_dataset(),
+                                  processing_class=word_tokenizer(), loss=loss, **OPTIONS)
 
 
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
@@ -69,6 +77,30 @@ def test_one_step_is_the_distillation_loss_on_sfts_batch(tmp_path, config, loss)
     want = distill_loss(reference, teacher, batch["input_ids"], batch.get("attention_mask"), labels,
                         model_inputs=model_inputs, loss=loss, **OPTIONS)
     want.backward()
+    trainer.train()
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(want.item(), rel=1e-5)
+    for old, new, ref in zip(before.parameters(), student.parameters(), reference.parameters()):
+        assert rel_err(old.detach() - new.detach(), ref.grad) < 1e-4
+
+
+@pytest.mark.parametrize("rows", [prompt_completion_dataset, text_dataset], ids=["prompt-completion", "text"])
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_a_packed_step_is_each_example_on_its_own(tmp_path, loss, rows):
+    """A packed, padding-free step equals the loss of each example run alone, one row each, over the whole
+    step's count: no attention and no target crosses from one example into the next (in text rows the next
+    example's first token would be a target; TRL's collator and loss_labels both take it out)."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
+    before = copy.deepcopy(student)
+    unpacked = make_sft_trainer(tmp_path, copy.deepcopy(student), teacher, loss=loss, train_dataset=rows())
+    examples = [unpacked.data_collator([example]) for example in unpacked.train_dataset]
+    count = sum(int((example["labels"][:, 1:] != -100).sum()) for example in examples)
+    reference = copy.deepcopy(before)
+    want = sum(distill_loss(reference, teacher, example["input_ids"], example["attention_mask"], example["labels"],
+                            num_valid_tokens=count, loss=loss, **OPTIONS) for example in examples)
+    want.backward()
+    trainer = make_sft_trainer(tmp_path, student, teacher, loss=loss, train_dataset=rows(), packing=True,
+                               padding_free=True)
+    assert len(trainer.train_dataset) < len(examples)  # the examples were packed
     trainer.train()
     assert trainer.state.log_history[0]["loss"] == pytest.approx(want.item(), rel=1e-5)
     for old, new, ref in zip(before.parameters(), student.parameters(), reference.parameters()):
