@@ -328,9 +328,11 @@ def test_tensors_on_different_devices():
         call(problem)
 
 
-@pytest.mark.parametrize("chunk_size", [0, -3, 2.5])
-def test_bad_chunk_size(chunk_size):
-    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+@pytest.mark.parametrize("chunk_size, error, message", [(0, ValueError, "must be > 0, got 0"),
+                                                   (-3, ValueError, "must be > 0, got -3"),
+                                                   (2.5, TypeError, "must be an int or None, got float 2.5")])
+def test_bad_chunk_size(chunk_size, error, message):
+    with pytest.raises(error, match=f"chunk_size {message}"):
         call(make_problem(), chunk_size=chunk_size)
 
 

@@ -78,9 +78,12 @@ class Options:
                 check_finite_real(name, cap)
                 if not cap > 0:
                     raise ValueError(f"{name} must be > 0 or None, got {cap}")
-        if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
-                                           or self.chunk_size <= 0):
-            raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
+        if self.chunk_size is not None:
+            if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int):
+                raise TypeError(f"chunk_size must be an int or None, got {type(self.chunk_size).__name__} "
+                                f"{self.chunk_size!r}")
+            if self.chunk_size <= 0:
+                raise ValueError(f"chunk_size must be > 0, got {self.chunk_size}")
         if self.accum_dtype not in (None, *FLOAT_DTYPES):
             raise TypeError(f"accum_dtype must be None, torch.float32 or the student weight's dtype, got {self.accum_dtype}")
         if self.teacher_precision not in (None, "fp8"):
