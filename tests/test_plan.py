@@ -1,6 +1,8 @@
 """The plan of a call (_plan.py): the chunk sizes it picks and the order in which it sets the call up."""
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -118,6 +120,19 @@ def test_the_function_api_checks_each_set_of_options_once():
     for wrong in (1024.0, True):
         with pytest.raises(TypeError, match=f"chunk_size must be an int or None, got {type(wrong).__name__} {wrong}"):
             options_of(chunk_size=wrong)
+
+
+def test_a_tensor_valued_option_is_read_at_every_call_and_never_cached():
+    """A weight or beta kept in a one-element tensor may change in place between calls: each call's options read
+    its value, and no cache keeps the tensor alive."""
+    beta = torch.tensor(0.7)
+    assert options_of(beta=beta).scales.beta == pytest.approx(0.7)
+    beta.fill_(0.2)
+    assert options_of(beta=beta).scales.beta == pytest.approx(0.2)
+    alive = weakref.ref(beta)
+    del beta
+    gc.collect()
+    assert alive() is None
 
 
 def recorded_plans(monkeypatch) -> list:

@@ -143,15 +143,14 @@ def options_of(**fields) -> Options:
     """``Options(**fields)``, one object per distinct set of values: the loss function, called with the same
     keywords at every step, checks them and builds the row step's constants once. Not under torch.compile, which
     builds them once per trace and would trace through the cache (and warn), nor where a value is a tensor."""
-    if torch.compiler.is_compiling():
+    # A tensor hashes by its identity, and its value may change in place between calls: never cached.
+    if torch.compiler.is_compiling() or any(torch.is_tensor(value) for value in fields.values()):
         return Options(**fields)
     try:
         hash(tuple(fields.values()))
     except TypeError:  # an unhashable value: Options names the argument
         return Options(**fields)
-    options = _checked(**fields)
-    # A tensor hashes by its identity, and its value may have changed since the cached options read it.
-    return Options(**fields) if options.reads_tensors else options
+    return _checked(**fields)
 
 
 def check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,

@@ -100,12 +100,12 @@ def fused_linear_cosine_distill(
                    return_soft_hard_loss=return_soft_hard_loss)
 
 
-def call_options(tensors, vocab_parallel, make=options_of, **fields) -> Options:
-    """``make(**fields)``: ``options_of`` for a function call, ``Options`` for a module's options that read tensors.
-    Under a vocabulary split a rank whose options are wrong tells the other ranks in the split's first gather
-    (_split_check.check_vocab_parallel), where they wait for it, and every rank raises."""
+def call_options(tensors, vocab_parallel, **fields) -> Options:
+    """``options_of(**fields)`` for a call. Under a vocabulary split a rank whose options are wrong tells the other
+    ranks in the split's first gather (_split_check.check_vocab_parallel), where they wait for it, and every rank
+    raises."""
     try:
-        return make(**fields)
+        return options_of(**fields)
     except (TypeError, ValueError) as error:
         if vocab_parallel is None:
             raise
@@ -155,14 +155,14 @@ class _LossModule(torch.nn.Module):
     @property
     def options(self) -> Options:
         """The checked options of the next call."""
-        return Options(**self._given) if self._options.reads_tensors else self._options
+        return options_of(**self._given) if self._options.reads_tensors else self._options
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
                 teacher_bias=None, *, num_valid_tokens=None, vocab_parallel=None):
         options = self._options
         if options.reads_tensors:  # read and checked at every call; under a split an error reaches every rank
             options = call_options((student_input, student_weight, teacher_input, teacher_weight, true_labels),
-                                   vocab_parallel, Options, **self._given)
+                                   vocab_parallel, **self._given)
         return distill(options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
                        student_bias, teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
                        return_soft_hard_loss=self.return_soft_hard_loss)
