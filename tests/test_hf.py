@@ -230,8 +230,8 @@ def dataset(lengths, vocab=128, seed=0):
 
 def make_trainer(tmp_path, student, teacher, train_dataset, loss="cosine", **args):
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=True, report_to="none", disable_tqdm=True, logging_steps=1, seed=0,
-        dataloader_num_workers=0, **{"save_strategy": "no", **args},
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        **{"save_strategy": "no", "logging_steps": 1, **args},
     )
     return CosineDistillationTrainer(
         model=student, args=args, train_dataset=train_dataset, data_collator=collate, teacher_model=teacher, loss=loss,
@@ -691,6 +691,21 @@ def test_a_resumed_run_logs_the_soft_and_hard_loss_of_its_steps(tmp_path):
     for step in (3, 4):
         for key in ("loss", "soft_loss", "hard_loss"):
             assert runs[True][step][key] == pytest.approx(runs[False][step][key], rel=1e-4), (step, key)
+
+
+def test_a_second_run_logs_the_soft_and_hard_loss_of_its_own_steps(tmp_path):
+    """A second train() on the same Trainer (a hyperparameter search's trial, a second stage) starts its soft and
+    hard sums afresh: the first run's unlogged last step reached the second run's first log, divided by a step
+    count taken across both (loss 3.1, 0.5 * soft + 0.5 * hard 9.2)."""
+    trainer = make_trainer(tmp_path, tiny_model("llama"), tiny_model("llama", vocab=144, seed=1),
+                           dataset([14, 3, 9, 2, 7, 11]), per_device_train_batch_size=2, logging_steps=2, max_steps=3,
+                           learning_rate=0.0)
+    for _ in range(2):
+        trainer.train()
+        logs = [log for log in trainer.state.log_history if "soft_loss" in log]
+        assert [log["step"] for log in logs] == [2]
+        weighted = OPTIONS["weight_hard_loss"] * logs[0]["hard_loss"] + OPTIONS["weight_soft_loss"] * logs[0]["soft_loss"]
+        assert logs[0]["loss"] == pytest.approx(weighted, rel=1e-4)
 
 
 def test_liger_kernels_in_the_trainer_raise(tmp_path):

@@ -12,7 +12,7 @@ import weakref
 import torch
 
 try:
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
     from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError as error:
     raise ImportError("cosdistill.hf needs transformers: pip install 'cosdistill[hf]'") from error
@@ -374,6 +374,7 @@ class DistillationMixin:
         )
         # Makes the Trainer count num_items_in_batch and take our loss as already normalised over the step.
         self.model_accepts_loss_kwargs = True
+        self.add_callback(_SoftHardLogsPerRun(self))
         self._soft_hard_sums = None  # training: soft and hard summed since the last log
         self._soft_hard_since_step = None  # the optimizer step at the first of those (a resumed run's too)
         self._eval_sums = None  # evaluation: soft and hard times rows, and the rows
@@ -447,6 +448,17 @@ class DistillationMixin:
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         finally:
             self._evaluation_prefix = None
+
+
+class _SoftHardLogsPerRun(TrainerCallback):
+    """Drops soft and hard sums that a run left unlogged when the next begins (a second ``train()``, a
+    hyperparameter search's trial, auto_find_batch_size's retry), so that they never reach its first log."""
+
+    def __init__(self, trainer):
+        self.trainer = weakref.proxy(trainer)  # the trainer holds this callback
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._soft_hard_sums = None
 
 
 class DistillationTrainer(DistillationMixin, Trainer):
