@@ -2,6 +2,9 @@
 gradient, the options, the autograd contract, and every bad-input rule (a ValueError or TypeError naming the
 argument and the shapes seen)."""
 
+import dataclasses
+import inspect
+
 import pytest
 import torch
 
@@ -532,3 +535,16 @@ def test_module_options_assigned_after_construction_take_effect(loss):
         module.beta = "0.5"
     assert module.temperature == 3.0 and module.beta == 1.0
     assert torch.equal(module(*problem.args()), want)
+
+
+@pytest.mark.parametrize("entry", [api.fused_linear_cosine_distill, api.fused_linear_jsd,
+                                   api.FusedLinearCosineDistillLoss, api.FusedLinearJSDLoss])
+def test_every_entry_point_takes_every_option_with_the_options_defaults(entry):
+    """The options are written out in each public signature, as Liger's are: each takes every Options field but the
+    loss's name (and the JSD the Gram path's switch), with Options' default, so that the copies cannot drift."""
+    fields = {field.name: field.default for field in dataclasses.fields(testing.Options)}
+    del fields["loss"]
+    if "jsd" in entry.__name__.lower():
+        del fields["cosine_via"]
+    parameters = inspect.signature(entry).parameters
+    assert {name: parameters[name].default for name in fields if name in parameters} == fields
