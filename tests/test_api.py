@@ -4,6 +4,7 @@ argument and the shapes seen)."""
 
 import dataclasses
 import inspect
+import math
 
 import pytest
 import torch
@@ -389,6 +390,10 @@ def test_bad_scalars_and_options():
         call(problem, student_softcap=0.0)
     with pytest.raises(ValueError, match="num_valid_tokens must be > 0"):
         call(problem, num_valid_tokens=0)
+    for infinite in (math.inf, -math.inf, math.nan):  # a tensor's value too (inf gave loss 0 and zero gradients)
+        for given in (infinite, torch.tensor(infinite)):
+            with pytest.raises(ValueError, match=f"num_valid_tokens must be finite, got {infinite}"):
+                call(problem, num_valid_tokens=given)
     with pytest.raises(ValueError, match="impl must be one of"):
         call(problem, impl="fast")
     with pytest.raises(ValueError, match="impl='cuda' needs a CUDA GPU with thread block clusters"):

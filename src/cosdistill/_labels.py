@@ -6,6 +6,8 @@ so the host read stalls nothing (_chunk_loop.Normaliser). ``count_labels_torch``
 are the specs of the Triton kernels in kernels/labels.py.
 """
 
+import math
+
 import torch
 
 from ._device import HostCopy
@@ -63,6 +65,8 @@ class LabelCounts:
             return float(max(1, num_valid))
         given = self.num_valid_tokens
         normaliser = float(given.item() if torch.is_tensor(given) else given)
+        if not -math.inf < normaliser < math.inf:  # a number was checked before; a tensor's value is read here
+            raise ValueError(f"num_valid_tokens must be finite, got {normaliser}")
         if not normaliser > 0:
             raise ValueError(f"num_valid_tokens must be > 0, got {normaliser}")
         return normaliser
