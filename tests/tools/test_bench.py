@@ -91,8 +91,11 @@ def test_warm_up_lasts_at_least_settle_s():
 
 @pytest.mark.parametrize("bad", [["--tokens", "12,x"], ["--vocab", "0"], ["--providers", "ours,bogus"], ["--dtype", "fp8"],
                                  ["--rounds", "0"], ["--mode", "backward"], ["--mode", "full,full"], ["--mode", ","],
-                                 ["--settle-s", "-1"]])
+                                 ["--settle-s", "-1"], ["--providers", ""],
+                                 ["--providers", "floor", "--chunk-sizes", "16"],
+                                 ["--providers", "ours-logits,floor", "--accum-dtypes", "fp32"]])
 def test_bad_argument_exits_2_with_one_line(capsys, bad):
+    """Settings of ours without ours among the providers were ignored; no provider at all crashed."""
     with pytest.raises(SystemExit) as exit_info:
         main(TINY + bad)
     assert exit_info.value.code == 2

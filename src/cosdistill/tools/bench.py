@@ -398,6 +398,10 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
     """Check ours, then time every provider in every mode at every T, on the same tensors per T; rows in
     (T, mode, provider) order."""
     loss = workload.loss
+    if not providers:
+        raise ValueError(f"providers must name at least one of {', '.join(PROVIDERS)}")
+    if settings is not None and "ours" not in providers:
+        raise ValueError("chunk sizes and accumulator dtypes are settings of provider 'ours': add it to the providers")
     unknown = set(providers) - set(PROVIDERS)
     if unknown:
         raise ValueError(f"unknown providers {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")

@@ -178,7 +178,7 @@ def run_bench_command(args):
         settle_s=args.settle_s if args.settle_s is not None else default.settle_s,
         loss=args.loss,
     )
-    settings = bench.ours_settings(args.chunk_sizes, args.accum_dtypes)
+    settings = bench.ours_settings(args.chunk_sizes, args.accum_dtypes) if args.chunk_sizes or args.accum_dtypes else None
     result = bench.run_bench(workload, device, providers=args.providers, modes=args.mode, settings=settings)
     table = bench.markdown_table(result)
     print(table, end="")
