@@ -1,4 +1,4 @@
-"""The Trainers under DDP (two processes, gloo on the CPU): one optimizer step over a batch shared by the ranks
+"""DistillationTrainer under DDP (two processes, gloo on the CPU): one optimizer step over a batch shared by the ranks
 takes the step and logs the losses of one process over the whole batch. The ranks hold different numbers of
 tokens, so a loss normalised per rank, or DDP's average left in place, would step otherwise."""
 
