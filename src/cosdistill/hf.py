@@ -20,7 +20,7 @@ except ImportError as error:
 from .api import FUSED_LOSSES
 
 __all__ = ["CosineDistillationTrainer", "DistillationMixin", "DistillationTrainer", "cosine_distill_loss", "distill_loss",
-           "final_hidden_states", "head_inputs", "loss_labels", "next_token_targets"]
+           "final_hidden_states", "head_inputs", "loss_labels", "next_token_targets", "tensor_parallel_rows"]
 
 
 def lm_head(model, name="model"):
@@ -49,18 +49,20 @@ def final_hidden_states(model, input_ids, attention_mask=None, head=None, **mode
     head = lm_head(model) if head is None else head
     captured = []
 
-    def keep_input_and_feed_nothing(_module, args):
+    def keep_input_and_feed_little(module, args):
         captured.append(args[0])
-        return (args[0][..., :0, :],)
+        # A tensor-parallel head's DTensor ops cannot take zero positions: one costs a [B, 1, V] product.
+        return (args[0][..., : int(is_dtensor(module.weight)), :],)
 
-    handle = head.register_forward_pre_hook(keep_input_and_feed_nothing)
+    handle = head.register_forward_pre_hook(keep_input_and_feed_little)
     try:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_inputs)
     finally:
         handle.remove()
     if len(captured) != 1:
         raise ValueError(f"the model's forward called its LM head {len(captured)} times, expected once")
-    return captured[0]
+    # torch's ColwiseParallel hands the head a replicated DTensor: its local tensor is the whole hidden states.
+    return captured[0].to_local() if is_dtensor(captured[0]) else captured[0]
 
 
 def loss_labels(labels, attention_mask=None, position_ids=None, ignore_index=-100, cu_seq_lens=None):
@@ -105,23 +107,83 @@ def next_token_targets(labels, attention_mask=None, ignore_index=-100, position_
     return torch.cat([targets[:, 1:], targets.new_full((targets.shape[0], 1), ignore_index)], dim=1)
 
 
+def is_dtensor(tensor) -> bool:
+    return type(tensor).__name__ == "DTensor"  # DTensor only exists where torch.distributed does
+
+
 def whole_head_weight(model, head):
-    """The head's weight, whole. Under FSDP2 (``fully_shard``) the forward may have sharded it again
+    """The head's weight, whole, or split along the vocabulary for tensor parallelism (``tensor_parallel_rows``).
+    Under FSDP2 (``fully_shard``) the forward may have sharded it again
     (``reshard_after_forward``, or the head in a unit of its own), and with it the root's parameters that
     the hidden states' backward reads (the final norm): the loss's graph starts at the hidden states, not at
     the model's outputs, so FSDP's pre-backward hooks would not gather them. Each FSDP module that holds the
     head gathers its parameters again (``unshard``); their gradients go through FSDP's reduction as usual."""
-    if type(head.weight).__name__ != "DTensor":  # DTensor only exists where torch.distributed does
+    if not is_dtensor(head.weight):
         return head.weight
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():  # outermost first
         if isinstance(module, FSDPModule) and any(sub is head for sub in module.modules()):
             module.unshard()
-    if type(head.weight).__name__ == "DTensor":
+    if is_dtensor(head.weight) and tensor_parallel_rows(head.weight) is None:
         raise TypeError(f"the LM head's weight is a sharded DTensor that no FSDP2 module above it gathers "
-                        f"({type(head).__name__}); the fused loss needs it whole")
+                        f"({type(head).__name__}, placements {head.weight.placements}); the fused loss needs it whole "
+                        "or split along the vocabulary over one mesh dimension")
     return head.weight
+
+
+def tensor_parallel_rows(weight):
+    """(start, stop, group): this rank's rows of a tensor-parallel LM head and its mesh's process group, for a
+    DTensor weight split along the vocabulary (``Shard(0)``) over a 1-D mesh, as transformers' ``tp_plan`` and
+    torch's ``ColwiseParallel`` split a head; None for any other weight."""
+    if not is_dtensor(weight):
+        return None
+    from torch.distributed.tensor import Shard
+
+    if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        return None
+    vocab, mesh = weight.shape[0], weight.device_mesh
+    per_rank = -(-vocab // mesh.size())  # Shard(0) splits as torch.chunk does
+    start = min(mesh.get_local_rank() * per_rank, vocab)
+    stop = min(start + per_rank, vocab)
+    if weight.to_local().shape[0] != stop - start:
+        raise ValueError(f"the LM head's local shard has {weight.to_local().shape[0]} rows where Shard(0) of "
+                         f"{tuple(weight.shape)} over {mesh.size()} ranks gives rank {mesh.get_local_rank()} "
+                         f"rows [{start}, {stop})")
+    return start, stop, mesh.get_group()
+
+
+def vocab_split(student_head, teacher_head):
+    """The ``VocabParallelOptions`` of a tensor-parallel student head (None for a whole one): each rank takes the
+    student's rows that its shard holds and the same rows of the teacher, whose own split must then agree, or
+    which is whole on every rank (its rows past the student's vocabulary go to the student's last rank)."""
+    student_rows = tensor_parallel_rows(student_head.weight)
+    teacher_rows = tensor_parallel_rows(teacher_head.weight)
+    if student_rows is None:
+        if teacher_rows is not None:
+            raise ValueError("the teacher's LM head is split over ranks (tensor parallel) and the student's is not: "
+                             "split both the same way, or load the teacher whole on every rank")
+        return None
+    from .distributed import VocabParallelOptions
+
+    start, stop, group = student_rows
+    vocab_student, vocab_teacher = student_head.weight.shape[0], teacher_head.weight.shape[0]
+    if start == stop:
+        raise ValueError(f"the student's LM head ({vocab_student} rows) leaves this rank none: use fewer "
+                         "tensor-parallel ranks than vocabulary rows")
+    if teacher_rows is None:
+        return VocabParallelOptions(start, vocab_teacher if stop == vocab_student else stop, vocab_student, group,
+                                    vocab_teacher)
+    teacher_start, teacher_stop, teacher_group = teacher_rows
+    ranks_of = torch.distributed.get_process_group_ranks
+    if ranks_of(teacher_group) != ranks_of(group):
+        raise ValueError("the student's and teacher's LM heads are split over different process groups")
+    if (start, stop) != (teacher_start, min(teacher_stop, vocab_student)):
+        raise ValueError(
+            f"this rank holds rows [{start}, {stop}) of the student's LM head ({vocab_student} rows) and "
+            f"[{teacher_start}, {teacher_stop}) of the teacher's ({vocab_teacher}): the splits must agree on the "
+            "student's vocabulary (equal vocabularies do); load the teacher whole on every rank instead")
+    return VocabParallelOptions(teacher_start, teacher_stop, vocab_student, group, vocab_teacher)
 
 
 def head_inputs(model, hidden, name="model"):
@@ -130,7 +192,8 @@ def head_inputs(model, hidden, name="model"):
     Cohere-style ``config.logit_scale`` (logits = scale * (h W^T + b)) and Gemma-2-style
     ``config.final_logit_softcapping`` are handed to the fused step, which applies both (scale, then
     softcap) with their gradients. Under autocast everything is cast to the autocast dtype, as the
-    model's own LM head would be.
+    model's own LM head would be. A tensor-parallel head gives this rank's rows of its weight and bias
+    (``tensor_parallel_rows``).
     """
     config, head = model.config.get_text_config(), lm_head(model, name)
     if getattr(config, "logits_scaling", None) not in (None, 1):
@@ -143,6 +206,8 @@ def head_inputs(model, hidden, name="model"):
     dtype = torch.get_autocast_dtype(device_type) if autocast else head.weight.dtype
     hidden, weight = hidden.to(dtype), whole_head_weight(model, head).to(dtype)
     bias = None if head.bias is None else head.bias.to(dtype)
+    if is_dtensor(weight):  # a tensor-parallel head: this rank's rows (their gradients reach the DTensor's shard)
+        weight, bias = weight.to_local(), None if bias is None else bias.to_local()
     scale = getattr(config, "logit_scale", None)
     return hidden, weight, bias, getattr(config, "final_logit_softcapping", None), 1.0 if scale is None else scale
 
@@ -169,7 +234,11 @@ def check_head_reproduces_logits(model, name="model") -> None:
             logits = model(input_ids=probe, use_cache=False).logits
         finally:
             handle.remove()
-        hidden, weight, bias, softcap, scale = head_inputs(model, captured[-1], name)
+        hidden = captured[-1].to_local() if is_dtensor(captured[-1]) else captured[-1]
+        hidden, weight, bias, softcap, scale = head_inputs(model, hidden, name)
+        rows = tensor_parallel_rows(head.weight)
+        if rows is not None and logits.shape[-1] == vocab:  # gathered logits: this rank's rows' columns of them
+            logits = logits[..., rows[0] : rows[1]]
         ours = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float()) * scale
         if softcap is not None:
             ours = softcap * torch.tanh(ours / softcap)
@@ -223,7 +292,8 @@ def distill_loss(
     probe of a few tokens (``check_head_reproduces_logits``) and raises where it does not hold.
     ``num_valid_tokens`` (e.g. the count over all micro-batches of a gradient accumulation step) and
     ``**loss_options`` (chunk_size, impl, accum_dtype, teacher_precision; cosine_via for the cosine loss) go to
-    the fused function of ``loss``.
+    the fused function of ``loss``. A student whose LM head is split for tensor parallelism (``tp_plan``,
+    ``ColwiseParallel``) runs the loss vocabulary-parallel over its mesh (``vocab_split``).
     """
     check_loss_options(loss, loss_options)
     if labels is None:
@@ -244,6 +314,14 @@ def distill_loss(
                                                  **model_inputs)
         teacher_args = head_inputs(teacher, teacher_hidden, "teacher")
     hidden, weight, bias, softcap, logit_scale = head_inputs(student, student_hidden, "student")
+    split = vocab_split(lm_head(student, "student"), lm_head(teacher, "teacher"))
+    if split is not None:
+        if "vocab_parallel" in loss_options:
+            raise ValueError("vocab_parallel is set by the student's tensor-parallel LM head: leave it out of the options")
+        loss_options = dict(loss_options, vocab_parallel=split)
+        if not is_dtensor(lm_head(teacher).weight):  # a whole teacher: this rank's rows of it
+            rows = [split.teacher_rows(part) if part is not None else None for part in teacher_args[1:3]]
+            teacher_args = (teacher_args[0], *rows, *teacher_args[3:])
     fused = FUSED_LOSSES[loss]
     head_options = dict(student_softcap=softcap, teacher_softcap=teacher_args[3], student_logit_scale=logit_scale,
                         teacher_logit_scale=teacher_args[4])
@@ -312,6 +390,17 @@ def check_sharding(trainer) -> None:
                          "per GPU (torchrun, accelerate launch)")
 
 
+def check_not_tensor_parallel(trainer_name, **models) -> None:
+    """Raise for a model whose LM head is split for tensor parallelism: the Trainers' scaling of the loss under it is
+    not tested (accelerate runs it on GPUs only); ``distill_loss`` takes such heads in a loop of one's own."""
+    for role, model in models.items():
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if tensor_parallel_rows(getattr(head, "weight", None)) is not None:
+            raise ValueError(f"{trainer_name} does not support a {role} whose LM head is split for tensor parallelism "
+                             "(tp_plan, ColwiseParallel): call cosdistill.hf.distill_loss in a training loop of your own, "
+                             "which takes such heads")
+
+
 def check_no_router_aux_loss(trainer) -> None:
     """Raise for a Mixture-of-Experts student whose router's load-balancing loss is on (config
     ``output_router_logits`` with a nonzero ``router_aux_loss_coef``, as TRL's SFTTrainer sets by default): the
@@ -358,12 +447,15 @@ class DistillationMixin:
                 raise ValueError(f"{type(self).__name__} does not support {name}: evaluation has no logits (the fused "
                                  "loss never computes them); it reports eval_loss, eval_soft_loss and eval_hard_loss")
         check_loss_options(loss, loss_options or {})
+        check_not_tensor_parallel(type(self).__name__, student=kwargs.get("model", args[0] if args else None),
+                                  teacher=teacher_model)
         if (loss_options or {}).get("ignore_index", -100) != -100:
             raise ValueError(f"{type(self).__name__} does not support loss_options ignore_index="
                              f"{loss_options['ignore_index']!r}: the Trainer counts the labels that are not -100 "
                              "(num_items_in_batch), so the loss must ignore -100; set such labels to -100 instead")
         super().__init__(*args, **kwargs)
         check_sharding(self)
+        check_not_tensor_parallel(type(self).__name__, student=self.accelerator.unwrap_model(self.model))  # loaded here
         check_no_router_aux_loss(self)
         check_unsupported_args(self, self.unsupported_args)
         device = next(self.model.parameters()).device

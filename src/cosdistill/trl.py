@@ -33,6 +33,7 @@ except ImportError as error:
 from .hf import (
     UNSUPPORTED_ARGS,
     DistillationMixin,
+    check_not_tensor_parallel,
     check_sharding,
     check_unsupported_args,
     distill_loss,
@@ -147,9 +148,12 @@ def _define_gkd_trainer():
             for name, why in UNSUPPORTED_GKD_ARGUMENTS.items():
                 if bound.get(name) is not None:
                     raise ValueError(f"{type(self).__name__} does not support {name}: {why}")
+            check_not_tensor_parallel(type(self).__name__, student=bound.get("model"), teacher=bound.get("teacher_model"))
             super().__init__(*args, **kwargs)
             check_unsupported_args(self, UNSUPPORTED_GKD_CONFIG)
             check_sharding(self)
+            check_not_tensor_parallel(type(self).__name__, student=self.accelerator.unwrap_model(self.model),
+                                      teacher=self.accelerator.unwrap_model(self.teacher_model))  # loaded here
             check_gkd_heads(self, self.accelerator.unwrap_model(self.model),
                             self.accelerator.unwrap_model(self.teacher_model))
             self.loss_options = dict(loss_options or {})

@@ -1,0 +1,158 @@
+"""Hugging Face models whose LM heads are split along the vocabulary for tensor parallelism (two processes, gloo on
+the CPU): transformers' ``tp_plan="auto"`` and torch's ``ColwiseParallel`` on the head alone. ``distill_loss`` runs
+the loss over the heads' shards (``vocab_parallel``); the loss and every parameter's gradient, gathered, equal one
+process's with the models whole. Teachers split the same way or whole on every rank, with a larger vocabulary."""
+
+import datetime
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+transformers = pytest.importorskip("transformers")
+
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module  # noqa: E402
+
+from cosdistill.hf import distill_loss  # noqa: E402
+from cosdistill.testing import rel_err  # noqa: E402
+
+WORLD = 2
+VOCAB_STUDENT, VOCAB_TEACHER = 101, 117  # odd: the shards differ in size
+OPTIONS = {"cosine": dict(weight_hard_loss=0.3, weight_soft_loss=1.7, beta=0.7),
+           "jsd": dict(weight_hard_loss=0.3, weight_soft_loss=1.7, beta=0.3, temperature=0.8)}
+# (how the student is split, the teacher's vocabulary, how the teacher is split)
+CASES = [("tp_plan", VOCAB_STUDENT, "tp_plan"), ("tp_plan", VOCAB_STUDENT, "whole"), ("tp_plan", VOCAB_TEACHER, "whole"),
+         ("colwise", VOCAB_STUDENT, "colwise"), ("colwise", VOCAB_TEACHER, "whole")]
+
+
+def tiny_llama(vocab, seed):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2,
+                                      vocab_size=vocab, pad_token_id=0, tie_word_embeddings=False)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def batch():
+    """Right-padded rows of different lengths, one -100 label."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = (9, 6, 3)
+    input_ids = torch.randint(3, VOCAB_STUDENT, (len(lengths), max(lengths)), generator=generator)
+    attention_mask = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).long()
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[1, 2] = -100
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def split(folder, name, vocab, seed, how):
+    """The model as this rank holds it: transformers' tensor parallelism, torch's ColwiseParallel on its head, or
+    whole."""
+    if how == "tp_plan":
+        return transformers.AutoModelForCausalLM.from_pretrained(os.path.join(folder, name), tp_plan="auto",
+                                                                 attn_implementation="eager")
+    model = tiny_llama(vocab, seed)
+    if how == "colwise":
+        mesh = init_device_mesh("cpu", (WORLD,))
+        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    return model
+
+
+def gradients(model):
+    return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+            for name, p in model.named_parameters() if p.grad is not None}
+
+
+def refusals(folder):
+    """What each refused combination raises: heads split over ranks that disagree on the student's rows, a teacher
+    split where the student is whole, and the Trainers given a split student (their loss scaling under tensor
+    parallelism is not tested: accelerate runs it on GPUs only)."""
+    from cosdistill.hf import DistillationTrainer
+    from cosdistill.trl import DistillationGKDTrainer
+    from test_trl_gkd import chat_dataset, chat_tokenizer, gkd_config
+
+    student = split(folder, "student", VOCAB_STUDENT, 0, "tp_plan")
+    attempts = {
+        "teacher split otherwise": lambda: distill_loss(
+            student, split(folder, f"teacher{VOCAB_TEACHER}", VOCAB_TEACHER, 1, "tp_plan"), **batch()),
+        "teacher split, student whole": lambda: distill_loss(
+            tiny_llama(VOCAB_STUDENT, 0), split(folder, f"teacher{VOCAB_STUDENT}", VOCAB_STUDENT, 1, "tp_plan"),
+            **batch()),
+        "DistillationTrainer": lambda: DistillationTrainer(
+            model=student, teacher_model=tiny_llama(VOCAB_STUDENT, 1),
+            args=transformers.TrainingArguments(output_dir=os.path.join(folder, "out"), use_cpu=True, report_to="none")),
+        "DistillationGKDTrainer": lambda: DistillationGKDTrainer(
+            model=student, teacher_model=tiny_llama(VOCAB_STUDENT, 1), args=gkd_config(os.path.join(folder, "out")),
+            train_dataset=chat_dataset(), processing_class=chat_tokenizer()),
+    }
+    errors = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            errors[name] = "nothing raised"
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+def measure_rank(rank, folder):
+    store = dist.FileStore(os.path.join(folder, "store"), WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    # transformers reads these; the process group (FileStore) is up already, so the address is never dialled
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="1")
+    torch.set_num_threads(1)
+    results = {}
+    for student_how, vocab_teacher, teacher_how in CASES:
+        for loss, options in OPTIONS.items():
+            student = split(folder, "student", VOCAB_STUDENT, 0, student_how)
+            teacher = split(folder, f"teacher{vocab_teacher}", vocab_teacher, 1, teacher_how)
+            value, soft, hard = distill_loss(student, teacher, **batch(), loss=loss, return_soft_hard_loss=True,
+                                             **options)
+            value.backward()
+            results[student_how, vocab_teacher, teacher_how, loss] = (
+                torch.stack([value, soft, hard]).detach(), gradients(student))
+    results["errors"] = refusals(folder)
+    if rank == 0:
+        torch.save(results, os.path.join(folder, "results.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ranks")
+    tiny_llama(VOCAB_STUDENT, 0).save_pretrained(folder / "student")
+    for vocab in (VOCAB_STUDENT, VOCAB_TEACHER):
+        tiny_llama(vocab, 1).save_pretrained(folder / f"teacher{vocab}")
+    mp.spawn(measure_rank, args=(str(folder),), nprocs=WORLD)
+    return torch.load(folder / "results.pt")
+
+
+@pytest.mark.parametrize("loss", OPTIONS)
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, case)) for case in CASES])
+def test_split_heads_give_the_whole_models_loss_and_gradients(results, case, loss):
+    values, grads = results[(*case, loss)]
+    student = tiny_llama(VOCAB_STUDENT, 0)
+    value, soft, hard = distill_loss(student, tiny_llama(case[1], 1), **batch(), loss=loss, return_soft_hard_loss=True,
+                                     **OPTIONS[loss])
+    value.backward()
+    assert rel_err(values, torch.stack([value, soft, hard]).detach()) < 1e-5
+    want = gradients(student)
+    assert grads.keys() == want.keys()
+    errors = {name: rel_err(grads[name], want[name]) for name in want}
+    assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.parametrize("case, message", [
+    ("teacher split otherwise", r"the splits must agree on the student's vocabulary"),
+    ("teacher split, student whole", r"the teacher's LM head is split over ranks \(tensor parallel\) and the student's is not"),
+    ("DistillationTrainer", r"DistillationTrainer does not support a student whose LM head is split for tensor parallelism"),
+    ("DistillationGKDTrainer", r"DistillationGKDTrainer does not support a student whose LM head is split"),
+])
+def test_refused_splits_raise(results, case, message):
+    assert re.search(message, results["errors"][case]), results["errors"][case]
