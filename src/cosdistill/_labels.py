@@ -66,7 +66,8 @@ class LabelCounts:
         given = self.num_valid_tokens
         normaliser = float(given.item() if torch.is_tensor(given) else given)
         if not -math.inf < normaliser < math.inf:  # a number was checked before; a tensor's value is read here
-            raise ValueError(f"num_valid_tokens must be finite, got {normaliser}")
+            raise ValueError(f"num_valid_tokens must be finite, got {normaliser} (data_parallel_num_valid_tokens "
+                             "gives NaN to every rank where one rank's labels were refused)")
         if not normaliser > 0:
             raise ValueError(f"num_valid_tokens must be > 0, got {normaliser}")
         return normaliser

@@ -114,6 +114,19 @@ RUNS = {
 }
 
 
+def refused_labels_on_the_last_rank(world_size):
+    """What this rank raises where the last rank's labels are floats: the last its TypeError after the all-reduce,
+    the others their loss's refusal of the NaN count; none waits in the collective for the last."""
+    last = dist.get_rank() == world_size - 1
+    features, teacher_hidden, teacher_weight, labels = rank_share(global_batch(world_size, (0, 0, 0)), dist.get_rank())
+    try:
+        count = data_parallel_num_valid_tokens(labels.float() if last else labels)
+        make_student(loss_module("jsd"))(features, teacher_hidden, teacher_weight, labels, num_valid_tokens=count)
+    except (TypeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "nothing raised"
+
+
 def measure_rank(rank, world_size, folder):
     """Per loss, run and ignore layout, the relative errors of the gradients and of the mean loss against one
     process; rank 0 writes them to folder/errors.json (the gradients are all-reduced: the same on all ranks)."""
@@ -132,6 +145,8 @@ def measure_rank(rank, world_size, folder):
                     "loss": rel_err(rank_loss / world_size, expected_loss),
                 }
         errors["all ignored"] = data_parallel_num_valid_tokens(torch.full((3, 4), -100)).item() * world_size
+        errors["refused labels"] = [None] * world_size
+        dist.all_gather_object(errors["refused labels"], refused_labels_on_the_last_rank(world_size))
         if rank == 0:
             with open(os.path.join(folder, "errors.json"), "w") as file:
                 json.dump(errors, file)
@@ -166,11 +181,16 @@ def test_no_valid_token_anywhere_counts_as_one(errors):
     assert errors["all ignored"] == pytest.approx(1.0)
 
 
-def test_needs_initialised_process_group_and_integer_labels():
+def test_refused_labels_on_one_rank_raise_on_every_rank(errors):
+    *others, last = errors["refused labels"]
+    assert last == "TypeError: labels must be an integer tensor, got torch.float32"
+    for other in others:
+        assert other.startswith("ValueError: num_valid_tokens must be finite, got nan"), other
+
+
+def test_needs_initialised_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         data_parallel_num_valid_tokens(torch.zeros(3, dtype=torch.long))
-    with pytest.raises(TypeError, match="labels must be an integer tensor, got torch.float32"):
-        data_parallel_num_valid_tokens(torch.zeros(3))
 
 
 @pytest.mark.parametrize("wrapper", [[], ["--fsdp2"], ["--fsdp2", "--loss", "jsd"]], ids=["ddp", "fsdp2", "fsdp2, jsd"])

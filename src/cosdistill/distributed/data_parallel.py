@@ -6,6 +6,8 @@ with few valid tokens counts more. The normaliser here makes the gradients equal
 process on the whole batch.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -27,18 +29,31 @@ def data_parallel_num_valid_tokens(labels, ignore_index=-100, group=None):
     Every rank of ``group`` must call it (it is a collective). With gradient accumulation, call it once
     on the labels of all micro-batches of the step (e.g. ``torch.cat``) and pass the result to each
     micro-batch's loss, so that the step is normalised by the step's token count.
+
+    A rank whose labels are refused (not an integer tensor) still takes part in the all-reduce, with NaN, and
+    then raises; the others get NaN, which their loss refuses: no rank waits in the collective for it.
     """
-    if not torch.is_tensor(labels):
-        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("data_parallel_num_valid_tokens needs torch.distributed initialised (init_process_group)")
-    # Gloo all-reduces CPU tensors; NCCL (and the "cpu:gloo,cuda:nccl" pair) take the labels' device.
-    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else labels.device
-    count = (labels != ignore_index).sum().to(device=device, dtype=torch.int64)
+    refused = None
+    if not torch.is_tensor(labels):
+        refused = f"labels must be a torch.Tensor, got {type(labels).__name__}"
+    elif labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        refused = f"labels must be an integer tensor, got {labels.dtype}"
+    # Gloo all-reduces CPU tensors; NCCL (and the "cpu:gloo,cuda:nccl" pair) take the labels' (or current) device.
+    if dist.get_backend(group) == "gloo":
+        device = torch.device("cpu")
+    else:
+        device = labels.device if torch.is_tensor(labels) else torch.device("cuda", torch.cuda.current_device())
+    # float64 holds every count exactly (up to 2^53) and the refused rank's NaN.
+    if refused is None:
+        count = (labels != ignore_index).sum().to(device=device, dtype=torch.float64)
+    else:
+        count = torch.full((), math.nan, dtype=torch.float64, device=device)
     dist.all_reduce(count, group=group)
-    return count.clamp_min(1).double() / dist.get_world_size(group)
+    if refused is not None:
+        raise TypeError(refused)
+    return count.clamp_min(1) / dist.get_world_size(group)
 
 
 class _GlobalNormaliser:
