@@ -43,10 +43,12 @@ RANGE_LIMIT = 2.0**80
 
 
 def _mm_fp32(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """left @ right in fp32, from operands of one dtype (cuBLAS reads bf16 and writes fp32 directly)."""
-    if left.is_cuda and left.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(left, right, out_dtype=torch.float32)
-    return left.float() @ right.float()
+    """left @ right in fp32, from operands of one dtype (cuBLAS reads bf16 and writes fp32 directly). Never under
+    autocast, which would run fp32 products in bf16 (and cache W_t^T W_t so)."""
+    with torch.autocast(left.device.type, enabled=False):
+        if left.is_cuda and left.dtype in (torch.bfloat16, torch.float16):
+            return torch.mm(left, right, out_dtype=torch.float32)
+        return left.float() @ right.float()
 
 
 def _split(matrix: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -683,3 +683,24 @@ def test_grad_weight_accumulator_at_the_seed_workload(seed_problem, accum_dtype,
     accumulation = accumulation_floor(BF16, accum_dtype, chunk_size, tokens, vocab, vocab)
     assert errors["loss"] < loss_tolerance and errors["grad_input"] < grad_tolerance, errors
     assert errors["grad_weight"] < grad_tolerance + accumulation, (errors, accumulation)
+
+
+AUTOCAST_CASES = {"cpu": LossCase(200, 301, 301, 32, FP32, False, 7, 64),
+                  "cuda": LossCase(4096, 32000, 32000, 1024, FP32, False, 7, None)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [dict(loss="cosine", cosine_via="gram"), dict(loss="cosine", cosine_via="logits"),
+                                     dict(loss="jsd", beta=0.3, temperature=1.5)], ids=["gram", "logits", "jsd"])
+def test_autocast_changes_no_bit(device, options):
+    """fp32 heads under torch.autocast give autocast's absence's bits: the Gram path's fp32 products ran in bf16
+    under it, and the W_t^T W_t built so served later calls (here the first call builds it, the second reads it)."""
+    case = AUTOCAST_CASES[device]
+    args = random_problem(case, device)
+    with torch.autocast(device, dtype=BF16):
+        cast = fused_run(args, **options)
+    plain = fused_run(args, **options)
+    args[3] = args[3].detach().clone()  # a weight no cache has seen
+    fresh = fused_run(args, **options)
+    for got, again, want in zip(cast[0] + cast[1], plain[0] + plain[1], fresh[0] + fresh[1]):
+        assert torch.equal(got, want) and torch.equal(again, want)
