@@ -189,6 +189,17 @@ def test_soft_and_hard_carry_no_grad():
     assert loss.requires_grad and not soft.requires_grad and not hard.requires_grad
 
 
+def test_a_compiled_loss_refuses_double_backward():
+    """Differentiating the compiled loss's gradients again raises (torch's own refusal), as eager's create_graph
+    does: their gradients would otherwise miss the loss's second-order part."""
+    problem = make_problem()
+    compiled = torch.compile(lambda *args: fused_linear_cosine_distill(*args) + (args[0] ** 2).sum(),
+                             backend="aot_eager", fullgraph=True)
+    (grad_input,) = torch.autograd.grad(compiled(*problem.args()), problem.student_input, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        (grad_input**2).sum().backward()
+
+
 def test_compiled_under_no_grad():
     student, data = make_step_problem(bias=False)
     with torch.no_grad():

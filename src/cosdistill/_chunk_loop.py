@@ -64,6 +64,14 @@ class TeacherSide(Protocol):
         """grad_weight = beta * grad_weight + alpha * its share, after the loop; whether it wrote."""
 
 
+def check_not_creating_graph() -> None:
+    """Raise in a backward run with create_graph=True: the gradients come from forward's pass, not from ops that
+    autograd could differentiate, so their own gradients (a gradient penalty's) would silently be zero."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("cosdistill's losses are differentiable once: backward with create_graph=True (a gradient "
+                           "penalty, double backward) would give their gradients no gradient of their own")
+
+
 @dataclass
 class Gradients:
     """The student's gradients for grad_output = 1, less the last chunk's grad_weight GEMM, which waits

@@ -32,6 +32,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from ._chunk_loop import check_not_creating_graph
 from ._device import on_device_of
 from ._options import Options, check_accum_dtype, check_tensors, default_accum_dtype
 from ._plan import make_plan, run
@@ -115,6 +116,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
 
 
 def _backward(ctx, grad_loss, _grad_soft, _grad_hard, *_grad_grads):
+    check_not_creating_graph()
     grads = [
         # grad first: CPU's mul then scales a bf16/fp16 grad in fp32 instead of rounding grad_loss first
         (grad * grad_loss).to(dtype) if need else None  # scaled, then rounded to the leaf's dtype, as in eager

@@ -7,6 +7,7 @@ import inspect
 
 import torch
 
+from ._chunk_loop import check_not_creating_graph
 from ._device import as_rows, on_device_of
 from ._options import Options, options_of
 from ._plan import checked_plan, run
@@ -320,6 +321,7 @@ class _AttachGradients(torch.autograd.Function):
     def backward(ctx, grad_loss):
         if ctx.gradients is None:
             raise RuntimeError("cosdistill computes gradients in forward and can run backward only once per call")
+        check_not_creating_graph()
         gradients, ctx.gradients = ctx.gradients, None
         ctx.saved_tensors  # noqa: B018 -- raises if the student's input or weight changed since forward
         if grad_loss is None:  # not materialized: no gradient reached the loss
