@@ -35,7 +35,13 @@ def check_finite_real(name: str, value) -> None:
     is_tensor = torch.is_tensor(value)
     if isinstance(value, bool) or not (is_real_scalar_tensor(value) or (not is_tensor and isinstance(value, numbers.Real))):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    number = float(value) if is_tensor else value
+    if is_tensor and value.requires_grad:
+        raise TypeError(f"{name} is a tensor that requires grad, and the loss gives its options no gradient: pass "
+                        f"{name}.detach(), or weight the soft and hard terms it returns yourself")
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range
+        raise ValueError(f"{name} must be finite, got {value}") from None
     if not -math.inf < number < math.inf:  # comparisons, not math.isfinite: torch.compile traces them
         raise ValueError(f"{name} must be finite, got {number}")
 
@@ -176,6 +182,9 @@ def check_tensors(student_input, student_weight, teacher_input, teacher_weight, 
             raise TypeError(f"{name} must be a torch.Tensor{also}, got {type(tensor).__name__}")
         if tensor is None and name not in ("student_bias", "teacher_bias"):
             raise TypeError(f"{name} is required, got None")
+    for name, tensor in named.items():
+        if torch.is_tensor(tensor) and tensor.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}")
     devices = {name: t.device for name, t in named.items() if t is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"all tensors must be on one device, got {devices}")

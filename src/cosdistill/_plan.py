@@ -79,6 +79,9 @@ def checked_plan(options: Options, student_input, student_weight, teacher_input,
     comes before the first GEMM (docs/design.md, Host latency). Where "auto" weighs the teacher's cached Gram
     matrix, its state is asked at every call and is part of the key."""
     tensors = (student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias)
+    if vocab_parallel is not None and not isinstance(vocab_parallel, _split_check.VocabParallel):
+        raise TypeError(f"vocab_parallel must be a cosdistill.distributed.VocabParallelOptions, got "
+                        f"{type(vocab_parallel).__name__}")
     signature = _call_signature(options, tensors, num_valid_tokens, vocab_parallel)
     gram_cached = None
     if signature is not None and _weighs_gram_cache(options, student_weight, student_bias, teacher_weight,

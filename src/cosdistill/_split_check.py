@@ -9,7 +9,7 @@ count (``HashesReadFirst``; docs/design.md, Distributed).
 import dataclasses
 import struct
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -21,6 +21,7 @@ from ._options import FLOAT_DTYPES, LOSSES, Options
 from ._row_step import RowStepScales
 
 
+@runtime_checkable  # a call checks that its vocab_parallel has these members
 class VocabParallel(Protocol):
     """Both LM heads split along the vocabulary over ranks: this rank holds the teacher's rows
     [start, stop) and the student's rows from start up to min(stop, vocab_student).
