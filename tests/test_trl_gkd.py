@@ -246,12 +246,12 @@ def test_evaluation_and_prediction_losses_are_gkds(tmp_path):
 
 
 @pytest.mark.parametrize("option", ["compute_metrics", "preprocess_logits_for_metrics", "student logits_scaling",
-                                    "loss_options beta", "loss_type", "label_smoothing_factor"])
+                                    "loss_options beta", "loss_type", "label_smoothing_factor", "torch_compile"])
 def test_options_the_fused_loss_cannot_honour_raise(tmp_path, option):
     student, teacher = models()
     kwargs, config = {}, {}
-    if option in ("loss_type", "label_smoothing_factor"):  # GKDTrainer ignores them; a set one expects an effect
-        config = {option: "dft" if option == "loss_type" else 0.1}
+    if option in ("loss_type", "label_smoothing_factor", "torch_compile"):  # each changes or skips what the loss reads
+        config = {option: {"loss_type": "dft", "label_smoothing_factor": 0.1, "torch_compile": True}[option]}
         match = f"does not support {option}="
     elif option == "compute_metrics":
         kwargs, match = dict(compute_metrics=lambda prediction: {}), "does not support compute_metrics"

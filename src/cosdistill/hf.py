@@ -60,7 +60,8 @@ def final_hidden_states(model, input_ids, attention_mask=None, head=None, **mode
     finally:
         handle.remove()
     if len(captured) != 1:
-        raise ValueError(f"the model's forward called its LM head {len(captured)} times, expected once")
+        raise ValueError(f"the model's forward called its LM head {len(captured)} times, expected once (a model "
+                         "compiled by torch.compile does not run hooks added after it was compiled)")
     # torch's ColwiseParallel hands the head a replicated DTensor: its local tensor is the whole hidden states.
     return captured[0].to_local() if is_dtensor(captured[0]) else captured[0]
 
@@ -229,7 +230,9 @@ def check_head_reproduces_logits(model, name="model") -> None:
     handle = head.register_forward_pre_hook(lambda _module, args: captured.append(args[0]))
     vocab = head.weight.shape[0]
     probe = (torch.arange(HEAD_CHECK_TOKENS, device=head.weight.device) * 7919 % vocab)[None]
-    with torch.no_grad():
+    # The probe's dropout (NEFTune's noise) draws random numbers: forked, the training run draws as without it.
+    devices = [probe.device] if probe.device.type != "cpu" else []
+    with torch.no_grad(), torch.random.fork_rng(devices, device_type=probe.device.type):
         try:
             logits = model(input_ids=probe, use_cache=False).logits
         finally:
@@ -351,6 +354,8 @@ def check_loss_options(loss: str, loss_options: dict) -> None:
 UNSUPPORTED_ARGS = {
     "label_smoothing_factor": (0, "label smoothing is not part of this loss (its hard term is plain cross-entropy)"),
     "use_liger_kernel": (False, "Liger's patched forward skips the LM head whose input the loss reads"),
+    "torch_compile": (False, "the loss reads the LM head's input through a forward hook, which the compiled model "
+                             "does not run; the loss itself compiles (torch.compile of a step that calls it)"),
 }
 
 

@@ -74,6 +74,7 @@ UNSUPPORTED_HEAD_CONFIG = {
 UNSUPPORTED_GKD_CONFIG = {
     "loss_type": ("nll", "GKD's loss is the generalized JSD alone (loss_type='nll')"),
     "label_smoothing_factor": (0, "label smoothing is not part of GKD's generalized JSD"),
+    "torch_compile": UNSUPPORTED_ARGS["torch_compile"],
 }
 
 # GKDTrainer arguments that read the student's logits, which this trainer never computes.
