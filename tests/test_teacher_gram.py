@@ -173,6 +173,31 @@ def test_bf16_products_keep_fp32_accuracy():
     assert rel_err(rows.double() @ matrix.bfloat16().double(), want) > 1e-3
 
 
+@pytest.mark.parametrize("noise", [1.0, 0.1, 0.01])
+def test_bf16_gradients_lose_what_the_student_part_s_rounding_leaves(noise):
+    """The soft gradient is a teacher part (exact, through C) less a student part stored in the bf16 gradient of the
+    logits; as the student nears the teacher their difference shrinks to ~sqrt(2 (1 - cos)) of either, and the
+    student part's rounding (2^-9) stays: the error against float64 is about 1.7 * 2^-9 / sqrt(2 (1 - cos))
+    (docs/reference.md, the Gram path), 3e-3 at 1 - cos = 0.68, 2e-2 at 0.024, 0.15 at 2.5e-4."""
+    tokens, hidden, vocab = 128, 16, 1024
+    generator = torch.Generator().manual_seed(3)
+    teacher_input, teacher_weight = torch.randn(tokens, hidden, generator=generator), torch.randn(
+        vocab, hidden, generator=generator) * 0.5
+    student_input = (teacher_input + noise * torch.randn(tokens, hidden, generator=generator)).bfloat16()
+    student_weight = (teacher_weight + noise * torch.randn(vocab, hidden, generator=generator)).bfloat16()
+    teacher_input, teacher_weight = teacher_input.bfloat16(), teacher_weight.bfloat16()
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    options = dict(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=1.0)
+    exact = [student_input.double().requires_grad_(), student_weight.double().requires_grad_()]
+    one_minus_cos = naive_cosine_distill(*exact, teacher_input.double(), teacher_weight.double(), labels, **options)[0]
+    one_minus_cos.backward()
+    leaves = [student_input.requires_grad_(), student_weight.requires_grad_()]
+    fused_linear_cosine_distill(*leaves, teacher_input, teacher_weight, labels, cosine_via="gram", **options).backward()
+    bound = 2.5 * 2**-9 / (2 * one_minus_cos.item()) ** 0.5
+    for leaf, want in zip(leaves, exact):
+        assert bound / 2.5 < rel_err(leaf.grad, want.grad) < bound
+
+
 def test_overflowing_products_raise_for_gram_and_auto_takes_the_logits_path():
     """Logits near bf16's max: the Gram path's fp32 products would overflow. cosine_via="gram" raises
     saying so; "auto" finds the bound past RANGE_LIMIT and runs the call on the logits path."""
