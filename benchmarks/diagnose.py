@@ -243,8 +243,9 @@ def layer_parts(tensors, library_kwargs: dict, layouts):
             mark()
             if engine:  # autograd's engine runs a CUDA backward on its own thread
                 loss.backward()
-            else:  # the Function's backward on this thread, the gradients held as the engine would
-                _, _, x_s.grad, w_s.grad, _ = loss.grad_fn.apply(torch.ones_like(loss))
+            else:  # the Function's backward on this thread, the gradients held as the engine would (in no_grad, as
+                with torch.no_grad():  # the engine runs it without create_graph)
+                    _, _, x_s.grad, w_s.grad, _ = loss.grad_fn.apply(torch.ones_like(loss))
         return step
 
     parts = {f"direct rows={layout}": direct(False, ChunkRows(*map(int, layout.split("/")))) for layout in layouts}
