@@ -650,6 +650,9 @@ def test_an_unknown_loss_or_option_raises_before_any_model_runs(tmp_path, monkey
         hf.distill_loss(teacher, teacher, **batch, loss="kl")
     with pytest.raises(TypeError, match=r"loss_options \['cosine_via'\] are not options of fused_linear_jsd"):
         hf.distill_loss(teacher, teacher, **batch, loss="jsd", cosine_via="gram")
+    # taken from the models' heads and configs: Python's bare "multiple values for keyword" before
+    with pytest.raises(TypeError, match=r"loss_options \['student_softcap'\] cannot be given: distill_loss takes them"):
+        hf.distill_loss(teacher, teacher, **batch, student_softcap=30.0)
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match=r"loss must be one of \('cosine', 'jsd'\), got 'kl'"):
         DistillationTrainer(model=teacher, args=args, teacher_model=teacher, loss="kl")

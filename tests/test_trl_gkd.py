@@ -246,7 +246,8 @@ def test_evaluation_and_prediction_losses_are_gkds(tmp_path):
 
 
 @pytest.mark.parametrize("option", ["compute_metrics", "preprocess_logits_for_metrics", "student logits_scaling",
-                                    "loss_options beta", "loss_type", "label_smoothing_factor", "torch_compile"])
+                                    "loss_options beta", "loss_options chunks", "loss_type", "label_smoothing_factor",
+                                    "torch_compile"])
 def test_options_the_fused_loss_cannot_honour_raise(tmp_path, option):
     student, teacher = models()
     kwargs, config = {}, {}
@@ -261,9 +262,11 @@ def test_options_the_fused_loss_cannot_honour_raise(tmp_path, option):
     elif option == "student logits_scaling":
         student.config.logits_scaling = 4.0  # Granite's, applied differently per family
         match = r"the student's config.logits_scaling=4.0"
+    elif option == "loss_options chunks":  # checked before GKDTrainer's construction (raised at the first step)
+        kwargs, match = dict(loss_options=dict(chunks=4)), r"loss_options \['chunks'\] are not options of"
     else:
         kwargs, match = dict(loss_options=dict(beta=0.9)), r"loss_options cannot set \['beta'\]"
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(TypeError if option == "loss_options chunks" else ValueError, match=match):
         DistillationGKDTrainer(model=student, teacher_model=teacher, args=gkd_config(tmp_path, **config),
                                train_dataset=chat_dataset(), processing_class=chat_tokenizer(), **kwargs)
 

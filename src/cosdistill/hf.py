@@ -339,15 +339,24 @@ def distill_loss(
 cosine_distill_loss = distill_loss  # its name from before loss="jsd"
 
 _FUSED_OPTIONS = {loss: frozenset(inspect.signature(fused).parameters) for loss, fused in FUSED_LOSSES.items()}
+# The fused functions' arguments that distill_loss takes from the models (their heads and configs) and the batch.
+_FROM_THE_MODELS = frozenset({"student_input", "student_weight", "teacher_input", "teacher_weight", "true_labels",
+                              "student_bias", "teacher_bias", "student_softcap", "teacher_softcap",
+                              "student_logit_scale", "teacher_logit_scale"})
 
 
 def check_loss_options(loss: str, loss_options: dict) -> None:
-    """Raises for an unknown ``loss`` or an option its fused function does not take, before any model runs."""
+    """Raises for an unknown ``loss``, an option its fused function does not take, or one that distill_loss takes
+    from the models, before any model runs."""
     if loss not in FUSED_LOSSES:
         raise ValueError(f"loss must be one of {tuple(FUSED_LOSSES)}, got {loss!r}")
     unknown = sorted(set(loss_options) - _FUSED_OPTIONS[loss])
     if unknown:
         raise TypeError(f"loss_options {unknown} are not options of {FUSED_LOSSES[loss].__name__} (loss={loss!r})")
+    from_the_models = sorted(set(loss_options) & _FROM_THE_MODELS)
+    if from_the_models:
+        raise TypeError(f"loss_options {from_the_models} cannot be given: distill_loss takes them from the models "
+                        "(their LM heads and configs) and the batch")
 
 
 # Trainer options that change the loss in ways this loss does not follow: each raises at construction.

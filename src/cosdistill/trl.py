@@ -33,6 +33,7 @@ except ImportError as error:
 from .hf import (
     UNSUPPORTED_ARGS,
     DistillationMixin,
+    check_loss_options,
     check_not_tensor_parallel,
     check_sharding,
     check_unsupported_args,
@@ -150,6 +151,12 @@ def _define_gkd_trainer():
                 if bound.get(name) is not None:
                     raise ValueError(f"{type(self).__name__} does not support {name}: {why}")
             check_not_tensor_parallel(type(self).__name__, student=bound.get("model"), teacher=bound.get("teacher_model"))
+            reserved = {"loss", "beta", "temperature", "weight_hard_loss", "weight_soft_loss", "num_valid_tokens",
+                        "ignore_index"} & set(loss_options or {})
+            if reserved:
+                raise ValueError(f"loss_options cannot set {sorted(reserved)}: GKDConfig sets beta, and the loss is "
+                                 "GKD's generalized JSD alone")
+            check_loss_options("jsd", loss_options or {})
             super().__init__(*args, **kwargs)
             check_unsupported_args(self, UNSUPPORTED_GKD_CONFIG)
             check_sharding(self)
@@ -158,11 +165,6 @@ def _define_gkd_trainer():
             check_gkd_heads(self, self.accelerator.unwrap_model(self.model),
                             self.accelerator.unwrap_model(self.teacher_model))
             self.loss_options = dict(loss_options or {})
-            reserved = {"loss", "beta", "temperature", "weight_hard_loss", "weight_soft_loss", "num_valid_tokens",
-                        "ignore_index"} & set(self.loss_options)
-            if reserved:
-                raise ValueError(f"loss_options cannot set {sorted(reserved)}: GKDConfig sets beta, and the loss is "
-                                 "GKD's generalized JSD alone")
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             student = self.accelerator.unwrap_model(model)
