@@ -1,7 +1,8 @@
 """Hugging Face models whose LM heads are split along the vocabulary for tensor parallelism (two processes, gloo on
 the CPU): transformers' ``tp_plan="auto"`` and torch's ``ColwiseParallel`` on the head alone. ``distill_loss`` runs
 the loss over the heads' shards (``vocab_parallel``); the loss and every parameter's gradient, gathered, equal one
-process's with the models whole. Teachers split the same way or whole on every rank, with a larger vocabulary."""
+process's with the models whole. Teachers split the same way or whole on every rank, with a larger vocabulary.
+With COSDISTILL_DISTRIBUTED_BACKEND=nccl each rank runs on its own GPU (benchmarks/two_gpus.sh)."""
 
 import datetime
 import os
@@ -22,6 +23,7 @@ from cosdistill.hf import distill_loss  # noqa: E402
 from cosdistill.testing import rel_err  # noqa: E402
 
 WORLD = 2
+BACKEND = os.environ.get("COSDISTILL_DISTRIBUTED_BACKEND", "gloo")
 VOCAB_STUDENT, VOCAB_TEACHER = 101, 117  # odd: the shards differ in size
 OPTIONS = {"cosine": dict(weight_hard_loss=0.3, weight_soft_loss=1.7, beta=0.7),
            "jsd": dict(weight_hard_loss=0.3, weight_soft_loss=1.7, beta=0.3, temperature=0.8)}
@@ -49,21 +51,29 @@ def batch():
     return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
 
+def device():
+    return torch.device("cuda", torch.cuda.current_device()) if BACKEND == "nccl" else torch.device("cpu")
+
+
 def split(folder, name, vocab, seed, how):
     """The model as this rank holds it: transformers' tensor parallelism, torch's ColwiseParallel on its head, or
     whole."""
-    if how == "tp_plan":
+    if how == "tp_plan":  # on the rank's GPU (LOCAL_RANK) where there is one
         return transformers.AutoModelForCausalLM.from_pretrained(os.path.join(folder, name), tp_plan="auto",
                                                                  attn_implementation="eager")
-    model = tiny_llama(vocab, seed)
+    model = tiny_llama(vocab, seed).to(device())
     if how == "colwise":
-        mesh = init_device_mesh("cpu", (WORLD,))
+        mesh = init_device_mesh(device().type, (WORLD,))
         parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
     return model
 
 
+def batch_on_device():
+    return {key: value.to(device()) for key, value in batch().items()}
+
+
 def gradients(model):
-    return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+    return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().cpu().clone()
             for name, p in model.named_parameters() if p.grad is not None}
 
 
@@ -78,10 +88,10 @@ def refusals(folder):
     student = split(folder, "student", VOCAB_STUDENT, 0, "tp_plan")
     attempts = {
         "teacher split otherwise": lambda: distill_loss(
-            student, split(folder, f"teacher{VOCAB_TEACHER}", VOCAB_TEACHER, 1, "tp_plan"), **batch()),
+            student, split(folder, f"teacher{VOCAB_TEACHER}", VOCAB_TEACHER, 1, "tp_plan"), **batch_on_device()),
         "teacher split, student whole": lambda: distill_loss(
-            tiny_llama(VOCAB_STUDENT, 0), split(folder, f"teacher{VOCAB_STUDENT}", VOCAB_STUDENT, 1, "tp_plan"),
-            **batch()),
+            tiny_llama(VOCAB_STUDENT, 0).to(device()),
+            split(folder, f"teacher{VOCAB_STUDENT}", VOCAB_STUDENT, 1, "tp_plan"), **batch_on_device()),
         "DistillationTrainer": lambda: DistillationTrainer(
             model=student, teacher_model=tiny_llama(VOCAB_STUDENT, 1),
             args=transformers.TrainingArguments(output_dir=os.path.join(folder, "out"), use_cpu=True, report_to="none")),
@@ -89,6 +99,8 @@ def refusals(folder):
             model=student, teacher_model=tiny_llama(VOCAB_STUDENT, 1), args=gkd_config(os.path.join(folder, "out")),
             train_dataset=chat_dataset(), processing_class=chat_tokenizer()),
     }
+    if BACKEND == "nccl":  # the Trainers' refusal comes before any device is used: the CPU run tests it
+        del attempts["DistillationTrainer"], attempts["DistillationGKDTrainer"]
     errors = {}
     for name, attempt in attempts.items():
         try:
@@ -101,7 +113,9 @@ def refusals(folder):
 
 def measure_rank(rank, folder):
     store = dist.FileStore(os.path.join(folder, "store"), WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    if BACKEND == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     # transformers reads these; the process group (FileStore) is up already, so the address is never dialled
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="1")
@@ -111,11 +125,11 @@ def measure_rank(rank, folder):
         for loss, options in OPTIONS.items():
             student = split(folder, "student", VOCAB_STUDENT, 0, student_how)
             teacher = split(folder, f"teacher{vocab_teacher}", vocab_teacher, 1, teacher_how)
-            value, soft, hard = distill_loss(student, teacher, **batch(), loss=loss, return_soft_hard_loss=True,
-                                             **options)
+            value, soft, hard = distill_loss(student, teacher, **batch_on_device(), loss=loss,
+                                             return_soft_hard_loss=True, **options)
             value.backward()
             results[student_how, vocab_teacher, teacher_how, loss] = (
-                torch.stack([value, soft, hard]).detach(), gradients(student))
+                torch.stack([value, soft, hard]).detach().cpu(), gradients(student))
     results["errors"] = refusals(folder)
     if rank == 0:
         torch.save(results, os.path.join(folder, "results.pt"))
@@ -125,6 +139,8 @@ def measure_rank(rank, folder):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    if BACKEND == "nccl" and torch.cuda.device_count() < WORLD:
+        pytest.skip(f"COSDISTILL_DISTRIBUTED_BACKEND=nccl needs {WORLD} CUDA GPUs")
     folder = tmp_path_factory.mktemp("ranks")
     tiny_llama(VOCAB_STUDENT, 0).save_pretrained(folder / "student")
     for vocab in (VOCAB_STUDENT, VOCAB_TEACHER):
@@ -155,4 +171,6 @@ def test_split_heads_give_the_whole_models_loss_and_gradients(results, case, los
     ("DistillationGKDTrainer", r"DistillationGKDTrainer does not support a student whose LM head is split"),
 ])
 def test_refused_splits_raise(results, case, message):
+    if case not in results["errors"]:
+        pytest.skip("the Trainers' refusal is tested on the CPU")
     assert re.search(message, results["errors"][case]), results["errors"][case]
