@@ -34,7 +34,7 @@ from torch.profiler import profile as torch_profile
 import cosdistill
 from cosdistill import testing
 from cosdistill.reference import naive_cosine_distill
-from cosdistill.testing import AttachGradients, ChunkRows, Options, RowStepScales, rel_err, row_step_torch
+from cosdistill.testing import AttachGradients, ChunkRows, Options, RowStepConstants, rel_err, row_step_torch
 from cosdistill.tools.bench import (
     CPU_WORKLOAD,
     CUDA_WORKLOAD,
@@ -628,7 +628,7 @@ def host(args):
 
 # --- row-step ---
 
-ROW_STEP_SCALES = RowStepScales(weight_hard=0.3, weight_soft=0.7, beta=0.9, temperature=2.0, ignore_index=-100)
+ROW_STEP_SCALES = RowStepConstants(weight_hard=0.3, weight_soft=0.7, beta=0.9, temperature=2.0, ignore_index=-100)
 # (rows, vocab, padding columns) the cluster kernel is checked at: the seed's and other LLMs' vocabularies, odd ones
 CLUSTER_CHECK_SHAPES = ((1024, 128256, 0), (256, 262144, 0), (300, 32000, 0), (100, 1000, 8), (33, 8, 0), (64, 151936, 0),
                         (200, 98304, 0), (64, 200064, 0), (300, 49152, 8))

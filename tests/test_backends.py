@@ -79,7 +79,7 @@ def test_every_triton_launch_pins_fma_contraction(monkeypatch):
     from triton.runtime.interpreter import InterpretedFunction
 
     from conftest import random_chunk, run_jsd_split_stages
-    from cosdistill.testing import RowStepScales
+    from cosdistill.testing import RowStepConstants
     from cosdistill.tools.check import split_in_two
 
     launched = {}
@@ -95,7 +95,7 @@ def test_every_triton_launch_pins_fma_contraction(monkeypatch):
     every_kernel = {name for module in modules for name, value in vars(module).items()
                     if isinstance(value, InterpretedFunction) and name.endswith("_kernel")}
     student, teacher, labels = random_chunk(6, 40, 45, torch.float32)
-    scales = RowStepScales(0.4, 0.6, 0.5, 1.5, -7)
+    scales = RowStepConstants(0.4, 0.6, 0.5, 1.5, -7)
     losses = torch.empty(6, 2)
     kernels.row_step_triton.row_step_triton(student.clone(), teacher, labels, scales, losses, True)
     split_in_two(TRITON_ROW_STEP, student.clone(), teacher, labels, scales, losses, True)  # statistics, gradient

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from conftest import POISON, random_chunk
-from cosdistill.testing import TORCH_ROW_STEP, TRITON_ROW_STEP, RowStepScales, combine_row_stats, row_step_torch, row_step_triton
+from cosdistill.testing import (
+    TORCH_ROW_STEP,
+    TRITON_ROW_STEP,
+    RowStepConstants,
+    combine_row_stats,
+    row_step_torch,
+    row_step_triton,
+)
 
 
 def shard_bounds(vocab_teacher, shards, generator):
@@ -27,7 +34,7 @@ def test_statistics_of_vocabulary_shards_combine_to_the_whole_row_step(impl_name
     generator = torch.Generator().manual_seed(vocab_teacher * shards)
     rows = 9
     student, teacher, labels = random_chunk(rows, vocab_student, vocab_teacher, torch.float32)
-    scales = RowStepScales(0.4, 0.7, 0.6, 1.3, -7, student_softcap=softcaps[0], teacher_softcap=softcaps[1])
+    scales = RowStepConstants(0.4, 0.7, 0.6, 1.3, -7, student_softcap=softcaps[0], teacher_softcap=softcaps[1])
     whole_grad, whole_losses = student.clone(), torch.full((rows, 2), POISON)
     row_step_torch(whole_grad, teacher, labels, scales, whole_losses, True)
 
@@ -52,7 +59,7 @@ def test_fp16_lifts_match_torch_and_keep_gradients_in_fp16_range(weights, softca
     student, teacher, labels = random_chunk(rows, vocab, vocab, torch.float16)
     student[2] = 0.0
     labels[2] = 5  # counted
-    scales = RowStepScales(weights[0], weights[1], beta=0.8, temperature=1.3, ignore_index=-7,
+    scales = RowStepConstants(weights[0], weights[1], beta=0.8, temperature=1.3, ignore_index=-7,
                            student_softcap=softcap)
     plain_grad, plain_losses = student.float(), torch.empty(rows, 2)
     row_step_torch(plain_grad, teacher.float(), labels, scales, plain_losses, True)  # fp32: all in range

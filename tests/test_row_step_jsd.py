@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import make_problem, rel_err
 from cosdistill import FusedLinearJSDLoss, fused_linear_jsd
 from cosdistill.testing import (
-    RowStepScales,
+    RowStepConstants,
     combine_jsd_stats,
     combine_jsd_sums,
     jsd_lift_bound,
@@ -61,7 +61,7 @@ def test_row_step_matches_autograd_of_the_reference(beta, temperature):
     t = torch.randn(9, 47, generator=generator, dtype=torch.float64) * 3
     labels = torch.randint(0, 40, (9,), generator=generator)
     labels[[2, 5]] = -100
-    scales = RowStepScales(0.3, 1.7, beta, temperature, -100)
+    scales = RowStepConstants(0.3, 1.7, beta, temperature, -100)
     leaf = s.clone().requires_grad_()
     valid = labels != -100
     hard = torch.where(valid, torch.logsumexp(leaf, 1) - leaf.gather(1, labels.clamp(min=0)[:, None])[:, 0], 0.0)
@@ -93,7 +93,7 @@ def test_its_stages_over_a_vocabulary_split_give_the_whole_rows_step(beta, write
     generator = torch.Generator().manual_seed(int(10 * beta))
     s, t = torch.randn(9, 30, generator=generator) * 3, torch.randn(9, 47, generator=generator) * 3
     labels = torch.tensor([0, 15, 16, 29, -100, 3, 40, 22, 7])  # 40: out of range, taken as ignored
-    scales = RowStepScales(0.3, 1.7, beta, 1.5, -100)
+    scales = RowStepConstants(0.3, 1.7, beta, 1.5, -100)
     want, want_losses = s.clone(), torch.empty(9, 2)
     row_step_jsd_torch(want, t, labels, scales, want_losses, write_grad)
     shards, stats, sums = split_stages(s, t, labels, scales, [(0, 16), (16, 32), (32, 47)])
@@ -112,7 +112,7 @@ def test_fp16_lifts_are_the_same_over_a_vocabulary_split(beta):
     s = (torch.randn(9, 300, generator=generator) * 2).half()
     t = (torch.randn(9, 470, generator=generator) * 2).half()
     labels = torch.tensor([0, 150, 160, 299, -100, 3, 400, 220, 7])
-    scales = RowStepScales(0.0, 1.0, beta, 1.3, -100)
+    scales = RowStepConstants(0.0, 1.0, beta, 1.3, -100)
     want, want_lifts = s.clone(), torch.empty(9)
     row_step_jsd_torch(want, t, labels, scales, torch.empty(9, 2), True, want_lifts)
     assert (want_lifts > 1).any() and (want_lifts[[4, 6]] == 1).all(), want_lifts  # rows 4 and 6 are ignored
@@ -145,7 +145,7 @@ def test_the_lift_bound_holds(beta, temperature, case, weight_hard):
     s, t = (x.double() for x in LIFT_CASES[case](generator))
     labels = torch.tensor([0, 5, 39, 12, 21, 30])
     for heads in ({}, dict(student_softcap=5.0, student_logit_scale=1.7, teacher_softcap=8.0)):
-        scales = RowStepScales(weight_hard, 0.9, beta, temperature, -100, **heads)
+        scales = RowStepConstants(weight_hard, 0.9, beta, temperature, -100, **heads)
         stats = jsd_row_stats(s, t, labels, scales)
         sums = jsd_row_sums(s, t, stats, scales, lift_terms=True)
         grad = s.clone()
@@ -165,7 +165,7 @@ def test_a_one_column_student_gets_the_soft_terms_gradient_alone(vocab_teacher):
     soft = jsd_reference(leaf, t, 0.5442, 1.0)
     (1.2 * (torch.logsumexp(leaf, 1) - leaf[:, 0]).sum() + 0.26 * soft.sum()).backward()
     got, losses = s.float(), torch.empty(5, 2)
-    row_step_jsd_torch(got, t.float(), torch.zeros(5, dtype=torch.long), RowStepScales(1.2, 0.26, 0.5442, 1.0, -1),
+    row_step_jsd_torch(got, t.float(), torch.zeros(5, dtype=torch.long), RowStepConstants(1.2, 0.26, 0.5442, 1.0, -1),
                        losses, True)
     assert rel_err(got, leaf.grad) < 1e-5
 
@@ -177,7 +177,7 @@ def test_peaked_teacher_and_extreme_temperatures_stay_finite():
     for beta in BETAS:
         for temperature in (0.05, 20.0):
             logits, losses = s.clone(), torch.empty(4, 2)
-            row_step_jsd_torch(logits, t, torch.tensor([1, 2, 3, -100]), RowStepScales(0.5, 0.5, beta, temperature, -100),
+            row_step_jsd_torch(logits, t, torch.tensor([1, 2, 3, -100]), RowStepConstants(0.5, 0.5, beta, temperature, -100),
                                losses, True)
             assert torch.isfinite(losses).all() and torch.isfinite(logits).all()
 

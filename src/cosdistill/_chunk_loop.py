@@ -55,10 +55,10 @@ class TeacherSide(Protocol):
         """Raise if this call's inputs were out of the side's range (read once N is read)."""
 
     def grad_input_share_into(self, grad_input_rows: torch.Tensor, inv_normaliser: float) -> bool:
-        """Write its share of the last chunk's grad_input rows; whether it wrote (adds_grad_input_share)."""
+        """Write its share of the current chunk's grad_input rows; whether it wrote (adds_grad_input_share)."""
 
     def accumulate(self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> None:
-        """The last chunk's part of its grad_weight share."""
+        """The current chunk's part of its grad_weight share."""
 
     def grad_weight_share_into(self, grad_weight: torch.Tensor, alpha: float, beta: float) -> bool:
         """grad_weight = beta * grad_weight + alpha * its share, after the loop; whether it wrote."""
@@ -75,8 +75,8 @@ def check_not_creating_graph() -> None:
 @dataclass
 class Gradients:
     """The student's gradients for grad_output = 1, less the last chunk's grad_weight GEMM, which waits
-    for grad_output: scaling by it then rides on that GEMM instead of a pass over grad_weight (measured:
-    1.1 ms at T = 1024 on the H200). The last chunk's grad_input GEMM
+    for grad_output: scaling by it then rides on that GEMM instead of a pass over grad_weight (docs/design.md,
+    Chunking and buffers). The last chunk's grad_input GEMM
     waits too where it can (``last_grad_input``): queued in backward before the host waits to read
     grad_output, it keeps the GPU busy while the host launches the grad_weight GEMM. A small call runs that
     grad_weight GEMM in forward instead (``scale_grad_weight``): its GPU would idle until backward launched it."""

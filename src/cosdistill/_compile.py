@@ -6,7 +6,8 @@ reads grad_output on the host to fold it into the last grad_weight GEMM. Each wo
 
 So while compiling, ``api.distill`` hands over to ``compiled_distill`` here. It runs
 the checks that need no host read at trace time (the same rules and messages as eager), flattens 3-D
-inputs and calls ``cosdistill::fused_linear_cosine_distill``, an opaque op: the compiler sees only its
+inputs and calls ``cosdistill::fused_linear_cosine_distill``, an opaque op for both losses (its ``loss``
+option picks the cosine term or the generalized JSD; the name is the first loss's): the compiler sees only its
 fake (meta) implementation, and at run time the real one runs eagerly as one call into the same chunk
 loop as eager. The op returns the loss, soft, hard and the student gradients for grad_output = 1,
 computed in the same single pass; its registered backward only multiplies them by grad_output.
@@ -20,7 +21,9 @@ What differs from eager:
   roundings are eager's: grad_weight leaves the op in the accum dtype and grad_bias in fp32, and
   both are cast to their leaves' dtypes only after the multiply. Only a bf16/fp16 accumulator
   (accum_dtype = the weight's dtype, the default for such weights) rounds grad_weight once more.
-* backward may run more than once (eager raises): the saved gradients are not consumed.
+* backward may run more than once (eager raises): the saved gradients are not consumed. Neither runs with
+  create_graph=True (their gradients have no gradient of their own): the op raises, torch.compile refuses the
+  double backward itself.
 * The op is tagged cudagraph_unsafe: inductor's CUDA graphs (mode="reduce-overhead") leave it out.
 * Scalar options must be Python numbers (a tensor ``beta`` would need a host read); num_valid_tokens
   may be a number or a tensor, as in eager.

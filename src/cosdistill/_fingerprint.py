@@ -1,5 +1,5 @@
 """A hash of a tensor's bits, computed on its device: how a cached value derived from a weight proves
-that the weight's contents have not changed (weight_cache.py).
+that the weight's contents have not changed (_weight_cache.py).
 
 The weight is read as a matrix of 32-bit words b[r, c] (two bf16 or fp16 elements each where its rows
 allow, else one 16-bit element each, sign-extended; fp32 elements as they are). Each word is first mixed,

@@ -14,7 +14,7 @@ import torch
 
 from . import _teacher_fp8
 from ._backends import IMPLS
-from ._row_step import RowStepScales
+from ._row_step import RowStepConstants
 
 COSINE_VIA = ("auto", "logits", "gram")
 LOSSES = ("cosine", "jsd")  # the soft term: cosine similarity (_row_step.py) or generalized JSD (_row_step_jsd.py)
@@ -107,10 +107,10 @@ class Options:
                 raise ValueError("loss='jsd' does not take cosine_via='gram': the divergence needs the teacher's logits")
 
     @functools.cached_property  # read at every call; a frozen dataclass's __dict__ can still hold it
-    def scales(self) -> RowStepScales:
+    def scales(self) -> RowStepConstants:
         """The row step's constants."""
         optional = lambda value: None if value is None else float(value)  # noqa: E731
-        return RowStepScales(
+        return RowStepConstants(
             float(self.weight_hard_loss), float(self.weight_soft_loss), float(self.beta), float(self.temperature),
             int(self.ignore_index), student_softcap=optional(self.student_softcap),
             teacher_softcap=optional(self.teacher_softcap), student_logit_scale=float(self.student_logit_scale),

@@ -13,7 +13,7 @@ from ._backends import TORCH, Backend, backend_for
 from ._chunk_loop import ChunkResult, ChunkRows, chunked_loss_and_grads, start_student_logits
 from ._labels import LabelCounts
 from ._options import Options, check_accum_dtype, check_tensors, default_accum_dtype
-from ._row_step import RowStepImpl, RowStepScales
+from ._row_step import RowStepConstants, RowStepImpl
 from ._split_check import VocabParallel
 from ._teacher_logits import LogitsTeacher, SideStream, TeacherHead
 
@@ -26,7 +26,7 @@ class Plan:
     options: Options
     backend: Backend
     row_step: RowStepImpl  # the backend's for the loss
-    scales: RowStepScales  # the row step's constants (with the vocabulary split's, if any)
+    scales: RowStepConstants  # the row step's constants (with the vocabulary split's, if any)
     teacher: str  # "logits", "fp8" or "gram"
     rows: ChunkRows
     needs_grad: tuple[bool, bool, bool]  # input, weight, bias
@@ -275,11 +275,10 @@ def _gram_blockers(options: Options, student_weight, student_bias, teacher_weigh
 
 
 
-# At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole grad_weight,
-# and below ~1024 rows that traffic shows (V = 262144 at 512 rows: 1.34x the floor, at 1024: 1.25x).
-# More rows while the two logits buffers stay small (small vocabularies: V = 32000's bare chunk loop
-# ran 1.02x the floor at 4096 rows, 1.05x at 2048), and fewer than 1024 only past a
-# hard budget. The seed vocabulary's chunks are set by the rules below, not by this one.
+# At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole grad_weight, and with
+# fewer rows that traffic shows. More rows while the two logits buffers stay small (small vocabularies), and
+# fewer than 1024 only past a hard budget (docs/design.md, Chunking and buffers). The seed vocabulary's chunks
+# are set by the rules below, not by this one.
 MIN_PREFERRED_ROWS = 1024
 SMALL_BUFFER_BYTES = 512 * 2**20  # grow the chunk up to this...
 MAX_BUFFER_BYTES = 5 * 2**28  # ...and shrink it below MIN_PREFERRED_ROWS only past this (1.25 GiB)
@@ -287,8 +286,7 @@ CHUNK_MULTIPLE = 64
 # The student's chunk (its logits GEMM and the two gradient GEMMs) this long where the hard budget
 # allows, the teacher's logits computed in sub-chunks: the gradient GEMMs cost less per token at 2048
 # rows (the grad_weight traffic per chunk halves), for a larger student buffer only. The
-# teacher's sub-chunks shrink to MIN_TEACHER_ROWS first to make room (V = 262144: 2048 / 512 ran 3%
-# faster than 1024 / 1024; docs/design.md, Chunking and buffers).
+# teacher's sub-chunks shrink to MIN_TEACHER_ROWS first to make room (docs/design.md, Chunking and buffers).
 MIN_STUDENT_ROWS = 2048
 MIN_TEACHER_ROWS = 512
 

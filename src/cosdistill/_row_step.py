@@ -1,7 +1,7 @@
 """The fused row step in plain torch: the executable spec of the loss and of its gradient.
 
 For one chunk of tokens it takes the student logits s [n, Vs] and the teacher logits t [n, Vt]
-(Vt >= Vs; s is treated as zero-padded to Vt; t is None on the Gram path, gram.py, which supplies
+(Vt >= Vs; s is treated as zero-padded to Vt; t is None on the Gram path, _teacher_gram.py, which supplies
 s.t and |t|^2 through ``with_teacher_products`` and the gradient's t term itself), and
 
 * with a logit scale (Cohere style), multiplies s by a_s and t by a_t; then, with softcapping
@@ -64,7 +64,7 @@ MAX, SUM_EXP, TARGET, DOT, SUM_SQ_S, SUM_SQ_T, SCALE_S, SCALE_T = range(NUM_STAT
 
 
 @dataclass(frozen=True)
-class RowStepScales:
+class RowStepConstants:
     """Per-call constants of the row step."""
 
     weight_hard: float
@@ -108,7 +108,7 @@ def scale_and_softcap(logits: torch.Tensor, scale: float, cap: float | None) -> 
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
-def label_columns(labels: torch.Tensor, vocab_student: int, scales: RowStepScales):
+def label_columns(labels: torch.Tensor, vocab_student: int, scales: RowStepConstants):
     """(valid, in_shard, column): which tokens count, and where each label lies in this shard's columns."""
     total = vocab_student if scales.vocab_student_total is None else scales.vocab_student_total
     valid = (labels != scales.ignore_index) & (labels >= 0) & (labels < total)
@@ -117,8 +117,8 @@ def label_columns(labels: torch.Tensor, vocab_student: int, scales: RowStepScale
     return valid, in_shard, torch.where(in_shard, column, 0)
 
 
-def _transformed(student_logits, teacher_logits, scales: RowStepScales):
-    """s and t as the loss sees them; t is None without teacher logits (the Gram path, gram.py)."""
+def _transformed(student_logits, teacher_logits, scales: RowStepConstants):
+    """s and t as the loss sees them; t is None without teacher logits (the Gram path, _teacher_gram.py)."""
     s = scale_and_softcap(student_logits.float(), scales.student_logit_scale, scales.student_softcap)
     if teacher_logits is None:
         return s, None
@@ -133,7 +133,7 @@ def _abs_max_or_one(x: torch.Tensor) -> torch.Tensor:
     return torch.where(abs_max > 0, abs_max, 1.0)
 
 
-def row_stats_torch(student_logits, teacher_logits, labels, scales: RowStepScales) -> torch.Tensor:
+def row_stats_torch(student_logits, teacher_logits, labels, scales: RowStepConstants) -> torch.Tensor:
     rows, vocab_student = student_logits.shape
     s, t = _transformed(student_logits, teacher_logits, scales)
     _, in_shard, column = label_columns(labels, vocab_student, scales)
@@ -158,10 +158,10 @@ def row_stats_torch(student_logits, teacher_logits, labels, scales: RowStepScale
 
 
 def with_teacher_products(stats: torch.Tensor, dot: torch.Tensor, sum_sq_teacher: torch.Tensor,
-                          scales: RowStepScales) -> torch.Tensor:
+                          scales: RowStepConstants) -> torch.Tensor:
     """The statistics of a row step run without teacher logits (row_stats_torch(s, None, ...)), completed
     with each row's s.t and |t|^2 of the heads' raw logits (before the logit scales), which the Gram
-    path computes from the weights' Gram matrices instead (gram.py). In place; returns stats."""
+    path computes from the weights' Gram matrices instead (_teacher_gram.py). In place; returns stats."""
     teacher_scale = scales.teacher_logit_scale
     stats[:, DOT] = dot * (scales.student_logit_scale * teacher_scale) / stats[:, SCALE_S]
     stats[:, SUM_SQ_T] = sum_sq_teacher * (teacher_scale * teacher_scale)
@@ -170,7 +170,7 @@ def with_teacher_products(stats: torch.Tensor, dot: torch.Tensor, sum_sq_teacher
 
 
 def teacher_grad_coefficient(stats: torch.Tensor, labels: torch.Tensor, vocab_student: int,
-                             scales: RowStepScales) -> torch.Tensor:
+                             scales: RowStepConstants) -> torch.Tensor:
     """Per row, c such that d L / d s (of the raw student logits) = c * t (raw teacher logits) plus what
     the row step writes without teacher logits; 0 for ignored rows. No softcap (its derivative would
     multiply t entry by entry)."""
@@ -197,7 +197,7 @@ def combine_row_stats(shard_stats: torch.Tensor) -> torch.Tensor:
     return stats
 
 
-def cosine_terms(stats: torch.Tensor, scales: RowStepScales):
+def cosine_terms(stats: torch.Tensor, scales: RowStepConstants):
     """cos(s/T, t/T) and the two coefficients of its gradient, from the row statistics.
 
     d cos / d s = coef_teacher * t - coef_student * s (t and s as they are, not divided by their
@@ -219,7 +219,7 @@ def cosine_terms(stats: torch.Tensor, scales: RowStepScales):
     return cos, coef_teacher, coef_student
 
 
-def row_lift_bound(stats: torch.Tensor, scales: RowStepScales, coef_teacher, coef_student) -> torch.Tensor:
+def row_lift_bound(stats: torch.Tensor, scales: RowStepConstants, coef_teacher, coef_student) -> torch.Tensor:
     """A bound on max_v |d L / d s_v| of each row: |p - onehot| <= 1, |t_v| <= |t| and |s_v| <= |s|;
     the softcap's derivative is <= 1."""
     soft = coef_teacher * stats[:, SCALE_T] * torch.sqrt(stats[:, SUM_SQ_T]) + (
@@ -236,7 +236,7 @@ def lift_for(bound: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(bound), exponent.int())
 
 
-def row_grad_torch(student_logits, teacher_logits, labels, stats, scales: RowStepScales, token_losses, write_grad,
+def row_grad_torch(student_logits, teacher_logits, labels, stats, scales: RowStepConstants, token_losses, write_grad,
                    grad_lifts=None):
     vocab_student = student_logits.shape[1]
     valid, in_shard, column = label_columns(labels, vocab_student, scales)
@@ -268,7 +268,7 @@ def row_grad_torch(student_logits, teacher_logits, labels, stats, scales: RowSte
     student_logits.copy_(grad)
 
 
-def row_step_torch(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
+def row_step_torch(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,
                    grad_lifts=None) -> None:
     stats = row_stats_torch(student_logits, teacher_logits, labels, scales)
     row_grad_torch(student_logits, teacher_logits, labels, stats, scales, token_losses, write_grad, grad_lifts)

@@ -11,7 +11,7 @@ those factors):
     beta = 1:  soft = KL(p || q) = sum p (a - b)                       (reverse KL)
     else:      m = log((1 - beta) p + beta q), in log space: logaddexp(a + log(1 - beta), b + log(beta))
                soft = beta KL(q || M) + (1 - beta) KL(p || M)          (generalized JSD)
-    hard = logsumexp(s) - s[label]                                     (unscaled logits, student vocabulary)
+    hard = logsumexp(s) - s[label]                                     (s not divided by T, student vocabulary)
 
 Ignored tokens (label == ignore_index, or outside [0, Vs)) get 0. These are TRL's
 ``GKDTrainer.generalized_jsd_loss`` and Liger-Kernel's ``LigerFusedLinearJSDLoss`` per token, without a factor
@@ -47,7 +47,7 @@ import math
 
 import torch
 
-from ._row_step import RowStepImpl, RowStepScales, label_columns, lift_for, scale_and_softcap
+from ._row_step import RowStepConstants, RowStepImpl, label_columns, lift_for, scale_and_softcap
 
 SPEC_DTYPE = torch.float64
 # Per-row statistics of the JSD's row step, along the last dimension of a [n, 4] float64 tensor; over a
@@ -61,7 +61,7 @@ JSD_STATS = (
 LSE, TARGET, LSE_STUDENT, LSE_TEACHER = range(len(JSD_STATS))
 
 
-def _as_the_loss_sees_them(student_logits, teacher_logits, scales: RowStepScales):
+def _as_the_loss_sees_them(student_logits, teacher_logits, scales: RowStepConstants):
     """(s, t) in SPEC_DTYPE, each times its logit scale, then softcapped (as _row_step.py's)."""
     s = scale_and_softcap(student_logits.to(SPEC_DTYPE), scales.student_logit_scale, scales.student_softcap)
     t = scale_and_softcap(teacher_logits.to(SPEC_DTYPE), scales.teacher_logit_scale, scales.teacher_softcap)
@@ -73,7 +73,7 @@ def _padded(s, vocab_teacher):
     return torch.nn.functional.pad(s, (0, vocab_teacher - s.shape[1])) if vocab_teacher > s.shape[1] else s
 
 
-def jsd_row_stats(student_logits, teacher_logits, labels, scales: RowStepScales) -> torch.Tensor:
+def jsd_row_stats(student_logits, teacher_logits, labels, scales: RowStepConstants) -> torch.Tensor:
     """[n, len(JSD_STATS)] over this shard's columns."""
     rows, vocab_student = student_logits.shape
     _, in_shard, column = label_columns(labels, vocab_student, scales)
@@ -125,7 +125,7 @@ def _soft_brackets(a, d, g, beta):
     return a.exp() - (a + d).exp() if beta == 0.0 else a.exp() * g
 
 
-def jsd_row_sums(student_logits, teacher_logits, stats, scales: RowStepScales, lift_terms=False) -> torch.Tensor:
+def jsd_row_sums(student_logits, teacher_logits, stats, scales: RowStepConstants, lift_terms=False) -> torch.Tensor:
     """[n, 2]: the soft term and the gradient's student part (jsd_terms) over this shard's columns; with
     ``lift_terms`` [n, 4], with the largest |_soft_brackets| and the largest p over its student columns (0 over
     none), which jsd_lift_bound needs. A vocabulary split adds up the first two across ranks and takes the
@@ -145,13 +145,14 @@ def jsd_row_sums(student_logits, teacher_logits, stats, scales: RowStepScales, l
 
 
 def combine_jsd_sums(shard_sums: torch.Tensor) -> torch.Tensor:
-    """The whole vocabulary's sums from its shards', [shards, n, 2 or 4] -> [n, 2 or 4]."""
+    """The whole vocabulary's sums from its shards', [shards, n, c] -> [n, c]: the first two columns summed, the
+    rest (2 here, 1 from the Triton stages: the largest terms of the fp16 bound) the shards' largest."""
     sums = shard_sums.sum(0)
     sums[:, 2:] = shard_sums[..., 2:].amax(0)
     return sums
 
 
-def jsd_lift_bound(sums, scales: RowStepScales) -> torch.Tensor:
+def jsd_lift_bound(sums, scales: RowStepConstants) -> torch.Tensor:
     """[n]: a bound on each row's largest |d L / d s| from sums with their lift terms (the module's docstring
     says why it holds)."""
     soft = sums[:, 2] + sums[:, 3] * sums[:, 1].abs()
@@ -159,7 +160,7 @@ def jsd_lift_bound(sums, scales: RowStepScales) -> torch.Tensor:
         scales.student_logit_scale)
 
 
-def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales: RowStepScales, token_losses,
+def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales: RowStepConstants, token_losses,
                  write_grad, grad_lifts=None) -> None:
     """The losses from the (combined) statistics and sums and, if asked, d L / d s of this shard's columns
     (times the row's lift, given ``grad_lifts``; 1 for an ignored row)."""
@@ -191,7 +192,7 @@ def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales: Ro
     student_logits.copy_(torch.where(valid[:, None], grad, 0.0))
 
 
-def row_step_jsd_torch(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
+def row_step_jsd_torch(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,
                        grad_lifts=None):
     stats = jsd_row_stats(student_logits, teacher_logits, labels, scales)
     sums = jsd_row_sums(student_logits, teacher_logits, stats, scales, lift_terms=grad_lifts is not None)

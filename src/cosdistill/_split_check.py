@@ -18,7 +18,7 @@ from ._chunk_loop import ChunkRows
 from ._device import HostCopy
 from ._labels import LabelCounts
 from ._options import FLOAT_DTYPES, LOSSES, Options
-from ._row_step import RowStepScales
+from ._row_step import RowStepConstants
 
 
 @runtime_checkable  # a call checks that its vocab_parallel has these members
@@ -94,7 +94,7 @@ def check_vocab_parallel(split: VocabParallel, plan: PlannedCall | None, num_tok
 
 RANK_COLUMNS = ("start", "stop", "raised", "vocab_student", "vocab_teacher", "the number of tokens",
                 "rows per chunk", "the soft term", "student dtype", "gradients asked for (input, weight, bias bits)",
-                "num_valid_tokens", *(f"option {field.name}" for field in dataclasses.fields(RowStepScales)))
+                "num_valid_tokens", *(f"option {field.name}" for field in dataclasses.fields(RowStepConstants)))
 HASHED = ("student_input", "teacher_input", "true_labels")  # two lanes each
 # the lanes, then a num_valid_tokens tensor's value (its float64 bits; 0 where not a tensor), then whether this
 # call found the rank's cached FP8 copy stale

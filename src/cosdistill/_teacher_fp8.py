@@ -21,9 +21,9 @@ from ._weight_cache import WeightCache
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 GEMM_MULTIPLE = 16  # _scaled_mm needs M, K and N divisible by 16
-# The tensor cores' partial sums are not promoted to fp32 every few K steps: the GEMM runs 11-13%
-# faster on the H200 and the soft loss and gradients on real-looking data moved no more than e4m3
-# rounding already moves them (docs/design.md, The FP8 teacher).
+# The tensor cores' partial sums are not promoted to fp32 every few K steps: the GEMM runs faster and the
+# soft loss and gradients on real-looking data moved no more than e4m3 rounding already moves them
+# (docs/design.md, The FP8 teacher).
 FAST_ACCUMULATION = True
 WEIGHT_ROWS_PER_STEP = 8192  # quantize the weight in slices: bounded temporary memory
 

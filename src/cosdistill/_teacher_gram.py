@@ -34,7 +34,7 @@ The teacher's Gram matrix is kept across calls while the teacher weight is uncha
 import torch
 
 from ._device import HostCopy, addmm_into
-from ._row_step import RowStepScales, teacher_grad_coefficient, with_teacher_products
+from ._row_step import RowStepConstants, teacher_grad_coefficient, with_teacher_products
 from ._weight_cache import WeightCache
 
 # The largest bound on the Gram path's fp32 products (s.t and |t|^2, after the logit scales and the
@@ -77,8 +77,8 @@ def _build_teacher_gram(teacher_weight: torch.Tensor) -> tuple[tuple[torch.Tenso
 teacher_grams = WeightCache("Gram matrix W_t^T W_t", _build_teacher_gram)
 
 
-# The Gram path must cost at most this share of the teacher GEMM's FLOPs: at V = 151936, H = 3584, T = 4096
-# (0.96 of them) it ran 1% faster in one H200 run and 5% slower in another (docs/design.md, The Gram path).
+# The Gram path must cost at most this share of the teacher GEMM's FLOPs: near parity it ran faster in one H200
+# run and slower in another (docs/design.md, The Gram path).
 GRAM_MARGIN = 0.9
 
 
@@ -105,7 +105,7 @@ class GramTeacher:
 
     adds_grad_input_share = True
 
-    def __init__(self, teacher_weight: torch.Tensor, student_weight: torch.Tensor, backend, scales: RowStepScales,
+    def __init__(self, teacher_weight: torch.Tensor, student_weight: torch.Tensor, backend, scales: RowStepConstants,
                  write_grad_weight: bool):
         self.full_teacher_weight, self.student_weight = teacher_weight, student_weight
         self.teacher_weight = teacher_weight.detach()[: student_weight.shape[0]]
@@ -168,12 +168,12 @@ class GramTeacher:
         self.coefficients = teacher_grad_coefficient(stats, labels, student_logits.shape[1], scales)
 
     def grad_input_share_into(self, grad_input_rows: torch.Tensor, inv_normaliser: float) -> bool:
-        """grad_input_rows = c_i * h_t,i C / N for the last chunk (the GEMM of d L / d s adds the rest)."""
+        """grad_input_rows = c_i * h_t,i C / N for the current chunk (the GEMM of d L / d s adds the rest)."""
         grad_input_rows.copy_(self.cross_rows.mul_((self.coefficients * inv_normaliser)[:, None]))
         return True
 
     def accumulate(self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> None:
-        """A += sum over the last chunk's rows of c_i h_t,i^T h_s,i (with grad_weight)."""
+        """A += sum over the current chunk's rows of c_i h_t,i^T h_s,i (with grad_weight)."""
         if self.outer is not None:
             scaled = (teacher_hidden.float() * self.coefficients[:, None]).to(teacher_hidden.dtype)
             addmm_into(self.outer, scaled.t(), student_hidden, alpha=1.0, beta=1.0)

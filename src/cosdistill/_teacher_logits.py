@@ -11,7 +11,7 @@ import torch
 from ._chunk_loop import ChunkRows
 from ._device import logits_into
 from ._fingerprint import as_words
-from ._row_step import RowStepScales
+from ._row_step import RowStepConstants
 
 
 class TeacherHead:
@@ -78,7 +78,7 @@ class LogitsTeacher:
 
     adds_grad_input_share = False  # d loss / d s alone makes the gradients
 
-    def __init__(self, head, row_step, scales: RowStepScales, rows: ChunkRows, side: SideStream | None = None,
+    def __init__(self, head, row_step, scales: RowStepConstants, rows: ChunkRows, side: SideStream | None = None,
                  hashing_step=None, fingerprint=None):
         self.head, self.step, self.scales, self.rows, self.side = head, row_step, scales, rows, side
         self.poison, self.later = head.poison, head.later

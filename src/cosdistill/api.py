@@ -266,8 +266,8 @@ def fused_linear_jsd(
     chunking, the FP8 teacher (``teacher_precision="fp8"``) and the other keywords are the cosine loss's. The
     softcaps and logit scales are ``fused_linear_cosine_distill``'s: each model's logits times its scale, then
     softcapped, before both terms. With ``vocab_parallel`` each chunk all-gathers two small per-token tensors
-    (the log-sum-exps, then the divergence's sums) where the cosine loss gathers one, after the call's one
-    all-gather that checks the split (cosdistill.distributed.vocab_parallel). ``compiled`` is accepted
+    (the log-sum-exps, then the divergence's sums) where the cosine loss gathers one, besides the call's two
+    gathers that check the split (cosdistill.distributed.vocab_parallel). ``compiled`` is accepted
     for compatibility with Liger and changes nothing. fp16 weights take the cosine loss's lifted fp16 gradient
     (the Triton step's on a GPU: the cluster kernel takes bf16 only).
     """

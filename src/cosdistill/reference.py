@@ -9,6 +9,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+__all__ = ["NAIVE_LOSSES", "naive_cosine_distill", "naive_jsd"]
+
 
 def _full_logits(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
                  teacher_bias, ignore_index, num_valid_tokens):

@@ -89,8 +89,8 @@ from ._options import Options, options_of  # noqa: E402
 from ._plan import chunk_rows  # noqa: E402
 from ._row_step import (  # noqa: E402
     TORCH_ROW_STEP,
+    RowStepConstants,
     RowStepImpl,
-    RowStepScales,
     combine_row_stats,
     row_step_torch,
     scale_and_softcap,
@@ -161,7 +161,7 @@ __all__ = [
     "TORCH", "backend_for", "scale_unless_one_torch", "ChunkRows", "chunked_loss_and_grads", "fingerprint_torch",
     "as_words", "lanes_of", "stale_check_torch", "LabelCounts", "count_labels_torch", "mean_losses_torch", "Options",
     "options_of", "chunk_rows", "TORCH_ROW_STEP", "RowStepImpl",
-    "RowStepScales", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
+    "RowStepConstants", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
     "with_teacher_products", "LogitsTeacher", "TeacherHead", "AttachGradients",
     "JSD_TORCH_ROW_STEP", "combine_jsd_stats", "combine_jsd_sums", "jsd_lift_bound", "jsd_row_grad", "jsd_row_stats",
     "jsd_row_sums", "row_step_jsd_torch",

@@ -22,7 +22,7 @@ from cosdistill import StaleWeightError, fused_linear_cosine_distill, quantize_t
 from cosdistill.api import FUSED_LOSSES
 from cosdistill.testing import (
     TORCH_ROW_STEP,
-    RowStepScales,
+    RowStepConstants,
     fingerprint_torch,
     fingerprint_triton,
     float64_reference,
@@ -120,7 +120,7 @@ def test_gram_cluster_row_step_matches_the_spec(device, case):
     teacher_logits None: losses, gradient and each row's coefficient of t, every output poisoned first; a
     quarter of the rows ignored, one row whose products overflow (NaN there)."""
     cluster_kernel_or_skip(device)
-    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100)
+    scales = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100)
     student = (torch.randn(case.rows, case.vocab_student, device=device) * 3).to(BF16)
     labels = torch.randint(0, case.vocab_student, (case.rows,), device=device)
     labels[::4] = -100
@@ -163,7 +163,7 @@ def test_jsd_cluster_row_step_matches_the_spec(rows, vocab, beta, temperature, w
     they were."""
     cluster_kernel_or_skip("cuda")
     jsd_cuda = kernels.row_step_jsd_cuda
-    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
+    scales = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
     student = (torch.randn(rows, vocab, device="cuda") * 3).to(BF16)
     teacher = (torch.randn(rows, vocab, device="cuda") * 3).to(BF16)
     teacher[1] *= 30
@@ -209,7 +209,7 @@ def test_the_jsd_cluster_step_takes_a_weight_hash_along_with_the_same_bits(rows,
 
     cluster_kernel_or_skip("cuda")
     jsd_cuda = kernels.row_step_jsd_cuda
-    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
+    scales = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
     student = (torch.randn(rows, vocab, device="cuda") * 3).to(BF16)
     teacher = (torch.randn(rows, vocab, device="cuda") * 3).to(BF16)
     labels = torch.randint(0, vocab, (rows,), device="cuda")
@@ -239,7 +239,7 @@ def test_jsd_triton_fp16_lifts_match_the_spec(vocab, beta, temperature, weights)
     against the torch spec: the same powers of two, the same losses, the unlifted gradient at fp16's rounding of
     the fp32 one; a quarter of the rows ignored, a peaked teacher, a softcap and a logit scale."""
     rows = 23
-    scales = RowStepScales(*weights, beta, temperature, -100, student_softcap=30.0, teacher_logit_scale=1.3)
+    scales = RowStepConstants(*weights, beta, temperature, -100, student_softcap=30.0, teacher_logit_scale=1.3)
     student = (torch.randn(rows, vocab, device="cuda") * 3).to(FP16)
     teacher = (torch.randn(rows, vocab, device="cuda") * 3).to(FP16)
     teacher[1] *= 10
@@ -278,7 +278,7 @@ def test_the_jsd_triton_split_stages_give_the_whole_rows_step(split, beta, tempe
     columns' gradient; a quarter of the rows ignored, a peaked teacher and a peaked student, NaN-poisoned losses."""
     vocab_student, vocab_teacher, bounds = JSD_SPLIT_CASES[split]
     rows = 37
-    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
+    scales = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
     student = (torch.randn(rows, vocab_student, device="cuda") * 3).to(BF16)
     teacher = (torch.randn(rows, vocab_teacher, device="cuda") * 3).to(BF16)
     teacher[1] *= 30
@@ -308,7 +308,7 @@ def test_the_jsd_triton_split_stages_give_the_whole_rows_step(split, beta, tempe
 def test_the_jsd_triton_split_stages_lift_fp16_rows_as_the_whole_step(beta):
     """fp16 logits over a vocabulary split: every shard lifts a row by the unsplit Triton step's power of two."""
     rows, vocab = 23, 128256
-    scales = RowStepScales(0.0, 1.0, beta, 1.3, -100, student_softcap=30.0, teacher_logit_scale=1.3)
+    scales = RowStepConstants(0.0, 1.0, beta, 1.3, -100, student_softcap=30.0, teacher_logit_scale=1.3)
     student = (torch.randn(rows, vocab, device="cuda") * 3).to(FP16)
     teacher = (torch.randn(rows, vocab, device="cuda") * 3).to(FP16)
     labels = torch.randint(0, vocab, (rows,), device="cuda")

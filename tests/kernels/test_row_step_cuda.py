@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from cosdistill.testing import RowStepScales, kernels, row_step_torch
+from cosdistill.testing import RowStepConstants, kernels, row_step_torch
 from kernel_compile import nvrtc_compile, spill_bytes
 
 row_step_cuda = kernels.row_step_cuda
 
-PLAIN = RowStepScales(weight_hard=0.4, weight_soft=0.6, beta=0.9, temperature=1.5, ignore_index=-100)
+PLAIN = RowStepConstants(weight_hard=0.4, weight_soft=0.6, beta=0.9, temperature=1.5, ignore_index=-100)
 
 
 @pytest.mark.parametrize("vocab", [8, 1000, 32000, 128256, 151936, 262144])

@@ -9,12 +9,12 @@ import pytest
 import torch
 from test_row_step_cuda import plain_case, unsupported
 
-from cosdistill.testing import RowStepScales, kernels, row_step_jsd_torch
+from cosdistill.testing import RowStepConstants, kernels, row_step_jsd_torch
 from kernel_compile import nvrtc_compile, spill_bytes
 
 jsd_cuda, row_step_cuda = kernels.row_step_jsd_cuda, kernels.row_step_cuda
 
-PLAIN = RowStepScales(weight_hard=0.4, weight_soft=0.6, beta=0.5, temperature=1.5, ignore_index=-100)
+PLAIN = RowStepConstants(weight_hard=0.4, weight_soft=0.6, beta=0.5, temperature=1.5, ignore_index=-100)
 FORMS = list(itertools.product((0, 1, 2), (True, False)))  # MODE (FORWARD, REVERSE, MIXED), SHARED (T == 1)
 
 
@@ -86,7 +86,7 @@ def test_falls_back_to_triton_where_unsupported(beta, write_grad):
     """Off Hopper (here: the CPU, Triton in its interpreter) the step is the Triton step, equal to the spec."""
     student, teacher, labels = plain_case(rows=5, vocab=300)
     labels[1] = PLAIN.ignore_index
-    scales = RowStepScales(0.4, 0.6, beta, 1.5, -100)
+    scales = RowStepConstants(0.4, 0.6, beta, 1.5, -100)
     want_grad, want_losses = student.clone(), torch.full((5, 2), float("nan"))
     row_step_jsd_torch(want_grad, teacher, labels, scales, want_losses, write_grad)
     got_grad, got_losses = student.clone(), torch.full((5, 2), float("nan"))

@@ -12,7 +12,7 @@ import torch
 
 from conftest import run_jsd_split_stages
 from cosdistill.testing import (
-    RowStepScales,
+    RowStepConstants,
     kernels,
     rel_err,
     row_step_jsd_torch,
@@ -81,13 +81,13 @@ def test_matches_the_torch_spec(beta, temperature, vocab_student, vocab_teacher,
     student = (torch.randn(rows, vocab_student, generator=generator) * 3).to(dtype)
     teacher = (torch.randn(rows, vocab_teacher, generator=generator) * 3).to(dtype)
     labels = labels_for(rows, vocab_student, generator)
-    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=IGNORE)
+    scales = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=IGNORE)
     got, expected = run_both(student, teacher, labels, scales, True, block)
     assert_matches_spec(got, expected, ignored(labels, vocab_student), dtype)
 
     if dtype == torch.float32:  # the comparison tells betas 0.1 apart: that gradient lies far outside the tolerance
         wrong_grad = student.clone()
-        wrong_scales = RowStepScales(0.37, 0.81, beta + 0.1 if beta < 1 else 0.9, temperature, IGNORE)
+        wrong_scales = RowStepConstants(0.37, 0.81, beta + 0.1 if beta < 1 else 0.9, temperature, IGNORE)
         row_step_jsd_torch(wrong_grad, teacher, labels, wrong_scales, torch.empty(rows, 2), True)
         assert rel_err(got[0], wrong_grad) > 10 * TOLERANCE[dtype][1]
 
@@ -100,7 +100,7 @@ def test_without_gradients_the_logits_are_left_alone(beta, temperature):
     student = (torch.randn(rows, vocab_student, generator=generator) * 3).bfloat16()
     teacher = (torch.randn(rows, vocab_teacher, generator=generator) * 3).bfloat16()
     labels = labels_for(rows, vocab_student, generator)
-    scales = RowStepScales(0.37, 0.81, beta, temperature, IGNORE)
+    scales = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
     (got_logits, got_losses), (_, expected_losses) = run_both(student, teacher, labels, scales, False, 64)
     assert torch.equal(got_logits, student)
     assert rel_err(got_losses[:, 0], expected_losses[:, 0]) < 1e-5
@@ -112,7 +112,7 @@ def test_without_gradients_the_logits_are_left_alone(beta, temperature):
 def test_a_chunk_of_ignored_tokens_only(beta):
     student, teacher = torch.randn(5, 70) * 3, torch.randn(5, 90) * 3
     labels = torch.tensor([IGNORE, IGNORE, 70, -1, 10**6])
-    scales = RowStepScales(0.37, 0.81, beta, 2.0, IGNORE)
+    scales = RowStepConstants(0.37, 0.81, beta, 2.0, IGNORE)
     for write_grad in (True, False):
         (logits, losses), _ = run_both(student, teacher, labels, scales, write_grad, 32)
         assert (losses == 0).all()
@@ -128,7 +128,7 @@ def test_small_vocabularies(vocab_student, vocab_teacher, beta, temperature):
     teacher = torch.randn(4, vocab_teacher, generator=generator) * 3
     labels = torch.randint(0, vocab_student, (4,), generator=generator)
     labels[1] = IGNORE
-    scales = RowStepScales(0.37, 0.81, beta, temperature, IGNORE)
+    scales = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
     got, expected = run_both(student, teacher, labels, scales, True, 16)
     (got_grad, got_losses), (expected_grad, expected_losses) = got, expected
     # A single column's hard loss and hard gradient are 0 up to rounding: an absolute tolerance there.
@@ -182,7 +182,7 @@ def test_peaked_distributions(peaked_model, beta, temperature):
     student = logits_of(rows, vocab_student, peaked_model == "student", generator)
     teacher = logits_of(rows, vocab_teacher, peaked_model == "teacher", generator)
     labels = labels_for(rows, vocab_student, generator)
-    scales = RowStepScales(0.37, 0.81, beta, temperature, IGNORE)
+    scales = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
     got, expected = run_both(student, teacher, labels, scales, True, 32)
     grad_tol = REVERSE_KL_PEAKED_TOL if beta == 1 else 1e-5
     assert_matches_spec(got, expected, ignored(labels, vocab_student), torch.float32, (1e-5, grad_tol))
@@ -211,7 +211,7 @@ def test_extreme_logits_and_temperatures(beta):
         cases.append((torch.randn(rows, 90, generator=generator) * 50, spiky_teacher, temperature))
     for student, teacher, temperature in cases:
         labels = labels_for(rows, student.shape[1], generator)
-        scales = RowStepScales(0.37, 0.81, beta, temperature, IGNORE)
+        scales = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
         got, expected = run_both(student, teacher, labels, scales, True, 64)
         assert_matches_spec(got, expected, ignored(labels, student.shape[1]), torch.float32, SPEC_FP32_EXTREME_TOL)
         assert_matches_float64(got, student, teacher, labels, scales)
@@ -222,7 +222,7 @@ def test_strided_rows():
     generator = torch.Generator().manual_seed(3)
     student, teacher = torch.randn(6, 80, generator=generator) * 3, torch.randn(6, 250, generator=generator) * 3
     labels = labels_for(6, 80, generator)
-    scales = RowStepScales(0.37, 0.81, 0.4, 1.5, IGNORE)
+    scales = RowStepConstants(0.37, 0.81, 0.4, 1.5, IGNORE)
     teacher = teacher[:, 7:207]  # the teacher's rows strided too, and offset
     wide = torch.full((6, 100), 12345.0)
     wide[:, :80] = student
@@ -241,7 +241,7 @@ def test_labels_outside_the_shard(beta):
     generator = torch.Generator().manual_seed(5)
     student, teacher = torch.randn(6, 70, generator=generator) * 3, torch.randn(6, 75, generator=generator) * 3
     labels = torch.tensor([25, 3, 95, 140, 150, IGNORE])  # in the shard, below it, past it, past it, past the total
-    scales = RowStepScales(0.37, 0.81, beta, 2.0, IGNORE, vocab_start=20, vocab_student_total=150)
+    scales = RowStepConstants(0.37, 0.81, beta, 2.0, IGNORE, vocab_start=20, vocab_student_total=150)
     got, expected = run_both(student, teacher, labels, scales, True, 32)
     assert_matches_spec(got, expected, torch.tensor([False] * 4 + [True] * 2), torch.float32)
 
@@ -260,10 +260,10 @@ def test_softcaps_and_logit_scales(change, dtype, beta):
     teacher = (torch.randn(7, 140, generator=generator) * 4).to(dtype)
     labels = labels_for(7, 131, generator)
     for temperature in (1.0, 1.7):
-        scales = RowStepScales(0.37, 0.81, beta, temperature, IGNORE, **change)
+        scales = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE, **change)
         got, expected = run_both(student, teacher, labels, scales, True, 32)
         assert_matches_spec(got, expected, ignored(labels, 131), dtype)
-        plain, _ = run_both(student, teacher, labels, RowStepScales(0.37, 0.81, beta, temperature, IGNORE), True, 32)
+        plain, _ = run_both(student, teacher, labels, RowStepConstants(0.37, 0.81, beta, temperature, IGNORE), True, 32)
         assert rel_err(got[0].float(), plain[0].float()) > 1e-2  # the caps and scales change the result
 
 
@@ -285,11 +285,11 @@ def test_a_one_column_student_padded_with_a_capped_teacher_and_a_logit_scale(bet
             dict(student_softcap=1.7, teacher_softcap=2.003707, student_logit_scale=0.8395802, teacher_logit_scale=1.3)]
     for change in caps:
         for temperature in (1.0, 1.7):  # the shared softmax (T == 1) and the two streams
-            scales = RowStepScales(1.2454676, 0.2631615, beta, temperature, IGNORE, **change)
+            scales = RowStepConstants(1.2454676, 0.2631615, beta, temperature, IGNORE, **change)
             got, expected = run_both(student, teacher, labels, scales, True, 1024)
             assert_matches_spec(got, expected, ignored(labels, 1), torch.float32, SPEC_FP32_EXTREME_TOL)
             assert (got[1][:, 0] == 0).all()
-            hard_only = RowStepScales(1.2454676, 0.0, beta, temperature, IGNORE, **change)
+            hard_only = RowStepConstants(1.2454676, 0.0, beta, temperature, IGNORE, **change)
             (grad, losses), _ = run_both(student, teacher, labels, hard_only, True, 1024)
             assert torch.count_nonzero(grad) == 0 and (losses[:, 0] == 0).all()
 
@@ -305,7 +305,7 @@ def test_fp16_lifts_match_the_spec(beta, temperature, weights):
     student = (torch.randn(rows, vocab_student, generator=generator) * 3).half()
     teacher = (torch.randn(rows, vocab_teacher, generator=generator) * 3).half()
     labels = labels_for(rows, vocab_student, generator)
-    scales = RowStepScales(*weights, beta, temperature, IGNORE, student_softcap=20.0, teacher_logit_scale=1.5)
+    scales = RowStepConstants(*weights, beta, temperature, IGNORE, student_softcap=20.0, teacher_logit_scale=1.5)
     plain_grad, plain_losses = student.float(), torch.empty(rows, 2)
     row_step_jsd_torch(plain_grad, teacher.float(), labels, scales, plain_losses, True)  # fp32 storage: no lifts
     results = {}
@@ -345,7 +345,7 @@ def test_the_split_stages_give_the_whole_rows_step(beta, temperature, write_grad
     generator = torch.Generator().manual_seed(int(10 * beta) + int(temperature) + 7 * write_grad)
     student, teacher = torch.randn(9, 130, generator=generator) * 3, torch.randn(9, 157, generator=generator) * 3
     labels = torch.tensor([0, 49, 50, 119, IGNORE, 125, 129, 130, 77])  # 130: past the student's vocabulary
-    scales = RowStepScales(0.37, 0.81, beta, temperature, IGNORE)
+    scales = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
     grad, losses, _ = run_jsd_split_stages(student, teacher, labels, scales, SPLITS[split], write_grad)
     expected_grad, expected_losses = student.clone(), torch.empty(9, 2)
     row_step_jsd_torch(expected_grad, teacher, labels, scales, expected_losses, write_grad)
@@ -365,7 +365,7 @@ def test_the_split_stages_with_softcaps_scales_and_bf16(beta):
     teacher = (torch.randn(9, 157, generator=generator) * 4).bfloat16()
     labels = torch.tensor([0, 49, 50, 119, IGNORE, 125, 129, 130, 77])
     for temperature in (1.0, 1.7):
-        scales = RowStepScales(0.37, 0.81, beta, temperature, IGNORE, student_softcap=4.0, teacher_softcap=3.0,
+        scales = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE, student_softcap=4.0, teacher_softcap=3.0,
                                student_logit_scale=0.5, teacher_logit_scale=1.5)
         grad, losses, _ = run_jsd_split_stages(student, teacher, labels, scales, SPLITS["a shard of padding only"], True)
         expected_grad, expected_losses = student.clone(), torch.empty(9, 2)
@@ -380,7 +380,7 @@ def test_the_split_stages_lift_fp16_rows_as_the_whole_step(beta):
     student = (torch.randn(7, 3000, generator=generator) * 3).half()
     teacher = (torch.randn(7, 3013, generator=generator) * 3).half()
     labels = labels_for(7, 3000, generator)
-    scales = RowStepScales(0.0, 0.05, beta, 0.6, IGNORE)
+    scales = RowStepConstants(0.0, 0.05, beta, 0.6, IGNORE)
     grad, _, lifts = run_jsd_split_stages(student, teacher, labels, scales, [(0, 1000), (1000, 2900), (2900, 3013)], True,
                                lifts=True)
     whole, whole_lifts = student.clone(), torch.full((7,), float("nan"))
@@ -396,7 +396,7 @@ def test_the_split_row_step_over_one_rank_is_the_whole_step():
     generator = torch.Generator().manual_seed(2)
     student, teacher = torch.randn(7, 101, generator=generator) * 3, torch.randn(7, 120, generator=generator) * 3
     labels = labels_for(7, 101, generator)
-    scales = RowStepScales(0.37, 0.81, 0.5, 1.3, IGNORE)
+    scales = RowStepConstants(0.37, 0.81, 0.5, 1.3, IGNORE)
     got, got_losses = student.clone(), torch.full((7, 2), float("nan"))
     jsd_kernel.split_jsd_row_step_triton(lambda tensor: tensor[None])(got, teacher, labels, scales, got_losses, True)
     expected, expected_losses = student.clone(), torch.empty(7, 2)

@@ -8,7 +8,7 @@ from conftest import POISON, random_chunk
 from cosdistill.testing import (
     TORCH_ROW_STEP,
     TRITON_ROW_STEP,
-    RowStepScales,
+    RowStepConstants,
     rel_err,
     row_grad_triton,
     row_stats_triton,
@@ -37,7 +37,7 @@ def term_bound(student, scales):
 def test_triton_row_step_matches_torch(dtype, vocab_student, vocab_teacher, block, write_grad, softcaps, logit_scales):
     rows = 11
     student, teacher, labels = random_chunk(rows, vocab_student, vocab_teacher, dtype)
-    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-7,
+    scales = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-7,
                            student_softcap=softcaps[0], teacher_softcap=softcaps[1],
                            student_logit_scale=logit_scales[0], teacher_logit_scale=logit_scales[1])
     expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
@@ -69,7 +69,7 @@ def test_softcap_of_logits_small_against_the_cap():
     student = torch.randn(rows, vocab) * row_scales
     teacher = torch.randn(rows, vocab) * row_scales.flip(0)
     labels = torch.randint(0, vocab, (rows,))
-    scales = RowStepScales(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.0, ignore_index=-7,
+    scales = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.0, ignore_index=-7,
                            student_softcap=cap, teacher_softcap=cap)
     expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
     row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
@@ -84,7 +84,7 @@ def test_triton_row_step_on_strided_rows():
     student, teacher, labels = random_chunk(6, 80, 90, torch.float32)
     wide_student = torch.full((6, 100), POISON)
     wide_student[:, :80] = student
-    scales = RowStepScales(0.5, 0.5, 0.5, 1.0, -7)
+    scales = RowStepConstants(0.5, 0.5, 0.5, 1.0, -7)
     expected_grad, expected_losses = student.clone(), torch.empty(6, 2)
     row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
     got_losses = torch.empty(6, 2)
@@ -98,7 +98,7 @@ def test_out_of_range_labels_count_as_ignored_in_the_kernel():
     """The API raises on them, but only after the first chunk's row step is queued: it must not read out of bounds."""
     student, teacher, labels = random_chunk(5, 40, 40, torch.float32)
     labels[1], labels[3] = 40, -3
-    scales = RowStepScales(0.5, 0.5, 0.5, 1.0, -7)
+    scales = RowStepConstants(0.5, 0.5, 0.5, 1.0, -7)
     expected_grad, expected_losses = student.clone(), torch.empty(5, 2)
     row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
     got_grad, got_losses = student.clone(), torch.empty(5, 2)
@@ -110,7 +110,7 @@ def test_out_of_range_labels_count_as_ignored_in_the_kernel():
 
 def test_triton_statistics_and_gradient_kernels_match_the_fused_kernel():
     student, teacher, labels = random_chunk(7, 300, 301, torch.bfloat16)
-    scales = RowStepScales(0.37, 0.81, 0.6, 1.7, -7)
+    scales = RowStepConstants(0.37, 0.81, 0.6, 1.7, -7)
     fused_grad, fused_losses = student.clone(), torch.full((7, 2), POISON)
     row_step_triton(fused_grad, teacher, labels, scales, fused_losses, True, block_size=64)
     split_grad, split_losses = student.clone(), torch.full((7, 2), POISON)
@@ -130,7 +130,7 @@ def test_label_entry_in_whole_blocks_and_in_the_partial_last_block(vocab, block)
     student, teacher, _ = random_chunk(rows, vocab, vocab, torch.float32)
     labels = torch.tensor(columns + [-7])
     student[-1, 3] = float("inf")
-    scales = RowStepScales(0.7, 0.4, 0.6, 1.3, -7)
+    scales = RowStepConstants(0.7, 0.4, 0.6, 1.3, -7)
     expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
     row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
     got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
@@ -148,7 +148,7 @@ def test_row_step_without_teacher_logits_matches_torch():
     student = (torch.randn(rows, vocab) * 3).bfloat16()
     labels = torch.randint(0, vocab, (rows,))
     labels[::4] = -100
-    scales = RowStepScales(0.4, 0.6, 0.5, 1.5, -100, student_logit_scale=0.7)
+    scales = RowStepConstants(0.4, 0.6, 0.5, 1.5, -100, student_logit_scale=0.7)
     dot, sum_sq_teacher = torch.randn(rows) * 20, torch.rand(rows) * 100 + 1
     results = []
     for row_step in (TORCH_ROW_STEP, TRITON_ROW_STEP):

@@ -19,8 +19,8 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
                  int student_stride, int teacher_stride, int ignore_index,
                  double weight_hard, double weight_soft, double beta, double inv_temp_sq,
                  const float* teacher_products, float* teacher_coefs) {
-  // TEACHER 0 (the Gram path, gram.py): no teacher logits; each row's s.t and |t|^2 come in teacher_products
-  // and the coefficient of t in d L / d s goes out in teacher_coefs (row_step.teacher_grad_coefficient).
+  // TEACHER 0 (the Gram path, _teacher_gram.py): no teacher logits; each row's s.t and |t|^2 come in teacher_products
+  // and the coefficient of t in d L / d s goes out in teacher_coefs (_row_step.teacher_grad_coefficient).
   extern __shared__ uint4 tiles[];  // this block's slice but its register vectors: TILE_VECS student vectors, then the teacher's
   __shared__ float warp_parts[NUM_WARPS][NUM_PARTS];
   __shared__ float block_parts[NUM_PARTS];  // read by the cluster's other blocks
@@ -121,7 +121,7 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
     for (int k = 0; k < NUM_PARTS; ++k)
       part[k] = lane < CLUSTER ? peer_load(&block_parts[k], lane) : (k == 0 ? NEG_INF : 0.f);
     reduce_warp(part);
-    if (lane == 0) {  // row_step.py's losses and gradient coefficients (Triton: _row_losses, _grad_coefficients)
+    if (lane == 0) {  // _row_step.py's losses and gradient coefficients (Triton: _row_losses, _grad_coefficients)
 #if !TEACHER
       part[2] = teacher_products[2 * slice.row];
       part[4] = teacher_products[2 * slice.row + 1];

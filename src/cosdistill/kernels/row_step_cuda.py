@@ -8,7 +8,7 @@ them through distributed shared memory, and each writes its slice's d loss / d s
 Where it lets more blocks share an SM, part of each slice stays in the threads' registers instead
 (``Layout.register_cols``).
 HBM moves two reads and one write per logit pair instead of four reads and one write (docs/design.md,
-The row step). Triton 3.6 cannot express clusters; NVRTC ships with torch's
+The row step). Triton gives no access to a cluster's distributed shared memory; NVRTC ships with torch's
 CUDA build (``torch.cuda._compile_kernel``), so users need no compiler.
 
 Only the common case takes this path (``supported``): bf16 logits of one vocabulary size V (a multiple
@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._row_step import COSINE_EPS, RowStepImpl, RowStepScales
+from .._row_step import COSINE_EPS, RowStepConstants, RowStepImpl
 from .row_step_triton import row_grad_triton, row_stats_triton, row_step_triton
 
 MAX_SHARED_BYTES = 200 * 1024  # beside the static shared memory, under the H200's 227 KB per block
@@ -129,7 +129,7 @@ def available(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def applies(dtype: torch.dtype, vocab_student: int, vocab_teacher: int, scales: RowStepScales) -> bool:
+def applies(dtype: torch.dtype, vocab_student: int, vocab_teacher: int, scales: RowStepConstants) -> bool:
     """Whether the kernel computes _row_step.py's step for logits of this kind (layout and device aside)."""
     plain = (scales.student_softcap is None and scales.teacher_softcap is None and scales.student_logit_scale == 1.0
              and scales.teacher_logit_scale == 1.0 and scales.vocab_start == 0
@@ -138,7 +138,7 @@ def applies(dtype: torch.dtype, vocab_student: int, vocab_teacher: int, scales: 
             and _shared_bytes(vocab_student, 16) <= MAX_SHARED_BYTES)
 
 
-def supported(student_logits, teacher_logits, labels, scales: RowStepScales, write_grad, grad_lifts) -> bool:
+def supported(student_logits, teacher_logits, labels, scales: RowStepConstants, write_grad, grad_lifts) -> bool:
     """Whether this kernel computes exactly what _row_step.py asks for these arguments."""
     rows, vocab = student_logits.shape
     return (write_grad and grad_lifts is None and rows > 0 and teacher_logits.dtype == student_logits.dtype
@@ -181,7 +181,7 @@ def compile_cluster_kernel(source_text: str, name: str, layout: Layout, shared_b
 
 
 def kernel_attribute(kernel, attribute: int) -> int:
-    """A compiled kernel's CUfunction_attribute (the study prints its registers, _NUM_REGS)."""
+    """A compiled kernel's CUfunction_attribute (benchmarks/diagnose.py prints its registers, _NUM_REGS)."""
     driver, check = _driver(), torch.cuda._utils._check_cuda
     value = ctypes.c_int()
     check(driver.cuFuncGetAttribute(ctypes.byref(value), attribute, kernel.func))
@@ -210,7 +210,7 @@ def _launch(vocab: int, label_dtype: torch.dtype, device_index: int, models: int
     return None
 
 
-def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses,
+def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses,
                    layout: Layout | None = None) -> None:
     """The kernel alone, for ``supported`` arguments (layout: _launch's unless given): rows whose sums
     overflow fp32 are left with NaN losses and their logits."""
@@ -271,7 +271,7 @@ def launch_rows(kernel, layout: Layout, rows: int, shared_bytes: int, device: to
     del values  # kept alive until here: the driver reads the arguments through their addresses at the launch
 
 
-def row_step_cuda(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
+def row_step_cuda(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,
                   grad_lifts=None) -> None:
     """_row_step.row_step_torch: this kernel and the Triton RESCUE launch where ``supported``, else Triton."""
     if not (supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts)
@@ -283,7 +283,7 @@ def row_step_cuda(student_logits, teacher_logits, labels, scales: RowStepScales,
     row_step_triton(student_logits, teacher_logits, labels, scales, token_losses, write_grad, rescue_only=True)
 
 
-def gram_row_step_cuda(student_logits, labels, scales: RowStepScales, token_losses, teacher_products,
+def gram_row_step_cuda(student_logits, labels, scales: RowStepConstants, token_losses, teacher_products,
                        teacher_coefs) -> bool:
     """The Gram path's row step (_teacher_gram.py) in one launch of the one-model kernel, where it applies: the
     losses, d L / d s without its teacher term in place, and each row's coefficient of t (0 for ignored

@@ -22,7 +22,7 @@ import functools
 import torch
 
 from .._fingerprint import LANE_KEYS, MASK, MIX_MULTIPLIER, MIX_SHIFTS
-from .._row_step import RowStepImpl, RowStepScales
+from .._row_step import RowStepConstants, RowStepImpl
 from . import row_step_cuda
 from .row_step_cuda import MAX_SHARED_BYTES, Layout, _blocks_per_sm, _shared_bytes, _slice_vecs
 from .row_step_jsd_triton import MIXED, _check_scales, mode_of, row_step_jsd_triton, split_jsd_row_step_triton
@@ -81,7 +81,7 @@ def source(vocab: int, label_dtype: torch.dtype, layout: Layout, mode: int, shar
                                            MODE=mode, SHARED=int(shared), HASH_ROW_VECS=hash_row_vecs, **keys), _SOURCE)
 
 
-def supported(student_logits, teacher_logits, labels, scales: RowStepScales, write_grad, grad_lifts) -> bool:
+def supported(student_logits, teacher_logits, labels, scales: RowStepConstants, write_grad, grad_lifts) -> bool:
     """Whether this kernel computes exactly what _row_step_jsd.py asks for these arguments: where the cosine
     loss's cluster kernel would run (the same logits, layouts and device)."""
     return teacher_logits is not None and row_step_cuda.supported(student_logits, teacher_logits, labels, scales,
@@ -108,7 +108,7 @@ def _launch(vocab: int, label_dtype: torch.dtype, device_index: int, mode: int, 
     return None
 
 
-def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scales: RowStepScales,
+def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scales: RowStepConstants,
            token_losses, hash_args=()) -> None:
     """One launch of a compiled kernel of this source (benchmarks/diagnose.py times variants); ``hash_args``
     (words, rows, row stride in vectors, partials) for a kernel compiled to hash a weight."""
@@ -120,7 +120,7 @@ def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scale
          LOG2E.value / scales.temperature, 1.0 - scales.beta, float(scales.beta), *hash_args])
 
 
-def _found(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad, grad_lifts,
+def _found(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad, grad_lifts,
            hash_row_vecs: int = 0):
     """_launch's (kernel, layout) for these arguments where this kernel computes the spec for them, else None."""
     if not (supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts)
@@ -131,7 +131,7 @@ def _found(student_logits, teacher_logits, labels, scales: RowStepScales, token_
                    scales.temperature == 1.0, hash_row_vecs)
 
 
-def row_step_jsd_cuda(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
+def row_step_jsd_cuda(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,
                       grad_lifts=None) -> None:
     """_row_step_jsd.row_step_jsd_torch: this kernel where ``supported``, else the Triton step."""
     found = _found(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts)
@@ -141,7 +141,7 @@ def row_step_jsd_cuda(student_logits, teacher_logits, labels, scales: RowStepSca
     launch(*found, student_logits, teacher_logits, labels, scales, token_losses)
 
 
-def row_step_jsd_cuda_hashing(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
+def row_step_jsd_cuda_hashing(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,
                               grad_lifts=None, *, words) -> torch.Tensor | None:
     """row_step_jsd_cuda in this kernel, taking along the hash of ``words`` (_fingerprint.as_words of a weight):
     the hash's partial lanes [blocks, 2] (_fingerprint.lanes_of sums them). None, with nothing run, where the

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._row_step import RowStepImpl, RowStepScales
+from .._row_step import RowStepConstants, RowStepImpl
 from .._row_step_jsd import combine_jsd_sums
 from . import TRITON_OPTIONS
 from .row_step_triton import (
@@ -508,7 +508,7 @@ def mode_of(beta: float) -> int:
     return FORWARD.value if beta == 0.0 else REVERSE.value if beta == 1.0 else MIXED.value
 
 
-def _check_scales(scales: RowStepScales):
+def _check_scales(scales: RowStepConstants):
     """beta in [0, 1], T > 0 (the API checks them; a direct call is checked here)."""
     if not 0.0 <= scales.beta <= 1.0:
         raise ValueError(f"the JSD row step needs beta in [0, 1], got {scales.beta}")
@@ -516,7 +516,7 @@ def _check_scales(scales: RowStepScales):
         raise ValueError(f"the JSD row step needs a positive temperature, got {scales.temperature}")
 
 
-def row_step_jsd_triton(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
+def row_step_jsd_triton(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,
                         grad_lifts=None, block_size=None, num_warps=None, num_stages=None) -> None:
     rows, vocab_student, vocab_teacher = _checked_sizes(student_logits, teacher_logits, labels, scales, token_losses,
                                                         *([] if grad_lifts is None else [grad_lifts]))
@@ -665,7 +665,7 @@ def _jsd_shard_grad_kernel(
             _zero_row(student_row, vocab_student, BLOCK)
 
 
-def _checked_sizes(student_logits, teacher_logits, labels, scales: RowStepScales, *contiguous):
+def _checked_sizes(student_logits, teacher_logits, labels, scales: RowStepConstants, *contiguous):
     """(rows, vocab_student, vocab_teacher) of a chunk's logits, whole rows or a shard of them, once the scales,
     the teacher's logits and, where there are rows, the layouts are checked."""
     _check_scales(scales)
@@ -680,7 +680,7 @@ def _checked_sizes(student_logits, teacher_logits, labels, scales: RowStepScales
     return rows, vocab_student, vocab_teacher
 
 
-def jsd_shard_stats_triton(student_logits, teacher_logits, labels, scales: RowStepScales) -> torch.Tensor:
+def jsd_shard_stats_triton(student_logits, teacher_logits, labels, scales: RowStepConstants) -> torch.Tensor:
     """Stage 1 over a shard's columns: [n, NUM_SHARD_STATS] fp32 (SHARD_STATS)."""
     stats = torch.empty(len(labels), NUM_SHARD_STATS.value, dtype=torch.float32, device=student_logits.device)
     rows, vocab_student, vocab_teacher = _checked_sizes(student_logits, teacher_logits, labels, scales, stats)
@@ -708,7 +708,7 @@ def combine_shard_stats(shard_stats: torch.Tensor, temperature: float) -> torch.
     return stats
 
 
-def jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats, scales: RowStepScales,
+def jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats, scales: RowStepConstants,
                           lift_terms=False) -> torch.Tensor:
     """Stage 2 over a shard's columns, from the combined statistics: [n, NUM_SHARD_SUMS] fp32."""
     sums = torch.empty(len(labels), NUM_SHARD_SUMS.value, dtype=torch.float32, device=student_logits.device)
@@ -724,7 +724,7 @@ def jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats, scales:
     return sums
 
 
-def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, scales: RowStepScales, token_losses,
+def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, scales: RowStepConstants, token_losses,
                           write_grad, grad_lifts=None) -> None:
     """Stage 3: the losses and, if asked, the shard's gradient over its logits (times each row's lift, given
     ``grad_lifts``), from the combined statistics and sums."""

@@ -14,15 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .._row_step import COSINE_EPS, MAX_LIFT_EXPONENT, MAX_STORED_EXPONENT, NUM_STATS, RowStepImpl, RowStepScales
+from .._row_step import COSINE_EPS, MAX_LIFT_EXPONENT, MAX_STORED_EXPONENT, NUM_STATS, RowStepConstants, RowStepImpl
 from . import TRITON_OPTIONS
 
 # H200 sweeps (docs/design.md, The row step). STAGES: each hot loop's loads go through
 # shared memory STAGES - 1 blocks ahead (cp.async; 1: plain loads into registers).
 DEFAULT_BLOCK = 2048
 DEFAULT_WARPS = 8
-DEFAULT_STAGES = 6  # 0.322 ms per 1024 rows at the seed vocab, 0.349 with plain loads
-LOSS_ONLY_BLOCK = 2048  # the no-grad launch: 0.142 ms per 1024 rows, 0.163 with plain loads
+DEFAULT_STAGES = 6  # pipelined loads: faster than plain ones (docs/design.md, The row step)
+LOSS_ONLY_BLOCK = 2048  # the no-grad launch
 LOSS_ONLY_WARPS = 8
 LOSS_ONLY_STAGES = 4
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # a jit global must be a constexpr
@@ -220,7 +220,7 @@ def _overflowed(dot, sum_sq_student, sum_sq_teacher):
 def _row_losses(losses_row, valid, row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit,
                 teacher_unit, beta, inv_temp_sq, eps, usable):
     """Stores the row's hard and soft losses (NaN if not ``usable``: the RESCUE launch redoes the row) and
-    returns what the gradient's coefficients need (row_step.cosine_terms)."""
+    returns what the gradient's coefficients need (_row_step.cosine_terms)."""
     log_sum_exp = tl.log(sum_exp)  # kept apart from row_max, see _row_step.row_grad_torch
     norm_student = tl.sqrt(sum_sq_student * inv_temp_sq)
     norm_teacher = tl.sqrt(sum_sq_teacher * inv_temp_sq)
@@ -360,7 +360,7 @@ def _row_step_kernel(
 ):
     """Launched twice. First (RESCUE False) every row with plain sums; a row whose sums overflowed gets
     NaN losses and keeps its logits. Then (RESCUE True) only those rows, with unit-scaled sums. A branch
-    for them inside the first launch cost the step 20%."""
+    for them inside the first launch slowed every row (docs/design.md, The row step)."""
     row = tl.program_id(0).to(tl.int64)
     losses_row = losses_ptr + row * 2
     if RESCUE:
@@ -459,12 +459,12 @@ def _check_layout(student_logits, teacher_logits, labels, *contiguous):
         raise ValueError("the Triton row step needs contiguous labels, statistics and token_losses")
 
 
-def _common_args(vocab_student, scales: RowStepScales):
+def _common_args(vocab_student, scales: RowStepConstants):
     total = vocab_student if scales.vocab_student_total is None else scales.vocab_student_total
     return (scales.ignore_index, scales.vocab_start, total)
 
 
-def _logit_args(scales: RowStepScales):
+def _logit_args(scales: RowStepConstants):
     """Caps (1.0 when off: the CAP flags skip them), then logit scales (None for 1: no multiply per logit)."""
     def scale(value):
         return None if value == 1.0 else value
@@ -473,7 +473,7 @@ def _logit_args(scales: RowStepScales):
             scale(scales.teacher_logit_scale))
 
 
-def _loss_args(scales: RowStepScales):
+def _loss_args(scales: RowStepConstants):
     return (scales.weight_hard, scales.weight_soft, scales.beta, 1.0 / (scales.temperature * scales.temperature),
             COSINE_EPS, *_logit_args(scales))
 
@@ -489,7 +489,7 @@ def _teacher_args(teacher_logits, vocab_student):
     return teacher_logits, teacher_logits.stride(0), teacher_logits.shape[1]
 
 
-def _caps(scales: RowStepScales):
+def _caps(scales: RowStepConstants):
     return dict(STUDENT_CAP=scales.student_softcap is not None, TEACHER_CAP=scales.teacher_softcap is not None)
 
 
@@ -499,7 +499,7 @@ def _lift_args(grad_lifts, token_losses, write_grad):
     return (grad_lifts if lift else token_losses), dict(LIFT=lift)
 
 
-def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepScales, token_losses, write_grad,
+def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,
                     grad_lifts=None, block_size=None, num_warps=None, num_stages=None, rescue_only=False) -> None:
     """``rescue_only``: only the RESCUE launch, for the rows another kernel left with NaN losses
     (row_step_cuda)."""
@@ -521,7 +521,7 @@ def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepScale
         )
 
 
-def row_stats_triton(student_logits, teacher_logits, labels, scales: RowStepScales, block_size=None,
+def row_stats_triton(student_logits, teacher_logits, labels, scales: RowStepConstants, block_size=None,
                      num_warps=DEFAULT_WARPS, num_stages=DEFAULT_STAGES) -> torch.Tensor:
     rows, vocab_student = student_logits.shape
     stats = torch.empty(rows, NUM_STATS, dtype=torch.float32, device=student_logits.device)
@@ -538,7 +538,7 @@ def row_stats_triton(student_logits, teacher_logits, labels, scales: RowStepScal
     return stats
 
 
-def row_grad_triton(student_logits, teacher_logits, labels, stats, scales: RowStepScales, token_losses, write_grad,
+def row_grad_triton(student_logits, teacher_logits, labels, stats, scales: RowStepConstants, token_losses, write_grad,
                     grad_lifts=None, block_size=None, num_warps=DEFAULT_WARPS, num_stages=DEFAULT_STAGES) -> None:
     rows, vocab_student = student_logits.shape
     if rows == 0:

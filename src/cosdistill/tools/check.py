@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._options import default_accum_dtype
 from .._plan import chunk_rows
-from .._row_step import RowStepImpl, RowStepScales, combine_row_stats, row_step_torch
+from .._row_step import RowStepConstants, RowStepImpl, combine_row_stats, row_step_torch
 from ..api import FUSED_LOSSES
 from ..reference import NAIVE_LOSSES
 from ..testing import float64_reference, random_student_teacher, rel_err
@@ -283,7 +283,7 @@ def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
     for (name, run), case in ((run, case) for run in runs.items() for case in cases):
         if "split" in name and case.vocab_teacher < 2:
             continue
-        scales = RowStepScales(
+        scales = RowStepConstants(
             weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100,
             student_softcap=case.softcap, teacher_softcap=case.softcap and 1.5 * case.softcap,
             student_logit_scale=case.logit_scale, teacher_logit_scale=2 * case.logit_scale,
