@@ -39,7 +39,7 @@ def op_kwargs(needs_grad, **overrides):
         (torch.float32, True, (True, True, True), {}),
         (torch.float32, False, (True, True, False), dict(chunk_size=None, accum_dtype=torch.float32)),
         (torch.float32, True, (False, True, False), dict(weight_hard_loss=0.2, weight_soft_loss=1.3, beta=0.7, temperature=2.0)),
-        (torch.float32, True, (False, False, False), dict(num_valid_count=50.0)),
+        (torch.float32, True, (False, False, False), dict(num_valid_count=torch.tensor(50.0, dtype=torch.float64))),
         (torch.bfloat16, True, (True, True, True), dict(accum_dtype=torch.float32, student_softcap=3.0)),
         (torch.float32, False, (True, True, False), dict(cosine_via="gram", chunk_size=5)),
     ],
@@ -187,6 +187,43 @@ def test_soft_and_hard_carry_no_grad():
     student, data = make_step_problem()
     loss, soft, hard = compiled_forward()(student, *data)
     assert loss.requires_grad and not soft.requires_grad and not hard.requires_grad
+
+
+@pytest.mark.parametrize("grad_output, num_valid_tokens, zero_row", [(65536.0, 3e6, False), (1e-3, None, True)],
+                         ids=["loss scale, small entries", "small grad_output, a zero student row"])
+def test_compiled_fp16_gradients_are_eager_s(grad_output, num_valid_tokens, zero_row):
+    """fp16 grad_input left the op rounded at grad_output = 1, where eager applies grad_output first: a loss
+    scale's small entries were lost (18% off) and a small grad_output's large ones (a zero row's) stayed inf."""
+    problem = make_problem(tokens=32, dtype=torch.float16, bias=not zero_row)  # a bias would make its logits nonzero
+    if zero_row:
+        with torch.no_grad():
+            problem.student_input[3] = 0.0
+
+    def step(*args):
+        return fused_linear_cosine_distill(*args, num_valid_tokens=num_valid_tokens) * grad_output
+
+    step(*problem.args()).backward()
+    eager = [leaf.grad.clone() for leaf in problem.student_leaves()]
+    for leaf in problem.student_leaves():
+        leaf.grad = None
+    torch.compile(step, backend="aot_eager", fullgraph=True)(*problem.args()).backward()
+    for leaf, want in zip(problem.student_leaves(), eager):
+        assert leaf.grad.dtype == want.dtype and torch.equal(leaf.grad, want)
+
+
+def test_a_count_that_changes_every_call_compiles_the_step_once_more_not_each_time():
+    """num_valid_tokens as a Python int that changes every step (a global token count): the op took it as a float
+    of its schema, so each value compiled the step again, and fullgraph=True failed at Dynamo's recompile limit."""
+    import torch._dynamo.testing
+
+    counter = torch._dynamo.testing.CompileCounter()
+    problem = make_problem(tokens=16, bias=False)
+    step = torch.compile(lambda *args, count: fused_linear_cosine_distill(*args, num_valid_tokens=count), backend=counter,
+                         fullgraph=True)
+    for count in range(10, 22):
+        got = step(*problem.args(), count=count)
+    assert counter.frame_count <= 2
+    assert torch.equal(got, fused_linear_cosine_distill(*problem.args(), num_valid_tokens=21))
 
 
 def test_a_compiled_loss_refuses_double_backward():

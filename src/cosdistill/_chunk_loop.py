@@ -100,8 +100,9 @@ class Gradients:
     scale_grad_weight: bool = False  # grad_weight is whole already (its last GEMM ran in forward): scale it too
 
     @torch.no_grad()  # backward(create_graph=True) runs it in grad mode; the views here were made in no_grad
-    def finish(self, grad_output: torch.Tensor | None = None):
-        """(grad_input, grad_weight, grad_bias) for this grad_output (a 0-d tensor; None: 1)."""
+    def finish(self, grad_output: torch.Tensor | None = None, grad_input_dtype: torch.dtype | None = None):
+        """(grad_input, grad_weight, grad_bias) for this grad_output (a 0-d tensor; None: 1); grad_input in
+        ``grad_input_dtype`` where given (the compiled op's fp32 for fp16 rows, which grad_output scales later)."""
         if self.poison is not None:
             grad_output = self.poison + (1.0 if grad_output is None else grad_output)
         if self.correct_last is not None and self.correct_last(overwrite=not self.accumulate_last):
@@ -114,16 +115,21 @@ class Gradients:
         if self.last_grad_logits is not None:
             self._last_grad_weight_gemm(grad_output, host_grad_output)
         if self.grad_input is not None and self.grad_input_lifts is not None:
+            unlifted = self.grad_input if grad_input_dtype is None else self.grad_input.new_empty(
+                self.grad_input.shape, dtype=grad_input_dtype)
             for start in range(0, len(self.grad_input), self.chunk_rows):
-                rows = self.grad_input[start : start + self.chunk_rows]
-                factors = 1.0 / self.grad_input_lifts[start : start + self.chunk_rows, None]  # exact: powers of two
-                rows.copy_(rows.float() * (factors if grad_output is None else factors * grad_output))
+                rows = slice(start, start + self.chunk_rows)
+                factors = 1.0 / self.grad_input_lifts[rows, None]  # exact: powers of two
+                unlifted[rows].copy_(self.grad_input[rows].float() * (factors if grad_output is None else factors * grad_output))
+            self.grad_input = unlifted
         unscaled = (None if self.grad_input_lifts is not None else self.grad_input, self.grad_bias,
                     self.grad_weight if self.scale_grad_weight else None)
         to_scale = tuple(values for values in unscaled if values is not None)
         if grad_output is not None and to_scale:  # one launch for all: its host time is what backward costs
             self.scale_unless_one(to_scale, grad_output)
-        return self.grad_input, self.grad_weight, self.grad_bias
+        grad_input = self.grad_input if grad_input_dtype is None or self.grad_input is None else self.grad_input.to(
+            grad_input_dtype)
+        return grad_input, self.grad_weight, self.grad_bias
 
     def _scale_on_host(self) -> bool:
         """Whether grad_output goes onto the grad_weight GEMM's alpha and beta, read on the host."""

@@ -45,6 +45,12 @@ from ._teacher_fp8 import Fp8TeacherWeight
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
+def _grad_input_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """fp16's grad_input leaves the op in fp32: rounded at grad_output = 1, a loss scale's small entries would be
+    lost and a small grad_output's large ones inf, where eager applies grad_output first."""
+    return torch.float32 if input_dtype == torch.float16 else input_dtype
+
+
 @torch.library.custom_op("cosdistill::fused_linear_cosine_distill", mutates_args=(), tags=_TAGS)
 def fused_linear_cosine_distill_op(
     student_input: Tensor,  # [T, Hs]
@@ -56,8 +62,10 @@ def fused_linear_cosine_distill_op(
     labels: Tensor,  # [T]
     num_valid_tokens: Tensor | None,
     teacher_scales: Tensor | None = None,  # an Fp8TeacherWeight's: teacher_weight is then its codes
+    # num_valid_tokens given as a number, held in a 0-d CPU tensor: as a float of the schema, each new value
+    # would compile the step again (a count that changes every step: a graph per step)
+    num_valid_count: Tensor | None = None,
     *,
-    num_valid_count: float | None,  # num_valid_tokens given as a number
     teacher_shape: list[int] | None = None,  # an Fp8TeacherWeight's (its codes are padded)
     needs_grad: list[bool],  # input, weight, bias
     # Options' fields, as the op's schema takes them:
@@ -91,20 +99,23 @@ def fused_linear_cosine_distill_op(
         teacher_weight = Fp8TeacherWeight(teacher_weight, teacher_scales, torch.Size(teacher_shape), teacher_input.dtype)
     plan = make_plan(options, student_weight, student_bias, teacher_weight, teacher_bias, labels.numel(),
                      tuple(needs_grad))
-    given = num_valid_tokens if num_valid_tokens is not None else num_valid_count
+    given = num_valid_tokens if num_valid_tokens is not None else None if num_valid_count is None else (
+        num_valid_count.item())
     with on_device_of(student_input), torch.no_grad():
         result = run(plan, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias,
                      labels, given)
-        grads = result.gradients.finish() if result.gradients is not None else (None, None, None)
+        grads = (None, None, None) if result.gradients is None else result.gradients.finish(
+            grad_input_dtype=_grad_input_dtype(student_input.dtype))
     grads = [student_weight.new_empty(0) if grad is None else grad for grad in grads]
     return result.loss, result.soft_loss, result.hard_loss, *grads
 
 
 @fused_linear_cosine_distill_op.register_fake
 def _(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
-      num_valid_tokens, teacher_scales=None, *, accum_dtype, needs_grad, **options):
+      num_valid_tokens, teacher_scales=None, num_valid_count=None, *, accum_dtype, needs_grad, **options):
     scalars = [student_input.new_empty((), dtype=torch.float32) for _ in range(3)]
-    grad_dtypes = (student_input.dtype, accum_dtype or default_accum_dtype(student_weight.dtype), torch.float32)
+    grad_dtypes = (_grad_input_dtype(student_input.dtype), accum_dtype or default_accum_dtype(student_weight.dtype),
+                   torch.float32)
     grads = [
         leaf.new_empty(leaf.shape, dtype=dtype) if need else student_weight.new_empty(0)
         for need, leaf, dtype in zip(needs_grad, (student_input, student_weight, student_bias), grad_dtypes)
@@ -125,8 +136,8 @@ def _backward(ctx, grad_loss, _grad_soft, _grad_hard, *_grad_grads):
         (grad * grad_loss).to(dtype) if need else None  # scaled, then rounded to the leaf's dtype, as in eager
         for need, grad, dtype in zip(ctx.needs_grad, ctx.saved_tensors, ctx.dtypes)
     ]
-    # teacher_input, teacher_weight, teacher_bias, labels, num_valid_tokens, teacher_scales
-    return (*grads, None, None, None, None, None, None)
+    # teacher_input, teacher_weight, teacher_bias, labels, num_valid_tokens, teacher_scales, num_valid_count
+    return (*grads, None, None, None, None, None, None, None)
 
 
 fused_linear_cosine_distill_op.register_autograd(_backward, setup_context=_setup_context)
@@ -154,6 +165,7 @@ def compiled_distill(options: Options, student_input, student_weight, teacher_in
     grad_on = torch.is_grad_enabled()
     needs_grad = [grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias)]
     given_tensor = torch.is_tensor(num_valid_tokens)
+    count = None if given_tensor or num_valid_tokens is None else torch.scalar_tensor(num_valid_tokens, dtype=torch.float64)
     quantized = isinstance(teacher_weight, Fp8TeacherWeight)
     loss, soft, hard, *_ = fused_linear_cosine_distill_op(
         student_input.reshape(-1, student_input.shape[-1]),
@@ -165,7 +177,7 @@ def compiled_distill(options: Options, student_input, student_weight, teacher_in
         true_labels.reshape(-1).contiguous(),
         num_valid_tokens if given_tensor else None,
         teacher_weight.scales if quantized else None,
-        num_valid_count=None if given_tensor or num_valid_tokens is None else float(num_valid_tokens),
+        count,
         teacher_shape=list(teacher_weight.shape) if quantized else None,
         needs_grad=needs_grad,
         **_op_options(options),

@@ -9,6 +9,7 @@ import functools
 import math
 import numbers
 import operator
+import sys
 
 import torch
 
@@ -38,10 +39,9 @@ def check_finite_real(name: str, value) -> None:
     if is_tensor and value.requires_grad:
         raise TypeError(f"{name} is a tensor that requires grad, and the loss gives its options no gradient: pass "
                         f"{name}.detach(), or weight the soft and hard terms it returns yourself")
-    try:
-        number = float(value)
-    except OverflowError:  # an int past float's range
-        raise ValueError(f"{name} must be finite, got {value}") from None
+    number = float(value) if is_tensor else value  # not float() of a number: torch.compile would specialize on it
+    if isinstance(number, int) and not -sys.float_info.max <= number <= sys.float_info.max:
+        raise ValueError(f"{name} must be finite, got {number}")  # an int past float's range
     if not -math.inf < number < math.inf:  # comparisons, not math.isfinite: torch.compile traces them
         raise ValueError(f"{name} must be finite, got {number}")
 

@@ -169,9 +169,12 @@ def vocab_split(student_head, teacher_head):
 
     start, stop, group = student_rows
     vocab_student, vocab_teacher = student_head.weight.shape[0], teacher_head.weight.shape[0]
-    if start == stop:
-        raise ValueError(f"the student's LM head ({vocab_student} rows) leaves this rank none: use fewer "
-                         "tensor-parallel ranks than vocabulary rows")
+    ranks = student_head.weight.device_mesh.size()
+    per_rank = -(-vocab_student // ranks)
+    if per_rank * (ranks - 1) >= vocab_student:  # every rank finds it: all raise, none waits in a collective
+        raise ValueError(f"Shard(0) splits the student's LM head ({vocab_student} rows) over {ranks} ranks as "
+                         f"torch.chunk does, {per_rank} rows each, which leaves the last rank none: the loss needs "
+                         "rows on every rank")
     if teacher_rows is None:
         return VocabParallelOptions(start, vocab_teacher if stop == vocab_student else stop, vocab_student, group,
                                     vocab_teacher)

@@ -92,6 +92,12 @@ def refusals(folder):
         "teacher split, student whole": lambda: distill_loss(
             tiny_llama(VOCAB_STUDENT, 0).to(device()),
             split(folder, f"teacher{VOCAB_STUDENT}", VOCAB_STUDENT, 1, "tp_plan"), **batch_on_device()),
+        # one row over two ranks: torch.chunk gives the second none (rank 1 raised alone; rank 0 waited in the
+        # loss's first collective until the timeout)
+        "a rank without rows": lambda: distill_loss(
+            split(folder, None, 1, 0, "colwise"), tiny_llama(1, 1).to(device()),
+            input_ids=torch.zeros(2, 5, dtype=torch.long, device=device()),
+            labels=torch.zeros(2, 5, dtype=torch.long, device=device())),
         "DistillationTrainer": lambda: DistillationTrainer(
             model=student, teacher_model=tiny_llama(VOCAB_STUDENT, 1),
             args=transformers.TrainingArguments(output_dir=os.path.join(folder, "out"), use_cpu=True, report_to="none")),
@@ -167,6 +173,7 @@ def test_split_heads_give_the_whole_models_loss_and_gradients(results, case, los
 @pytest.mark.parametrize("case, message", [
     ("teacher split otherwise", r"the splits must agree on the student's vocabulary"),
     ("teacher split, student whole", r"the teacher's LM head is split over ranks \(tensor parallel\) and the student's is not"),
+    ("a rank without rows", r"over 2 ranks as torch.chunk does, 1 rows each, which leaves the last rank none"),
     ("DistillationTrainer", r"DistillationTrainer does not support a student whose LM head is split for tensor parallelism"),
     ("DistillationGKDTrainer", r"DistillationGKDTrainer does not support a student whose LM head is split"),
 ])
