@@ -7,6 +7,9 @@ With COSDISTILL_DISTRIBUTED_BACKEND=nccl each rank runs on its own GPU (benchmar
 import datetime
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +184,17 @@ def test_refused_splits_raise(results, case, message):
     if case not in results["errors"]:
         pytest.skip("the Trainers' refusal is tested on the CPU")
     assert re.search(message, results["errors"][case]), results["errors"][case]
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_torchrun_example(loss):
+    """examples/tensor_parallel_hf.py: two ranks, the models loaded with tp_plan="auto", a few optimizer steps."""
+    if BACKEND == "nccl":
+        pytest.skip("the example picks its backend itself; the CPU run tests it")
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo / "src"), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
+               "examples/tensor_parallel_hf.py", "--steps", "2", "--loss", loss]
+    result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"step 1: loss \d+\.\d+", result.stdout), result.stdout
