@@ -221,6 +221,15 @@ HEAD_CHECK_TOLERANCE = 2e-2  # relative, of the logits: a few times bf16's round
 _heads_checked = weakref.WeakKeyDictionary()  # the models whose logits head_inputs reproduces
 
 
+def _forked_rngs(device):
+    """torch.random.fork_rng of the CPU's generator and ``device``'s (where torch has a module for its type)."""
+    try:
+        accelerator = device.type != "cpu" and torch.get_device_module(device.type) is not None
+    except RuntimeError:  # a device type torch has no module for
+        accelerator = False
+    return torch.random.fork_rng([device] if accelerator else [], device_type=device.type if accelerator else "cpu")
+
+
 def check_head_reproduces_logits(model, name="model") -> None:
     """Raise unless ``head_inputs`` reproduces the model's own logits: on a probe of a few token ids, once per
     model, the head's output scaled and softcapped as its config says must equal ``model(...).logits``. A family
@@ -234,8 +243,7 @@ def check_head_reproduces_logits(model, name="model") -> None:
     vocab = head.weight.shape[0]
     probe = (torch.arange(HEAD_CHECK_TOKENS, device=head.weight.device) * 7919 % vocab)[None]
     # The probe's dropout (NEFTune's noise) draws random numbers: forked, the training run draws as without it.
-    devices = [probe.device] if probe.device.type != "cpu" else []
-    with torch.no_grad(), torch.random.fork_rng(devices, device_type=probe.device.type):
+    with torch.no_grad(), _forked_rngs(probe.device):
         try:
             logits = model(input_ids=probe, use_cache=False).logits
         finally:
