@@ -5,6 +5,7 @@ process's with the models whole. Teachers split the same way or whole on every r
 With COSDISTILL_DISTRIBUTED_BACKEND=nccl each rank runs on its own GPU (benchmarks/two_gpus.sh)."""
 
 import datetime
+import gc
 import os
 import re
 import subprocess
@@ -142,7 +143,11 @@ def measure_rank(rank, folder):
     results["errors"] = refusals(folder)
     if rank == 0:
         torch.save(results, os.path.join(folder, "results.pt"))
+    # The torchrun example's teardown (examples/torchrun_ddp.py): the models, which hold the mesh's group, are freed
+    # before the group is destroyed
     dist.barrier()
+    del student, teacher, value, soft, hard
+    gc.collect()
     dist.destroy_process_group()
 
 
