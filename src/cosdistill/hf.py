@@ -63,7 +63,7 @@ def final_hidden_states(model, input_ids, attention_mask=None, head=None, **mode
         raise ValueError(f"the model's forward called its LM head {len(captured)} times, expected once (a model "
                          "compiled by torch.compile does not run hooks added after it was compiled)")
     # torch's ColwiseParallel hands the head a replicated DTensor: its local tensor is the whole hidden states.
-    return captured[0].to_local() if is_dtensor(captured[0]) else captured[0]
+    return local_of(captured[0])
 
 
 def loss_labels(labels, attention_mask=None, position_ids=None, ignore_index=-100, cu_seq_lens=None):
@@ -110,6 +110,12 @@ def next_token_targets(labels, attention_mask=None, ignore_index=-100, position_
 
 def is_dtensor(tensor) -> bool:
     return type(tensor).__name__ == "DTensor"  # DTensor only exists where torch.distributed does
+
+
+def local_of(tensor):
+    """This rank's part of a DTensor (the whole of a replicated one), its gradient flowing back; other tensors as
+    they are."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def whole_head_weight(model, head):
@@ -210,8 +216,8 @@ def head_inputs(model, hidden, name="model"):
     dtype = torch.get_autocast_dtype(device_type) if autocast else head.weight.dtype
     hidden, weight = hidden.to(dtype), whole_head_weight(model, head).to(dtype)
     bias = None if head.bias is None else head.bias.to(dtype)
-    if is_dtensor(weight):  # a tensor-parallel head: this rank's rows (their gradients reach the DTensor's shard)
-        weight, bias = weight.to_local(), None if bias is None else bias.to_local()
+    # a tensor-parallel head: this rank's rows (their gradients reach the DTensor's shard)
+    weight, bias = local_of(weight), None if bias is None else local_of(bias)
     scale = getattr(config, "logit_scale", None)
     return hidden, weight, bias, getattr(config, "final_logit_softcapping", None), 1.0 if scale is None else scale
 
@@ -248,8 +254,7 @@ def check_head_reproduces_logits(model, name="model") -> None:
             logits = model(input_ids=probe, use_cache=False).logits
         finally:
             handle.remove()
-        hidden = captured[-1].to_local() if is_dtensor(captured[-1]) else captured[-1]
-        hidden, weight, bias, softcap, scale = head_inputs(model, hidden, name)
+        hidden, weight, bias, softcap, scale = head_inputs(model, local_of(captured[-1]), name)
         rows = tensor_parallel_rows(head.weight)
         if rows is not None and logits.shape[-1] == vocab:  # gathered logits: this rank's rows' columns of them
             logits = logits[..., rows[0] : rows[1]]
