@@ -10,8 +10,15 @@ import torch._dynamo
 import torch._inductor.config
 
 from conftest import make_problem, record_write_grad, rel_err
-from cosdistill import fused_linear_cosine_distill
-from cosdistill.testing import Options, compiled_distill, fused_linear_cosine_distill_op, plan
+from cosdistill import fused_linear_cosine_distill, fused_linear_jsd
+from cosdistill.testing import (
+    REAL_OPTIONS,
+    Options,
+    compiled_distill,
+    fused_linear_cosine_distill_op,
+    plan,
+    real_options_tensor,
+)
 
 TOL = 1e-5  # fp32, compiled against eager
 
@@ -24,11 +31,12 @@ def fresh_dynamo():
 
 
 def op_kwargs(needs_grad, **overrides):
-    kwargs = dict(
-        num_valid_count=None, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100,
-        temperature=1.0, chunk_size=8, accum_dtype=None, impl="torch", teacher_precision=None,
-        student_softcap=None, teacher_softcap=None, needs_grad=list(needs_grad),
-    )
+    """The op's keywords: Options' fields as its schema takes them (the real ones in ``real_options``)."""
+    fields = dict(ignore_index=-100, chunk_size=8, accum_dtype=None, impl="torch", teacher_precision=None,
+                  student_softcap=None, teacher_softcap=None)
+    reals = {name: overrides.pop(name) for name in REAL_OPTIONS if name in overrides}
+    kwargs = dict(num_valid_count=None, real_options=real_options_tensor(Options(**fields, **reals)),
+                  needs_grad=list(needs_grad), **fields)
     kwargs.update(overrides)
     return kwargs
 
@@ -224,6 +232,36 @@ def test_a_count_that_changes_every_call_compiles_the_step_once_more_not_each_ti
         got = step(*problem.args(), count=count)
     assert counter.frame_count <= 2
     assert torch.equal(got, fused_linear_cosine_distill(*problem.args(), num_valid_tokens=21))
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_options_on_a_schedule_compile_the_step_once_more_not_each_time(loss):
+    """Weights, beta, temperature and logit scales that change every step (a schedule): the op took them as floats
+    of its schema, so each value compiled the step again, and fullgraph=True failed at Dynamo's recompile limit.
+    The numbers stay eager's, and a bad value still raises the eager message once the floats are symbolic."""
+    import torch._dynamo.testing
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    problem = make_problem(tokens=16, bias=True, ignore_every=3)
+
+    fused = fused_linear_jsd if loss == "jsd" else fused_linear_cosine_distill
+
+    def step(*args, weight, beta, temperature, scale):
+        return fused(*args, weight_hard_loss=1 - weight, weight_soft_loss=weight, beta=beta, temperature=temperature,
+                     student_logit_scale=scale, teacher_logit_scale=2 - scale)
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for i in range(12):
+        schedule = dict(weight=0.05 + 0.08 * i, beta=0.09 * i, temperature=0.5 + 0.25 * i, scale=1 + 0.01 * i)
+        got = compiled(*problem.args(), **schedule)
+        got_grads = torch.autograd.grad(got, problem.student_leaves())
+        want = step(*problem.args(), **schedule)
+        want_grads = torch.autograd.grad(want, problem.student_leaves())
+        assert rel_err(got, want) < TOL
+        assert all(rel_err(a, b) < TOL for a, b in zip(got_grads, want_grads))
+    assert counter.frame_count <= 2
+    with pytest.raises(Exception, match="temperature must be > 0, got -1.0"):
+        compiled(*problem.args(), weight=0.5, beta=0.5, temperature=-1.0, scale=1.0)
 
 
 def test_a_compiled_loss_refuses_double_backward():

@@ -26,7 +26,9 @@ What differs from eager:
   double backward itself.
 * The op is tagged cudagraph_unsafe: inductor's CUDA graphs (mode="reduce-overhead") leave it out.
 * Scalar options must be Python numbers (a tensor ``beta`` would need a host read); num_valid_tokens
-  may be a number or a tensor, as in eager.
+  may be a number or a tensor, as in eager. The real options (``REAL_OPTIONS``) and a num_valid_tokens number
+  reach the op in CPU tensors, so that a schedule's new values keep the step's graph (symbolic after one
+  recompile); their checks then run on symbolic floats, whose guards keep a bad value out of that graph.
 Gradients not asked for come back from the op as empty tensors (custom ops cannot return None).
 """
 
@@ -37,7 +39,7 @@ from torch import Tensor
 
 from ._chunk_loop import check_not_creating_graph
 from ._device import on_device_of
-from ._options import Options, check_accum_dtype, check_tensors, default_accum_dtype
+from ._options import REAL_OPTIONS, Options, check_accum_dtype, check_tensors, default_accum_dtype
 from ._plan import make_plan, run
 from ._teacher_fp8 import Fp8TeacherWeight
 
@@ -61,27 +63,23 @@ def fused_linear_cosine_distill_op(
     teacher_bias: Tensor | None,
     labels: Tensor,  # [T]
     num_valid_tokens: Tensor | None,
+    # The real options (REAL_OPTIONS' order) in a float64 CPU tensor: as floats of the schema, each new value (a
+    # weight, beta or temperature on a schedule) would compile the step again
+    real_options: Tensor,
     teacher_scales: Tensor | None = None,  # an Fp8TeacherWeight's: teacher_weight is then its codes
-    # num_valid_tokens given as a number, held in a 0-d CPU tensor: as a float of the schema, each new value
-    # would compile the step again (a count that changes every step: a graph per step)
+    # num_valid_tokens given as a number, held in a 0-d CPU tensor, for the same reason
     num_valid_count: Tensor | None = None,
     *,
     teacher_shape: list[int] | None = None,  # an Fp8TeacherWeight's (its codes are padded)
     needs_grad: list[bool],  # input, weight, bias
-    # Options' fields, as the op's schema takes them:
-    weight_hard_loss: float,
-    weight_soft_loss: float,
-    beta: float,
+    # Options' other fields, as the op's schema takes them:
     ignore_index: int,
-    temperature: float,
     chunk_size: int | None,
     accum_dtype: torch.dtype | None,
     impl: str,
     teacher_precision: str | None,
     student_softcap: float | None,
     teacher_softcap: float | None,
-    student_logit_scale: float = 1.0,
-    teacher_logit_scale: float = 1.0,
     cosine_via: str = "auto",
     loss: str = "cosine",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -89,11 +87,9 @@ def fused_linear_cosine_distill_op(
 
     grad_weight comes in the accum dtype and grad_bias in fp32, cast to their leaves' dtypes in backward."""
     options = Options(
-        weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
-        temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype, impl=impl,
-        teacher_precision=teacher_precision, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
-        student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale, cosine_via=cosine_via,
-        loss=loss,
+        **dict(zip(REAL_OPTIONS, real_options.tolist())), ignore_index=ignore_index, chunk_size=chunk_size,
+        accum_dtype=accum_dtype, impl=impl, teacher_precision=teacher_precision, student_softcap=student_softcap,
+        teacher_softcap=teacher_softcap, cosine_via=cosine_via, loss=loss,
     )
     if teacher_scales is not None:
         teacher_weight = Fp8TeacherWeight(teacher_weight, teacher_scales, torch.Size(teacher_shape), teacher_input.dtype)
@@ -112,7 +108,7 @@ def fused_linear_cosine_distill_op(
 
 @fused_linear_cosine_distill_op.register_fake
 def _(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
-      num_valid_tokens, teacher_scales=None, num_valid_count=None, *, accum_dtype, needs_grad, **options):
+      num_valid_tokens, real_options, teacher_scales=None, num_valid_count=None, *, accum_dtype, needs_grad, **options):
     scalars = [student_input.new_empty((), dtype=torch.float32) for _ in range(3)]
     grad_dtypes = (_grad_input_dtype(student_input.dtype), accum_dtype or default_accum_dtype(student_weight.dtype),
                    torch.float32)
@@ -136,20 +132,32 @@ def _backward(ctx, grad_loss, _grad_soft, _grad_hard, *_grad_grads):
         (grad * grad_loss).to(dtype) if need else None  # scaled, then rounded to the leaf's dtype, as in eager
         for need, grad, dtype in zip(ctx.needs_grad, ctx.saved_tensors, ctx.dtypes)
     ]
-    # teacher_input, teacher_weight, teacher_bias, labels, num_valid_tokens, teacher_scales, num_valid_count
-    return (*grads, None, None, None, None, None, None, None)
+    # teacher_input, teacher_weight, teacher_bias, labels, num_valid_tokens, real_options, teacher_scales,
+    # num_valid_count
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 fused_linear_cosine_distill_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _op_options(options: Options) -> dict:
-    """The options as the op's schema takes them: Python floats and ints (not NumPy or 0-d tensor scalars)."""
+    """The options but the real ones (``real_options_tensor``) as the op's schema takes them: Python floats and ints
+    (not NumPy or 0-d tensor scalars)."""
     values = {}
     for field in dataclasses.fields(options):
+        if field.name in REAL_OPTIONS:
+            continue
         value, kinds = getattr(options, field.name), (field.type, *getattr(field.type, "__args__", ()))
         values[field.name] = value if value is None else float(value) if float in kinds else int(value) if int in kinds else value
     return values
+
+
+def real_options_tensor(options: Options) -> Tensor:
+    """The real options, in REAL_OPTIONS' order, as the op's float64 CPU tensor."""
+    reals = [getattr(options, name) for name in REAL_OPTIONS]
+    # zeros + value, not scalar_tensor(value), which specializes a symbolic float on its value under torch.compile
+    return torch.stack([torch.zeros((), dtype=torch.float64) + (float(value) if torch.is_tensor(value) else value)
+                        for value in reals])
 
 
 def compiled_distill(options: Options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
@@ -176,6 +184,7 @@ def compiled_distill(options: Options, student_input, student_weight, teacher_in
         teacher_bias,
         true_labels.reshape(-1).contiguous(),
         num_valid_tokens if given_tensor else None,
+        real_options_tensor(options),
         teacher_weight.scales if quantized else None,
         count,
         teacher_shape=list(teacher_weight.shape) if quantized else None,

@@ -43,7 +43,7 @@ def check_finite_real(name: str, value) -> None:
     if isinstance(number, int) and not -sys.float_info.max <= number <= sys.float_info.max:
         raise ValueError(f"{name} must be finite, got {number}")  # an int past float's range
     if not -math.inf < number < math.inf:  # comparisons, not math.isfinite: torch.compile traces them
-        raise ValueError(f"{name} must be finite, got {number}")
+        raise ValueError(f"{name} must be finite, got {float(number)}")  # float(): a symbolic float's value
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -77,13 +77,13 @@ class Options:
         if isinstance(self.ignore_index, bool) or not _is_integer(self.ignore_index):
             raise TypeError(f"ignore_index must be an int, got {type(self.ignore_index).__name__} {self.ignore_index!r}")
         if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+            raise ValueError(f"temperature must be > 0, got {float(self.temperature)}")
         for name in SOFTCAPS:
             cap = getattr(self, name)
             if cap is not None:
                 check_finite_real(name, cap)
                 if not cap > 0:
-                    raise ValueError(f"{name} must be > 0 or None, got {cap}")
+                    raise ValueError(f"{name} must be > 0 or None, got {float(cap)}")
         if self.chunk_size is not None:
             if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int):
                 raise TypeError(f"chunk_size must be an int or None, got {type(self.chunk_size).__name__} "
@@ -102,7 +102,7 @@ class Options:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.loss == "jsd":
             if not 0.0 <= self.beta <= 1.0:
-                raise ValueError(f"beta must be in [0, 1] for the generalized JSD, got {self.beta}")
+                raise ValueError(f"beta must be in [0, 1] for the generalized JSD, got {float(self.beta)}")
             if self.cosine_via == "gram":
                 raise ValueError("loss='jsd' does not take cosine_via='gram': the divergence needs the teacher's logits")
 

@@ -85,7 +85,7 @@ from ._backends import TORCH, backend_for, scale_unless_one_torch  # noqa: E402
 from ._chunk_loop import ChunkRows, chunked_loss_and_grads  # noqa: E402
 from ._fingerprint import as_words, fingerprint_torch, lanes_of, stale_check_torch  # noqa: E402
 from ._labels import LabelCounts, count_labels_torch, mean_losses_torch  # noqa: E402
-from ._options import Options, options_of  # noqa: E402
+from ._options import REAL_OPTIONS, Options, options_of  # noqa: E402
 from ._plan import chunk_rows  # noqa: E402
 from ._row_step import (  # noqa: E402
     TORCH_ROW_STEP,
@@ -120,7 +120,7 @@ _KERNEL_NAMES = {  # name -> the kernels module that defines it
     "fingerprint_triton": "fingerprint", "stale_check_triton": "fingerprint", "TRITON_JSD_ROW_STEP": "row_step_jsd_triton",
     "row_step_jsd_triton": "row_step_jsd_triton",
 }
-_COMPILE_NAMES = ("compiled_distill", "fused_linear_cosine_distill_op")
+_COMPILE_NAMES = ("compiled_distill", "fused_linear_cosine_distill_op", "real_options_tensor")
 
 
 def _kernels():
@@ -160,7 +160,7 @@ __all__ = [
     # internals: the torch specs and the chunk loop's pieces
     "TORCH", "backend_for", "scale_unless_one_torch", "ChunkRows", "chunked_loss_and_grads", "fingerprint_torch",
     "as_words", "lanes_of", "stale_check_torch", "LabelCounts", "count_labels_torch", "mean_losses_torch", "Options",
-    "options_of", "chunk_rows", "TORCH_ROW_STEP", "RowStepImpl",
+    "REAL_OPTIONS", "options_of", "chunk_rows", "TORCH_ROW_STEP", "RowStepImpl",
     "RowStepConstants", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
     "with_teacher_products", "LogitsTeacher", "TeacherHead", "AttachGradients",
     "JSD_TORCH_ROW_STEP", "combine_jsd_stats", "combine_jsd_sums", "jsd_lift_bound", "jsd_row_grad", "jsd_row_stats",
