@@ -49,10 +49,11 @@ def text_dataset(lengths=(8, 8, 8, 6), seed=0):
 
 
 def make_sft_trainer(tmp_path, student, teacher, loss="cosine", train_dataset=None, **config):
-    args = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
-                         logging_steps=1, seed=0, max_steps=1, per_device_train_batch_size=4, optim="sgd",
-                         learning_rate=1.0, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                         max_grad_norm=0.0, bf16=False, **config)  # SFTConfig turns bf16 on by default
+    config = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+                  logging_steps=1, seed=0, max_steps=1, per_device_train_batch_size=4, optim="sgd", learning_rate=1.0,
+                  lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
+                  bf16=False) | config  # SFTConfig turns bf16 on by default
+    args = trl.SFTConfig(**config)
     assert CosineDistillationSFTTrainer is DistillationSFTTrainer
     return DistillationSFTTrainer(model=student, teacher_model=teacher, args=args,
                                   train_dataset=train_dataset or prompt_completion_dataset(),
@@ -140,3 +141,26 @@ def test_sft_predict_and_evaluate_give_the_loss_without_logits(tmp_path):
     output = trainer.predict(dataset)
     assert output.metrics["test_loss"] == pytest.approx(trainer.evaluate(eval_dataset=dataset)["eval_loss"], rel=1e-6)
     assert output.metrics["test_loss"] > 0
+
+
+@pytest.mark.parametrize("config", [{}, dict(packing=True, padding_free=True)], ids=["padded", "packed"])
+def test_num_tokens_is_logged_as_sfttrainer_logs_it(tmp_path, config):
+    """SFTTrainer logs num_tokens, the tokens trained on so far (padding left out); it went missing with the
+    distillation loss. Read once per log, it matches SFTTrainer's own count at every log, training and evaluation."""
+    logged = {}
+    for name in ("ours", "sft"):
+        student = tiny_model("llama")
+        if name == "ours":
+            trainer = make_sft_trainer(tmp_path, student, tiny_model("llama", vocab=144, seed=1), max_steps=3,
+                                       per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                       logging_steps=2, **config)
+        else:
+            args = copy.deepcopy(trainer.args)
+            trainer = trl.SFTTrainer(model=student, args=args, train_dataset=prompt_completion_dataset(),
+                                     processing_class=word_tokenizer())
+        trainer.train()
+        trainer.evaluate(eval_dataset=prompt_completion_dataset())
+        logged[name] = [{key: value for key, value in entry.items() if key.endswith("num_tokens")}
+                        for entry in trainer.state.log_history]
+    assert logged["ours"] == logged["sft"]
+    assert [sorted(entry) for entry in logged["ours"]] == [["num_tokens"]] * 2 + [["eval_num_tokens"]]

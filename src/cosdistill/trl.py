@@ -59,6 +59,27 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
 
     unsupported_args = UNSUPPORTED_SFT_ARGS
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._tokens_unlogged = None  # this process's tokens trained on since the last log, on the device
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training:  # SFTTrainer's num_tokens: the tokens trained on, padding excluded
+            mask = inputs.get("attention_mask")
+            tokens = mask.sum() if mask is not None else torch.tensor(inputs["input_ids"].numel())
+            self._tokens_unlogged = tokens if self._tokens_unlogged is None else self._tokens_unlogged + tokens
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def log(self, logs, *args, **kwargs):
+        """Adds SFTTrainer's ``num_tokens``, all processes' tokens trained on so far, read here once per log
+        rather than at every step."""
+        if self._tokens_unlogged is not None:  # every process logs: each takes part in the gather
+            tokens = self._tokens_unlogged.to(self.args.device).reshape(1)
+            self._total_train_tokens += int(self.accelerator.gather(tokens).sum())
+            self._tokens_unlogged = None
+        self._metrics["train" if self.model.training else "eval"]["num_tokens"] = [self._total_train_tokens]
+        super().log(logs, *args, **kwargs)
+
 
 CosineDistillationSFTTrainer = DistillationSFTTrainer  # its name from before loss="jsd"
 
