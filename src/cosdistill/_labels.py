@@ -67,7 +67,8 @@ class LabelCounts:
         normaliser = float(given.item() if torch.is_tensor(given) else given)
         if not -math.inf < normaliser < math.inf:  # a number was checked before; a tensor's value is read here
             raise ValueError(f"num_valid_tokens must be finite, got {normaliser} (data_parallel_num_valid_tokens "
-                             "gives NaN to every rank where one rank's labels were refused)")
+                             "gives NaN to every rank where one rank's labels, or its data parallel loss's "
+                             "options, were refused)")
         if not normaliser > 0:
             raise ValueError(f"num_valid_tokens must be > 0, got {normaliser}")
         return normaliser

@@ -127,6 +127,22 @@ def refused_labels_on_the_last_rank(world_size):
     return "nothing raised"
 
 
+def bad_option_on_the_last_rank(world_size):
+    """What this rank raises where the last rank's module holds a tensor temperature changed in place to 0: the last
+    the option's ValueError after the count's all-reduce, the others their refusal of the NaN count. The last raised
+    before the all-reduce and the others waited in it for the collective's timeout."""
+    features, teacher_hidden, teacher_weight, labels = rank_share(global_batch(world_size, (0, 0, 0)), dist.get_rank())
+    temperature = torch.tensor(2.0)
+    student = make_student(DataParallelJSDLoss(impl="torch", temperature=temperature))
+    if dist.get_rank() == world_size - 1:
+        temperature.zero_()
+    try:
+        student(features, teacher_hidden, teacher_weight, labels)
+    except (TypeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "nothing raised"
+
+
 def measure_rank(rank, world_size, folder):
     """Per loss, run and ignore layout, the relative errors of the gradients and of the mean loss against one
     process; rank 0 writes them to folder/errors.json (the gradients are all-reduced: the same on all ranks)."""
@@ -147,6 +163,8 @@ def measure_rank(rank, world_size, folder):
         errors["all ignored"] = data_parallel_num_valid_tokens(torch.full((3, 4), -100)).item() * world_size
         errors["refused labels"] = [None] * world_size
         dist.all_gather_object(errors["refused labels"], refused_labels_on_the_last_rank(world_size))
+        errors["bad option"] = [None] * world_size
+        dist.all_gather_object(errors["bad option"], bad_option_on_the_last_rank(world_size))
         if rank == 0:
             with open(os.path.join(folder, "errors.json"), "w") as file:
                 json.dump(errors, file)
@@ -184,6 +202,13 @@ def test_no_valid_token_anywhere_counts_as_one(errors):
 def test_refused_labels_on_one_rank_raise_on_every_rank(errors):
     *others, last = errors["refused labels"]
     assert last == "TypeError: labels must be an integer tensor, got torch.float32"
+    for other in others:
+        assert other.startswith("ValueError: num_valid_tokens must be finite, got nan"), other
+
+
+def test_a_bad_option_on_one_rank_raises_on_every_rank(errors):
+    *others, last = errors["bad option"]
+    assert last == "ValueError: temperature must be > 0, got 0.0"
     for other in others:
         assert other.startswith("ValueError: num_valid_tokens must be finite, got nan"), other
 

@@ -31,15 +31,21 @@ def data_parallel_num_valid_tokens(labels, ignore_index=-100, group=None):
     micro-batch's loss, so that the step is normalised by the step's token count.
 
     A rank whose labels are refused (not an integer tensor) still takes part in the all-reduce, with NaN, and
-    then raises; the others get NaN, which their loss refuses: no rank waits in the collective for it.
+    then raises; the others get NaN, which their loss refuses: no rank waits in the collective for it. The data
+    parallel modules below do the same for a rank whose options are refused (a tensor option changed in place).
     """
+    return _global_count(labels, ignore_index, group)
+
+
+def _global_count(labels, ignore_index, group, refused: Exception | None = None):
+    """data_parallel_num_valid_tokens; ``refused``: an error this rank found before the count (its loss's options),
+    raised, as refused labels are, after it took part in the all-reduce with NaN."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("data_parallel_num_valid_tokens needs torch.distributed initialised (init_process_group)")
-    refused = None
-    if not torch.is_tensor(labels):
-        refused = f"labels must be a torch.Tensor, got {type(labels).__name__}"
-    elif labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        refused = f"labels must be an integer tensor, got {labels.dtype}"
+    if refused is None and not torch.is_tensor(labels):
+        refused = TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if refused is None and (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool):
+        refused = TypeError(f"labels must be an integer tensor, got {labels.dtype}")
     # Gloo all-reduces CPU tensors; NCCL (and the "cpu:gloo,cuda:nccl" pair) take the labels' (or current) device.
     if dist.get_backend(group) == "gloo":
         device = torch.device("cpu")
@@ -52,7 +58,7 @@ def data_parallel_num_valid_tokens(labels, ignore_index=-100, group=None):
         count = torch.full((), math.nan, dtype=torch.float64, device=device)
     dist.all_reduce(count, group=group)
     if refused is not None:
-        raise TypeError(refused)
+        raise refused
     return count.clamp_min(1) / dist.get_world_size(group)
 
 
@@ -69,7 +75,11 @@ class _GlobalNormaliser:
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
                 teacher_bias=None, *, num_valid_tokens=None):
         if num_valid_tokens is None:
-            num_valid_tokens = data_parallel_num_valid_tokens(true_labels, self.options.ignore_index, self.group)
+            try:
+                ignore_index, refused = self.options.ignore_index, None  # a tensor option is checked again here
+            except (TypeError, ValueError) as error:  # the other ranks must not wait in the count for this one
+                ignore_index, refused = -100, error
+            num_valid_tokens = _global_count(true_labels, ignore_index, self.group, refused)
         return super().forward(
             student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
             num_valid_tokens=num_valid_tokens,
