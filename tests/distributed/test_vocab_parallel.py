@@ -177,6 +177,9 @@ WRONG_SETUPS = {
                                   r"agree on student dtype, got \['torch.float32', 'torch.bfloat16'\]"),
     "another soft term on one rank": ([(0, 16, 23), (16, 31, 23)], {"losses": "reversed"},
                                       r"agree on the soft term, got \['cosine', 'jsd'\]"),
+    # the JSD's statistics are [n, 4] float64 in the torch spec and [n, 7] fp32 in Triton's: a crash in the gather
+    "another implementation on one rank": ([(0, 16, 23), (16, 31, 23)], {"impl": "not auto's"},
+                                           r"agree on the row step, got \['(torch|triton|cuda)', '(torch|triton)'\]"),
     # that rank alone would raise at its label count, after the first statistics' collectives
     "a label past the vocabulary on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "past the vocabulary"},
                                                 "same true_labels"),
@@ -239,7 +242,9 @@ def run_wrong_setups(rank, folder):
                 with torch.set_grad_enabled(change.get("grad", True) or rank == 0):
                     for loss in losses:
                         loss(student_input, student_weight, teacher_input, teacher_weight, labels,
-                             temperature=temperature, vocab_parallel=split, num_valid_tokens=num_valid_tokens)
+                             temperature=temperature, vocab_parallel=split, num_valid_tokens=num_valid_tokens,
+                             impl=("torch" if device.type == "cuda" else "triton") if rank == 1 and "impl" in change
+                             else "auto")
                 raised[case] = "no error"
             except (TypeError, ValueError) as error:
                 raised[case] = str(error)
