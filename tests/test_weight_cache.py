@@ -125,6 +125,23 @@ def test_cosdistill_check_passes_every_mutation_on_this_device(on_device, monkey
     assert {result.failure for result in results} == {"rebuilt", "NaN, then raised" if on_device else "raised"}
 
 
+def test_a_weight_passed_as_data_says_so_when_a_change_on_the_parameter_is_found():
+    """``parameter.data`` is a new tensor with a counter of its own at every call, so a change made on the parameter
+    in place (which moves the parameter's counter) is found by the hash: the error named only writes through
+    ``.data`` and told the user to change the parameter in place, which they had done."""
+    generator = torch.Generator().manual_seed(3)
+    head, student = teacher_module(generator=generator), student_and_labels(generator=generator)
+    call(head.weight.data, student, cosine_via="gram")
+    with torch.no_grad():
+        head.weight.mul_(0.5)
+    with pytest.raises(StaleWeightError, match=r"passing `weight.data` to the loss.* Pass the parameter itself"):
+        call(head.weight.data, student, cosine_via="gram")
+    call(head.weight, student, cosine_via="gram")
+    with torch.no_grad():
+        head.weight.mul_(0.5)  # the counter moves: rebuilt, no error
+    assert_same(call(head.weight, student, cosine_via="gram"), call(head.weight.detach().clone(), student))
+
+
 def test_on_a_gpu_the_stale_call_is_nan_and_the_next_one_raises(on_device_comparison):
     generator = torch.Generator().manual_seed(2)
     head, student = teacher_module(generator=generator), student_and_labels(generator=generator)

@@ -11,7 +11,9 @@ A value is reused only for the same weight with the same contents, checked two w
   change the weight's hash (_fingerprint.py), taken when the value is built and again at every reuse.
   On the CPU a changed hash raises at once. On a GPU the comparison stays on the device, since
   reading it on the host would stall the queue: that call's loss and gradients come out NaN
-  (``Cached.poison``) and the next call with the weight raises ``StaleWeightError`` saying why.
+  (``Cached.poison``) and the next call with the weight raises ``StaleWeightError`` saying why. A weight passed
+  as ``parameter.data`` has a fresh counter at every call, so a change made on the parameter, which a
+  counter would show, is found this way too.
 """
 
 import functools
@@ -146,7 +148,9 @@ class WeightCache:
         return (
             f"teacher_weight {tuple(weight.shape)} changed while cosdistill held its {self.what}, without its "
             f"version counter moving, so {when} found that copy stale. Writes through `.data`, fused optimizer "
-            f"steps and weights made under torch.inference_mode do this. Change the weight in place on the "
-            f"parameter itself, under torch.no_grad() (its version then moves and the copy is rebuilt), or pass "
+            f"steps and weights made under torch.inference_mode do this, and so does passing `weight.data` to the "
+            f"loss: each `.data` is a new tensor with a counter of its own, which changes made on the parameter do "
+            f"not move. Pass the parameter itself (or `weight.detach()`, which shares its counter) and change it in "
+            f"place under torch.no_grad() (its version then moves and the copy is rebuilt), or pass "
             f"cosine_via='logits' and teacher_precision=None, which keep no copy."
         )
