@@ -3,11 +3,14 @@
 Every case runs through the torch and the Triton row step against the float64 naive version.
 """
 
+import math
+
 import pytest
 import torch
 
 from conftest import TOLERANCE, Problem, make_problem, reference, rel_err
 from cosdistill import fused_linear_cosine_distill
+from cosdistill.api import FUSED_LOSSES
 
 BF16_MAX = torch.finfo(torch.bfloat16).max  # (2 - 2^-7) * 2^127
 FP16_MAX = torch.finfo(torch.float16).max  # 65504 = 32 * 2047
@@ -170,3 +173,41 @@ def test_a_non_finite_input_gives_a_non_finite_loss(impl, where, value):
     getattr(problem, where).data[1, 0] = value
     loss = fused_linear_cosine_distill(*problem.args(), impl=impl)
     assert not torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("beta", [0.5, 0.1, 0.9])
+@pytest.mark.parametrize("scale", [1.0, 1e8, 1e16, 1e30])
+def test_the_jsd_of_two_peaked_rows_at_any_logit_size(impl, beta, scale):
+    """Student and teacher each all but certain of another token: the generalized JSD is the binary entropy of beta
+    (M puts 1 - beta and beta on the two tokens). The torch spec formed log-probabilities as logits over T less
+    their logsumexp, which cancelled past |logits| / T of ~1e13: half the answer at 1e16 (the Triton step, from
+    distances to the row's largest, was right)."""
+    vocab, tokens = 7, 3
+    student_weight = [0.0] * vocab
+    teacher_weight = [0.0] * vocab
+    student_weight[1], teacher_weight[4] = 40.0, 40.0  # times the input: each row's one large logit
+    problem = one_feature_problem([scale] * tokens, student_weight, teacher_weight, [1] * tokens, torch.float32)
+    _, soft, _ = FUSED_LOSSES["jsd"](*problem.args(), beta=beta, impl=impl, return_soft_hard_loss=True)
+    want = -beta * math.log(beta) - (1 - beta) * math.log1p(-beta)
+    assert abs(soft.item() - want) < (1e-6 if scale == 1.0 else 1e-7) * want
+
+
+@pytest.mark.parametrize("distance", [1e-6, 1e-9, 1e-12])
+def test_the_spec_keeps_the_jsd_near_beta_1(distance):
+    """beta within 1e-6..1e-12 of 1 (the fast row steps refuse these): the divergence is of order 1 - beta, and the
+    spec formed b - m as d + (a - m), which lost it (1.5e-4 off at 1 - 1e-12, 6.9e-3 at 1 - 1e-14)."""
+    problem = make_problem(tokens=13, vocab_student=41, vocab_teacher=47, dtype=torch.float32)
+    beta = 1 - distance
+    distance = 1 - beta  # exactly the float's (1 - 1e-12 is 1.00009e-12 from 1)
+    got = FUSED_LOSSES["jsd"](*problem.args(), beta=beta, impl="torch", return_soft_hard_loss=True)[1]
+    s = (problem.student_input.double() @ problem.student_weight.double().T + problem.student_bias.double())
+    t = (problem.teacher_input.double() @ problem.teacher_weight.double().T + problem.teacher_bias.double())
+    s = torch.nn.functional.pad(s, (0, t.shape[1] - s.shape[1]))
+    a, b = s.log_softmax(1), t.log_softmax(1)
+    # b - m and a - m with log1p: the mixture (1 - beta) e^a + beta e^b = e^b (1 + (1 - beta) (e^(a - b) - 1))
+    b_minus_m = -torch.log1p(distance * torch.expm1(a - b))
+    a_minus_m = (a - b) + b_minus_m
+    soft = (beta * b.exp() * b_minus_m + distance * a.exp() * a_minus_m).sum(1)
+    valid = problem.labels != -100
+    want = soft[valid].sum() / valid.sum()
+    assert rel_err(got.double(), want) < 1e-6

@@ -80,7 +80,8 @@ def split_stages(s, t, labels, scales, bounds, lift_terms=False):
     vocab_student = s.shape[1]
     shards = [(s[:, min(a, vocab_student):min(b, vocab_student)].clone(), t[:, a:b], dataclasses.replace(
         scales, vocab_start=a, vocab_student_total=vocab_student)) for a, b in bounds]
-    stats = combine_jsd_stats(torch.stack([jsd_row_stats(*shard[:2], labels, shard[2]) for shard in shards]))
+    stats = combine_jsd_stats(torch.stack([jsd_row_stats(*shard[:2], labels, shard[2]) for shard in shards]),
+                              scales.temperature)
     sums = combine_jsd_sums(torch.stack([jsd_row_sums(*shard[:2], stats, shard[2], lift_terms) for shard in shards]))
     return shards, stats, sums
 

@@ -25,11 +25,11 @@ the chunk loop's). Its gradient, for the student's own columns k:
         beta = 1:  g = a - b  (+1, which cancels)
         else:      g = (1 - beta) (a - m)  (the terms in d m / d p cancel, since M = (1 - beta) p + beta q)
 
-Every term is formed from log-probabilities, so peaked teachers (q underflowing to 0) and temperatures far
-from 1 stay finite. The spec computes in float64: in fp32 its sums over a whole vocabulary lose about an ulp
-of log(V) per term, which shows against a small divergence (a student padded to a much larger teacher
-vocabulary: 1.7e-5 off float64); the Triton kernel avoids that by forming b - a from the logits' distances
-to their maxima.
+Every term is formed from log-probabilities, and those from the logits' distances to their row's largest
+(a - m and b - m each as one logaddexp of d = b - a), so peaked teachers (q underflowing to 0), temperatures far
+from 1 and logits of any size stay finite and exact to float64's rounding of the distances. The spec computes
+in float64: in fp32 its sums over a whole vocabulary lose about an ulp of log(V) per term, which shows against a
+small divergence (a student padded to a much larger teacher vocabulary: 1.7e-5 off float64).
 
 Given ``grad_lifts`` [n] (the chunk loop does for fp16 logits), it writes each row's gradient times a power of
 two and stores it there, as _row_step.py does (``lift_for``), from a bound on the row's largest entry: with
@@ -39,8 +39,9 @@ student's logit scale (the softcap's factor is at most 1). M and P come with the
 vocabulary split agree on them.
 
 It runs in three stages, so that a vocabulary split over ranks can combine each row's numbers between
-them: ``jsd_row_stats`` (the three log-sum-exps and the target logit), ``jsd_row_sums`` (the divergence, the
-gradient's sum_j p_j g_j and M) and ``jsd_row_grad`` (the losses and the gradient).
+them: ``jsd_row_stats`` (the log-sum-exps, the soft distributions' largest logits, the target logit),
+``jsd_row_sums`` (the divergence, the gradient's sum_j p_j g_j and M) and ``jsd_row_grad`` (the losses and the
+gradient).
 """
 
 import math
@@ -50,15 +51,17 @@ import torch
 from ._row_step import RowStepConstants, RowStepImpl, label_columns, lift_for, scale_and_softcap
 
 SPEC_DTYPE = torch.float64
-# Per-row statistics of the JSD's row step, along the last dimension of a [n, 4] float64 tensor; over a
+# Per-row statistics of the JSD's row step, along the last dimension of a [n, 6] float64 tensor; over a
 # vocabulary split, each rank's are combined across ranks (combine_jsd_stats) before the sums.
 JSD_STATS = (
     "log_sum_exp",  # logsumexp of s over the student's columns (the hard term's; -inf over none)
     "target_logit",  # s[label] if the label falls in this shard, else 0
-    "student_log_sum_exp",  # logsumexp of s / T over the teacher's columns (s zero-padded)
-    "teacher_log_sum_exp",  # logsumexp of t / T
+    # Each model's soft distribution as its largest logit and the logsumexp of the distances to it over T (s
+    # zero-padded to the teacher's columns): log-probabilities formed from distances stay exact where the logits
+    # over T are so large that their difference from a logsumexp of them would cancel.
+    "student_max", "student_log_sum_exp", "teacher_max", "teacher_log_sum_exp",
 )
-LSE, TARGET, LSE_STUDENT, LSE_TEACHER = range(len(JSD_STATS))
+LSE, TARGET, MAX_STUDENT, LSE_STUDENT, MAX_TEACHER, LSE_TEACHER = range(len(JSD_STATS))
 
 
 def _as_the_loss_sees_them(student_logits, teacher_logits, scales: RowStepConstants):
@@ -82,47 +85,61 @@ def jsd_row_stats(student_logits, teacher_logits, labels, scales: RowStepConstan
     stats[:, LSE] = torch.logsumexp(s, dim=1) if vocab_student else float("-inf")
     target = s.gather(1, column[:, None])[:, 0] if vocab_student else s.new_zeros(rows)
     stats[:, TARGET] = torch.where(in_shard, target, 0.0)
-    stats[:, LSE_STUDENT] = torch.logsumexp(_padded(s, t.shape[1]) / scales.temperature, dim=1)
-    stats[:, LSE_TEACHER] = torch.logsumexp(t / scales.temperature, dim=1)
+    for column, logits in ((MAX_STUDENT, _padded(s, t.shape[1])), (MAX_TEACHER, t)):
+        largest = logits.amax(1) if logits.shape[1] else logits.new_full((rows,), float("-inf"))
+        stats[:, column] = largest
+        stats[:, column + 1] = torch.logsumexp(_distances(logits, largest, scales.temperature), dim=1)
     return stats
 
 
-def combine_jsd_stats(shard_stats: torch.Tensor) -> torch.Tensor:
-    """The whole vocabulary's statistics from its shards', [shards, n, 4] -> [n, 4]."""
+def _distances(logits, largest, temperature):
+    """(logits - largest) / T; 0 where largest is -inf (a shard with no columns has nothing to subtract)."""
+    return (logits - torch.where(torch.isinf(largest), 0.0, largest)[:, None]) / temperature
+
+
+def combine_jsd_stats(shard_stats: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The whole vocabulary's statistics from its shards', [shards, n, 6] -> [n, 6]."""
     stats = torch.logsumexp(shard_stats, dim=0)
     stats[:, TARGET] = shard_stats[..., TARGET].sum(0)
+    for column in (MAX_STUDENT, MAX_TEACHER):
+        largest = stats[:, column] = shard_stats[..., column].amax(0)
+        # each shard's sum of exponentials, moved from its own largest logit to the whole row's
+        moved = shard_stats[..., column + 1] + _distances(shard_stats[..., column].T, largest, temperature).T
+        stats[:, column + 1] = torch.logsumexp(moved, dim=0)
     return stats
 
 
 def _log_probs(s, t, stats, temperature):
-    """(a, d): the student's log-probabilities at the temperature over this shard's columns (s zero-padded)
-    and d = b - a, the teacher's minus the student's."""
-    padded = _padded(s, t.shape[1])
-    a = padded / temperature - stats[:, LSE_STUDENT, None]
-    d = (t - padded) / temperature - (stats[:, LSE_TEACHER] - stats[:, LSE_STUDENT])[:, None]
-    return a, d
+    """(a, b): the student's and the teacher's log-probabilities at the temperature over this shard's columns
+    (s zero-padded), each from its logits' distances to the row's largest."""
+    a = _distances(_padded(s, t.shape[1]), stats[:, MAX_STUDENT], temperature) - stats[:, LSE_STUDENT, None]
+    b = _distances(t, stats[:, MAX_TEACHER], temperature) - stats[:, LSE_TEACHER, None]
+    return a, b
 
 
-def jsd_terms(a, d, beta):
-    """(soft [n], student part [n], g [n, V]) over the given columns, from the student's log-probabilities a
-    and d = b - a: soft the divergence's sum, g = d soft / d p up to a constant, and the student part
-    sum_j p_j g_j, which the gradient subtracts (0 where it needs none: beta = 0). With the mixture
-    m = log((1 - beta) e^a + beta e^b), a - m = -logaddexp(log(1 - beta), log(beta) + d) and b - m = d + (a - m)."""
-    p = a.exp()
+def jsd_terms(a, b, beta):
+    """(soft [n], student part [n], g [n, V]) over the given columns, from the student's and the teacher's
+    log-probabilities a and b: soft the divergence's sum, g = d soft / d p up to a constant, and the student part
+    sum_j p_j g_j, which the gradient subtracts (0 where it needs none: beta = 0). With d = b - a and the mixture
+    m = log((1 - beta) e^a + beta e^b), a - m = -logaddexp(log(1 - beta), log(beta) + d) and
+    b - m = -logaddexp(log(1 - beta) - d, log(beta)), each with no difference of large numbers."""
+    p, d = a.exp(), b - a
     if beta == 0.0:
-        return ((a + d).exp() * d).sum(1), torch.zeros_like(a[:, 0]), None
+        return (b.exp() * d).sum(1), torch.zeros_like(a[:, 0]), None
     if beta == 1.0:
         soft = -(p * d).sum(1)
         return soft, soft, -d
-    student_minus_mixture = -torch.logaddexp(d.new_tensor(math.log1p(-beta)), d + math.log(beta))
+    log_keep, log_beta = math.log1p(-beta), math.log(beta)
+    student_minus_mixture = -torch.logaddexp(d.new_tensor(log_keep), d + log_beta)
+    teacher_minus_mixture = -torch.logaddexp(log_keep - d, d.new_tensor(log_beta))
     student_part = (p * student_minus_mixture).sum(1)
-    soft = beta * ((a + d).exp() * (d + student_minus_mixture)).sum(1) + (1.0 - beta) * student_part
+    soft = beta * (b.exp() * teacher_minus_mixture).sum(1) + (1.0 - beta) * student_part
     return soft, (1.0 - beta) * student_part, (1.0 - beta) * student_minus_mixture
 
 
-def _soft_brackets(a, d, g, beta):
+def _soft_brackets(a, b, g, beta):
     """p_k g_k (p_k - q_k at beta = 0) over the given columns: the soft gradient's part that varies with k."""
-    return a.exp() - (a + d).exp() if beta == 0.0 else a.exp() * g
+    return a.exp() - b.exp() if beta == 0.0 else a.exp() * g
 
 
 def jsd_row_sums(student_logits, teacher_logits, stats, scales: RowStepConstants, lift_terms=False) -> torch.Tensor:
@@ -131,13 +148,13 @@ def jsd_row_sums(student_logits, teacher_logits, stats, scales: RowStepConstants
     none), which jsd_lift_bound needs. A vocabulary split adds up the first two across ranks and takes the
     largest of the others (combine_jsd_sums)."""
     s, t = _as_the_loss_sees_them(student_logits, teacher_logits, scales)
-    a, d = _log_probs(s, t, stats, scales.temperature)
-    soft, student_part, g = jsd_terms(a, d, scales.beta)
+    a, b = _log_probs(s, t, stats, scales.temperature)
+    soft, student_part, g = jsd_terms(a, b, scales.beta)
     if not lift_terms:
         return torch.stack([soft, student_part], dim=1)
     vocab_student = s.shape[1]
     g = None if g is None else g[:, :vocab_student]
-    brackets = _soft_brackets(a[:, :vocab_student], d[:, :vocab_student], g, scales.beta)
+    brackets = _soft_brackets(a[:, :vocab_student], b[:, :vocab_student], g, scales.beta)
     largest, largest_p = torch.zeros_like(soft), torch.zeros_like(soft)
     if vocab_student:
         largest, largest_p = brackets.abs().amax(1), a[:, :vocab_student].amax(1).exp()
@@ -176,12 +193,12 @@ def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales: Ro
         # The one-hot's weight in SPEC_DTYPE, as the softmax's: rounded to fp32 it would not cancel where
         # softmax(s) is 1 (a one-column student), whose exact gradient is the soft term's alone.
         grad.scatter_add_(1, column[:, None], in_shard.to(SPEC_DTYPE)[:, None] * -scales.weight_hard)
-    a, d = _log_probs(s, t, stats, scales.temperature)
-    a, d = a[:, :vocab_student], d[:, :vocab_student]  # the student has no gradient past its own columns
+    a, b = _log_probs(s, t, stats, scales.temperature)
+    a, b = a[:, :vocab_student], b[:, :vocab_student]  # the student has no gradient past its own columns
     if scales.beta == 0.0:
-        soft_grad = a.exp() - (a + d).exp()
+        soft_grad = a.exp() - b.exp()
     else:  # the bracket before the product: where p sits on one column g and the row sum are large and equal
-        soft_grad = a.exp() * (jsd_terms(a, d, scales.beta)[2] - sums[:, 1, None])
+        soft_grad = a.exp() * (jsd_terms(a, b, scales.beta)[2] - sums[:, 1, None])
     grad += (scales.weight_soft / scales.temperature) * soft_grad
     if scales.student_softcap is not None:
         grad *= 1.0 - (s / scales.student_softcap) ** 2  # d(c tanh(z / c)) / dz
@@ -205,7 +222,8 @@ def split_jsd_row_step(all_gather):
     gradient needs the whole row's student part, fp16's lift the whole row's largest terms)."""
 
     def row_step(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None):
-        stats = combine_jsd_stats(all_gather(jsd_row_stats(student_logits, teacher_logits, labels, scales)))
+        stats = combine_jsd_stats(all_gather(jsd_row_stats(student_logits, teacher_logits, labels, scales)),
+                                  scales.temperature)
         sums = combine_jsd_sums(all_gather(jsd_row_sums(student_logits, teacher_logits, stats, scales,
                                                         lift_terms=grad_lifts is not None)))
         jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales, token_losses, write_grad,

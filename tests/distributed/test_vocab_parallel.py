@@ -177,7 +177,7 @@ WRONG_SETUPS = {
                                   r"agree on student dtype, got \['torch.float32', 'torch.bfloat16'\]"),
     "another soft term on one rank": ([(0, 16, 23), (16, 31, 23)], {"losses": "reversed"},
                                       r"agree on the soft term, got \['cosine', 'jsd'\]"),
-    # the JSD's statistics are [n, 4] float64 in the torch spec and [n, 7] fp32 in Triton's: a crash in the gather
+    # the JSD's statistics are [n, 6] float64 in the torch spec and [n, 7] fp32 in Triton's: a crash in the gather
     "another implementation on one rank": ([(0, 16, 23), (16, 31, 23)], {"impl": "not auto's"},
                                            r"agree on the row step, got \['(torch|triton|cuda)', '(torch|triton)'\]"),
     # that rank alone would raise at its label count, after the first statistics' collectives
