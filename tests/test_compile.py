@@ -232,6 +232,10 @@ def test_a_count_that_changes_every_call_compiles_the_step_once_more_not_each_ti
         got = step(*problem.args(), count=count)
     assert counter.frame_count <= 2
     assert torch.equal(got, fused_linear_cosine_distill(*problem.args(), num_valid_tokens=21))
+    for count in range(10, 22):  # a float (a global count over the world size): scalar_tensor specialized on it
+        got = step(*problem.args(), count=count / 3)
+    assert counter.frame_count <= 4
+    assert torch.equal(got, fused_linear_cosine_distill(*problem.args(), num_valid_tokens=7.0))
 
 
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])

@@ -48,7 +48,7 @@ def text_dataset(lengths=(8, 8, 8, 6), seed=0):
         for n in lengths])
 
 
-def make_sft_trainer(tmp_path, student, teacher, loss="cosine", train_dataset=None, **config):
+def make_sft_trainer(tmp_path, student, teacher, loss="cosine", train_dataset=None, eval_dataset=None, **config):
     config = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
                   logging_steps=1, seed=0, max_steps=1, per_device_train_batch_size=4, optim="sgd", learning_rate=1.0,
                   lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
@@ -56,7 +56,7 @@ def make_sft_trainer(tmp_path, student, teacher, loss="cosine", train_dataset=No
     args = trl.SFTConfig(**config)
     assert CosineDistillationSFTTrainer is DistillationSFTTrainer
     return DistillationSFTTrainer(model=student, teacher_model=teacher, args=args,
-                                  train_dataset=train_dataset or prompt_completion_dataset(),
+                                  train_dataset=train_dataset or prompt_completion_dataset(), eval_dataset=eval_dataset,
                                   processing_class=word_tokenizer(), loss=loss, **OPTIONS)
 
 
@@ -151,16 +151,19 @@ def test_num_tokens_is_logged_as_sfttrainer_logs_it(tmp_path, config):
     for name in ("ours", "sft"):
         student = tiny_model("llama")
         if name == "ours":
-            trainer = make_sft_trainer(tmp_path, student, tiny_model("llama", vocab=144, seed=1), max_steps=3,
+            trainer = make_sft_trainer(tmp_path, student, tiny_model("llama", vocab=144, seed=1), max_steps=5,
                                        per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                       logging_steps=2, **config)
+                                       logging_steps=2, eval_strategy="steps", eval_steps=3,
+                                       eval_dataset=prompt_completion_dataset(), **config)
         else:
             args = copy.deepcopy(trainer.args)
             trainer = trl.SFTTrainer(model=student, args=args, train_dataset=prompt_completion_dataset(),
-                                     processing_class=word_tokenizer())
+                                     eval_dataset=prompt_completion_dataset(), processing_class=word_tokenizer())
         trainer.train()
         trainer.evaluate(eval_dataset=prompt_completion_dataset())
         logged[name] = [{key: value for key, value in entry.items() if key.endswith("num_tokens")}
                         for entry in trainer.state.log_history]
     assert logged["ours"] == logged["sft"]
-    assert [sorted(entry) for entry in logged["ours"]] == [["num_tokens"]] * 2 + [["eval_num_tokens"]]
+    # steps 2 and 4 log, 3 and 5 evaluate; the run's summary (none, as SFTTrainer's) and the evaluation after it
+    assert [sorted(entry) for entry in logged["ours"]] == [["num_tokens"], ["eval_num_tokens"]] * 2 + [
+        [], ["eval_num_tokens"]]

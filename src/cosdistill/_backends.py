@@ -17,7 +17,6 @@ import torch
 from . import _fingerprint, _labels, _row_step, _row_step_jsd, _teacher_fp8
 
 IMPLS = ("auto", "torch", "triton", "cuda")
-BACKEND_NAMES = IMPLS[1:]  # what "auto" resolves to
 
 
 @dataclasses.dataclass(frozen=True)

@@ -155,9 +155,14 @@ def _op_options(options: Options) -> dict:
 def real_options_tensor(options: Options) -> Tensor:
     """The real options, in REAL_OPTIONS' order, as the op's float64 CPU tensor."""
     reals = [getattr(options, name) for name in REAL_OPTIONS]
-    # zeros + value, not scalar_tensor(value), which specializes a symbolic float on its value under torch.compile
-    return torch.stack([torch.zeros((), dtype=torch.float64) + (float(value) if torch.is_tensor(value) else value)
-                        for value in reals])
+    return torch.stack([_cpu_float64(float(value) if torch.is_tensor(value) else value) for value in reals])
+
+
+def _cpu_float64(value) -> Tensor:
+    """A 0-d float64 CPU tensor holding the number ``value``: zeros + value, not scalar_tensor(value), which
+    specializes a symbolic float on its value under torch.compile (sym_float: an int past int64's range, symbolic
+    or not, as a float); on the CPU whatever the default device, so the op reads it without a wait."""
+    return torch.zeros((), dtype=torch.float64, device="cpu") + torch.sym_float(value)
 
 
 def compiled_distill(options: Options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
@@ -173,7 +178,7 @@ def compiled_distill(options: Options, student_input, student_weight, teacher_in
     grad_on = torch.is_grad_enabled()
     needs_grad = [grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias)]
     given_tensor = torch.is_tensor(num_valid_tokens)
-    count = None if given_tensor or num_valid_tokens is None else torch.scalar_tensor(num_valid_tokens, dtype=torch.float64)
+    count = None if given_tensor or num_valid_tokens is None else _cpu_float64(num_valid_tokens)
     quantized = isinstance(teacher_weight, Fp8TeacherWeight)
     loss, soft, hard, *_ = fused_linear_cosine_distill_op(
         student_input.reshape(-1, student_input.shape[-1]),

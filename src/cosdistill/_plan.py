@@ -43,8 +43,6 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
     check_accum_dtype(options.accum_dtype, student_weight.dtype)
     backend = backend_for(options.impl, student_weight.device)
     row_step = backend.jsd_row_step if options.loss == "jsd" else backend.row_step
-    if options.loss == "jsd" and backend is not TORCH:
-        check_fast_jsd_beta(options.scales.beta, options.impl)
     quantized = isinstance(teacher_weight, _teacher_fp8.Fp8TeacherWeight)
     fp8 = options.teacher_precision == "fp8" or quantized
     if fp8:
@@ -66,22 +64,6 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
                 options.accum_dtype or default_accum_dtype(student_weight.dtype), vocab_parallel,
                 fall_back=options.cosine_via == "auto", side_stream=side_stream,
                 grad_weight_in_forward=small_call(rows, num_tokens, student_weight.shape, teacher_weight.shape))
-
-
-# The fast JSD row steps (Triton, CUDA) take log2((1 - beta) + beta 2^d) in fp32: nearer 0 or 1 than this (but not
-# at them, the KL's exact branches) they lose fp32's precision (docs/reference.md, Precision).
-FAST_JSD_BETA_MARGIN = 1e-4
-
-
-def check_fast_jsd_beta(beta: float, impl: str) -> None:
-    """ValueError where the fast JSD row steps would lose precision at this beta."""
-    if 0.0 < beta < FAST_JSD_BETA_MARGIN or 1.0 - FAST_JSD_BETA_MARGIN < beta < 1.0:
-        raise ValueError(
-            f"beta={beta!r} is within {FAST_JSD_BETA_MARGIN:g} of {0 if beta < 0.5 else 1} but not at it: the fast JSD "
-            f"row steps (impl={impl!r} here) form the mixture in fp32 and would lose the soft term's precision (20% "
-            f"off at 1e-8). Pass a beta at least {FAST_JSD_BETA_MARGIN:g} from 0 and 1, or 0.0 or 1.0 exactly (the "
-            "forward and reverse KL), or impl='torch', the float64 spec (slower, more memory)"
-        )
 
 
 # Plans of earlier calls by signature (``checked_plan``); cleared when full, so a process that keeps changing

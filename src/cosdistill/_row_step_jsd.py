@@ -85,27 +85,29 @@ def jsd_row_stats(student_logits, teacher_logits, labels, scales: RowStepConstan
     stats[:, LSE] = torch.logsumexp(s, dim=1) if vocab_student else float("-inf")
     target = s.gather(1, column[:, None])[:, 0] if vocab_student else s.new_zeros(rows)
     stats[:, TARGET] = torch.where(in_shard, target, 0.0)
-    for column, logits in ((MAX_STUDENT, _padded(s, t.shape[1])), (MAX_TEACHER, t)):
-        largest = logits.amax(1) if logits.shape[1] else logits.new_full((rows,), float("-inf"))
-        stats[:, column] = largest
-        stats[:, column + 1] = torch.logsumexp(_distances(logits, largest, scales.temperature), dim=1)
+    for largest_column, logits in ((MAX_STUDENT, _padded(s, t.shape[1])), (MAX_TEACHER, t)):
+        largest = logits.amax(1)  # every shard holds teacher columns, and s is padded to them
+        stats[:, largest_column] = largest
+        stats[:, largest_column + 1] = torch.logsumexp(_distances(logits, largest, scales.temperature), dim=1)
     return stats
 
 
 def _distances(logits, largest, temperature):
-    """(logits - largest) / T; 0 where largest is -inf (a shard with no columns has nothing to subtract)."""
-    return (logits - torch.where(torch.isinf(largest), 0.0, largest)[:, None]) / temperature
+    """(logits - largest) / T."""
+    return (logits - largest[:, None]) / temperature
 
 
 def combine_jsd_stats(shard_stats: torch.Tensor, temperature: float) -> torch.Tensor:
     """The whole vocabulary's statistics from its shards', [shards, n, 6] -> [n, 6]."""
-    stats = torch.logsumexp(shard_stats, dim=0)
+    stats = torch.empty_like(shard_stats[0])
+    stats[:, LSE] = torch.logsumexp(shard_stats[..., LSE], dim=0)
     stats[:, TARGET] = shard_stats[..., TARGET].sum(0)
-    for column in (MAX_STUDENT, MAX_TEACHER):
-        largest = stats[:, column] = shard_stats[..., column].amax(0)
+    for largest_column in (MAX_STUDENT, MAX_TEACHER):
+        largest = stats[:, largest_column] = shard_stats[..., largest_column].amax(0)
         # each shard's sum of exponentials, moved from its own largest logit to the whole row's
-        moved = shard_stats[..., column + 1] + _distances(shard_stats[..., column].T, largest, temperature).T
-        stats[:, column + 1] = torch.logsumexp(moved, dim=0)
+        moved = shard_stats[..., largest_column + 1] + _distances(shard_stats[..., largest_column].T, largest,
+                                                                   temperature).T
+        stats[:, largest_column + 1] = torch.logsumexp(moved, dim=0)
     return stats
 
 

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ._backends import BACKEND_NAMES, Backend, backend_for
+from ._backends import Backend, backend_for
 from ._chunk_loop import ChunkRows
 from ._device import HostCopy
 from ._labels import LabelCounts
@@ -41,7 +41,7 @@ class PlannedCall(Protocol):
     """What the first half reads of a call's plan (_plan.Plan)."""
 
     options: Options
-    backend: Backend  # the row step's statistics, which the split's gathers carry, are its own
+    backend: Backend  # the JSD's split gathers statistics of its own (STATISTICS)
     rows: ChunkRows
     needs_grad: tuple[bool, bool, bool]  # input, weight, bias
 
@@ -83,7 +83,7 @@ def check_vocab_parallel(split: VocabParallel, plan: PlannedCall | None, num_tok
         options = plan.options
         values = [split.start, split.stop, 0, split.vocab_student,
                   -1 if split.vocab_teacher is None else split.vocab_teacher, num_tokens, plan.rows.student,
-                  LOSSES.index(options.loss), BACKEND_NAMES.index(plan.backend.name), FLOAT_DTYPES.index(dtype),
+                  LOSSES.index(options.loss), _statistics_of(plan), FLOAT_DTYPES.index(dtype),
                   sum(bit << i for i, bit in enumerate(plan.needs_grad)), _normaliser_bits(num_valid_tokens),
                   *(bits_of_float(-1.0 if value is None else float(value))
                     for value in dataclasses.astuple(options.scales))]
@@ -94,7 +94,7 @@ def check_vocab_parallel(split: VocabParallel, plan: PlannedCall | None, num_tok
 
 
 RANK_COLUMNS = ("start", "stop", "raised", "vocab_student", "vocab_teacher", "the number of tokens",
-                "rows per chunk", "the soft term", "the row step", "student dtype",
+                "rows per chunk", "the soft term", "the JSD's statistics", "student dtype",
                 "gradients asked for (input, weight, bias bits)", "num_valid_tokens",
                 *(f"option {field.name}" for field in dataclasses.fields(RowStepConstants)))
 HASHED = ("student_input", "teacher_input", "true_labels")  # two lanes each
@@ -102,6 +102,18 @@ HASHED = ("student_input", "teacher_input", "true_labels")  # two lanes each
 # call found the rank's cached FP8 copy stale
 HASH_COLUMNS = 2 * len(HASHED) + 2
 NORMALISER_COUNTED, NORMALISER_TENSOR = -1.0, -2.0  # the first gather's num_valid_tokens: None, a tensor
+
+
+# What the JSD's split gathers per row: the torch spec's float64 statistics, or the Triton stages' fp32 ones (the
+# CUDA backend's split runs those too); ranks that differ gather tensors of other shapes. The cosine loss's
+# split gathers the same from every backend.
+STATISTICS = ("any (the cosine term)", "torch spec", "Triton stages")
+
+
+def _statistics_of(plan: PlannedCall) -> int:
+    if plan.options.loss != "jsd":
+        return 0
+    return 1 if plan.backend.name == "torch" else 2
 
 
 def _normaliser_bits(num_valid_tokens) -> int:
@@ -168,7 +180,7 @@ def _check_ranks_agree(ranks: list[dict], vocab_teacher: int | None) -> None:
             shown = ([float_of_bits(value) for value in values] if name.startswith("option") else
                      [_shown_normaliser(value) for value in values] if name == "num_valid_tokens" else
                      [LOSSES[value] for value in values] if name == "the soft term" else
-                     [BACKEND_NAMES[value] for value in values] if name == "the row step" else
+                     [STATISTICS[value] for value in values] if name == "the JSD's statistics" else
                      [str(FLOAT_DTYPES[value]) for value in values] if name == "student dtype" else values)
             raise ValueError(f"vocab_parallel ranks must agree on {name}, got {shown} (rank by rank)")
     shards = sorted((row["start"], row["stop"]) for row in ranks)

@@ -77,7 +77,10 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
             tokens = self._tokens_unlogged.to(self.args.device).reshape(1)
             self._total_train_tokens += int(self.accelerator.gather(tokens).sum())
             self._tokens_unlogged = None
-        self._metrics["train" if self.model.training else "eval"]["num_tokens"] = [self._total_train_tokens]
+        # where SFTTrainer's own loss would have set it: a training step's log, an evaluation's
+        evaluation = self._evaluation_prefix is not None and f"{self._evaluation_prefix}_loss" in logs
+        if "loss" in logs or evaluation:
+            self._metrics["eval" if evaluation else "train"]["num_tokens"] = [self._total_train_tokens]
         super().log(logs, *args, **kwargs)
 
 
