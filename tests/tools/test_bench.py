@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from cosdistill.tools.cli import main
+from cosdistill.tools.cli import EXIT_CHECK_FAILED, main
 
 TINY = ["bench", "--device", "cpu", "--tokens", "32", "--vocab", "300", "--hidden", "32", "--reps", "2", "--warmup", "1"]
 
@@ -161,7 +161,7 @@ def test_fp8_loss_error_is_reported_not_checked(capsys, monkeypatch):
 
     monkeypatch.setattr(bench.fp8, "check_supported", lambda *args: None)
     monkeypatch.setitem(bench.TOLERANCE, torch.float32, 2e-6)  # ours' errors are below 1e-6, FP8's above 1e-5
-    code = main(TINY + ["--providers", "ours-fp8,ours-fp8-quantized,floor", "--mode", "forward"])
+    code = main(TINY + ["--providers", "ours,ours-fp8,ours-fp8-quantized,floor", "--mode", "forward"])
     out = capsys.readouterr().out
     assert code == 0, out
     fp8_row = next(line for line in out.splitlines() if line.startswith("| ours-fp8 | 32 | forward |"))
@@ -169,6 +169,10 @@ def test_fp8_loss_error_is_reported_not_checked(capsys, monkeypatch):
     quantized_row = next(line for line in out.splitlines() if line.startswith("| ours-fp8-quantized | 32 | forward |"))
     assert quantized_row.split("|")[8] == fp8_row.split("|")[8]  # a head quantized once: the same numbers
     assert "check: passed" in out
+    # with no provider of ours but the FP8 ones nothing is checked: said so, and the run does not pass
+    code = main(TINY + ["--providers", "ours-fp8,floor", "--mode", "forward"])
+    out = capsys.readouterr().out
+    assert code == EXIT_CHECK_FAILED and "NOT CHECKED" in out, out
 
 
 def test_a_provider_out_of_memory_gets_a_note_and_an_empty_row(capsys, monkeypatch, tmp_path):
@@ -275,3 +279,33 @@ def test_bench_says_where_it_wrote_its_files(capsys, tmp_path):
     assert main(TINY + ["--providers", "ours,floor", "--plot", str(plot), "--markdown", str(table)]) == 0
     out = capsys.readouterr().out
     assert f"plot: {plot}" in out and f"table: {table}" in out and plot.stat().st_size > 0
+
+
+def test_the_check_runs_the_timed_path_and_a_failed_check_appends_nothing(capsys, tmp_path, monkeypatch):
+    """The check at each T ran under no_grad, so it took another plan than the timed full mode (the Gram path,
+    longer teacher sub-chunks, no side stream) and never saw its gradients: a wrong grad_input on the timed path
+    passed. Now the check runs with gradients, and a run that fails it appends no row to the ledger."""
+    from cosdistill import api
+
+    real_distill = api.distill
+
+    def distill_with_wrong_gradients_at_the_bench_size(options, student_input, *args, **kwargs):
+        if torch.is_grad_enabled() and student_input.shape[0] == 96:  # only the bench's size, not the small problem
+            # the same values, the gradient 1% short
+            student_input = student_input + (student_input * 0.01).detach() - student_input * 0.01
+        return real_distill(options, student_input, *args, **kwargs)
+
+    monkeypatch.setattr(api, "distill", distill_with_wrong_gradients_at_the_bench_size)
+    ledger = tmp_path / "results.csv"
+    command = ["bench", "--device", "cpu", "--tokens", "96", "--vocab", "300", "--hidden", "32", "--reps", "2",
+               "--warmup", "1", "--providers", "ours,floor", "--ledger", str(ledger)]
+    assert main(command) == EXIT_CHECK_FAILED
+    out = capsys.readouterr().out
+    assert "CHECK FAILED" in out and "nothing appended" in out
+    assert not ledger.exists()
+
+
+def test_a_repeated_token_count_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(TINY[:4] + ["32,32"] + TINY[5:])
+    assert "must not repeat" in capsys.readouterr().err

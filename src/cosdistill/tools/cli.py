@@ -187,11 +187,14 @@ def run_bench_command(args):
             file.write(table)
     if args.json:
         bench.write_json(result, args.json)
-    if args.ledger:
+    if args.ledger and result.check_passed:  # a run whose numbers are wrong, or unchecked, has no time to record
         bench.append_to_ledger(result, workload, device, args.ledger, args.command_line)
+    elif args.ledger:
+        print("ledger: nothing appended (the check did not pass)")
     if args.plot:
         bench.write_plot(result, args.plot)
-    for what, path in (("table", args.markdown), ("results", args.json), ("ledger rows", args.ledger), ("plot", args.plot)):
+    ledger = args.ledger if result.check_passed else None
+    for what, path in (("table", args.markdown), ("results", args.json), ("ledger rows", ledger), ("plot", args.plot)):
         if path:
             print(f"{what}: {os.path.abspath(path)}")
     return 0 if result.check_passed else EXIT_CHECK_FAILED
