@@ -309,3 +309,43 @@ def test_a_repeated_token_count_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(TINY[:4] + ["32,32"] + TINY[5:])
     assert "must not repeat" in capsys.readouterr().err
+
+
+def test_the_commit_recorded_is_head_and_dirty_only_where_the_package_changed(tmp_path, monkeypatch):
+    """git describe --dirty called a run dirty once the ledger it appends to (tracked) had changed, so every run after
+    the first on one tree was recorded as '<commit>-dirty', and a tag turned the commit into 'v0.1-3-g<commit>'."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from cosdistill.tools import bench
+
+    monkeypatch.delenv("COSDISTILL_COMMIT", raising=False)
+    repo = tmp_path / "repo"
+    package = repo / "src" / "cosdistill"
+    shutil.copytree(Path(bench.__file__).parents[1], package, ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "results.csv").write_text("date\n")
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c", "--allow-empty")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "tag", "-a", "v0.1", "-m", "v0.1")
+    head = git("rev-parse", "--short=7", "HEAD")
+    monkeypatch.setattr(bench, "__file__", str(package / "tools" / "bench.py"))
+    (repo / "results.csv").write_text("date\nrow\n")  # the ledger changed: not the package
+    assert bench.source_commit() == head
+    (package / "tools" / "bench.py").write_text((package / "tools" / "bench.py").read_text() + "\n")
+    assert bench.source_commit() == head + "-dirty"
+
+
+def test_another_liger_release_is_skipped_with_a_note(monkeypatch):
+    """The ledger's liger rows are Liger-Kernel 0.8.5's; any installed release was timed, unrecorded."""
+    from cosdistill.tools import bench
+
+    monkeypatch.setattr(bench.importlib.metadata, "version", lambda name: "0.9.0")
+    module, why_not = bench.load_liger(torch.device("cpu"))
+    assert module is None and why_not == "liger skipped: liger-kernel 0.9.0 is installed, the bench compares 0.8.5"

@@ -28,6 +28,7 @@ ours-fp8 (FP8 quantization: about 1e-3 to 1e-2) are reported for information and
 
 import contextlib
 import csv
+import importlib.metadata
 import itertools
 import json
 import os
@@ -297,12 +298,18 @@ def floor_provider(tensors: Tensors, mode: str):
     return step
 
 
+LIGER_VERSION = "0.8.5"  # the release the ledger's liger rows are, and docs/reference.md's parity is held to
+
+
 def load_liger(device: torch.device, loss: str = "cosine"):
-    """Liger's loss module for this loss, or None with the reason if it cannot be imported."""
+    """Liger's loss module for this loss, or None with the reason if it cannot be imported or is another release."""
     try:
+        version = importlib.metadata.version("liger-kernel")
         from liger_kernel.chunked_loss import LigerFusedLinearCosineSimilarityLoss, LigerFusedLinearJSDLoss
-    except ImportError as error:
+    except (ImportError, importlib.metadata.PackageNotFoundError) as error:
         return None, f"liger skipped: cannot import liger_kernel.chunked_loss ({error})"
+    if version != LIGER_VERSION:
+        return None, f"liger skipped: liger-kernel {version} is installed, the bench compares {LIGER_VERSION}"
     module = LigerFusedLinearJSDLoss if loss == "jsd" else LigerFusedLinearCosineSimilarityLoss
     return module(compiled=device.type == "cuda"), None
 
@@ -617,12 +624,17 @@ def source_commit() -> str:
     """The commit measured: $COSDISTILL_COMMIT (set where the tree was copied without its .git), else git's."""
     if os.environ.get("COSDISTILL_COMMIT"):
         return os.environ["COSDISTILL_COMMIT"]
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=package, check=True).stdout.strip()
+
     try:
-        described = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                                   cwd=os.path.dirname(__file__), check=True)
+        # dirty only where the package's source differs: the ledger this run appends to is tracked too
+        changed = git("status", "--porcelain", "--untracked-files=all", "--", ".")
+        return git("rev-parse", "--short=7", "HEAD") + ("-dirty" if changed else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return described.stdout.strip()
 
 
 def append_ledger_rows(path: str, gpu: str, workload: str, rows, command: str) -> None:
