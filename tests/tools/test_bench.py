@@ -349,3 +349,25 @@ def test_another_liger_release_is_skipped_with_a_note(monkeypatch):
     monkeypatch.setattr(bench.importlib.metadata, "version", lambda name: "0.9.0")
     module, why_not = bench.load_liger(torch.device("cpu"))
     assert module is None and why_not == "liger skipped: liger-kernel 0.9.0 is installed, the bench compares 0.8.5"
+
+
+def test_a_sweep_beside_a_forced_provider_is_refused(capsys):
+    """--chunk-sizes and --accum-dtypes set 'ours' alone: ours-unchecked ran its automatic settings beside them, an
+    A/B of two configurations that the table did not show."""
+    with pytest.raises(SystemExit):
+        main(TINY + ["--providers", "ours,ours-unchecked", "--chunk-sizes", "16"])
+    assert "settings of provider 'ours' alone" in capsys.readouterr().err
+
+
+def test_an_error_of_the_run_keeps_its_traceback(monkeypatch):
+    """Every ValueError of a run was printed as a one-line usage error (exit 2): a StaleWeightError from the library
+    in the middle of timing lost its traceback."""
+    from cosdistill import StaleWeightError
+    from cosdistill.tools import bench
+
+    def stale(*args, **kwargs):
+        raise StaleWeightError("stale in the middle of the run")
+
+    monkeypatch.setattr(bench, "run_bench", stale)
+    with pytest.raises(StaleWeightError):
+        main(TINY + ["--providers", "ours"])

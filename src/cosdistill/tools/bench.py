@@ -402,23 +402,32 @@ def environment_header(device: torch.device, workload: Workload, modes: str) -> 
     )
 
 
-def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVIDERS, modes=("full",),
-              settings=None) -> BenchResult:
-    """Check ours, then time every provider in every mode at every T, on the same tensors per T; rows in
-    (T, mode, provider) order."""
-    loss = workload.loss
+def check_arguments(workload: Workload, providers, modes, settings) -> None:
+    """ValueError for providers, modes and settings that do not make a run (before any tensor is made)."""
     if not providers:
         raise ValueError(f"providers must name at least one of {', '.join(PROVIDERS)}")
     if settings is not None and "ours" not in providers:
         raise ValueError("chunk sizes and accumulator dtypes are settings of provider 'ours': add it to the providers")
+    forced = sorted(set(providers) - {"ours", "naive", "liger", "floor"})
+    if settings is not None and forced:  # those run their own fixed settings: an A/B against them would compare two
+        raise ValueError(f"chunk sizes and accumulator dtypes are settings of provider 'ours' alone: time {forced} "
+                         "in a run without them")
     unknown = set(providers) - set(PROVIDERS)
     if unknown:
         raise ValueError(f"unknown providers {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
-    if loss == "jsd" and set(providers) - set(JSD_PROVIDERS):
+    if workload.loss == "jsd" and set(providers) - set(JSD_PROVIDERS):
         raise ValueError(f"with loss 'jsd' the providers are among {', '.join(JSD_PROVIDERS)}, got "
                          f"{sorted(set(providers) - set(JSD_PROVIDERS))}")
     if not modes or set(modes) - set(MODES) or len(set(modes)) < len(modes):
         raise ValueError(f"modes must be one or both of {MODES}, each once, got {list(modes)}")
+
+
+def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVIDERS, modes=("full",),
+              settings=None) -> BenchResult:
+    """Check ours, then time every provider in every mode at every T, on the same tensors per T; rows in
+    (T, mode, provider) order."""
+    check_arguments(workload, providers, modes, settings)
+    loss = workload.loss
     ours_setting_list = [replace(setting, loss=loss) for setting in settings or ours_settings()] if "ours" in providers else []
     settings = ours_setting_list + [setting for setting in FORCED_SETTINGS.values() if setting.label in providers]
     notes = []

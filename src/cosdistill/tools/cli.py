@@ -1,6 +1,7 @@
 """The ``cosdistill`` command line: ``bench``, ``demo`` and ``check``; ``cosdistill COMMAND --help`` lists each one's options."""
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -20,6 +21,19 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise_usage_error(message)
+
+
+class UsageError(Exception):
+    """What the arguments make, raised before a run starts: printed as one line, exit status EXIT_USAGE. Errors
+    from the run itself (the library's, a kernel's, out of memory) keep their tracebacks."""
+
+
+@contextlib.contextmanager
+def arguments_checked():
+    try:
+        yield
+    except (ValueError, TypeError, OSError) as error:
+        raise UsageError(str(error).splitlines()[0] if str(error) else type(error).__name__) from error
 
 
 def raise_usage_error(message):
@@ -157,28 +171,30 @@ def check_folder_exists(path):
 
 
 def run_bench_command(args):
-    for path in (args.json, args.markdown, args.plot, args.ledger):
-        if path:
-            check_folder_exists(path)
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("--plot needs matplotlib: pip install 'cosdistill[bench]'")
-    device = resolve_device(args.device)
-    default = bench.CUDA_WORKLOAD if device.type == "cuda" else bench.CPU_WORKLOAD
-    hidden = args.hidden if args.hidden is not None else default.hidden
-    workload = dataclasses.replace(
-        default,
-        tokens=tuple(args.tokens) if args.tokens is not None else default.tokens,
-        vocab=args.vocab if args.vocab is not None else default.vocab,
-        hidden=hidden,
-        student_hidden=args.student_hidden if args.student_hidden is not None else hidden // 2,
-        dtype=args.dtype or default.dtype,
-        warmup=args.warmup if args.warmup is not None else default.warmup,
-        reps=args.reps if args.reps is not None else default.reps,
-        rounds=args.rounds,
-        settle_s=args.settle_s if args.settle_s is not None else default.settle_s,
-        loss=args.loss,
-    )
-    settings = bench.ours_settings(args.chunk_sizes, args.accum_dtypes) if args.chunk_sizes or args.accum_dtypes else None
+    with arguments_checked():
+        for path in (args.json, args.markdown, args.plot, args.ledger):
+            if path:
+                check_folder_exists(path)
+        if args.plot and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib: pip install 'cosdistill[bench]'")
+        device = resolve_device(args.device)
+        default = bench.CUDA_WORKLOAD if device.type == "cuda" else bench.CPU_WORKLOAD
+        hidden = args.hidden if args.hidden is not None else default.hidden
+        workload = dataclasses.replace(
+            default,
+            tokens=tuple(args.tokens) if args.tokens is not None else default.tokens,
+            vocab=args.vocab if args.vocab is not None else default.vocab,
+            hidden=hidden,
+            student_hidden=args.student_hidden if args.student_hidden is not None else hidden // 2,
+            dtype=args.dtype or default.dtype,
+            warmup=args.warmup if args.warmup is not None else default.warmup,
+            reps=args.reps if args.reps is not None else default.reps,
+            rounds=args.rounds,
+            settle_s=args.settle_s if args.settle_s is not None else default.settle_s,
+            loss=args.loss,
+        )
+        settings = bench.ours_settings(args.chunk_sizes, args.accum_dtypes) if args.chunk_sizes or args.accum_dtypes else None
+        bench.check_arguments(workload, args.providers, args.mode, settings)
     result = bench.run_bench(workload, device, providers=args.providers, modes=args.mode, settings=settings)
     table = bench.markdown_table(result)
     print(table, end="")
@@ -201,25 +217,29 @@ def run_bench_command(args):
 
 
 def run_demo_command(args):
-    if not args.out.endswith(".png"):
-        raise ValueError(f"--out must be a .png path, got {args.out}")
-    check_folder_exists(args.out)
-    missing = [name for name in ("matplotlib", "tqdm") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ValueError(f"demo needs {' and '.join(missing)}: pip install 'cosdistill[bench]'")
-    config = demo.DemoConfig(
-        steps=args.steps, teacher_steps=args.teacher_steps, vocab=args.vocab, hidden=args.hidden,
-        batch_size=args.batch_size, seq_len=args.seq_len, weight_hard=args.weight_hard,
-        weight_soft=args.weight_soft, beta=args.beta, seed=args.seed, loss=args.loss,
-    )
-    result = demo.run_demo(config, resolve_device(args.device))
+    with arguments_checked():
+        if not args.out.endswith(".png"):
+            raise ValueError(f"--out must be a .png path, got {args.out}")
+        check_folder_exists(args.out)
+        missing = [name for name in ("matplotlib", "tqdm") if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ValueError(f"demo needs {' and '.join(missing)}: pip install 'cosdistill[bench]'")
+        config = demo.DemoConfig(
+            steps=args.steps, teacher_steps=args.teacher_steps, vocab=args.vocab, hidden=args.hidden,
+            batch_size=args.batch_size, seq_len=args.seq_len, weight_hard=args.weight_hard,
+            weight_soft=args.weight_soft, beta=args.beta, seed=args.seed, loss=args.loss,
+        )
+        device = resolve_device(args.device)
+    result = demo.run_demo(config, device)
     demo.write_plot(result, config, args.out)
     print(demo.summary(result, config, args.out), end="")
     return 0
 
 
 def run_check_command(args):
-    header, results = check.run_selfcheck(resolve_device(args.device))
+    with arguments_checked():
+        device = resolve_device(args.device)
+    header, results = check.run_selfcheck(device)
     print(header)
     print(check.results_table(results), end="")
     return 0 if all(result.passed for result in results) else EXIT_CHECK_FAILED
@@ -231,8 +251,8 @@ def main(argv=None):
     args.command_line = "cosdistill " + shlex.join(argv)  # for the ledger
     try:
         return args.run(args)
-    except (ValueError, TypeError, OSError) as error:  # what the arguments make: not a kernel's error or an OOM
-        raise_usage_error(str(error).splitlines()[0] if str(error) else type(error).__name__)
+    except UsageError as error:
+        raise_usage_error(str(error))
 
 
 if __name__ == "__main__":
