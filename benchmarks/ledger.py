@@ -23,6 +23,7 @@ from the selected rows; where a (provider, T) was measured in several runs, the 
 
 import argparse
 import csv
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -89,8 +90,8 @@ def compact_table(rows: list[dict]) -> str:
              "|---|" + "---:|" * len(tokens) + "---|"]
     for provider in dict.fromkeys(provider for provider, _ in last):
         measured = [last.get((provider, t)) for t in tokens]
-        cells = ["-" if row is None else (f"{float(row['ratio_to_floor']):.2f}x" if provider != "floor"
-                                          else f"{float(row['ms']):.2f} ms") for row in measured]
+        cells = ["-" if row is None else f"{float(row['ms']):.2f} ms" if provider == "floor" or not row["ratio_to_floor"]
+                 else f"{float(row['ratio_to_floor']):.2f}x" for row in measured]
         peaks = [f"{float(row['peak_gb_above_inputs']):.2f}" for row in measured if row and row["peak_gb_above_inputs"]]
         lines.append(f"| {provider} | " + " | ".join(cells) + f" | {' / '.join(peaks) if provider != 'floor' else '-'} |")
     return "\n".join(lines) + "\n"
@@ -117,6 +118,12 @@ def spread_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def kinds_of_run(rows: list[dict]) -> set[tuple]:
+    """What must be one for rows to share a table: GPU, versions, workload (rounds aside) and mode."""
+    return {(row["gpu"], row["torch"], row["triton"], re.sub(r" rounds=\d+", "", row["workload"]), row["mode"])
+            for row in rows}
+
+
 def plot(rows: list[dict], path: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -134,7 +141,7 @@ def plot(rows: list[dict], path: str) -> None:
     axes.set_xticks(all_tokens, [str(t) for t in all_tokens])
     axes.set_xlabel("tokens per call (T)")
     axes.set_ylabel("time / floor's time, same run")
-    first = rows[0]
+    first = next(iter(last.values()))
     axes.set_title(f"{first['gpu']}, {first['workload'].rsplit(' rounds', 1)[0]}, forward + backward", fontsize=9)
     axes.legend(fontsize=8)
     figure.savefig(path, dpi=120)
@@ -159,7 +166,13 @@ def main():
             and (not args.workload or args.workload in row["workload"]) and (not args.gpu or args.gpu in row["gpu"])
             and (not args.loss or ("loss=jsd" in row["workload"]) == (args.loss == "jsd"))]
     if args.plot:
-        plot([row for row in rows if row["mode"] == "full"], args.plot)
+        rows = [row for row in rows if row["mode"] == "full"]
+    if (args.plot or args.spread or args.compact) and len(kinds := kinds_of_run(rows)) != 1:
+        shown = "; ".join(" ".join(kind) for kind in sorted(kinds)) or "no rows"
+        parser.exit(2, f"ledger.py: --compact, --spread and --plot take runs of one kind, these rows are of "
+                       f"{len(kinds)} ({shown}): narrow them with --gpu, --workload, --mode or --commit\n")
+    if args.plot:
+        plot(rows, args.plot)
     elif args.spread:
         print(spread_table(rows), end="")
     elif args.compact:

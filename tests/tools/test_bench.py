@@ -256,6 +256,12 @@ def test_the_ledger_gets_one_row_per_timing_appended_and_renders_as_markdown(cap
     assert f"| ours | {ratios[0]:.3f} / {ratios[1]:.3f} (median {sum(ratios) / 2:.3f}) |" in spread
     assert spread.count("| floor | ") == 1 and " ms (median " in spread
     assert rendered("abc", "--gpu", rows[0]["gpu"]) == table and "ours" not in rendered("abc", "--gpu", "no such GPU")
+    # one table over runs of other kinds (here a forward-mode run) mixed their ratios under one row: refused
+    assert main(TINY + ["--providers", "ours,floor", "--mode", "forward", "--ledger", str(ledger)]) == 0
+    mixed = subprocess.run([sys.executable, str(script), "--ledger", str(ledger), "--commit", "abc", "--compact"],
+                           capture_output=True, text=True)
+    assert mixed.returncode == 2 and "runs of one kind, these rows are of 2" in mixed.stderr
+    assert "| ours | " in rendered("abc", "--compact", "--mode", "forward")
 
 
 def test_bench_of_the_jsd_checks_ours_against_its_naive_version_and_liger(capsys, tmp_path):
