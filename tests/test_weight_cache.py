@@ -339,3 +339,14 @@ def test_a_comparison_left_on_the_device_is_read_when_the_caller_asks():
         cache.raise_if_stale(head.weight, "this call")
     rebuilt = cache.get(head.weight, TORCH)
     assert rebuilt.poison is None and rebuilt.value == head.weight.sum()
+
+
+def test_a_lazily_negated_teacher_is_hashed_by_its_values():
+    """A weight with the negative bit set (``z.conj().imag``): the hash viewed its bits and raised torch's
+    RuntimeError on the Gram path."""
+    generator = torch.Generator().manual_seed(4)
+    parts = torch.randn(2, VOCAB, HIDDEN_TEACHER, generator=generator) * 0.3
+    weight = torch.complex(parts[0], parts[1]).conj().imag
+    assert weight.is_neg()
+    student = student_and_labels(generator=generator)
+    assert_same(call(weight, student, cosine_via="gram"), call(weight.clone(), student, cosine_via="logits"))

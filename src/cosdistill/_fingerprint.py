@@ -34,8 +34,9 @@ MIX_SHIFTS = (16, 15)
 
 
 def as_words(weight: torch.Tensor) -> torch.Tensor:
-    """The weight's bits as a 2-D int32 or int16 tensor, without a copy where its rows are contiguous."""
-    words = weight.detach()
+    """The weight's bits as a 2-D int32 or int16 tensor, without a copy where its rows are contiguous (and it is not
+    a lazily negated view, whose bits are those of its negation: it is copied)."""
+    words = weight.detach().resolve_neg()
     words = words.reshape(words.shape[0], -1) if words.dim() != 2 else words
     if words.element_size() == 4:
         return words.view(torch.int32)
