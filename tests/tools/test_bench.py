@@ -377,3 +377,17 @@ def test_an_error_of_the_run_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(bench, "run_bench", stale)
     with pytest.raises(StaleWeightError):
         main(TINY + ["--providers", "ours"])
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--chunk-sizes", "0"], "chunk_size must be > 0"),
+    (["--accum-dtypes", "fp16"], "accum_dtype must be None, torch.float32 or student_weight's dtype"),
+    (["--chunk-sizes", ""], "must name at least one value"),
+    (["--markdown", "."], "it is a folder"),
+])
+def test_bad_sweeps_and_paths_are_usage_errors_before_the_run(capsys, arguments, message):
+    """They raised inside the run (a traceback, exit 1: the failed check's status), an empty sweep ran the defaults,
+    and a folder as an output path failed at its open() after the whole run."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(TINY + ["--providers", "ours"] + arguments)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -26,11 +26,15 @@ def test_check_on_the_cpu_passes_and_prints_the_table(capsys):
         assert out.count("| loss triton vs float64 |") == len(selfcheck.LOSS_CASES)
         assert out.count("| loss triton gram vs float64 |") == gram_cases
         assert out.count("| row step triton vs torch |") == len(selfcheck.ROW_STEP_CASES)
+        assert out.count("| row step triton vs torch, soft term alone |") == len(selfcheck.ROW_STEP_CASES)
         splittable = [case for case in selfcheck.ROW_STEP_CASES if case.vocab_teacher >= 2]
         assert out.count("| row step triton split in two vs torch |") == len(splittable)
+        for beta in selfcheck.JSD_BETAS:
+            assert out.count(f"| jsd triton beta={beta:g} vs float64 |") == len(selfcheck.LOSS_CASES)
+    assert out.count("| loss torch vs float64, no_grad |") == len(selfcheck.LOSS_CASES)
     assert any(case.dtype == torch.float16 for case in selfcheck.LOSS_CASES)
-    for beta in selfcheck.JSD_BETAS:  # on the CPU every case runs with impl "auto"
-        assert out.count(f"| jsd beta={beta:g} vs float64 |") == len(selfcheck.LOSS_CASES)
+    for beta in selfcheck.JSD_BETAS:
+        assert out.count(f"| jsd torch beta={beta:g} vs float64 |") == len(selfcheck.LOSS_CASES)
     assert "FAIL" not in out and out.endswith("checks passed\n")
 
 
@@ -49,8 +53,9 @@ def test_failed_check_exits_1_and_marks_the_row(capsys, monkeypatch):
     code = main(["check", "--device", "cpu"])
     out = capsys.readouterr().out
     assert code == 1
-    checks = (len(selfcheck.LOSS_CASES) + sum(case.gram_applies() for case in selfcheck.LOSS_CASES)
-              + len(selfcheck.LOSS_CASES) * len(selfcheck.JSD_BETAS))
+    # each with gradients and under no_grad
+    checks = 2 * (len(selfcheck.LOSS_CASES) + sum(case.gram_applies() for case in selfcheck.LOSS_CASES)
+                  + len(selfcheck.LOSS_CASES) * len(selfcheck.JSD_BETAS))
     assert out.count("| FAIL |") == checks
     total = checks + len(selfcheck.TEACHER_MUTATIONS)  # the teacher cache checks compare with a fresh copy instead
     assert out.endswith(f"{checks} of {total} checks FAILED\n")
@@ -70,5 +75,6 @@ def test_selfcheck_runs_the_cluster_kernel_where_it_applies(monkeypatch):
     monkeypatch.setattr(row_step_cuda, "CUDA_ROW_STEP", RowStepImpl(recording_step, None, None))
     cases = (selfcheck.RowStepCase(4, 64, 64, torch.bfloat16), selfcheck.RowStepCase(3, 40, 41, torch.bfloat16))
     results = [result for result in selfcheck.check_row_step("cpu", cases) if "cuda" in result.name]
-    assert [result.case for result in results] == [cases[0].describe()] and results[0].passed
-    assert calls == [(4, 64)]
+    # with both terms, and with the soft term alone
+    assert [result.case for result in results] == [cases[0].describe()] * 2 and all(r.passed for r in results)
+    assert calls == [(4, 64)] * 2

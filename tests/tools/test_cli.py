@@ -14,6 +14,9 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine 
     (["demo", "--vocab", "many"], "argument --vocab: invalid int value: 'many'"),
     (["demo", "--out", "losses.jpg"], "--out must be a .png path, got losses.jpg"),
     (["demo", "--out", "/no/such/folder/demo.png"], "cannot write /no/such/folder/demo.png: its folder does not exist"),
+    # the loss's options, before the teacher trains (they raised after it, with a traceback and exit 1)
+    (["demo", "--loss", "jsd", "--beta", "2"], "beta must be in [0, 1] for the generalized JSD, got 2.0"),
+    (["demo", "--weight-soft", "nan"], "weight_soft_loss must be finite, got nan"),
     pytest.param(["demo", "--device", "cuda"], "--device cuda asked for, but torch sees no CUDA device", marks=NO_CUDA),
     (["check", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["distill"], "argument command: invalid choice: 'distill'"),
@@ -28,8 +31,8 @@ def test_bad_argument_exits_2_with_one_line(capsys, bad, message):
 
 
 def test_an_error_of_the_run_itself_keeps_its_traceback(monkeypatch):
-    """Only what the arguments make (ValueError, TypeError, OSError) is a one-line usage error: a kernel's error or
-    an out-of-memory error (RuntimeErrors) propagates with its traceback."""
+    """Only what the arguments make is a one-line usage error: an error of the run, a kernel's or an out-of-memory
+    error, propagates with its traceback."""
     from cosdistill.tools import demo
 
     def fail(*args, **kwargs):

@@ -43,6 +43,7 @@ from datetime import datetime, timezone
 import torch
 
 from .. import _teacher_fp8 as fp8
+from .._options import check_accum_dtype, options_of
 from .._weight_cache import Cached, WeightCache
 from ..api import fused_linear_cosine_distill, fused_linear_jsd
 from ..reference import NAIVE_LOSSES
@@ -420,6 +421,9 @@ def check_arguments(workload: Workload, providers, modes, settings) -> None:
                          f"{sorted(set(providers) - set(JSD_PROVIDERS))}")
     if not modes or set(modes) - set(MODES) or len(set(modes)) < len(modes):
         raise ValueError(f"modes must be one or both of {MODES}, each once, got {list(modes)}")
+    for setting in settings or ():  # the options' own checks, before any tensor is made
+        options_of(chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype)
+        check_accum_dtype(setting.accum_dtype, workload.dtype)
 
 
 def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVIDERS, modes=("full",),

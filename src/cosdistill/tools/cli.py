@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from .._options import options_of
 from . import bench, check, demo
 
 EXIT_CHECK_FAILED = 1
@@ -166,6 +167,8 @@ def resolve_device(name):
 
 def check_folder_exists(path):
     """Fail before a long run, not after it."""
+    if os.path.isdir(path):
+        raise ValueError(f"cannot write {path}: it is a folder")
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise ValueError(f"cannot write {path}: its folder does not exist")
 
@@ -193,6 +196,8 @@ def run_bench_command(args):
             settle_s=args.settle_s if args.settle_s is not None else default.settle_s,
             loss=args.loss,
         )
+        if [] in (args.chunk_sizes, args.accum_dtypes):  # "--chunk-sizes ''" ran the defaults
+            raise ValueError("--chunk-sizes and --accum-dtypes, where given, must name at least one value")
         settings = bench.ours_settings(args.chunk_sizes, args.accum_dtypes) if args.chunk_sizes or args.accum_dtypes else None
         bench.check_arguments(workload, args.providers, args.mode, settings)
     result = bench.run_bench(workload, device, providers=args.providers, modes=args.mode, settings=settings)
@@ -229,7 +234,10 @@ def run_demo_command(args):
             batch_size=args.batch_size, seq_len=args.seq_len, weight_hard=args.weight_hard,
             weight_soft=args.weight_soft, beta=args.beta, seed=args.seed, loss=args.loss,
         )
+        # the loss's options, checked before the teacher trains (a bad beta raised only after it)
         device = resolve_device(args.device)
+        options_of(loss=config.loss, weight_hard_loss=config.weight_hard, weight_soft_loss=config.weight_soft,
+                   beta=config.soft_beta)
     result = demo.run_demo(config, device)
     demo.write_plot(result, config, args.out)
     print(demo.summary(result, config, args.out), end="")
