@@ -1,6 +1,7 @@
 """cosdistill.trl: SFTTrainer's data handling (completion-only labels, packing) with the cosine loss."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -167,3 +168,18 @@ def test_num_tokens_is_logged_as_sfttrainer_logs_it(tmp_path, config):
     # steps 2 and 4 log, 3 and 5 evaluate; the run's summary (none, as SFTTrainer's) and the evaluation after it
     assert [sorted(entry) for entry in logged["ours"]] == [["num_tokens"], ["eval_num_tokens"]] * 2 + [
         [], ["eval_num_tokens"]]
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(loss="jsd", temperature=-1.0), "temperature must be > 0, got -1.0"),
+    (dict(loss="jsd", beta=1e-5), "beta=1e-05 is within 0.0001 of 0 but not at it"),
+    (dict(weight_soft_loss=float("nan")), "weight_soft_loss must be finite, got nan"),
+])
+def test_bad_loss_values_raise_at_construction(tmp_path, values, message):
+    """They raised at the first step, after the models were prepared and the data was tokenized."""
+    loss = values.pop("loss", "cosine")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DistillationSFTTrainer(model=tiny_model("llama"), teacher_model=tiny_model("llama", seed=1),
+                               args=trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False),
+                               train_dataset=prompt_completion_dataset(), processing_class=word_tokenizer(), loss=loss,
+                               **values)

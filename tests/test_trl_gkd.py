@@ -295,3 +295,10 @@ def test_defined_on_first_use():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert pickle.loads(pickle.dumps(DistillationGKDTrainer)) is DistillationGKDTrainer
+
+
+def test_a_beta_the_fast_row_steps_refuse_raises_at_construction(tmp_path):
+    """GKDConfig's beta within 1e-4 of 0 or 1 (not at them) raised at the first step; now when the trainer is made."""
+    student, teacher = models()
+    with pytest.raises(ValueError, match="beta=1e-05 is within 0.0001 of 0 but not at it"):
+        make(DistillationGKDTrainer, tmp_path, student, teacher, beta=1e-5)

@@ -6,6 +6,7 @@ teacher causal LM and a batch (input_ids, attention_mask, labels), computed with
 either model; ``DistillationTrainer`` is a ``transformers.Trainer`` that trains with it.
 """
 
+import dataclasses
 import inspect
 import weakref
 
@@ -17,6 +18,7 @@ try:
 except ImportError as error:
     raise ImportError("cosdistill.hf needs transformers: pip install 'cosdistill[hf]'") from error
 
+from ._options import Options, options_of
 from .api import FUSED_LOSSES
 
 __all__ = ["CosineDistillationTrainer", "DistillationMixin", "DistillationTrainer", "cosine_distill_loss", "distill_loss",
@@ -361,9 +363,10 @@ _FROM_THE_MODELS = frozenset({"student_input", "student_weight", "teacher_input"
                               "student_logit_scale", "teacher_logit_scale"})
 
 
-def check_loss_options(loss: str, loss_options: dict) -> None:
+def check_loss_options(loss: str, loss_options: dict, **values) -> None:
     """Raises for an unknown ``loss``, an option its fused function does not take, or one that distill_loss takes
-    from the models, before any model runs."""
+    from the models, before any model runs; and for a bad value among the options and ``values`` (beta,
+    temperature, ...), which the first step would raise."""
     if loss not in FUSED_LOSSES:
         raise ValueError(f"loss must be one of {tuple(FUSED_LOSSES)}, got {loss!r}")
     unknown = sorted(set(loss_options) - _FUSED_OPTIONS[loss])
@@ -373,6 +376,8 @@ def check_loss_options(loss: str, loss_options: dict) -> None:
     if from_the_models:
         raise TypeError(f"loss_options {from_the_models} cannot be given: distill_loss takes them from the models "
                         "(their LM heads and configs) and the batch")
+    fields = {field.name for field in dataclasses.fields(Options)}
+    options_of(loss=loss, **{name: value for name, value in {**loss_options, **values}.items() if name in fields})
 
 
 # Trainer options that change the loss in ways this loss does not follow: each raises at construction.
@@ -476,7 +481,8 @@ class DistillationMixin:
             if kwargs.get(name) is not None:
                 raise ValueError(f"{type(self).__name__} does not support {name}: evaluation has no logits (the fused "
                                  "loss never computes them); it reports eval_loss, eval_soft_loss and eval_hard_loss")
-        check_loss_options(loss, loss_options or {})
+        check_loss_options(loss, loss_options or {}, weight_hard_loss=weight_hard_loss,
+                           weight_soft_loss=weight_soft_loss, beta=beta, temperature=temperature)
         check_not_tensor_parallel(type(self).__name__, student=kwargs.get("model", args[0] if args else None),
                                   teacher=teacher_model)
         if (loss_options or {}).get("ignore_index", -100) != -100:
