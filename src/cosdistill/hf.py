@@ -363,10 +363,9 @@ _FROM_THE_MODELS = frozenset({"student_input", "student_weight", "teacher_input"
                               "student_logit_scale", "teacher_logit_scale"})
 
 
-def check_loss_options(loss: str, loss_options: dict, **values) -> None:
+def check_loss_options(loss: str, loss_options: dict) -> None:
     """Raises for an unknown ``loss``, an option its fused function does not take, or one that distill_loss takes
-    from the models, before any model runs; and for a bad value among the options and ``values`` (beta,
-    temperature, ...), which the first step would raise."""
+    from the models, before any model runs."""
     if loss not in FUSED_LOSSES:
         raise ValueError(f"loss must be one of {tuple(FUSED_LOSSES)}, got {loss!r}")
     unknown = sorted(set(loss_options) - _FUSED_OPTIONS[loss])
@@ -376,8 +375,16 @@ def check_loss_options(loss: str, loss_options: dict, **values) -> None:
     if from_the_models:
         raise TypeError(f"loss_options {from_the_models} cannot be given: distill_loss takes them from the models "
                         "(their LM heads and configs) and the batch")
-    fields = {field.name for field in dataclasses.fields(Options)}
-    options_of(loss=loss, **{name: value for name, value in {**loss_options, **values}.items() if name in fields})
+
+
+_OPTION_FIELDS = frozenset(field.name for field in dataclasses.fields(Options))
+
+
+def check_loss_values(loss: str, loss_options: dict, **values) -> None:
+    """Raises, when a Trainer is made, for a bad value among its loss options and ``values`` (weights, beta,
+    temperature), which its first step would raise (distill_loss's own call checks them once per call)."""
+    check_loss_options(loss, loss_options)
+    options_of(loss=loss, **{name: value for name, value in {**loss_options, **values}.items() if name in _OPTION_FIELDS})
 
 
 # Trainer options that change the loss in ways this loss does not follow: each raises at construction.
@@ -481,8 +488,8 @@ class DistillationMixin:
             if kwargs.get(name) is not None:
                 raise ValueError(f"{type(self).__name__} does not support {name}: evaluation has no logits (the fused "
                                  "loss never computes them); it reports eval_loss, eval_soft_loss and eval_hard_loss")
-        check_loss_options(loss, loss_options or {}, weight_hard_loss=weight_hard_loss,
-                           weight_soft_loss=weight_soft_loss, beta=beta, temperature=temperature)
+        check_loss_values(loss, loss_options or {}, weight_hard_loss=weight_hard_loss,
+                          weight_soft_loss=weight_soft_loss, beta=beta, temperature=temperature)
         check_not_tensor_parallel(type(self).__name__, student=kwargs.get("model", args[0] if args else None),
                                   teacher=teacher_model)
         if (loss_options or {}).get("ignore_index", -100) != -100:

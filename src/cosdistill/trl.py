@@ -34,6 +34,7 @@ from .hf import (
     UNSUPPORTED_ARGS,
     DistillationMixin,
     check_loss_options,
+    check_loss_values,
     check_not_tensor_parallel,
     check_sharding,
     check_unsupported_args,
@@ -182,8 +183,8 @@ def _define_gkd_trainer():
                                  "GKD's generalized JSD alone")
             check_loss_options("jsd", loss_options or {})
             super().__init__(*args, **kwargs)
-            check_loss_options("jsd", loss_options or {}, beta=self.beta, weight_hard_loss=0.0,
-                               weight_soft_loss=1.0, temperature=1.0)  # GKDConfig's beta (the band of the fast steps)
+            check_loss_values("jsd", loss_options or {}, beta=self.beta, weight_hard_loss=0.0, weight_soft_loss=1.0,
+                              temperature=1.0)  # GKDConfig's beta (the band of the fast steps)
             check_unsupported_args(self, UNSUPPORTED_GKD_CONFIG)
             check_sharding(self)
             check_not_tensor_parallel(type(self).__name__, student=self.accelerator.unwrap_model(self.model),
