@@ -216,12 +216,14 @@ def accumulation_floor(dtype: torch.dtype, accum_dtype: torch.dtype | None, chun
 
 
 def fused_run(args, loss="cosine", **kwargs):
-    """(loss, soft, hard) and the student gradients of the fused loss (``loss``: "cosine" or "jsd")."""
+    """(loss, soft, hard) and the student gradients of the fused loss (``loss``: "cosine" or "jsd"); under no_grad
+    the gradients are None."""
     for i in (0, 1, 5):
         if args[i] is not None:
             args[i].grad = None
     losses = FUSED_LOSSES[loss](*args, return_soft_hard_loss=True, **kwargs)
-    losses[0].backward()
+    if torch.is_grad_enabled():
+        losses[0].backward()
     return list(losses), [args[i].grad for i in (0, 1, 5) if args[i] is not None]
 
 
@@ -253,16 +255,13 @@ def run_and_compare(name, case: LossCase, args, want, **options) -> list[CheckRe
     """The call with gradients against ``want``, and the same call under no_grad (another plan: longer teacher
     sub-chunks, other kernels) against its losses; a crash is a failed check, reported in the table."""
     results = []
-    for no_grad in (False, True):
-        run_name = f"{name}{', no_grad' if no_grad else ''}"
+    for grad in (True, False):
+        run_name = f"{name}{'' if grad else ', no_grad'}"
         try:
-            if no_grad:
-                with torch.no_grad():
-                    losses = FUSED_LOSSES[options.get("loss", "cosine")](*args, return_soft_hard_loss=True, **{
-                        key: value for key, value in options.items() if key != "loss"})
-                results.append(compare(run_name, case.describe(), case.dtype, (list(losses), []), (want[0], [])))
-            else:
-                results.append(compare(run_name, case.describe(), case.dtype, fused_run(args, **options), want))
+            with torch.set_grad_enabled(grad):
+                losses, grads = fused_run(args, **options)
+            got, expected = ((losses, grads), want) if grad else ((losses, []), (want[0], []))
+            results.append(compare(run_name, case.describe(), case.dtype, got, expected))
         except Exception as error:
             results.append(failed(run_name, case.describe(), error))
     return results
