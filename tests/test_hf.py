@@ -61,9 +61,16 @@ def make_batch(lengths=(9, 6, 3), vocab=128, left_pad=False, seed=0):
 def naive_loss(student, teacher, input_ids, attention_mask, labels, weight_hard_loss=0.5, weight_soft_loss=0.5,
                beta=0.5, temperature=1.0):
     """From model(...).logits in float64, sliced the usual way: position i predicts token i + 1 when both are real."""
-    student_logits = student(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].double()
+    student_logits = student(input_ids=input_ids, attention_mask=attention_mask).logits
     with torch.no_grad():
-        teacher_logits = teacher(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].double()
+        teacher_logits = teacher(input_ids=input_ids, attention_mask=attention_mask).logits
+    return naive_loss_of_logits(student_logits, teacher_logits, attention_mask, labels, weight_hard_loss,
+                                weight_soft_loss, beta, temperature)
+
+
+def naive_loss_of_logits(student_logits, teacher_logits, attention_mask, labels, weight_hard_loss=0.5,
+                         weight_soft_loss=0.5, beta=0.5, temperature=1.0):
+    student_logits, teacher_logits = student_logits[:, :-1].double(), teacher_logits[:, :-1].double()
     targets = labels[:, 1:]
     valid = (targets != -100) & attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
     s, t, targets = student_logits[valid], teacher_logits[valid], targets[valid]
@@ -548,8 +555,104 @@ def test_the_trainer_trains_a_lora_student(tmp_path):
 def test_an_adapter_on_the_lm_head_is_a_clear_error():
     student, teacher, rows = lora_student(("q_proj", "lm_head")), tiny_model("llama", vocab=144, seed=1), dataset([5, 5])
     batch = dict(input_ids=torch.tensor(rows), labels=torch.tensor(rows))
+    with pytest.raises(TypeError, match=r"LM head carries an adapter.*merge_adapter\(\) or merge_and_unload\(\)"):
+        cosine_distill_loss(student, teacher, **batch)
+
+
+def test_a_merged_adapter_on_the_teacher_s_head_is_the_head_it_runs():
+    """merge_adapter() folds the LoRA update into the base layer, which the wrapper then calls alone."""
+    teacher = lora_student(("q_proj", "lm_head"))
+    teacher.merge_adapter()
+    student, batch = tiny_model("llama", seed=1), make_batch()
+    got = cosine_distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
+    want = naive_loss(copy.deepcopy(student), teacher, **batch, **OPTIONS)
+    assert all(rel_err(g, w) < 1e-5 for g, w in zip(got, want)), (got, want)
+    teacher.unmerge_adapter()
     with pytest.raises(TypeError, match="LM head carries an adapter"):
         cosine_distill_loss(student, teacher, **batch)
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+@pytest.mark.parametrize("tie", [False, True], ids=["lm_head", "tied embed_tokens"])
+def test_a_head_in_modules_to_save_trains_the_active_adapter_s_copy(loss, tie):
+    """PEFT's ModulesToSaveWrapper runs a trainable copy of the head (with tied embeddings, of embed_tokens and
+    the head together): the loss reads that copy, changed here so it differs from the frozen original."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False,
+                             modules_to_save=["embed_tokens" if tie else "lm_head"], ensure_weight_tying=tie)
+    student = peft.get_peft_model(tiny_model("llama", tie=tie), config)
+    with torch.no_grad():
+        student.get_output_embeddings().modules_to_save["default"].weight.mul_(1.5)
+    teacher, batch = tiny_model("llama", vocab=144, seed=1), make_batch()
+    reference_student = copy.deepcopy(student)
+    got = hf.distill_loss(student, teacher, **batch, loss=loss, **OPTIONS)
+    got.backward()
+    if loss == "cosine":
+        want = naive_loss(reference_student, teacher, **batch, **OPTIONS)[0]
+    else:
+        want = naive_jsd_loss(reference_student, teacher, batch, OPTIONS["beta"], OPTIONS["temperature"],
+                              OPTIONS["weight_hard_loss"], OPTIONS["weight_soft_loss"])
+    want.backward()
+    assert rel_err(got, want) < 1e-5, (got, want)
+    trained = [(name, p, q) for (name, p), q in zip(student.named_parameters(), reference_student.parameters())
+               if p.requires_grad]
+    assert any("modules_to_save" in name for name, _, _ in trained)
+    for name, p, q in trained:
+        assert rel_err(p.grad, q.grad) < 1e-5, name
+
+
+def test_trainable_token_indices_on_the_head_is_a_clear_error():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 5])
+    student = peft.get_peft_model(tiny_model("llama", tie=True), config)
+    with pytest.raises(TypeError, match="trainable_token_indices"):
+        cosine_distill_loss(student, tiny_model("llama", seed=1), **make_batch())
+
+
+@pytest.mark.parametrize("config_name", ["PromptTuningConfig", "PromptEncoderConfig"])
+def test_a_prompt_learning_student_drops_its_virtual_tokens(config_name):
+    """Prompt tuning and P-tuning put num_virtual_tokens positions before the input's: their hidden states have
+    no label and are left out, as PEFT's own loss leaves them out (its labels are -100 there)."""
+    peft = pytest.importorskip("peft")
+    config = getattr(peft, config_name)(task_type="CAUSAL_LM", num_virtual_tokens=4, **(
+        dict(encoder_hidden_size=16) if config_name == "PromptEncoderConfig" else {}))
+    student, teacher, batch = peft.get_peft_model(tiny_model("llama"), config), tiny_model("llama", seed=1), make_batch()
+    reference_student = copy.deepcopy(student)
+    got = cosine_distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
+    got[0].backward()
+    logits = reference_student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert logits.shape[1] == batch["input_ids"].shape[1] + 4
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    want = naive_loss_of_logits(logits[:, 4:], teacher_logits, batch["attention_mask"], batch["labels"], **OPTIONS)
+    want[0].backward()
+    assert all(rel_err(g, w) < 1e-5 for g, w in zip(got, want)), (got, want)
+    trained = [(p, q) for p, q in zip(student.parameters(), reference_student.parameters()) if p.requires_grad]
+    assert trained and all(rel_err(p.grad, q.grad) < 1e-5 for p, q in trained)
+
+
+def test_a_head_seeing_other_positions_than_the_input_raises():
+    student, batch = tiny_model("llama"), make_batch()
+    with pytest.raises(ValueError, match=r"LM head saw 10 positions for input_ids of shape \(3, 9\)"):
+        hf.final_hidden_states(StretchedModel(student), batch["input_ids"], head=student.get_output_embeddings())
+
+
+class StretchedModel(torch.nn.Module):
+    """Runs the model on its input with one more token, as a model with a virtual token but no PEFT config."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, **kwargs):
+        return self.model(input_ids=torch.cat([input_ids[:, :1], input_ids], dim=1), **kwargs)
+
+
+def test_a_batch_without_labels_is_a_clear_error(tmp_path):
+    trainer = make_trainer(tmp_path, tiny_model("llama"), tiny_model("llama", seed=1), dataset([5, 5]))
+    batch = dict(input_ids=torch.tensor(dataset([5, 5])))
+    with pytest.raises(ValueError, match=r"needs labels in each batch .* got the keys \['input_ids'\]"):
+        trainer.compute_loss(trainer.model, batch)
 
 
 @pytest.mark.parametrize("setting, message", [

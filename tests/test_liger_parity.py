@@ -26,3 +26,21 @@ def test_equals_liger(impl, ignore_every, vocab_teacher):
         assert rel_err(a, b) < 1e-5
     for leaf, theirs_grad in zip(problem.student_leaves(), their_grads):
         assert rel_err(leaf.grad, theirs_grad) < 1e-5
+
+
+@pytest.mark.parametrize("names", [("LigerFusedLinearCosineSimilarityLoss", "FusedLinearCosineDistillLoss"),
+                                   ("LigerFusedLinearJSDLoss", "FusedLinearJSDLoss")], ids=["cosine", "jsd"])
+def test_the_modules_keep_liger_s_constructor_arguments_as_attributes(names):
+    """Code written for Liger's module that reads or sets an argument after construction runs unchanged."""
+    import inspect
+
+    import cosdistill
+
+    liger_class, our_class = getattr(chunked_loss, names[0]), getattr(cosdistill, names[1])
+    arguments = dict(weight_hard_loss=0.3, weight_soft_loss=0.7, beta=0.6, ignore_index=-1, temperature=1.3,
+                     compiled=False, chunk_size=8, return_soft_hard_loss=True)
+    liger_names = list(inspect.signature(liger_class.__init__).parameters)[1:]
+    assert set(liger_names) == set(arguments)
+    assert list(inspect.signature(our_class.__init__).parameters)[1:len(liger_names) + 1] == liger_names
+    liger, ours = liger_class(**arguments), our_class(**arguments)
+    assert {name: getattr(ours, name) for name in arguments} == {name: getattr(liger, name) for name in arguments}

@@ -147,11 +147,12 @@ class _LossModule(torch.nn.Module):
     beta or of the weights) is checked when assigned and used from the next call; one given as a tensor is read at
     every call."""
 
-    def __init__(self, return_soft_hard_loss, **given):
+    def __init__(self, return_soft_hard_loss, compiled, **given):
         super().__init__()
         self._given = given
         self._options = Options(**given)  # a bad value raises here, when the module is built
         self.return_soft_hard_loss = return_soft_hard_loss
+        self.compiled = compiled  # Liger's attribute, kept for code that reads it; it changes nothing here
 
     @property
     def options(self) -> Options:
@@ -214,9 +215,9 @@ class FusedLinearCosineDistillLoss(_LossModule):
         cosine_via="auto",
     ):
         super().__init__(
-            return_soft_hard_loss, weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
-            ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype,
-            impl=impl, teacher_precision=teacher_precision, student_softcap=student_softcap,
+            return_soft_hard_loss, compiled, weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss,
+            beta=beta, ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size,
+            accum_dtype=accum_dtype, impl=impl, teacher_precision=teacher_precision, student_softcap=student_softcap,
             teacher_softcap=teacher_softcap, student_logit_scale=student_logit_scale,
             teacher_logit_scale=teacher_logit_scale, cosine_via=cosine_via,
         )
@@ -296,9 +297,9 @@ class FusedLinearJSDLoss(_LossModule):
                  teacher_precision=None, student_softcap=None, teacher_softcap=None, student_logit_scale=1.0,
                  teacher_logit_scale=1.0):
         super().__init__(
-            return_soft_hard_loss, weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
-            ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size, accum_dtype=accum_dtype,
-            impl=impl, teacher_precision=teacher_precision, cosine_via="logits", loss="jsd",
+            return_soft_hard_loss, compiled, weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss,
+            beta=beta, ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size,
+            accum_dtype=accum_dtype, impl=impl, teacher_precision=teacher_precision, cosine_via="logits", loss="jsd",
             student_softcap=student_softcap, teacher_softcap=teacher_softcap, student_logit_scale=student_logit_scale,
             teacher_logit_scale=teacher_logit_scale,
         )

@@ -26,13 +26,31 @@ __all__ = ["CosineDistillationTrainer", "DistillationMixin", "DistillationTraine
 
 
 def lm_head(model, name="model"):
-    """``model.get_output_embeddings()``, checked to be a torch.nn.Linear (tied or not, with or without bias)."""
+    """The torch.nn.Linear that ``model.get_output_embeddings()`` runs (tied or not, with or without bias): under a
+    PEFT ``modules_to_save`` wrapper the active adapter's copy (the original where none is active), under a merged
+    adapter its base layer."""
     head = model.get_output_embeddings()
-    if hasattr(head, "base_layer"):  # a PEFT adapter (LoRA, ...) around the head
+    wrapper = type(head).__name__
+    if wrapper == "ModulesToSaveWrapper":
+        active = [adapter for adapter in head.active_adapters if adapter in head.modules_to_save]
+        head = head.original_module if head.disable_adapters or not active else head.modules_to_save[active[0]]
+    elif wrapper == "TrainableTokensWrapper":
         raise TypeError(
-            f"{name}'s LM head carries an adapter ({type(head).__module__}.{type(head).__name__}); the fused loss needs "
-            "the head as one weight matrix: leave the LM head out of the adapter's target_modules, or merge the adapter"
+            f"{name}'s LM head trains some of its rows apart ({wrapper}, PEFT's trainable_token_indices); the fused "
+            "loss needs the head as one weight matrix: put the head (or the tied embeddings) in modules_to_save instead"
         )
+    elif hasattr(head, "base_layer"):  # a PEFT adapter (LoRA, ...) around the head
+        if getattr(head, "merged", False) and not getattr(head, "disable_adapters", False):
+            return lm_head_linear(head.get_base_layer(), name)
+        raise TypeError(
+            f"{name}'s LM head carries an adapter ({type(head).__module__}.{wrapper}); the fused loss needs the head "
+            "as one weight matrix: leave the LM head out of the adapter's target_modules, or merge the adapter into "
+            "it (merge_adapter() or merge_and_unload())"
+        )
+    return lm_head_linear(head, name)
+
+
+def lm_head_linear(head, name):
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"{name}.get_output_embeddings() must be a torch.nn.Linear, got {type(head).__name__}")
     return head
@@ -65,7 +83,23 @@ def final_hidden_states(model, input_ids, attention_mask=None, head=None, **mode
         raise ValueError(f"the model's forward called its LM head {len(captured)} times, expected once (a model "
                          "compiled by torch.compile does not run hooks added after it was compiled)")
     # torch's ColwiseParallel hands the head a replicated DTensor: its local tensor is the whole hidden states.
-    return local_of(captured[0])
+    hidden = local_of(captured[0])
+    extra = hidden.shape[-2] - input_ids.shape[-1]
+    if extra:
+        if extra != virtual_tokens(model):
+            raise ValueError(f"the model's LM head saw {hidden.shape[-2]} positions for input_ids of shape "
+                             f"{tuple(input_ids.shape)}: the fused loss needs one per input token")
+        hidden = hidden[..., extra:, :]  # a prompt-learning adapter's virtual tokens, before the input's
+    return hidden
+
+
+def virtual_tokens(model) -> int:
+    """The num_virtual_tokens of a PEFT prompt-learning adapter, 0 for other models: prompt tuning and P-tuning
+    put that many positions before the input's (prefix tuning adds keys and values, no position)."""
+    while not hasattr(model, "active_peft_config") and isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module  # DDP and other wrappers
+    config = getattr(model, "active_peft_config", None)
+    return config.num_virtual_tokens if getattr(config, "is_prompt_learning", False) else 0
 
 
 def loss_labels(labels, attention_mask=None, position_ids=None, ignore_index=-100, cu_seq_lens=None):
@@ -531,6 +565,9 @@ class DistillationMixin:
         return super().prediction_step(model, self._with_loss_labels(inputs), *args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if "labels" not in inputs:
+            raise ValueError(f"{type(self).__name__} needs labels in each batch (a causal LM collator's), got the keys "
+                             f"{sorted(inputs)}")
         student = self.accelerator.unwrap_model(model)
         model_inputs = {key: value for key, value in inputs.items() if key not in NOT_MODEL_INPUTS}
         input_ids, attention_mask = inputs["input_ids"], inputs.get("attention_mask")

@@ -155,7 +155,11 @@ def _define_gkd_trainer():
           ``GKDTrainer.compute_loss``, which calls ``generalized_jsd_loss`` with its default temperature 1;
         - divisor: ``num_items_in_batch`` where the Trainer passes it (the count of ``labels[:, 1:] != -100`` of
           the step's dataset batches, across processes with ``average_tokens_across_devices``, counted before any
-          generation replaced them, as TRL has it), else this batch's count of tokens (TRL's "batchmean").
+          generation replaced them, as TRL has it), else this batch's count of tokens (TRL's "batchmean"). Under
+          data parallel that count is all processes' and, as in TRL, the loss is not multiplied back by the number
+          of processes as ``Trainer.compute_loss`` does: the logged loss and the step are 1 / num_processes of one
+          process's on the same rows (the DistillationTrainer's are not). Raise the learning rate with the number
+          of processes to keep a single process's steps.
 
         Differences: no logits are computed, so evaluation and ``predict()`` return none (``eval_loss`` and
         ``test_loss`` are GKDTrainer's, the predictions None; ``compute_metrics`` and
