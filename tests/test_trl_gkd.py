@@ -246,13 +246,12 @@ def test_evaluation_and_prediction_losses_are_gkds(tmp_path):
 
 
 @pytest.mark.parametrize("option", ["compute_metrics", "preprocess_logits_for_metrics", "student logits_scaling",
-                                    "loss_options beta", "loss_options chunks", "loss_type", "label_smoothing_factor",
-                                    "torch_compile"])
+                                    "loss_options beta", "loss_options chunks", "loss_type", "label_smoothing_factor"])
 def test_options_the_fused_loss_cannot_honour_raise(tmp_path, option):
     student, teacher = models()
     kwargs, config = {}, {}
-    if option in ("loss_type", "label_smoothing_factor", "torch_compile"):  # each changes or skips what the loss reads
-        config = {option: {"loss_type": "dft", "label_smoothing_factor": 0.1, "torch_compile": True}[option]}
+    if option in ("loss_type", "label_smoothing_factor"):  # each changes what the loss reads
+        config = {option: {"loss_type": "dft", "label_smoothing_factor": 0.1}[option]}
         match = f"does not support {option}="
     elif option == "compute_metrics":
         kwargs, match = dict(compute_metrics=lambda prediction: {}), "does not support compute_metrics"
@@ -302,3 +301,23 @@ def test_a_beta_the_fast_row_steps_refuse_raises_at_construction(tmp_path):
     student, teacher = models()
     with pytest.raises(ValueError, match="beta=1e-05 is within 0.0001 of 0 but not at it"):
         make(DistillationGKDTrainer, tmp_path, student, teacher, beta=1e-5)
+
+
+@pytest.mark.parametrize("lmbda", [0.0, 1.0], ids=["off-policy", "on-policy"])
+def test_with_torch_compile_the_compiled_student_takes_the_eager_step(tmp_path, lmbda):
+    """accelerate compiles the student when training starts; the head's hook kept from construction runs in the
+    compiled model, and generation (on-policy) runs the model uncompiled with the hook idle."""
+    student, teacher = models()
+    steps = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model = copy.deepcopy(student)
+        before = [p.detach().clone() for p in model.parameters()]
+        config = dict(torch_compile=True, torch_compile_backend="aot_eager") if compiled else {}
+        make(DistillationGKDTrainer, tmp_path, model, teacher, max_steps=1, lmbda=lmbda, **config).train()
+        steps.append([old - new.detach() for old, new in zip(before, model.parameters())])
+        assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0) == compiled
+    assert any(step.any() for step in steps[0])
+    for got, want in zip(steps[1], steps[0]):
+        assert rel_err(got, want) < 1e-5

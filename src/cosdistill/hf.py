@@ -22,7 +22,8 @@ from ._options import Options, options_of
 from .api import FUSED_LOSSES
 
 __all__ = ["CosineDistillationTrainer", "DistillationMixin", "DistillationTrainer", "cosine_distill_loss", "distill_loss",
-           "final_hidden_states", "head_inputs", "loss_labels", "next_token_targets", "tensor_parallel_rows"]
+           "final_hidden_states", "head_inputs", "keep_head_hook", "loss_labels", "next_token_targets",
+           "tensor_parallel_rows"]
 
 
 def lm_head(model, name="model"):
@@ -67,21 +68,22 @@ def final_hidden_states(model, input_ids, attention_mask=None, head=None, **mode
     boundaries of packed batches, token_type_ids, ...), passed on as they are.
     """
     head = lm_head(model) if head is None else head
-    captured = []
-
-    def keep_input_and_feed_little(module, args):
-        captured.append(args[0])
-        # A tensor-parallel head's DTensor ops cannot take zero positions: one costs a [B, 1, V] product.
-        return (args[0][..., : int(is_dtensor(module.weight)), :],)
-
-    handle = head.register_forward_pre_hook(keep_input_and_feed_little)
+    kept = _kept_hooks.get(head)
+    hook = kept or HeadInputHook()
+    handle = None if kept else head.register_forward_pre_hook(hook)
+    hook.capturing = True
     try:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_inputs)
     finally:
-        handle.remove()
+        hook.capturing = False
+        captured = list(hook.captured)
+        hook.captured.clear()  # in place: a compiled model's graph appends to this very list
+        if handle is not None:
+            handle.remove()
     if len(captured) != 1:
         raise ValueError(f"the model's forward called its LM head {len(captured)} times, expected once (a model "
-                         "compiled by torch.compile does not run hooks added after it was compiled)")
+                         "compiled by torch.compile runs only the hooks its modules had when it was compiled: call "
+                         "keep_head_hook(model) before compiling it)")
     # torch's ColwiseParallel hands the head a replicated DTensor: its local tensor is the whole hidden states.
     hidden = local_of(captured[0])
     extra = hidden.shape[-2] - input_ids.shape[-1]
@@ -91,6 +93,35 @@ def final_hidden_states(model, input_ids, attention_mask=None, head=None, **mode
                              f"{tuple(input_ids.shape)}: the fused loss needs one per input token")
         hidden = hidden[..., extra:, :]  # a prompt-learning adapter's virtual tokens, before the input's
     return hidden
+
+
+class HeadInputHook:
+    """The forward pre-hook through which ``final_hidden_states`` reads an LM head's input: while ``capturing``, it
+    keeps that input and hands the head zero positions, so no logits are computed (one position where the head is
+    a tensor-parallel DTensor, whose ops cannot take zero: a [B, 1, V] product); otherwise it does nothing."""
+
+    def __init__(self):
+        self.capturing = False
+        self.captured = []
+
+    def __call__(self, module, args):
+        if self.capturing:
+            self.captured.append(args[0])
+            return (args[0][..., : int(is_dtensor(module.weight)), :],)
+        return None
+
+
+_kept_hooks = weakref.WeakKeyDictionary()  # LM head -> the HeadInputHook kept on it
+
+
+def keep_head_hook(model, head=None) -> None:
+    """Keeps ``final_hidden_states``' hook on the model's LM head for the model's life, so that a model compiled
+    afterwards runs it: torch.compile runs only the hooks a module had when it was compiled (its graphs guard on
+    whether the hook captures). The Trainers call it where ``torch_compile`` is set. Idempotent."""
+    head = lm_head(model) if head is None else head
+    if head not in _kept_hooks:
+        hook = _kept_hooks[head] = HeadInputHook()
+        head.register_forward_pre_hook(hook)
 
 
 def virtual_tokens(model) -> int:
@@ -425,8 +456,6 @@ def check_loss_values(loss: str, loss_options: dict, **values) -> None:
 UNSUPPORTED_ARGS = {
     "label_smoothing_factor": (0, "label smoothing is not part of this loss (its hard term is plain cross-entropy)"),
     "use_liger_kernel": (False, "Liger's patched forward skips the LM head whose input the loss reads"),
-    "torch_compile": (False, "the loss reads the LM head's input through a forward hook, which the compiled model "
-                             "does not run; the loss itself compiles (torch.compile of a step that calls it)"),
 }
 
 
@@ -535,6 +564,8 @@ class DistillationMixin:
         check_not_tensor_parallel(type(self).__name__, student=self.accelerator.unwrap_model(self.model))  # loaded here
         check_no_router_aux_loss(self)
         check_unsupported_args(self, self.unsupported_args)
+        if self.args.torch_compile:  # before accelerate compiles the model, so that the compiled model runs it
+            keep_head_hook(self.model, lm_head(self.accelerator.unwrap_model(self.model), "student"))
         device = next(self.model.parameters()).device
         self.teacher_model = teacher_model.to(device).eval().requires_grad_(False)
         self.loss_options = dict(

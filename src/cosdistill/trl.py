@@ -40,6 +40,7 @@ from .hf import (
     check_unsupported_args,
     distill_loss,
     final_hidden_states,
+    keep_head_hook,
     lm_head,
 )
 
@@ -100,7 +101,6 @@ UNSUPPORTED_HEAD_CONFIG = {
 UNSUPPORTED_GKD_CONFIG = {
     "loss_type": ("nll", "GKD's loss is the generalized JSD alone (loss_type='nll')"),
     "label_smoothing_factor": (0, "label smoothing is not part of GKD's generalized JSD"),
-    "torch_compile": UNSUPPORTED_ARGS["torch_compile"],
 }
 
 # GKDTrainer arguments that read the student's logits, which this trainer never computes.
@@ -195,6 +195,8 @@ def _define_gkd_trainer():
                                       teacher=self.accelerator.unwrap_model(self.teacher_model))  # loaded here
             check_gkd_heads(self, self.accelerator.unwrap_model(self.model),
                             self.accelerator.unwrap_model(self.teacher_model))
+            if self.args.torch_compile:  # before accelerate compiles the model, so that the compiled model runs it
+                keep_head_hook(self.model, lm_head(self.accelerator.unwrap_model(self.model), "student"))
             self.loss_options = dict(loss_options or {})
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
