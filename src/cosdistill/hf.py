@@ -622,9 +622,11 @@ class DistillationMixin:
                 self._soft_hard_sums, self._soft_hard_since_step = sums, self.state.global_step
             else:
                 self._soft_hard_sums = self._soft_hard_sums + sums
-        else:  # evaluation: the mean over rows, as the Trainer's eval_loss (each batch's loss once per row)
-            rows = input_ids.shape[0]
-            sums = torch.cat([sums * rows, sums.new_full((1,), rows)])
+        else:  # evaluation: the mean over rows, as the Trainer's eval_loss (each batch's loss once per row),
+            # gathered per batch as it gathers its losses, which drops the rows accelerate repeats to even out the
+            # processes' last batches
+            per_row = self.accelerator.gather_for_metrics(sums[None].expand(input_ids.shape[0], 2).contiguous())
+            sums = torch.cat([per_row.sum(0), per_row.new_full((1,), per_row.shape[0])])
             self._eval_sums = sums if self._eval_sums is None else self._eval_sums + sums
         # No logits: the fused loss never computes them (soft and hard reach the logs through log below).
         return (loss, CausalLMOutputWithPast(loss=loss, logits=None)) if return_outputs else loss
@@ -638,9 +640,8 @@ class DistillationMixin:
             logs.update(soft_loss=soft, hard_loss=hard)
             self._soft_hard_sums = None
         prefix = self._evaluation_prefix
-        if prefix is not None and f"{prefix}_loss" in logs:  # every process logs it: each takes part in the gather
-            sums = self._eval_sums if self._eval_sums is not None else torch.zeros(3, device=self.args.device)
-            soft, hard, rows = self.accelerator.gather(sums[None]).sum(0).tolist()
+        if prefix is not None and f"{prefix}_loss" in logs:  # all processes' rows, gathered batch by batch
+            soft, hard, rows = self._eval_sums.tolist() if self._eval_sums is not None else (0.0, 0.0, 0.0)
             logs.update({f"{prefix}_soft_loss": soft / max(1.0, rows), f"{prefix}_hard_loss": hard / max(1.0, rows)})
             self._eval_sums = None
         super().log(logs, *args, **kwargs)

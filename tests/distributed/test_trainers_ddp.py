@@ -20,6 +20,7 @@ ROWS = [14, 3, 9, 2]  # 13, 2, 8 and 1 targets: however the sampler deals them, 
 # (per-device batch, gradient accumulation steps): WORLD * their product rows per optimizer step
 SPLITS = {"one micro-batch per rank": (2, 1), "two accumulated micro-batches per rank": (1, 2)}
 LOGGED = ("loss", "soft_loss", "hard_loss")
+EVAL_ROWS = [7, 12, 4]
 
 
 def one_step(folder, teacher, per_device, accumulation, loss, **args):
@@ -35,6 +36,12 @@ def one_step(folder, teacher, per_device, accumulation, loss, **args):
     return step, {key: trainer.state.log_history[0][key] for key in LOGGED}
 
 
+def evaluate(folder, teacher, **args):
+    """evaluate() on EVAL_ROWS rows, one per batch: over two processes accelerate repeats a row to even them out."""
+    trainer = make_trainer(folder, tiny_model("llama"), teacher, dataset(ROWS), per_device_eval_batch_size=1, **args)
+    return trainer.evaluate(dataset(EVAL_ROWS, seed=3))
+
+
 def train_rank(rank, port, folder):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD))
@@ -45,6 +52,7 @@ def train_rank(rank, port, folder):
         for name, (per_device, accumulation) in SPLITS.items():
             results[loss, name] = one_step(os.path.join(folder, "out"), teacher, per_device, accumulation, loss,
                                               ddp_backend="gloo", average_tokens_across_devices=True)
+    results["evaluate"] = evaluate(os.path.join(folder, "out"), teacher, ddp_backend="gloo")
     if rank == 0:
         torch.save(results, os.path.join(folder, "steps.pt"))
     torch.distributed.barrier()
@@ -73,3 +81,14 @@ def test_a_step_under_ddp_is_one_processs_step_on_the_whole_batch(steps, loss, s
     assert max(errors) < 1e-5, json.dumps(errors)
     for key in LOGGED:
         assert ddp_log[key] == pytest.approx(one_process_log[key], rel=1e-4), (key, ddp_log, one_process_log)
+
+
+def test_evaluate_under_ddp_logs_the_soft_and_hard_loss_of_the_rows_eval_loss_counts(steps, tmp_path):
+    """eval_soft_loss and eval_hard_loss count each row once, as eval_loss does, so that weighted they sum to it: the
+    row accelerate repeats on the second process to even out the last batch is left out (it was counted, and the
+    sum was 10% off). eval_loss itself is the Trainer's (under DDP not one process's: it divides each
+    batch by a count over the processes)."""
+    got = steps["evaluate"]
+    weights = make_trainer(tmp_path, tiny_model("llama"), tiny_model("llama"), dataset(ROWS)).loss_options
+    total = weights["weight_hard_loss"] * got["eval_hard_loss"] + weights["weight_soft_loss"] * got["eval_soft_loss"]
+    assert total == pytest.approx(got["eval_loss"], rel=1e-5), got
