@@ -49,6 +49,9 @@ def text_dataset(lengths=(8, 8, 8, 6), seed=0):
         for n in lengths])
 
 
+COMPILED = dict(torch_compile=True, torch_compile_backend="aot_eager")
+
+
 def make_sft_trainer(tmp_path, student, teacher, loss="cosine", train_dataset=None, eval_dataset=None, **config):
     config = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
                   logging_steps=1, seed=0, max_steps=1, per_device_train_batch_size=4, optim="sgd", learning_rate=1.0,
@@ -62,10 +65,14 @@ def make_sft_trainer(tmp_path, student, teacher, loss="cosine", train_dataset=No
 
 
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
-@pytest.mark.parametrize("config", [{}, dict(packing=True, padding_free=True)], ids=["completion-only", "packed"])
+@pytest.mark.parametrize("config", [{}, dict(packing=True, padding_free=True), COMPILED],
+                         ids=["completion-only", "packed", "compiled"])
 def test_one_step_is_the_distillation_loss_on_sfts_batch(tmp_path, config, loss):
     """The loss logged and the step taken are the cosine loss's on the batch SFTTrainer builds: prompt tokens
-    carry no target, and a packed batch keeps each sequence to itself."""
+    carry no target, and a packed batch keeps each sequence to itself. With torch_compile, accelerate compiles the
+    student and the step is the same."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
     before = copy.deepcopy(student)
     trainer = make_sft_trainer(tmp_path, student, teacher, loss=loss, **config)
@@ -74,12 +81,13 @@ def test_one_step_is_the_distillation_loss_on_sfts_batch(tmp_path, config, loss)
     completions = sum(len(completion.split()) + 1 for completion in data["completion"])  # each with its end token
     assert (labels != -100).sum() == completions  # no prompt token is a label
     model_inputs = {key: value for key, value in batch.items() if key not in ("input_ids", "attention_mask", "labels")}
-    assert ("position_ids" in model_inputs) == bool(config)
+    assert ("position_ids" in model_inputs) == ("packing" in config)
     reference = copy.deepcopy(before)
     want = distill_loss(reference, teacher, batch["input_ids"], batch.get("attention_mask"), labels,
                         model_inputs=model_inputs, loss=loss, **OPTIONS)
     want.backward()
     trainer.train()
+    assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0) == (config is COMPILED)
     assert trainer.state.log_history[0]["loss"] == pytest.approx(want.item(), rel=1e-5)
     for old, new, ref in zip(before.parameters(), student.parameters(), reference.parameters()):
         assert rel_err(old.detach() - new.detach(), ref.grad) < 1e-4
