@@ -3,17 +3,20 @@ that the weight's contents have not changed (_weight_cache.py).
 
 The weight is read as a matrix of 32-bit words b[r, c] (two bf16 or fp16 elements each where its rows
 allow, else one 16-bit element each, sign-extended; fp32 elements as they are). Each word is first mixed,
-m = mix(b) (xor-shift, multiply, xor-shift: a bijection of 32-bit words), and each lane of the hash is
+m = mix(b) (multiply, xor-shift, multiply, xor-shift: a bijection of 32-bit words), and each lane of the hash is
 
     sum over r of  row_key(r) * (sum over c of m[r, c] * column_key(c))   mod 2^32
 
-with odd 32-bit keys drawn from each position by a linear congruence. Changing any one word changes
-every lane: mix and multiplying by an odd number are bijections mod 2^32, so a changed word always changes
-its term. Without the mix, edits that move only the words' top bits or add one power of two to every word
-cancel in the sums (two sign flips add 2^31 twice; doubling a power-of-two-shaped fp32 head adds 2^23 to each
-word); mixed, a change of a word's top bits reaches its low bits, with a change that depends on the rest of
-the word. Two lanes with different keys then make an accidental match of a larger change about 2^-64 likely.
-Integer sums do not depend on their order, so the hash is exact and reproducible.
+with odd 32-bit keys, key(i) = mix(i * multiplier + increment) | 1. Changing any one word changes every lane:
+mix and multiplying by an odd number are bijections mod 2^32, so a changed word always changes its term.
+The mix makes a structured edit's changes depend on the words it changes: unmixed, edits that move only the
+words' top bits or add one power of two to every word cancel in the sums (two sign flips add 2^31 twice;
+doubling a power-of-two-shaped fp32 head adds 2^23 to each word), and with one multiply after a xor-shift by 16
+the same sign flip in both halves of a word changed it by a constant, 2^31 + 2^16. Mixed positions make the
+keys unrelated: keys linear in the position agree in their low 16 bits for rows 2^16 apart, so such constant
+changes in two rows that far apart cancelled in both lanes about half the time. Two lanes with different keys
+then make an accidental match of a larger change about 2^-64 likely. Integer sums do not depend on their
+order, so the hash is exact and reproducible.
 
 ``fingerprint_torch`` is the spec and the CPU path; its products mod 2^32 are taken from 16-bit halves,
 whose sums float64 matrix products give exactly. Its Triton twin (kernels/fingerprint.py) computes the
@@ -28,9 +31,9 @@ MASK = 2**32 - 1
 # signed int32 values (the Triton kernel's arithmetic).
 LANE_KEYS = ((-1640531535, 2135587861, -2048144789, 1013904223), (-1028477387, 374761393, 668265261, -1150833019))
 ROWS_PER_SLICE = 1024  # the spec's float64 copies of the rows: bounded memory
-# mix(b): b ^= b >> MIX_SHIFTS[0]; b *= MIX_MULTIPLIER (mod 2^32); b ^= b >> MIX_SHIFTS[1], shifts of the unsigned word
-MIX_MULTIPLIER = 0x7FEB352D
-MIX_SHIFTS = (16, 15)
+# mix(b): b *= MIX[0]; b ^= b >> MIX[1]; b *= MIX[2]; b ^= b >> MIX[3] (products mod 2^32, shifts of the unsigned
+# word); the multipliers as signed int32 values, as the keys
+MIX = (0x7FEB352D, 16, 0x846CA68B - 2**32, 15)
 
 
 def as_words(weight: torch.Tensor) -> torch.Tensor:
@@ -65,15 +68,16 @@ def stale_check_torch(partials: torch.Tensor, expected: torch.Tensor) -> tuple[t
 
 def _keys(positions: torch.Tensor, multiplier: int, increment: int) -> torch.Tensor:
     """Odd keys in [0, 2^32), int64."""
-    return ((positions * (multiplier & MASK) + (increment & MASK)) & MASK) | 1
+    return mix_words_torch(positions * (multiplier & MASK) + (increment & MASK)) | 1
 
 
 def mix_words_torch(bits: torch.Tensor) -> torch.Tensor:
     """mix of each word's 32 bits (int64 holding signed or unsigned 32-bit values): int64 in [0, 2^32)."""
     words = bits & MASK
-    words = words ^ (words >> MIX_SHIFTS[0])
-    words = (words * MIX_MULTIPLIER) & MASK  # under 2^63: exact in int64
-    return words ^ (words >> MIX_SHIFTS[1])
+    for multiplier, shift in (MIX[:2], MIX[2:]):
+        words = _times_mod(words, words.new_tensor(multiplier & MASK))
+        words = words ^ (words >> shift)
+    return words
 
 
 def _times_mod(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,26 @@ def test_edits_of_the_top_bits_and_powers_of_two_change_the_hash(dtype, shape, e
     assert torch.equal(fingerprint_triton(changed), want)
 
 
+def test_the_same_edit_in_rows_2_to_the_16_apart_changes_the_hash():
+    """Both bf16 halves of a word negated, in two rows 65536 apart (a vocabulary past 65536 rows: Llama-3's 128256):
+    such an edit changed the mixed word by a constant, 2^31 + 2^16, and keys linear in the row agree mod 2^16 there,
+    so the two changes cancelled in both lanes about one time in two, leaving a stale copy in use."""
+    distance, pairs = 2**16, 32
+    weight = torch.randn(distance + pairs, 8, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    want = fingerprint_torch(weight)
+    words = weight.view(torch.int32)
+    both_signs = torch.tensor(-0x7FFF8000, dtype=torch.int32)  # bits 31 and 15
+    missed = 0
+    for row in range(pairs):
+        changed = weight.clone()
+        changed.view(torch.int32)[[row, row + distance], row % 4] = words[[row, row + distance], row % 4] ^ both_signs
+        missed += torch.equal(fingerprint_torch(changed), want)
+    assert missed == 0
+    small = weight[:64].clone()
+    small.view(torch.int32)[[0, 63], 1] ^= both_signs
+    assert torch.equal(fingerprint_triton(small), fingerprint_torch(small))
+
+
 @pytest.mark.parametrize("count", [1, 3, 4096, 9001])
 def test_the_triton_stale_check_is_the_torch_spec(count):
     """Partial lanes as the kernels leave them (int32, wrapped) or the lanes themselves ([2] int64): unchanged

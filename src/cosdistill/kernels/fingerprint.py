@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._fingerprint import LANE_KEYS, MIX_MULTIPLIER, MIX_SHIFTS, as_words, lanes_of
+from .._fingerprint import LANE_KEYS, MIX, as_words, lanes_of
 from . import TRITON_OPTIONS
 
 
@@ -15,11 +15,18 @@ def _shift_right(bits, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _mix(bits, MULTIPLIER: tl.constexpr, SHIFT_0: tl.constexpr, SHIFT_1: tl.constexpr):
+def _mix(bits, MIX: tl.constexpr):
     """_fingerprint.mix_words_torch on int32 words, wrapping mod 2^32."""
-    bits = bits ^ _shift_right(bits, SHIFT_0)
-    bits = bits * MULTIPLIER
-    return bits ^ _shift_right(bits, SHIFT_1)
+    bits = bits * MIX[0]
+    bits = bits ^ _shift_right(bits, MIX[1])
+    bits = bits * MIX[2]
+    return bits ^ _shift_right(bits, MIX[3])
+
+
+@triton.jit
+def _key(positions, MULTIPLIER: tl.constexpr, INCREMENT: tl.constexpr, MIX: tl.constexpr):
+    """_fingerprint._keys on int32 positions: odd, wrapping mod 2^32."""
+    return _mix(positions * MULTIPLIER + INCREMENT, MIX) | 1
 
 
 @triton.jit
@@ -35,17 +42,16 @@ def _fingerprint_kernel(words_ptr, rows, cols, stride_row, stride_col, partials_
         col = start + offsets
         inside = (row < rows)[:, None] & (col < cols)[None, :]
         pointers = words_ptr + row.to(tl.int64)[:, None] * stride_row + col[None, :].to(tl.int64) * stride_col
-        bits = _mix(tl.load(pointers, mask=inside, other=0).to(tl.int32), MIX[0], MIX[1], MIX[2])  # mix(0) = 0
-        inner_0 += bits * ((col * KEYS_0[2] + KEYS_0[3]) | 1)[None, :]
-        inner_1 += bits * ((col * KEYS_1[2] + KEYS_1[3]) | 1)[None, :]
-    lane_0 = tl.sum(tl.sum(inner_0, axis=1) * ((row * KEYS_0[0] + KEYS_0[1]) | 1), axis=0)
-    lane_1 = tl.sum(tl.sum(inner_1, axis=1) * ((row * KEYS_1[0] + KEYS_1[1]) | 1), axis=0)
+        bits = _mix(tl.load(pointers, mask=inside, other=0).to(tl.int32), MIX)  # mix(0) = 0
+        inner_0 += bits * _key(col, KEYS_0[2], KEYS_0[3], MIX)[None, :]
+        inner_1 += bits * _key(col, KEYS_1[2], KEYS_1[3], MIX)[None, :]
+    lane_0 = tl.sum(tl.sum(inner_0, axis=1) * _key(row, KEYS_0[0], KEYS_0[1], MIX), axis=0)
+    lane_1 = tl.sum(tl.sum(inner_1, axis=1) * _key(row, KEYS_1[0], KEYS_1[1], MIX), axis=0)
     tl.store(partials_ptr + 2 * tl.program_id(0), lane_0)
     tl.store(partials_ptr + 2 * tl.program_id(0) + 1, lane_1)
 
 
 BLOCK_ROWS, BLOCK_COLS, WARPS = 16, 512, 8  # the fastest tile measured on the H200 (docs/design.md)
-MIX = (MIX_MULTIPLIER, *MIX_SHIFTS)
 
 
 def fingerprint_triton(weight: torch.Tensor) -> torch.Tensor:

@@ -98,13 +98,14 @@ __device__ __forceinline__ uint4 grad_vector(float* g, bool holds_label, int lab
 // hashes its share of the weight's rows of 32-bit words (HASH_ROW_VECS 16-byte vectors each), each word mixed, into
 // its partial lanes, which the caller sums mod 2^32. Its reads fill HBM time that the step, held by its exponentials, leaves.
 #define HASH_PARAMS , const uint4* hash_words, int hash_rows, int hash_stride, unsigned* hash_partials
-__device__ __forceinline__ unsigned hash_key(unsigned position, unsigned multiplier, unsigned increment) {
-  return (position * multiplier + increment) | 1u;  // mod 2^32, odd
-}
 __device__ __forceinline__ unsigned hash_mix(unsigned word) {  // _fingerprint.mix_words_torch: a bijection
+  word *= HASH_MIX_MULTIPLIER_0;
   word ^= word >> HASH_MIX_SHIFT_0;
-  word *= HASH_MIX_MULTIPLIER;
+  word *= HASH_MIX_MULTIPLIER_1;
   return word ^ (word >> HASH_MIX_SHIFT_1);
+}
+__device__ __forceinline__ unsigned hash_key(unsigned position, unsigned multiplier, unsigned increment) {
+  return hash_mix(position * multiplier + increment) | 1u;  // mod 2^32, odd
 }
 __device__ void hash_share(const uint4* words, int rows, int stride, unsigned* partials, unsigned (*warp_lanes)[2]) {
   const int per_block = (rows + gridDim.x - 1) / gridDim.x;

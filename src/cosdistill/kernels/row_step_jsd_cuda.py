@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from .._fingerprint import LANE_KEYS, MASK, MIX_MULTIPLIER, MIX_SHIFTS
+from .._fingerprint import LANE_KEYS, MASK, MIX
 from .._row_step import RowStepConstants, RowStepImpl
 from . import row_step_cuda
 from .row_step_cuda import MAX_SHARED_BYTES, Layout, _blocks_per_sm, _shared_bytes, _slice_vecs
@@ -75,8 +75,8 @@ def source(vocab: int, label_dtype: torch.dtype, layout: Layout, mode: int, shar
     if hash_row_vecs:
         keys = {f"HASH_KEY_{lane}{k}": f"{key & MASK}u" for lane, lane_keys in enumerate(LANE_KEYS)
                 for k, key in enumerate(lane_keys)}
-        keys.update(HASH_MIX_MULTIPLIER=f"{MIX_MULTIPLIER}u", HASH_MIX_SHIFT_0=MIX_SHIFTS[0],
-                    HASH_MIX_SHIFT_1=MIX_SHIFTS[1])
+        keys.update(HASH_MIX_MULTIPLIER_0=f"{MIX[0] & MASK}u", HASH_MIX_SHIFT_0=MIX[1],
+                    HASH_MIX_MULTIPLIER_1=f"{MIX[2] & MASK}u", HASH_MIX_SHIFT_1=MIX[3])
     return row_step_cuda.with_defines(dict(row_step_cuda.layout_defines(vocab, label_dtype, layout, _tiles(mode)),
                                            MODE=mode, SHARED=int(shared), HASH_ROW_VECS=hash_row_vecs, **keys), _SOURCE)
 
