@@ -312,12 +312,15 @@ def collate_left(rows):
     return dict(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids.masked_fill(attention_mask == 0, -100))
 
 
-def one_sgd_step(tmp_path, student, teacher, rows, collator, **args):
+def one_sgd_step(tmp_path, student, teacher, rows, collator, callbacks=(), **args):
     """The loss logged and the gradient (lr 1, plain SGD) of one Trainer step."""
     before = [p.detach().clone() for p in student.parameters()]
     trainer = make_trainer(tmp_path, student, teacher, rows, max_steps=1, optim="sgd", learning_rate=1.0,
                            lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, **args)
     trainer.data_collator = collator
+    for callback in callbacks:
+        callback.trainer = trainer
+        trainer.add_callback(callback)
     trainer.train()
     return trainer.state.log_history[0], [old - new.detach() for old, new in zip(before, student.parameters())]
 
@@ -631,7 +634,34 @@ def test_a_prompt_learning_student_drops_its_virtual_tokens(config_name):
     assert trained and all(rel_err(p.grad, q.grad) < 1e-5 for p, q in trained)
 
 
-def test_a_head_seeing_other_positions_than_the_input_raises():
+def test_a_prompt_learning_model_refuses_a_packed_batch():
+    """PEFT drops position_ids under prompt learning: packed sequences would attend to each other, unseen."""
+    peft = pytest.importorskip("peft")
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    student, batch = peft.get_peft_model(tiny_model("llama"), config), make_batch()
+    position_ids = torch.arange(9).repeat(3, 1)
+    with pytest.raises(ValueError, match=r"cannot take a packed batch \(position_ids\)"):
+        hf.final_hidden_states(student, batch["input_ids"], position_ids=position_ids)
+
+
+def test_the_teacher_runs_in_eval_mode_and_leaves_shared_modules_as_they_were():
+    """A teacher that is a PEFT student's base model shares its modules: it runs without dropout (the soft targets
+    are the teacher's, not a noisy draw of them), and the student keeps training with dropout afterwards."""
+    peft = pytest.importorskip("peft")
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    base = transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"](vocab_size=128, attention_dropout=0.5),
+                                                         attn_implementation="eager")
+    student, batch = peft.get_peft_model(base, config).train(), make_batch()
+    teacher = student.get_base_model()
+    with torch.no_grad():
+        want = teacher.eval().model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    student.train()
+    captured = []
+    teacher.model.norm.register_forward_hook(lambda module, args, output: captured.append(output))
+    cosine_distill_loss(student, teacher, **batch)
+    assert all(module.training for module in student.modules())
+    assert torch.equal(captured[-1], want.last_hidden_state)  # the teacher's call, the last through its norm
+
     student, batch = tiny_model("llama"), make_batch()
     with pytest.raises(ValueError, match=r"LM head saw 10 positions for input_ids of shape \(3, 9\)"):
         hf.final_hidden_states(StretchedModel(student), batch["input_ids"], head=student.get_output_embeddings())
@@ -847,11 +877,35 @@ def test_a_trainer_with_torch_compile_runs_the_compiled_model_and_takes_the_eage
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     got_log, got_step = one_sgd_step(tmp_path / "compiled", compiled, teacher, rows, lambda _: batch, loss=loss,
-                                     per_device_train_batch_size=4, torch_compile=True, torch_compile_backend="aot_eager")
+                                     per_device_train_batch_size=4, torch_compile=True, torch_compile_backend="aot_eager",
+                                     callbacks=[PlainCallFirst(batch)])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "the student was not compiled"
     assert got_log["loss"] == pytest.approx(want_log["loss"], rel=1e-5)
     for got, want in zip(got_step, want_step):
         assert rel_err(got, want) < 1e-5
+
+
+class PlainCallFirst(transformers.TrainerCallback):
+    """Calls the compiled model as a user's callback might, before the first step: its graphs are then traced from
+    a call without the loss's capture, and only a hook kept on the head from before that call still runs."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        model = self.trainer.model_wrapped.train()  # the step's call, but for the capture
+        model(input_ids=self.batch["input_ids"], attention_mask=self.batch.get("attention_mask"), use_cache=False)
+
+
+def test_without_the_kept_hook_a_compiled_model_s_plain_first_call_hides_the_head(tmp_path, monkeypatch):
+    """What keep_head_hook is for: the Trainer test above fails without it."""
+    monkeypatch.setattr(hf, "keep_head_hook", lambda *args: None)
+    rows, batch = dataset([9, 4, 6, 2]), collate(dataset([9, 4, 6, 2]))
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="called its LM head 0 times"):
+        one_sgd_step(tmp_path, tiny_model("llama"), tiny_model("llama", seed=1), rows, lambda _: batch,
+                     per_device_train_batch_size=4, torch_compile=True, torch_compile_backend="aot_eager",
+                     callbacks=[PlainCallFirst(batch)])
 
 
 def test_a_model_compiled_before_its_head_hook_is_kept_raises_saying_what_to_do():
@@ -859,9 +913,9 @@ def test_a_model_compiled_before_its_head_hook_is_kept_raises_saying_what_to_do(
     compiled = torch.compile(model, backend="aot_eager")
     input_ids = torch.tensor(dataset([5, 5]))
     compiled(input_ids=input_ids, attention_mask=None, use_cache=False)  # the call final_hidden_states makes
-    with pytest.raises(ValueError, match=r"called its LM head 0 times.*keep_head_hook\(model\) before compiling"):
+    with pytest.raises(ValueError, match=r"called its LM head 0 times.*keep_head_hook\(model\) before that call"):
         hf.final_hidden_states(compiled, input_ids, head=model.get_output_embeddings())
-    torch._dynamo.reset()  # else the graph above, hookless, may serve the same class below (hooks are not guarded)
+    torch._dynamo.reset()  # else the graph above, traced without hooks, may serve the same class below
     model = tiny_model("llama")
     hf.keep_head_hook(model)
     hf.keep_head_hook(model)  # idempotent: one hook

@@ -6,6 +6,7 @@ teacher causal LM and a batch (input_ids, attention_mask, labels), computed with
 either model; ``DistillationTrainer`` is a ``transformers.Trainer`` that trains with it.
 """
 
+import contextlib
 import dataclasses
 import inspect
 import weakref
@@ -52,6 +53,7 @@ def lm_head(model, name="model"):
 
 
 def lm_head_linear(head, name):
+    """The head, checked to be a torch.nn.Linear."""
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"{name}.get_output_embeddings() must be a torch.nn.Linear, got {type(head).__name__}")
     return head
@@ -65,7 +67,9 @@ def final_hidden_states(model, input_ids, attention_mask=None, head=None, **mode
     with the head handed zero positions, so no logits are computed. ``head`` is the model's LM head,
     by default ``model.get_output_embeddings()``; pass it when ``model`` is a wrapper without that method.
     ``model_inputs``: the batch's other forward inputs (position_ids and the flash-attention sequence
-    boundaries of packed batches, token_type_ids, ...), passed on as they are.
+    boundaries of packed batches, token_type_ids, ...), passed on as they are. The virtual tokens a PEFT
+    prompt-learning adapter puts before the input's are left out. The head's hook (``HeadInputHook``) is the one
+    ``keep_head_hook`` left on it, else one added for this call.
     """
     head = lm_head(model) if head is None else head
     kept = _kept_hooks.get(head)
@@ -82,8 +86,8 @@ def final_hidden_states(model, input_ids, attention_mask=None, head=None, **mode
             handle.remove()
     if len(captured) != 1:
         raise ValueError(f"the model's forward called its LM head {len(captured)} times, expected once (a model "
-                         "compiled by torch.compile runs only the hooks its modules had when it was compiled: call "
-                         "keep_head_hook(model) before compiling it)")
+                         "compiled by torch.compile whose first call ran without hooks skips them: call "
+                         "keep_head_hook(model) before that call)")
     # torch's ColwiseParallel hands the head a replicated DTensor: its local tensor is the whole hidden states.
     hidden = local_of(captured[0])
     extra = hidden.shape[-2] - input_ids.shape[-1]
@@ -91,8 +95,29 @@ def final_hidden_states(model, input_ids, attention_mask=None, head=None, **mode
         if extra != virtual_tokens(model):
             raise ValueError(f"the model's LM head saw {hidden.shape[-2]} positions for input_ids of shape "
                              f"{tuple(input_ids.shape)}: the fused loss needs one per input token")
+        packing = sorted(PACKING_INPUTS & set(model_inputs))
+        if packing:  # PEFT's prompt learning drops position_ids: the packed sequences would attend to each other
+            raise ValueError(f"a prompt-learning adapter's model cannot take a packed batch ({', '.join(packing)}): "
+                             "PEFT drops its position_ids, so each sequence would attend to the ones before it")
         hidden = hidden[..., extra:, :]  # a prompt-learning adapter's virtual tokens, before the input's
     return hidden
+
+
+@contextlib.contextmanager
+def in_eval_mode(model):
+    """The model in eval mode (no dropout), each module's own mode restored afterwards: a teacher that shares modules
+    with the student (a PEFT student's base model) neither runs with the student's dropout nor leaves it off."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+# The model inputs that mark a packed batch's sequence boundaries.
+PACKING_INPUTS = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k"})
 
 
 class HeadInputHook:
@@ -115,9 +140,9 @@ _kept_hooks = weakref.WeakKeyDictionary()  # LM head -> the HeadInputHook kept o
 
 
 def keep_head_hook(model, head=None) -> None:
-    """Keeps ``final_hidden_states``' hook on the model's LM head for the model's life, so that a model compiled
-    afterwards runs it: torch.compile runs only the hooks a module had when it was compiled (its graphs guard on
-    whether the hook captures). The Trainers call it where ``torch_compile`` is set. Idempotent."""
+    """Keeps ``final_hidden_states``' hook on the model's LM head for the model's life, idle but while it captures, so
+    that a compiled model runs it: graphs traced from a call without any hook on a module skip hooks added later
+    (with one, they guard on whether it captures). The Trainers call it when made. Idempotent."""
     head = lm_head(model) if head is None else head
     if head not in _kept_hooks:
         hook = _kept_hooks[head] = HeadInputHook()
@@ -396,8 +421,9 @@ def distill_loss(
                                              **model_inputs)
     with torch.no_grad():
         if teacher_hidden is None:
-            teacher_hidden = final_hidden_states(teacher, input_ids, attention_mask, lm_head(teacher, "teacher"),
-                                                 **model_inputs)
+            with in_eval_mode(teacher):
+                teacher_hidden = final_hidden_states(teacher, input_ids, attention_mask, lm_head(teacher, "teacher"),
+                                                     **model_inputs)
         teacher_args = head_inputs(teacher, teacher_hidden, "teacher")
     hidden, weight, bias, softcap, logit_scale = head_inputs(student, student_hidden, "student")
     split = vocab_split(lm_head(student, "student"), lm_head(teacher, "teacher"))
@@ -564,8 +590,8 @@ class DistillationMixin:
         check_not_tensor_parallel(type(self).__name__, student=self.accelerator.unwrap_model(self.model))  # loaded here
         check_no_router_aux_loss(self)
         check_unsupported_args(self, self.unsupported_args)
-        if self.args.torch_compile:  # before accelerate compiles the model, so that the compiled model runs it
-            keep_head_hook(self.model, lm_head(self.accelerator.unwrap_model(self.model), "student"))
+        # Before any call of a model accelerate may compile (torch_compile, or its dynamo plugin from the environment).
+        keep_head_hook(self.model, lm_head(self.accelerator.unwrap_model(self.model), "student"))
         device = next(self.model.parameters()).device
         self.teacher_model = teacher_model.to(device).eval().requires_grad_(False)
         self.loss_options = dict(

@@ -40,6 +40,7 @@ from .hf import (
     check_unsupported_args,
     distill_loss,
     final_hidden_states,
+    in_eval_mode,
     keep_head_hook,
     lm_head,
 )
@@ -195,8 +196,8 @@ def _define_gkd_trainer():
                                       teacher=self.accelerator.unwrap_model(self.teacher_model))  # loaded here
             check_gkd_heads(self, self.accelerator.unwrap_model(self.model),
                             self.accelerator.unwrap_model(self.teacher_model))
-            if self.args.torch_compile:  # before accelerate compiles the model, so that the compiled model runs it
-                keep_head_hook(self.model, lm_head(self.accelerator.unwrap_model(self.model), "student"))
+            # Before any call of a model accelerate may compile (torch_compile, or its dynamo plugin).
+            keep_head_hook(self.model, lm_head(self.accelerator.unwrap_model(self.model), "student"))
             self.loss_options = dict(loss_options or {})
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -210,10 +211,9 @@ def _define_gkd_trainer():
                 counted, num_items_in_batch = num_items_in_batch > 0, num_items_in_batch.clamp(min=1)
             elif num_items_in_batch is not None:
                 counted, num_items_in_batch = num_items_in_batch > 0, max(1, num_items_in_batch)
-            self.teacher_model.eval()
             with self.accelerator.autocast():
                 hidden = final_hidden_states(model, input_ids, attention_mask, lm_head(student, "student"))
-                with torch.no_grad():
+                with torch.no_grad(), in_eval_mode(self.teacher_model):  # GKDTrainer's teacher.eval()
                     teacher_hidden = final_hidden_states(self.teacher_model, input_ids, attention_mask,
                                                          lm_head(teacher, "teacher"))
                 # No attention mask: the targets are labels[:, 1:] as they are, masked by -100 alone (as TRL's).
