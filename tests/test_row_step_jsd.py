@@ -198,6 +198,23 @@ def test_fused_linear_jsd_matches_float64(beta, temperature, chunk_size):
         assert rel_err(leaf.grad, want) < 1e-5
 
 
+@pytest.mark.parametrize("impl", ["triton", "auto", "torch"])
+@pytest.mark.parametrize("beta", [1e-9, 5e-5, 0.005, 1 - 0.005, 1 - 5e-5, 1 - 1e-9])
+def test_betas_near_0_and_1_match_float64(beta, impl):
+    """The soft term shrinks with beta (or 1 - beta) near 0 (or 1): every impl takes every beta (the fast row steps
+    refused 0 < beta < 1e-4 and 1 - 1e-4 < beta < 1, where their fp32 mixture was 20% off at 1e-8), and holds the
+    soft term and, with the soft term alone, the gradients to fp32's precision against float64."""
+    problem = make_problem(tokens=37, vocab_teacher=131, bias=False, ignore_every=4)
+    losses = fused_linear_jsd(*problem.args()[:5], beta=beta, weight_hard_loss=0.0, weight_soft_loss=1.0, impl=impl,
+                              return_soft_hard_loss=True)
+    losses[0].backward()
+    want_losses, want_grads = loss_reference(problem, beta, 1.0, weight_hard=0.0, weight_soft=1.0)
+    assert 0 < want_losses[1] < 0.05
+    assert rel_err(losses[1], want_losses[1]) < 1e-5
+    for leaf, want in zip((problem.student_input, problem.student_weight), want_grads):
+        assert rel_err(leaf.grad, want) < 1e-5
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("weight_hard", [0.0, 0.5])
 def test_fp16_weights_match_float64(beta, weight_hard, impl):

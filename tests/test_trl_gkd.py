@@ -296,11 +296,26 @@ def test_defined_on_first_use():
     assert pickle.loads(pickle.dumps(DistillationGKDTrainer)) is DistillationGKDTrainer
 
 
-def test_a_beta_the_fast_row_steps_refuse_raises_at_construction(tmp_path):
-    """GKDConfig's beta within 1e-4 of 0 or 1 (not at them) raised at the first step; now when the trainer is made."""
+@pytest.mark.parametrize("beta", [1e-5, 1 - 1e-5])
+def test_a_beta_near_0_or_1_is_gkds(tmp_path, beta):
+    """GKDConfig's beta within 1e-4 of 0 or 1 (not at them) raised when the trainer was made; now its loss and
+    gradients are GKD's, against TRL's loss taking the logits in float64 (on fp32 logits TRL's own loses the soft
+    term's precision there: the soft term shrinks with beta or 1 - beta)."""
     student, teacher = models()
-    with pytest.raises(ValueError, match="beta=1e-05 is within 0.0001 of 0 but not at it"):
-        make(DistillationGKDTrainer, tmp_path, student, teacher, beta=1e-5)
+    ours_student, trl_student = copy.deepcopy(student), copy.deepcopy(student)
+    ours = make(DistillationGKDTrainer, tmp_path, ours_student, teacher, beta=beta)
+    theirs = make(GKDTrainer, tmp_path, trl_student, teacher, beta=beta)
+    theirs.generalized_jsd_loss = lambda student_logits, teacher_logits, **kwargs: GKDTrainer.generalized_jsd_loss(
+        student_logits.double(), teacher_logits.double(), **kwargs)
+    batch = ours.data_collator([ours.train_dataset[i] for i in range(len(ours.train_dataset))])
+    got = ours.compute_loss(ours_student, dict(batch))
+    want = theirs.compute_loss(trl_student, dict(batch))
+    assert 0 < want < 1e-3 and rel_err(got, want) < 1e-5, (got.item(), want.item())
+    got.backward()
+    want.backward()
+    want_grads = student_grads(trl_student)
+    for name, grad in student_grads(ours_student).items():
+        assert rel_err(grad, want_grads[name]) < 1e-5, name
 
 
 @pytest.mark.parametrize("lmbda", [0.0, 1.0], ids=["off-policy", "on-policy"])

@@ -45,24 +45,6 @@ def check_finite_real(name: str, value) -> None:
     if not -math.inf < number < math.inf:  # comparisons, not math.isfinite: torch.compile traces them
         raise ValueError(f"{name} must be finite, got {float(number)}")  # float(): a symbolic float's value
 
-# The fast JSD row steps (Triton, CUDA) take log2((1 - beta) + beta 2^d) in fp32: nearer 0 or 1 than this (but not
-# at them, the KL's exact branches) they lose fp32's precision (docs/reference.md, Precision).
-FAST_JSD_BETA_MARGIN = 1e-4
-
-
-def check_fast_jsd_beta(beta, impl: str) -> None:
-    """ValueError where the fast JSD row steps would lose precision at this beta. Checked for every impl but "torch",
-    on any device ("auto" picks them on a GPU), so that a run tried on a CPU raises as it would on a GPU."""
-    if 0.0 < beta < FAST_JSD_BETA_MARGIN or 1.0 - FAST_JSD_BETA_MARGIN < beta < 1.0:
-        raise ValueError(
-            f"beta={float(beta)!r} is within {FAST_JSD_BETA_MARGIN:g} of {0 if beta < 0.5 else 1} but not at it: the "
-            f"fast JSD row steps (impl={impl!r}; 'auto' runs them on a GPU) form the mixture in fp32 and would lose "
-            f"the soft term's precision (20% off at 1e-8). Pass a beta at least {FAST_JSD_BETA_MARGIN:g} from 0 and "
-            "1, or 0.0 or 1.0 exactly (the forward and reverse KL), or impl='torch', the float64 spec (slower, more "
-            "memory)"
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class Options:
     """The loss's options (api.fused_linear_cosine_distill documents each), checked when made: a module
@@ -123,8 +105,6 @@ class Options:
                 raise ValueError(f"beta must be in [0, 1] for the generalized JSD, got {float(self.beta)}")
             if self.cosine_via == "gram":
                 raise ValueError("loss='jsd' does not take cosine_via='gram': the divergence needs the teacher's logits")
-            if self.impl != "torch":
-                check_fast_jsd_beta(self.beta, self.impl)
 
     @functools.cached_property  # read at every call; a frozen dataclass's __dict__ can still hold it
     def scales(self) -> RowStepConstants:

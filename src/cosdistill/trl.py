@@ -189,7 +189,7 @@ def _define_gkd_trainer():
             check_loss_options("jsd", loss_options or {})
             super().__init__(*args, **kwargs)
             check_loss_values("jsd", loss_options or {}, beta=self.beta, weight_hard_loss=0.0, weight_soft_loss=1.0,
-                              temperature=1.0)  # GKDConfig's beta (the band of the fast steps)
+                              temperature=1.0)  # GKDConfig's beta in [0, 1]
             check_unsupported_args(self, UNSUPPORTED_GKD_CONFIG)
             check_sharding(self)
             check_not_tensor_parallel(type(self).__name__, student=self.accelerator.unwrap_model(self.model),

@@ -193,6 +193,31 @@ def test_jsd_cluster_row_step_matches_the_spec(rows, vocab, beta, temperature, w
         assert torch.equal(got_grad, student)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [32000, 128256])
+@pytest.mark.parametrize("temperature", [1.0, 4.0])
+@pytest.mark.parametrize("beta", [1e-3, 1e-6, 1e-9, 1 - 1e-6, 1 - 1e-9])
+def test_jsd_betas_near_0_and_1_keep_fp32s_precision(beta, temperature, vocab):
+    """Within EDGE_MARGIN of beta = 0 or 1 the JSD step is the Triton step's MIXED_EDGE (the cluster kernel declines),
+    here compiled, its logs and exponentials the GPU's approximate instructions: on fp32 logits with the soft term
+    alone, its losses and gradient against the float64 spec, into NaN-poisoned losses."""
+    jsd_cuda = kernels.row_step_jsd_cuda
+    scales = RowStepConstants(weight_hard=0.0, weight_soft=1.0, beta=beta, temperature=temperature, ignore_index=-100)
+    student, teacher = torch.randn(16, vocab, device="cuda") * 3, torch.randn(16, vocab, device="cuda") * 3
+    labels = torch.randint(0, vocab, (16,), device="cuda")
+    labels[::5] = -100
+    assert not jsd_cuda.supported(student.to(BF16), teacher.to(BF16), labels, scales, True, None)
+    for write_grad in (True, False):
+        results = []
+        for step in (jsd_cuda.CUDA_JSD_ROW_STEP.step, row_step_jsd_torch):
+            logits, losses = student.clone(), torch.full((16, 2), POISON, device="cuda")
+            step(logits, teacher, labels, scales, losses, write_grad)
+            results.append((logits, losses))
+        (got_grad, got_losses), (want_grad, want_losses) = results
+        assert rel_err(got_losses[:, 1], want_losses[:, 1]) < 1e-5, write_grad
+        assert rel_err(got_grad, want_grad) < 1e-5 if write_grad else torch.equal(got_grad, student)
+
+
 # (rows, vocab, beta, temperature, the hashed weight's shape): the seed's, odd weights, a short launch
 JSD_HASH_CASES = [(1024, 128256, 0.5, 1.0, (128256, 4096)), (300, 32000, 0.0, 2.0, (32000, 520)),
                   (260, 65536, 1.0, 1.0, (40007, 1000)), (257, 1000, 0.5, 0.7, (1000, 4)), (3, 32000, 0.5, 1.0, (32000, 512))]

@@ -3,6 +3,7 @@ compiles for Hopper with NVRTC without local memory, some layout of every vocabu
 and it is dispatched only where it computes exactly the spec. Its results are checked on the H200 by the gpu
 tests (tests/gpu/test_gpu_check.py, pytest -m gpu)."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -74,6 +75,9 @@ def test_supported_only_where_the_kernel_is_the_spec(monkeypatch):
     rejected = unsupported(student, teacher, labels, PLAIN) | {
         "no gradient (the Triton step is as fast)": (student, teacher, labels, PLAIN, False, None),
         "no teacher logits": (student, None, labels, PLAIN, True, None),
+        **{f"beta = {beta:g} (MIXED_EDGE: the Triton step's)": (student, teacher, labels,
+                                                                dataclasses.replace(PLAIN, beta=beta), True, None)
+           for beta in (1e-5, 1 - 1e-5)},
     }
     for reason, args in rejected.items():
         assert not jsd_cuda.supported(*args), reason
@@ -96,7 +100,8 @@ def test_falls_back_to_triton_where_unsupported(beta, write_grad):
 
 
 def test_the_mode_follows_beta():
-    assert [jsd_cuda.mode_of(beta) for beta in (0.0, 1.0, 0.5, 1e-9, 1 - 1e-9)] == [0, 1, 2, 2, 2]
+    betas = (0.0, 1.0, 0.5, 0.01, 0.99, 0.0099, 0.9901, 1e-9, 1 - 1e-9)
+    assert [jsd_cuda.mode_of(beta) for beta in betas] == [0, 1, 2, 2, 2, 3, 3, 3, 3]
 
 
 @pytest.mark.parametrize("mode, shared", FORMS)

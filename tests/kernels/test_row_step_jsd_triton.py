@@ -217,6 +217,31 @@ def test_extreme_logits_and_temperatures(beta):
         assert_matches_float64(got, student, teacher, labels, scales)
 
 
+EDGE_BETAS = [1e-3, 1e-6, 1e-9, 1e-12, 1 - 1e-3, 1 - 1e-6, 1 - 1e-9]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 4.0])
+@pytest.mark.parametrize("beta", EDGE_BETAS)
+def test_betas_near_0_and_1_keep_fp32s_relative_precision(beta, temperature, monkeypatch):
+    """Within EDGE_MARGIN of beta = 0 or 1 the soft term shrinks with beta (or 1 - beta): MIXED_EDGE holds it and,
+    with the soft term alone, the gradient to fp32's precision against the spec, whole and over a vocabulary split.
+    MIXED's one log of (1 - beta) + beta 2^d, precise only absolutely, misses by orders of magnitude there."""
+    assert jsd_kernel.mode_of(beta) == jsd_kernel.MIXED_EDGE.value
+    generator = torch.Generator().manual_seed(int(-math.log10(min(beta, 1 - beta))) + int(temperature))
+    student, teacher = torch.randn(9, 130, generator=generator) * 3, torch.randn(9, 157, generator=generator) * 3
+    labels = torch.tensor([0, 49, 50, 119, IGNORE, 125, 129, 130, 77])
+    scales = RowStepConstants(0.0, 1.0, beta, temperature, IGNORE)
+    got, expected = run_both(student, teacher, labels, scales, True, 32)
+    assert_matches_spec(got, expected, ignored(labels, 130), torch.float32)
+    grad, losses, _ = run_jsd_split_stages(student, teacher, labels, scales, SPLITS["student across three shards"], True)
+    assert_matches_spec((grad, losses[0]), expected, ignored(labels, 130), torch.float32)
+
+    if min(beta, 1 - beta) <= 1e-6:
+        monkeypatch.setattr(jsd_kernel, "mode_of", lambda beta: jsd_kernel.MIXED.value)
+        (_, mixed_losses), _ = run_both(student, teacher, labels, scales, True, 32)
+        assert rel_err(mixed_losses[:, 1], expected[1][:, 1]) > 100 * TOLERANCE[torch.float32][0]
+
+
 def test_strided_rows():
     """Rows of a wider buffer (row stride > vocabulary, as the chunk loop's last chunk): nothing written past them."""
     generator = torch.Generator().manual_seed(3)

@@ -25,7 +25,7 @@ from .._fingerprint import LANE_KEYS, MASK, MIX
 from .._row_step import RowStepConstants, RowStepImpl
 from . import row_step_cuda
 from .row_step_cuda import MAX_SHARED_BYTES, Layout, _blocks_per_sm, _shared_bytes, _slice_vecs
-from .row_step_jsd_triton import MIXED, _check_scales, mode_of, row_step_jsd_triton, split_jsd_row_step_triton
+from .row_step_jsd_triton import MIXED, MIXED_EDGE, _check_scales, mode_of, row_step_jsd_triton, split_jsd_row_step_triton
 from .row_step_triton import LOG2E
 
 _SOURCE = row_step_cuda.cuda_source("row_step_jsd.cu")
@@ -83,9 +83,10 @@ def source(vocab: int, label_dtype: torch.dtype, layout: Layout, mode: int, shar
 
 def supported(student_logits, teacher_logits, labels, scales: RowStepConstants, write_grad, grad_lifts) -> bool:
     """Whether this kernel computes exactly what _row_step_jsd.py asks for these arguments: where the cosine
-    loss's cluster kernel would run (the same logits, layouts and device)."""
-    return teacher_logits is not None and row_step_cuda.supported(student_logits, teacher_logits, labels, scales,
-                                                                  write_grad, grad_lifts)
+    loss's cluster kernel would run (the same logits, layouts and device), at a beta it has a form for (a beta
+    within EDGE_MARGIN of 0 or 1 runs the Triton step's MIXED_EDGE)."""
+    return (teacher_logits is not None and mode_of(scales.beta) != MIXED_EDGE.value
+            and row_step_cuda.supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts))
 
 
 @functools.lru_cache(maxsize=None)

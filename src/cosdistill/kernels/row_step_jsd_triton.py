@@ -58,6 +58,12 @@ LN2: tl.constexpr = tl.constexpr(math.log(2.0))  # base-2 sums back to nats
 FORWARD: tl.constexpr = tl.constexpr(0)  # beta == 0: KL(q || p)
 REVERSE: tl.constexpr = tl.constexpr(1)  # beta == 1: KL(p || q)
 MIXED: tl.constexpr = tl.constexpr(2)  # 0 < beta < 1: against the mixture m
+# MIXED within EDGE_MARGIN of beta = 0 or 1: the mixture's log through log2(1 + y) to fp32's relative precision
+# (``_minus_mixture``), where MIXED's one log of (1 - beta) + beta 2^d would keep only its absolute precision
+# against a divergence that shrinks with beta or 1 - beta.
+MIXED_EDGE: tl.constexpr = tl.constexpr(3)
+EDGE_MARGIN = 1e-2
+LOG1P_SERIES_BELOW: tl.constexpr = tl.constexpr(0.125)  # _log2_1p's series up to y^8 is exact to fp32 below it
 
 
 @triton.jit
@@ -148,15 +154,36 @@ def _student_probs(s, a, z_scale, shift_z, norm_z, inv_ratio, SHARED: tl.constex
 
 
 @triton.jit
-def _minus_mixture(d, keep, beta):
-    """(log2 p - log2 m, log2 q - log2 m), m = (1 - beta) p + beta q, from d = log2 q - log2 p alone: with
-    L = log2 of the larger weight plus the other times 2^-|d|, they are (-L - d, -L) for d >= 0 and
-    (-L, d - L) below. One exponential and one log, no overflow, and each of the two is formed without
-    cancelling large terms (as b - m = d + (a - m) would, where a teacher peaks far from the student)."""
-    smaller = _exp2(-tl.abs(d))  # the smaller of 2^d and 2^-d: never overflows
-    spread = tl.where(d >= 0.0, beta + keep * smaller, keep + beta * smaller)
-    log_spread = _log2(spread)
-    return -log_spread - tl.maximum(d, 0.0), tl.minimum(d, 0.0) - log_spread
+def _log2_1p(y):
+    """log2(1 + y) to fp32's relative precision for |y| <= 1, where 1 + y itself would round y's low bits
+    away: below LOG1P_SERIES_BELOW its series, above it one log."""
+    series = 1.0 / 8.0
+    for k in tl.static_range(7, 0, -1):
+        series = 1.0 / k - y * series  # Horner: y (1 - y / 2 + y^2 / 3 - ... - y^7 / 8)
+    return tl.where(tl.abs(y) < LOG1P_SERIES_BELOW, LOG2E * y * series, _log2(1.0 + y))
+
+
+@triton.jit
+def _minus_mixture(d, keep, beta, MODE: tl.constexpr):
+    """(log2 p - log2 m, log2 q - log2 m), m = (1 - beta) p + beta q, from d = log2 q - log2 p alone, each
+    formed without cancelling large terms (as b - m = d + (a - m) would, where a teacher peaks far from the
+    student). MIXED: with L = log2 of the larger weight plus the other times 2^-|d|, they are (-L - d, -L) for
+    d >= 0 and (-L, d - L) below: one exponential and one log. MIXED_EDGE: with c = log2((1 - beta) / beta),
+    m is the larger of (1 - beta) p and beta q times 1 + y, y = 2^-|c - d| <= 1, and log2(1 + y) is taken to
+    fp32's relative precision, as are log2(1 - beta) and log2(beta): the terms that cancel in the soft term's
+    sums (to O(beta^2) as beta -> 0) then cancel exactly up to fp32's relative rounding."""
+    if MODE == MIXED:
+        smaller = _exp2(-tl.abs(d))  # the smaller of 2^d and 2^-d: never overflows
+        spread = tl.where(d >= 0.0, beta + keep * smaller, keep + beta * smaller)
+        log_spread = _log2(spread)
+        return -log_spread - tl.maximum(d, 0.0), tl.minimum(d, 0.0) - log_spread
+    else:
+        log_keep = tl.where(beta < 0.5, _log2_1p(-beta), _log2(keep))  # each of 1 - beta and beta from the
+        log_beta = tl.where(beta < 0.5, _log2(beta), _log2_1p(-keep))  # other where it is near 1
+        student_larger = d <= log_keep - log_beta  # (1 - beta) p >= beta q
+        log_spread = _log2_1p(_exp2(-tl.abs(log_keep - log_beta - d)))
+        return (tl.where(student_larger, -log_keep, -log_beta - d) - log_spread,
+                tl.where(student_larger, d - log_keep, -log_beta) - log_spread)
 
 
 @triton.jit
@@ -169,7 +196,7 @@ def _soft_terms(a, b, d, keep, beta, MODE: tl.constexpr):
     elif MODE == REVERSE:
         return -_exp2(a) * d, tl.zeros_like(a)
     else:
-        student_gap, teacher_gap = _minus_mixture(d, keep, beta)
+        student_gap, teacher_gap = _minus_mixture(d, keep, beta, MODE)
         return _exp2(a) * student_gap, beta * _exp2(b) * teacher_gap
 
 
@@ -188,7 +215,7 @@ def _grad(s, a, b, d, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weig
     elif MODE == REVERSE:
         return grad + p * (log_coef * (-d - row_sum)), tl.zeros_like(a)
     else:
-        student_gap, _ = _minus_mixture(d, keep, beta)
+        student_gap, _ = _minus_mixture(d, keep, beta, MODE)
         return grad + p * (log_coef * (student_gap - row_sum)), tl.zeros_like(a)
 
 
@@ -384,7 +411,7 @@ def _lift_and_write_row_grad(student_row, teacher_row, lift_row, vocab_student, 
                              MODE: tl.constexpr, SHARED: tl.constexpr, LIFT: tl.constexpr, STUDENT_CAP: tl.constexpr,
                              TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Pass 3 from the row's whole sums: with LIFT its power of two (stored at ``lift_row``), then the gradient."""
-    if MODE == MIXED:
+    if MODE >= MIXED:
         gap_scale = keep  # g = (1 - beta) (a - log m)
     else:
         gap_scale = 1.0
@@ -504,8 +531,10 @@ def _jsd_row_step_kernel(
 
 
 def mode_of(beta: float) -> int:
-    """The soft term's form for this beta: FORWARD, REVERSE or MIXED (the CUDA step's MODE too)."""
-    return FORWARD.value if beta == 0.0 else REVERSE.value if beta == 1.0 else MIXED.value
+    """The soft term's form for this beta: FORWARD, REVERSE, MIXED or MIXED_EDGE (the CUDA step's MODE too)."""
+    if beta == 0.0 or beta == 1.0:
+        return FORWARD.value if beta == 0.0 else REVERSE.value
+    return MIXED_EDGE.value if min(beta, 1.0 - beta) < EDGE_MARGIN else MIXED.value
 
 
 def _check_scales(scales: RowStepConstants):

@@ -267,7 +267,7 @@ def run_and_compare(name, case: LossCase, args, want, **options) -> list[CheckRe
     return results
 
 
-JSD_BETAS = (0.0, 0.5, 1.0)  # forward KL, the JSD, reverse KL
+JSD_BETAS = (0.0, 1e-6, 0.5, 1 - 1e-6, 1.0)  # forward KL, the JSD (its form near 0 and 1 too), reverse KL
 
 
 def check_jsd(impls, device, cases=LOSS_CASES) -> list[CheckResult]:
