@@ -180,7 +180,7 @@ def test_num_tokens_is_logged_as_sfttrainer_logs_it(tmp_path, config):
 
 @pytest.mark.parametrize("values, message", [
     (dict(loss="jsd", temperature=-1.0), "temperature must be > 0, got -1.0"),
-    (dict(loss="jsd", beta=1e-5), "beta=1e-05 is within 0.0001 of 0 but not at it"),
+    (dict(loss="jsd", beta=1.5), "beta must be in [0, 1] for the generalized JSD, got 1.5"),
     (dict(weight_soft_loss=float("nan")), "weight_soft_loss must be finite, got nan"),
 ])
 def test_bad_loss_values_raise_at_construction(tmp_path, values, message):
