@@ -194,7 +194,7 @@ def test_the_jsd_of_two_peaked_rows_at_any_logit_size(impl, beta, scale):
 
 @pytest.mark.parametrize("distance", [1e-6, 1e-9, 1e-12])
 def test_the_spec_keeps_the_jsd_near_beta_1(distance):
-    """beta within 1e-6..1e-12 of 1 (the fast row steps refuse these): the divergence is of order 1 - beta, and the
+    """beta within 1e-6..1e-12 of 1: the divergence is of order 1 - beta, and the
     spec formed b - m as d + (a - m), which lost it (1.5e-4 off at 1 - 1e-12, 6.9e-3 at 1 - 1e-14)."""
     problem = make_problem(tokens=13, vocab_student=41, vocab_teacher=47, dtype=torch.float32)
     beta = 1 - distance

@@ -198,21 +198,31 @@ def test_fused_linear_jsd_matches_float64(beta, temperature, chunk_size):
         assert rel_err(leaf.grad, want) < 1e-5
 
 
-@pytest.mark.parametrize("impl", ["triton", "auto", "torch"])
-@pytest.mark.parametrize("beta", [1e-9, 5e-5, 0.005, 1 - 0.005, 1 - 5e-5, 1 - 1e-9])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("beta", [1e-30, 1e-9, 5e-5, 0.03, 1 - 0.03, 1 - 5e-5, 1 - 1e-9])
 def test_betas_near_0_and_1_match_float64(beta, impl):
-    """The soft term shrinks with beta (or 1 - beta) near 0 (or 1): every impl takes every beta (the fast row steps
-    refused 0 < beta < 1e-4 and 1 - 1e-4 < beta < 1, where their fp32 mixture was 20% off at 1e-8), and holds the
-    soft term and, with the soft term alone, the gradients to fp32's precision against float64."""
+    """The soft term shrinks with beta (or 1 - beta) near 0 (or 1): every impl takes the betas from 1e-30 (the fast
+    row steps refused 0 < beta < 1e-4 and 1 - 1e-4 < beta < 1, where their fp32 mixture was 20% off at 1e-8), and
+    holds the soft term and, with the soft term alone, the gradients to fp32's precision against float64."""
     problem = make_problem(tokens=37, vocab_teacher=131, bias=False, ignore_every=4)
     losses = fused_linear_jsd(*problem.args()[:5], beta=beta, weight_hard_loss=0.0, weight_soft_loss=1.0, impl=impl,
                               return_soft_hard_loss=True)
     losses[0].backward()
     want_losses, want_grads = loss_reference(problem, beta, 1.0, weight_hard=0.0, weight_soft=1.0)
-    assert 0 < want_losses[1] < 0.05
+    assert 0 < want_losses[1] < 0.1
     assert rel_err(losses[1], want_losses[1]) < 1e-5
     for leaf, want in zip((problem.student_input, problem.student_weight), want_grads):
         assert rel_err(leaf.grad, want) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["triton", "auto"])
+def test_a_beta_below_fp32s_reach_raises_but_in_the_spec(impl):
+    """0 < beta < 1e-30: the fast row steps' fp32 products of beta and the teacher's probabilities underflow (on an
+    H200 1e-39 gave a soft term 11 times the spec's, 1e-45 gave 0); they raise on any device, the spec takes it."""
+    problem = make_problem(tokens=9, vocab_student=31)
+    with pytest.raises(ValueError, match=r"beta=1e-35 is below 1e-30 but not 0: the fast JSD row steps"):
+        fused_linear_jsd(*problem.args()[:5], beta=1e-35, impl=impl)
+    fused_linear_jsd(*problem.args()[:5], beta=1e-35, impl="torch")
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])

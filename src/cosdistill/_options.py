@@ -45,6 +45,11 @@ def check_finite_real(name: str, value) -> None:
     if not -math.inf < number < math.inf:  # comparisons, not math.isfinite: torch.compile traces them
         raise ValueError(f"{name} must be finite, got {float(number)}")  # float(): a symbolic float's value
 
+# Below it the fast JSD row steps' fp32 products of beta and the teacher's probabilities underflow (and a beta under
+# fp32's smallest normal number reads as 0): 0 < beta < this raises but with impl="torch" (docs/reference.md).
+SMALLEST_FAST_JSD_BETA = 1e-30
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """The loss's options (api.fused_linear_cosine_distill documents each), checked when made: a module
@@ -105,6 +110,13 @@ class Options:
                 raise ValueError(f"beta must be in [0, 1] for the generalized JSD, got {float(self.beta)}")
             if self.cosine_via == "gram":
                 raise ValueError("loss='jsd' does not take cosine_via='gram': the divergence needs the teacher's logits")
+            if 0.0 < self.beta < SMALLEST_FAST_JSD_BETA and self.impl != "torch":
+                raise ValueError(
+                    f"beta={float(self.beta)!r} is below {SMALLEST_FAST_JSD_BETA:g} but not 0: the fast JSD row steps "
+                    f"(impl={self.impl!r}; 'auto' runs them on a GPU) compute in fp32, where the soft term, about beta "
+                    "times a KL divergence, underflows. Pass beta=0.0 (the forward KL), or impl='torch' (the float64 "
+                    "spec, slower)"
+                )
 
     @functools.cached_property  # read at every call; a frozen dataclass's __dict__ can still hold it
     def scales(self) -> RowStepConstants:

@@ -100,8 +100,11 @@ def test_falls_back_to_triton_where_unsupported(beta, write_grad):
 
 
 def test_the_mode_follows_beta():
-    betas = (0.0, 1.0, 0.5, 0.01, 0.99, 0.0099, 0.9901, 1e-9, 1 - 1e-9)
+    betas = (0.0, 1.0, 0.5, 0.05, 0.95, 0.0499, 0.9501, 1e-9, 1 - 1e-9)
     assert [jsd_cuda.mode_of(beta) for beta in betas] == [0, 1, 2, 2, 2, 3, 3, 3, 3]
+    layout = jsd_cuda.launch_configs(128256, 2)[-1]
+    with pytest.raises(ValueError, match="the cluster step has no MIXED_EDGE form"):  # it would read REVERSE's gaps
+        jsd_cuda.source(128256, torch.int64, layout, 3, True)
 
 
 @pytest.mark.parametrize("mode, shared", FORMS)

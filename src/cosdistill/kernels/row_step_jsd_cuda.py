@@ -71,6 +71,8 @@ def source(vocab: int, label_dtype: torch.dtype, layout: Layout, mode: int, shar
     """The kernel's CUDA C for one vocabulary, layout and form: ``mode`` FORWARD / REVERSE / MIXED (mode_of),
     ``shared`` T == 1 (the hard term's softmax is p), ``hash_row_vecs`` > 0: it also hashes a weight whose rows
     hold that many 16-byte vectors of 32-bit words (_fingerprint.py's mix and keys)."""
+    if mode == MIXED_EDGE.value:
+        raise ValueError("the cluster step has no MIXED_EDGE form: betas within EDGE_MARGIN of 0 or 1 run the Triton step")
     keys = {}
     if hash_row_vecs:
         keys = {f"HASH_KEY_{lane}{k}": f"{key & MASK}u" for lane, lane_keys in enumerate(LANE_KEYS)

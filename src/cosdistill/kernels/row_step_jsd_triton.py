@@ -62,7 +62,7 @@ MIXED: tl.constexpr = tl.constexpr(2)  # 0 < beta < 1: against the mixture m
 # (``_minus_mixture``), where MIXED's one log of (1 - beta) + beta 2^d would keep only its absolute precision
 # against a divergence that shrinks with beta or 1 - beta.
 MIXED_EDGE: tl.constexpr = tl.constexpr(3)
-EDGE_MARGIN = 1e-2
+EDGE_MARGIN = 0.05
 LOG1P_SERIES_BELOW: tl.constexpr = tl.constexpr(0.125)  # _log2_1p's series up to y^8 is exact to fp32 below it
 
 
@@ -178,8 +178,9 @@ def _minus_mixture(d, keep, beta, MODE: tl.constexpr):
         log_spread = _log2(spread)
         return -log_spread - tl.maximum(d, 0.0), tl.minimum(d, 0.0) - log_spread
     else:
-        log_keep = tl.where(beta < 0.5, _log2_1p(-beta), _log2(keep))  # each of 1 - beta and beta from the
-        log_beta = tl.where(beta < 0.5, _log2(beta), _log2_1p(-keep))  # other where it is near 1
+        # each of 1 - beta and beta from the other where it is near 1 (the other side's argument held in range)
+        log_keep = tl.where(beta < 0.5, _log2_1p(-tl.minimum(beta, 0.5)), _log2(keep))
+        log_beta = tl.where(beta < 0.5, _log2(beta), _log2_1p(-tl.minimum(keep, 0.5)))
         student_larger = d <= log_keep - log_beta  # (1 - beta) p >= beta q
         log_spread = _log2_1p(_exp2(-tl.abs(log_keep - log_beta - d)))
         return (tl.where(student_larger, -log_keep, -log_beta - d) - log_spread,
@@ -531,7 +532,8 @@ def _jsd_row_step_kernel(
 
 
 def mode_of(beta: float) -> int:
-    """The soft term's form for this beta: FORWARD, REVERSE, MIXED or MIXED_EDGE (the CUDA step's MODE too)."""
+    """The soft term's form for this beta: FORWARD, REVERSE, MIXED or MIXED_EDGE (the CUDA step's MODE, but for
+    MIXED_EDGE, which it has no form of)."""
     if beta == 0.0 or beta == 1.0:
         return FORWARD.value if beta == 0.0 else REVERSE.value
     return MIXED_EDGE.value if min(beta, 1.0 - beta) < EDGE_MARGIN else MIXED.value
