@@ -63,7 +63,7 @@ MIXED: tl.constexpr = tl.constexpr(2)  # 0 < beta < 1: against the mixture m
 # against a divergence that shrinks with beta or 1 - beta.
 MIXED_EDGE: tl.constexpr = tl.constexpr(3)
 EDGE_MARGIN = 0.05
-LOG1P_SERIES_BELOW: tl.constexpr = tl.constexpr(0.125)  # _log2_1p's series up to y^8 is exact to fp32 below it
+LOG1P_SERIES_BELOW: tl.constexpr = tl.constexpr(0.125)  # _log2_1p's series to y^8 is within fp32's rounding below
 
 
 @triton.jit
@@ -171,7 +171,7 @@ def _minus_mixture(d, keep, beta, MODE: tl.constexpr):
     d >= 0 and (-L, d - L) below: one exponential and one log. MIXED_EDGE: with c = log2((1 - beta) / beta),
     m is the larger of (1 - beta) p and beta q times 1 + y, y = 2^-|c - d| <= 1, and log2(1 + y) is taken to
     fp32's relative precision, as are log2(1 - beta) and log2(beta): the terms that cancel in the soft term's
-    sums (to O(beta^2) as beta -> 0) then cancel exactly up to fp32's relative rounding."""
+    sums (to O(beta^2) as beta -> 0) then carry fp32's relative rounding, not its absolute one."""
     if MODE == MIXED:
         smaller = _exp2(-tl.abs(d))  # the smaller of 2^d and 2^-d: never overflows
         spread = tl.where(d >= 0.0, beta + keep * smaller, keep + beta * smaller)
