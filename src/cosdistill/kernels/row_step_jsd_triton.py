@@ -534,8 +534,10 @@ def _jsd_row_step_kernel(
 def mode_of(beta: float) -> int:
     """The soft term's form for this beta: FORWARD, REVERSE, MIXED or MIXED_EDGE (the CUDA step's MODE, but for
     MIXED_EDGE, which it has no form of)."""
-    if beta == 0.0 or beta == 1.0:
-        return FORWARD.value if beta == 0.0 else REVERSE.value
+    if beta == 0.0:
+        return FORWARD.value
+    if beta == 1.0:
+        return REVERSE.value
     return MIXED_EDGE.value if min(beta, 1.0 - beta) < EDGE_MARGIN else MIXED.value
 
 
