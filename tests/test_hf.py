@@ -235,12 +235,12 @@ def dataset(lengths, vocab=128, seed=0):
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def make_trainer(tmp_path, student, teacher, train_dataset, loss="cosine", **args):
+def make_trainer(tmp_path, student, teacher, train_dataset, loss="cosine", trainer_class=CosineDistillationTrainer, **args):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, report_to="none", disable_tqdm=True, seed=0, dataloader_num_workers=0,
         **{"save_strategy": "no", "logging_steps": 1, **args},
     )
-    return CosineDistillationTrainer(
+    return trainer_class(
         model=student, args=args, train_dataset=train_dataset, data_collator=collate, teacher_model=teacher, loss=loss,
         **OPTIONS,
     )

@@ -52,14 +52,15 @@ def text_dataset(lengths=(8, 8, 8, 6), seed=0):
 COMPILED = dict(torch_compile=True, torch_compile_backend="aot_eager")
 
 
-def make_sft_trainer(tmp_path, student, teacher, loss="cosine", train_dataset=None, eval_dataset=None, **config):
+def make_sft_trainer(tmp_path, student, teacher, loss="cosine", train_dataset=None, eval_dataset=None,
+                     trainer_class=DistillationSFTTrainer, **config):
     config = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
                   logging_steps=1, seed=0, max_steps=1, per_device_train_batch_size=4, optim="sgd", learning_rate=1.0,
                   lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
                   bf16=False) | config  # SFTConfig turns bf16 on by default
     args = trl.SFTConfig(**config)
     assert CosineDistillationSFTTrainer is DistillationSFTTrainer
-    return DistillationSFTTrainer(model=student, teacher_model=teacher, args=args,
+    return trainer_class(model=student, teacher_model=teacher, args=args,
                                   train_dataset=train_dataset or prompt_completion_dataset(), eval_dataset=eval_dataset,
                                   processing_class=word_tokenizer(), loss=loss, **OPTIONS)
 
