@@ -521,15 +521,27 @@ def check_sharding(trainer) -> None:
                          "per GPU (torchrun, accelerate launch)")
 
 
-def check_not_tensor_parallel(trainer_name, **models) -> None:
-    """Raise for a model whose LM head is split for tensor parallelism: the Trainers' scaling of the loss under it is
-    not tested (accelerate runs it on GPUs only); ``distill_loss`` takes such heads in a loop of one's own."""
-    for role, model in models.items():
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if tensor_parallel_rows(getattr(head, "weight", None)) is not None:
-            raise ValueError(f"{trainer_name} does not support a {role} whose LM head is split for tensor parallelism "
-                             "(tp_plan, ColwiseParallel): call cosdistill.hf.distill_loss in a training loop of your own, "
-                             "which takes such heads")
+def tensor_parallel_size(trainer) -> int:
+    """The Trainer's tensor-parallel degree (``Trainer.get_tp_size``; 1 where transformers has none): its ranks share
+    each batch, so transformers divides the step's count of labels by it and multiplies the loss by the number of
+    processes over it."""
+    return trainer.get_tp_size() if hasattr(trainer, "get_tp_size") else 1
+
+
+def check_tensor_parallel(trainer) -> None:
+    """Raise for a student whose LM head is split for tensor parallelism over other ranks than the Trainer's
+    tensor-parallel ones (a model split by hand, or a transformers without ``Trainer.get_tp_size``): the Trainer's
+    count of labels, and the loss's scale, would be off by their ratio."""
+    student = trainer.accelerator.unwrap_model(trainer.model)
+    rows = tensor_parallel_rows(lm_head(student, "student").weight)
+    if rows is None:
+        return
+    split, tp_size = torch.distributed.get_world_size(rows[2]), tensor_parallel_size(trainer)
+    if split != tp_size:
+        raise ValueError(f"{type(trainer).__name__}: the student's LM head is split over {split} ranks for tensor "
+                         f"parallelism but the Trainer's tensor-parallel size is {tp_size}, so it would count the "
+                         "step's labels wrongly: load the student with tp_plan='auto' (transformers >= 5), or call "
+                         "cosdistill.hf.distill_loss in a training loop of your own")
 
 
 def check_no_router_aux_loss(trainer) -> None:
@@ -558,8 +570,9 @@ class DistillationMixin:
     holds (position_ids and flash-attention boundaries of packed batches, ...) reaches both models.
     Training logs gain ``soft_loss`` and ``hard_loss`` next to ``loss``, evaluation ``eval_soft_loss`` and
     ``eval_hard_loss``. The student may be on one device, under DDP or under FSDP2 (the head's weight is
-    gathered whole for the loss, ``whole_head_weight``); DeepSpeed ZeRO-3, FSDP1 and torch.nn.DataParallel
-    raise at construction (``check_sharding``). ``loss_options`` (chunk_size, impl, ...)
+    gathered whole for the loss, ``whole_head_weight``), or split for tensor parallelism (``tp_plan="auto"``: each
+    rank runs the loss on its shard of the head, ``check_tensor_parallel``); DeepSpeed ZeRO-3, FSDP1 and
+    torch.nn.DataParallel raise at construction (``check_sharding``). ``loss_options`` (chunk_size, impl, ...)
     go to the fused function of ``loss``, checked at construction. Trainer options the loss cannot honour
     (``UNSUPPORTED_ARGS``, a ``compute_loss_func``, ``compute_metrics`` and ``preprocess_logits_for_metrics``: there
     are no logits) raise a ValueError. With ``loss="cosine"`` ``temperature`` changes nothing, as in Liger's.
@@ -579,15 +592,13 @@ class DistillationMixin:
                                  "loss never computes them); it reports eval_loss, eval_soft_loss and eval_hard_loss")
         check_loss_values(loss, loss_options or {}, weight_hard_loss=weight_hard_loss,
                           weight_soft_loss=weight_soft_loss, beta=beta, temperature=temperature)
-        check_not_tensor_parallel(type(self).__name__, student=kwargs.get("model", args[0] if args else None),
-                                  teacher=teacher_model)
         if (loss_options or {}).get("ignore_index", -100) != -100:
             raise ValueError(f"{type(self).__name__} does not support loss_options ignore_index="
                              f"{loss_options['ignore_index']!r}: the Trainer counts the labels that are not -100 "
                              "(num_items_in_batch), so the loss must ignore -100; set such labels to -100 instead")
         super().__init__(*args, **kwargs)
         check_sharding(self)
-        check_not_tensor_parallel(type(self).__name__, student=self.accelerator.unwrap_model(self.model))  # loaded here
+        check_tensor_parallel(self)
         check_no_router_aux_loss(self)
         check_unsupported_args(self, self.unsupported_args)
         # Before any call of a model accelerate may compile (torch_compile, or its dynamo plugin from the environment).
@@ -640,8 +651,10 @@ class DistillationMixin:
                 **self.loss_options,
             )
         if num_items_in_batch is not None and getattr(self.args, "average_tokens_across_devices", False):
-            # num_items_in_batch counts all processes' tokens and DDP averages the gradients: undo the average.
-            loss, soft, hard = (value * self.accelerator.num_processes for value in (loss, soft, hard))
+            # num_items_in_batch counts all processes' tokens and DDP averages the gradients: undo the average, over
+            # the processes that hold different batches (as Trainer.compute_loss does)
+            data_parallel = self.accelerator.num_processes // tensor_parallel_size(self)
+            loss, soft, hard = (value * data_parallel for value in (loss, soft, hard))
         sums = torch.stack([soft, hard]).detach()
         if model.training:
             if self._soft_hard_sums is None:

@@ -35,8 +35,8 @@ from .hf import (
     DistillationMixin,
     check_loss_options,
     check_loss_values,
-    check_not_tensor_parallel,
     check_sharding,
+    check_tensor_parallel,
     check_unsupported_args,
     distill_loss,
     final_hidden_states,
@@ -160,7 +160,8 @@ def _define_gkd_trainer():
           data parallel that count is all processes' and, as in TRL, the loss is not multiplied back by the number
           of processes as ``Trainer.compute_loss`` does: the logged loss and the step are 1 / num_processes of one
           process's on the same rows (the DistillationTrainer's are not). Raise the learning rate with the number
-          of processes to keep a single process's steps.
+          of processes to keep a single process's steps. The ranks of a student loaded with ``tp_plan="auto"``
+          share their batches and transformers counts them once: there the step is one process's.
 
         Differences: no logits are computed, so evaluation and ``predict()`` return none (``eval_loss`` and
         ``test_loss`` are GKDTrainer's, the predictions None; ``compute_metrics`` and
@@ -180,7 +181,6 @@ def _define_gkd_trainer():
             for name, why in UNSUPPORTED_GKD_ARGUMENTS.items():
                 if bound.get(name) is not None:
                     raise ValueError(f"{type(self).__name__} does not support {name}: {why}")
-            check_not_tensor_parallel(type(self).__name__, student=bound.get("model"), teacher=bound.get("teacher_model"))
             reserved = {"loss", "beta", "temperature", "weight_hard_loss", "weight_soft_loss", "num_valid_tokens",
                         "ignore_index"} & set(loss_options or {})
             if reserved:
@@ -192,8 +192,7 @@ def _define_gkd_trainer():
                               temperature=1.0)  # GKDConfig's beta in [0, 1]
             check_unsupported_args(self, UNSUPPORTED_GKD_CONFIG)
             check_sharding(self)
-            check_not_tensor_parallel(type(self).__name__, student=self.accelerator.unwrap_model(self.model),
-                                      teacher=self.accelerator.unwrap_model(self.teacher_model))  # loaded here
+            check_tensor_parallel(self)
             check_gkd_heads(self, self.accelerator.unwrap_model(self.model),
                             self.accelerator.unwrap_model(self.teacher_model))
             # Before any call of a model accelerate may compile (torch_compile, or its dynamo plugin).

@@ -83,13 +83,15 @@ def gradients(model):
 
 def refusals(folder):
     """What each refused combination raises: heads split over ranks that disagree on the student's rows, a teacher
-    split where the student is whole, and the Trainers given a split student (their loss scaling under tensor
-    parallelism is not tested: accelerate runs it on GPUs only)."""
+    split where the student is whole, and the Trainers given a student split otherwise than the Trainer's tensor
+    parallelism (a head split by hand: the Trainer would count each rank's labels; tp_plan students:
+    test_trainers_sharded.py)."""
     from cosdistill.hf import DistillationTrainer
     from cosdistill.trl import DistillationGKDTrainer
     from test_trl_gkd import chat_dataset, chat_tokenizer, gkd_config
 
     student = split(folder, "student", VOCAB_STUDENT, 0, "tp_plan")
+    split_by_hand = split(folder, None, VOCAB_STUDENT, 0, "colwise")
     attempts = {
         "teacher split otherwise": lambda: distill_loss(
             student, split(folder, f"teacher{VOCAB_TEACHER}", VOCAB_TEACHER, 1, "tp_plan"), **batch_on_device()),
@@ -103,10 +105,10 @@ def refusals(folder):
             input_ids=torch.zeros(2, 5, dtype=torch.long, device=device()),
             labels=torch.zeros(2, 5, dtype=torch.long, device=device())),
         "DistillationTrainer": lambda: DistillationTrainer(
-            model=student, teacher_model=tiny_llama(VOCAB_STUDENT, 1),
+            model=split_by_hand, teacher_model=tiny_llama(VOCAB_STUDENT, 1),
             args=transformers.TrainingArguments(output_dir=os.path.join(folder, "out"), use_cpu=True, report_to="none")),
         "DistillationGKDTrainer": lambda: DistillationGKDTrainer(
-            model=student, teacher_model=tiny_llama(VOCAB_STUDENT, 1), args=gkd_config(os.path.join(folder, "out")),
+            model=split_by_hand, teacher_model=tiny_llama(VOCAB_STUDENT, 1), args=gkd_config(os.path.join(folder, "out")),
             train_dataset=chat_dataset(), processing_class=chat_tokenizer()),
     }
     if BACKEND == "nccl":  # the Trainers' refusal comes before any device is used: the CPU run tests it
@@ -182,8 +184,9 @@ def test_split_heads_give_the_whole_models_loss_and_gradients(results, case, los
     ("teacher split otherwise", r"the splits must agree on the student's vocabulary"),
     ("teacher split, student whole", r"the teacher's LM head is split over ranks \(tensor parallel\) and the student's is not"),
     ("a rank without rows", r"over 2 ranks as torch.chunk does, 1 rows each, which leaves the last rank none"),
-    ("DistillationTrainer", r"DistillationTrainer does not support a student whose LM head is split for tensor parallelism"),
-    ("DistillationGKDTrainer", r"DistillationGKDTrainer does not support a student whose LM head is split"),
+    ("DistillationTrainer", r"DistillationTrainer: the student's LM head is split over 2 ranks for tensor parallelism but "
+                            r"the Trainer's tensor-parallel size is 1"),
+    ("DistillationGKDTrainer", r"DistillationGKDTrainer: the student's LM head is split over 2 ranks .* size is 1"),
 ])
 def test_refused_splits_raise(results, case, message):
     if case not in results["errors"]:
