@@ -23,8 +23,8 @@ from ._options import Options, options_of
 from .api import FUSED_LOSSES
 
 __all__ = ["CosineDistillationTrainer", "DistillationMixin", "DistillationTrainer", "cosine_distill_loss", "distill_loss",
-           "final_hidden_states", "head_inputs", "keep_head_hook", "loss_labels", "next_token_targets",
-           "tensor_parallel_rows"]
+           "final_hidden_states", "head_inputs", "keep_head_hook", "loss_labels", "loss_of_hidden_states",
+           "next_token_targets", "tensor_parallel_rows"]
 
 
 def lm_head(model, name="model"):
@@ -411,7 +411,7 @@ def distill_loss(
         raise TypeError("labels is required, got None")
     if input_ids is None and (student_hidden is None or teacher_hidden is None):
         raise TypeError("input_ids is required unless both student_hidden and teacher_hidden are given")
-    check_head_reproduces_logits(student, "student")
+    check_head_reproduces_logits(student, "student")  # before the models run (once per model)
     check_head_reproduces_logits(teacher, "teacher")
     model_inputs = model_inputs or {}
     targets = next_token_targets(labels, attention_mask, ignore_index, model_inputs.get("position_ids"),
@@ -419,11 +419,28 @@ def distill_loss(
     if student_hidden is None:
         student_hidden = final_hidden_states(student, input_ids, attention_mask, lm_head(student, "student"),
                                              **model_inputs)
+    if teacher_hidden is None:
+        with torch.no_grad(), in_eval_mode(teacher):
+            teacher_hidden = final_hidden_states(teacher, input_ids, attention_mask, lm_head(teacher, "teacher"),
+                                                 **model_inputs)
+    return loss_of_hidden_states(
+        student, teacher, student_hidden, teacher_hidden, targets, loss=loss, weight_hard_loss=weight_hard_loss,
+        weight_soft_loss=weight_soft_loss, beta=beta, temperature=temperature, ignore_index=ignore_index,
+        num_valid_tokens=num_valid_tokens, return_soft_hard_loss=return_soft_hard_loss, **loss_options,
+    )
+
+
+def loss_of_hidden_states(student, teacher, student_hidden, teacher_hidden, targets, loss="cosine",
+                          weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, temperature=1.0, ignore_index=-100,
+                          num_valid_tokens=None, return_soft_hard_loss=False, **loss_options):
+    """``distill_loss`` on final hidden states already aligned with their targets: position i of ``student_hidden``
+    and ``teacher_hidden`` [..., H] predicts ``targets[..., i]`` (``ignore_index``: no target). The models give
+    their LM heads, logit scales and softcaps (``head_inputs``) and a tensor-parallel student's split
+    (``vocab_split``); the other arguments are ``distill_loss``'s."""
+    check_loss_options(loss, loss_options)
+    check_head_reproduces_logits(student, "student")  # once per model
+    check_head_reproduces_logits(teacher, "teacher")
     with torch.no_grad():
-        if teacher_hidden is None:
-            with in_eval_mode(teacher):
-                teacher_hidden = final_hidden_states(teacher, input_ids, attention_mask, lm_head(teacher, "teacher"),
-                                                     **model_inputs)
         teacher_args = head_inputs(teacher, teacher_hidden, "teacher")
     hidden, weight, bias, softcap, logit_scale = head_inputs(student, student_hidden, "student")
     split = vocab_split(lm_head(student, "student"), lm_head(teacher, "teacher"))
@@ -444,6 +461,7 @@ def distill_loss(
             ignore_index=ignore_index, temperature=temperature, return_soft_hard_loss=return_soft_hard_loss,
             num_valid_tokens=num_valid_tokens, **head_options, **loss_options,
         )
+
 
 cosine_distill_loss = distill_loss  # its name from before loss="jsd"
 

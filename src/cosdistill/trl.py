@@ -1,4 +1,4 @@
-"""TRL's ``SFTTrainer`` and ``GKDTrainer`` with the fused distillation losses (needs ``trl``:
+"""TRL's ``SFTTrainer``, ``GKDTrainer`` and ``DistillationTrainer`` with the fused distillation losses (needs ``trl``:
 ``pip install 'cosdistill[trl]'``).
 
 ``DistillationSFTTrainer`` keeps everything ``SFTTrainer`` does with the data (chat templates,
@@ -16,8 +16,12 @@ never building either model's logits. The change from a ``GKDTrainer`` script is
     trainer = DistillationGKDTrainer(model=student, teacher_model=teacher, args=GKDConfig(...),
                                      train_dataset=dataset, processing_class=tokenizer)
 
-It is defined on first use (``from cosdistill.trl import DistillationGKDTrainer``): TRL keeps GKD in
-``trl.experimental``, whose import warns, and SFT users need not see that warning.
+``DistillationTrainer`` is TRL's ``DistillationTrainer`` (on-policy distillation, GKD's successor in TRL's stable
+API) whose generalized JSD is likewise ``fused_linear_jsd``'s; the change is the import.
+
+Both are defined on first use (``from cosdistill.trl import DistillationGKDTrainer``): TRL keeps GKD in
+``trl.experimental``, whose import warns, its DistillationTrainer's module imports part of it, and SFT users need
+not load either.
 """
 
 import inspect
@@ -43,10 +47,13 @@ from .hf import (
     in_eval_mode,
     keep_head_hook,
     lm_head,
+    loss_of_hidden_states,
+    tensor_parallel_rows,
 )
 
-# DistillationGKDTrainer is made on first use (__getattr__ below)
-__all__ = ["CosineDistillationSFTTrainer", "DistillationGKDTrainer", "DistillationSFTTrainer"]  # noqa: F822
+# DistillationGKDTrainer and DistillationTrainer are made on first use (__getattr__ below)
+__all__ = ["CosineDistillationSFTTrainer", "DistillationGKDTrainer", "DistillationSFTTrainer",  # noqa: F822
+           "DistillationTrainer"]
 
 # SFTConfig options that change the loss in ways this loss does not follow.
 UNSUPPORTED_SFT_ARGS = {
@@ -125,6 +132,97 @@ def check_gkd_heads(trainer, student, teacher) -> None:
                                  "apply it differently; use trl's GKDTrainer for this model")
 
 
+def check_jsd_alone_options(config_name, loss_options) -> None:
+    """Raise for ``loss_options`` that a trainer whose loss is the generalized JSD alone sets itself (from its
+    config), or that ``fused_linear_jsd`` does not take."""
+    reserved = {"loss", "beta", "temperature", "weight_hard_loss", "weight_soft_loss", "num_valid_tokens",
+                "ignore_index"} & set(loss_options)
+    if reserved:
+        raise ValueError(f"loss_options cannot set {sorted(reserved)}: {config_name} sets beta, and the loss is the "
+                         "generalized JSD alone")
+    check_loss_options("jsd", loss_options)
+
+
+# The batch fields TRL's DistillationTrainer hands both models' forward beside the tokens (vision-language models).
+MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+                     "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def _define_distillation_trainer():
+    from trl import DistillationTrainer as TRLDistillationTrainer  # its module imports part of trl.experimental
+
+    class DistillationTrainer(TRLDistillationTrainer):
+        """TRL's ``DistillationTrainer`` (on-policy distillation: the student generates the completions, with vLLM or
+        transformers, tools included) whose generalized JSD is ``fused_linear_jsd`` on the two models' last hidden
+        states, instead of TRL's chunked divergence, which computes each logit tile twice or three times. The change
+        from a TRL script is the import (``from cosdistill.trl import DistillationTrainer``).
+
+        Everything but the loss is TRL's. The loss is TRL's to the token and the divisor (trl 1.16): on each completion
+        token (``completion_mask`` times ``tool_mask``) the generalized JSD at ``beta`` (0: forward KL, 1: reverse KL)
+        between the models' distributions at ``temperature`` (scaled and softcapped as their configs say; TRL checks
+        that the two share one vocabulary), summed and divided by the step's completion tokens over the number of
+        processes (in training), else by this batch's. Only the completion tokens' rows reach the LM heads.
+
+        Differences: the student's ``entropy`` is not logged (TRL's kernel computes it beside the divergence; the fused
+        loss does not). DeepSpeed ZeRO-3, FSDP1 and torch.nn.DataParallel raise at construction (``check_sharding``),
+        as do tensor-parallel students and, at the first step, models whose logits the fused loss does not reproduce
+        (``check_head_reproduces_logits``: a logit multiplier other than Cohere's ``logit_scale``). ``loss_options``
+        (chunk_size, impl, accum_dtype, teacher_precision) go to ``fused_linear_jsd``.
+        """
+
+        def __init__(self, *args, loss_options=None, **kwargs):
+            check_jsd_alone_options("DistillationConfig", loss_options or {})
+            self._refuse_a_split(kwargs.get("model", args[0] if args else None))  # before accelerate prepares it
+            super().__init__(*args, **kwargs)
+            self._refuse_a_split(self.accelerator.unwrap_model(self.model))  # one loaded here from its name
+            check_loss_values("jsd", loss_options or {}, beta=self.beta, weight_hard_loss=0.0, weight_soft_loss=1.0,
+                              temperature=self.temperature)
+            check_sharding(self)
+            check_gkd_heads(self, self.accelerator.unwrap_model(self.model),
+                            self.accelerator.unwrap_model(self.teacher_model))
+            self.loss_options = dict(loss_options or {})
+
+        def _refuse_a_split(self, student):
+            if isinstance(student, torch.nn.Module) and tensor_parallel_rows(lm_head(student, "student").weight) is not None:
+                raise ValueError(f"{type(self).__name__} does not support a student whose LM head is split for tensor "
+                                 "parallelism: TRL's DistillationTrainer gathers it whole, which is not tested here")
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            # TRL's: the generated completions' count (not the dataset's), over the processes, whose gradients DDP
+            # averages; the loss runs inside the student's wrapper (DDP's and FSDP's hooks fire)
+            if self.model.training and inputs.get("num_items_in_batch") is not None:
+                num_items_in_batch = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            student = self.accelerator.unwrap_model(model)
+            loss = self._forward_redirection(model, student, self._compute_loss, student, inputs, num_items_in_batch)
+            return (loss, None) if return_outputs else loss
+
+        def _compute_loss(self, student, inputs, num_items_in_batch):
+            input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+            completion_length = inputs["completion_ids"].shape[1]
+            model_inputs = {key: inputs[key] for key in MULTIMODAL_INPUTS if key in inputs}
+            # TRL's hidden states of the completion positions: position i predicts completion token i
+            student_hidden = self._get_last_hidden_state(student, input_ids, attention_mask, completion_length,
+                                                         **model_inputs)
+            self.teacher_model.eval()
+            teacher = self.accelerator.unwrap_model(self.teacher_model)
+            with torch.no_grad():
+                teacher_hidden = self._forward_redirection(self.teacher_model, teacher, self._get_last_hidden_state,
+                                                           teacher, input_ids, attention_mask, completion_length,
+                                                           **model_inputs)
+            trained = mask.bool()
+            targets = inputs["completion_ids"][trained]
+            return loss_of_hidden_states(
+                student, teacher, student_hidden[trained], teacher_hidden[trained], targets, loss="jsd",
+                weight_hard_loss=0.0, weight_soft_loss=1.0, beta=self.beta, temperature=self.temperature,
+                num_valid_tokens=num_items_in_batch, **self.loss_options,
+            )
+
+    DistillationTrainer.__qualname__ = "DistillationTrainer"  # as stored in this module (pickle)
+    return DistillationTrainer
+
+
 def _define_gkd_trainer():
     try:
         from trl.experimental.gkd import GKDTrainer
@@ -181,12 +279,7 @@ def _define_gkd_trainer():
             for name, why in UNSUPPORTED_GKD_ARGUMENTS.items():
                 if bound.get(name) is not None:
                     raise ValueError(f"{type(self).__name__} does not support {name}: {why}")
-            reserved = {"loss", "beta", "temperature", "weight_hard_loss", "weight_soft_loss", "num_valid_tokens",
-                        "ignore_index"} & set(loss_options or {})
-            if reserved:
-                raise ValueError(f"loss_options cannot set {sorted(reserved)}: GKDConfig sets beta, and the loss is "
-                                 "GKD's generalized JSD alone")
-            check_loss_options("jsd", loss_options or {})
+            check_jsd_alone_options("GKDConfig", loss_options or {})
             super().__init__(*args, **kwargs)
             check_loss_values("jsd", loss_options or {}, beta=self.beta, weight_hard_loss=0.0, weight_soft_loss=1.0,
                               temperature=1.0)  # GKDConfig's beta in [0, 1]
@@ -232,7 +325,8 @@ def _define_gkd_trainer():
 
 
 def __getattr__(name):
-    if name == "DistillationGKDTrainer":
-        globals()[name] = _define_gkd_trainer()
+    define = {"DistillationGKDTrainer": _define_gkd_trainer, "DistillationTrainer": _define_distillation_trainer}.get(name)
+    if define is not None:
+        globals()[name] = define()
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

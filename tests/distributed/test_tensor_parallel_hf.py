@@ -111,8 +111,14 @@ def refusals(folder):
             model=split_by_hand, teacher_model=tiny_llama(VOCAB_STUDENT, 1), args=gkd_config(os.path.join(folder, "out")),
             train_dataset=chat_dataset(), processing_class=chat_tokenizer()),
     }
+    from cosdistill.trl import DistillationTrainer as TRLDistillationTrainer
+    from test_trl_distillation import config, prompts, tokenizer
+
+    attempts["TRL's DistillationTrainer"] = lambda: TRLDistillationTrainer(
+        model=student, teacher_model=tiny_llama(VOCAB_STUDENT, 1), args=config(os.path.join(folder, "out")),
+        train_dataset=prompts(), processing_class=tokenizer())
     if BACKEND == "nccl":  # the Trainers' refusal comes before any device is used: the CPU run tests it
-        del attempts["DistillationTrainer"], attempts["DistillationGKDTrainer"]
+        del attempts["DistillationTrainer"], attempts["DistillationGKDTrainer"], attempts["TRL's DistillationTrainer"]
     errors = {}
     for name, attempt in attempts.items():
         try:
@@ -187,6 +193,7 @@ def test_split_heads_give_the_whole_models_loss_and_gradients(results, case, los
     ("DistillationTrainer", r"DistillationTrainer: the student's LM head is split over 2 ranks for tensor parallelism but "
                             r"the Trainer's tensor-parallel size is 1"),
     ("DistillationGKDTrainer", r"DistillationGKDTrainer: the student's LM head is split over 2 ranks .* size is 1"),
+    ("TRL's DistillationTrainer", r"DistillationTrainer does not support a student whose LM head is split for tensor"),
 ])
 def test_refused_splits_raise(results, case, message):
     if case not in results["errors"]:

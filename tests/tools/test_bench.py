@@ -279,6 +279,23 @@ def test_bench_of_the_jsd_checks_ours_against_its_naive_version_and_liger(capsys
         main(TINY + ["--loss", "jsd", "--providers", "ours-gram"])
 
 
+def test_bench_of_the_jsd_times_trls_divergence_and_checks_it_against_the_naive_soft_term(tmp_path, monkeypatch):
+    """TRL's DistillationTrainer loss (ChunkedDivergenceFunction) beside ours: the JSD alone, so its error is taken
+    against the naive soft term; refused with the cosine loss; another TRL release is skipped with a note."""
+    pytest.importorskip("trl")
+    from cosdistill.tools import bench
+
+    json_path = tmp_path / "bench.json"
+    assert main(TINY + ["--loss", "jsd", "--providers", "ours,trl,floor", "--json", str(json_path)]) == 0
+    rows = {row["provider"]: row for row in json.loads(json_path.read_text())["rows"]}
+    assert set(rows) == {"ours", "trl", "floor"} and rows["trl"]["median_ms"] > 0
+    assert rows["trl"]["loss_rel_err"] < 1e-5 and rows["trl"]["ratio_to_floor"] > 0
+    with pytest.raises(SystemExit):
+        main(TINY + ["--providers", "ours,trl"])
+    monkeypatch.setattr(bench.importlib.metadata, "version", lambda name: "9.0.0")
+    assert bench.load_trl_divergence() == (None, "trl skipped: trl 9.0.0 is installed, the bench compares 1.16.0")
+
+
 def test_bench_says_where_it_wrote_its_files(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     plot, table = tmp_path / "speed.png", tmp_path / "table.md"

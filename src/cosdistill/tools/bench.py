@@ -15,6 +15,9 @@ One process, one workload, every provider on the same tensors:
   an EMA or online-distillation teacher's is (no kernel runs for it): what "auto" costs there;
 * ``naive`` - ``naive_cosine_distill``: full logits and autograd;
 * ``liger`` - Liger-Kernel's ``LigerFusedLinearCosineSimilarityLoss``, if it can be imported;
+* ``trl`` (the JSD alone) - TRL's ``ChunkedDivergenceFunction``, the loss of its ``DistillationTrainer``: the
+  generalized JSD at the same beta and temperature, without the hard term (its trainer has none), so one
+  term less than the others compute;
 * ``floor`` - the four GEMMs of the loss computed from both heads' logits (two in forward mode), on the
   whole T; the Gram path (_teacher_gram.py) replaces the teacher's with smaller ones and can run under it.
 
@@ -29,6 +32,7 @@ ours-fp8 (FP8 quantization: about 1e-3 to 1e-2) are reported for information and
 import contextlib
 import csv
 import importlib.metadata
+import inspect
 import itertools
 import json
 import os
@@ -50,13 +54,17 @@ from ..reference import NAIVE_LOSSES
 from ..testing import rel_err
 
 PROVIDERS = ("ours", "ours-logits", "ours-gram", "ours-fp8", "ours-fp8-quantized", "ours-unchecked",
-             "ours-fp8-unchecked", "ours-changing-teacher", "naive", "liger", "floor")
+             "ours-fp8-unchecked", "ours-changing-teacher", "naive", "liger", "trl", "floor")
 DEFAULT_PROVIDERS = ("ours", "ours-fp8", "naive", "liger", "floor")
 LOSSES = ("cosine", "jsd")
-JSD_PROVIDERS = ("ours", "ours-fp8", "ours-fp8-quantized", "naive", "liger", "floor")  # the providers with a JSD form
+JSD_PROVIDERS = ("ours", "ours-fp8", "ours-fp8-quantized", "naive", "liger", "trl", "floor")  # with a JSD form
 MODES = ("full", "forward")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+# The beta and temperature the JSD rows run at (fused_linear_jsd's defaults, which ours, naive and Liger take)
+JSD_DEFAULTS = {name: parameter.default for name, parameter in inspect.signature(fused_linear_jsd).parameters.items()
+                if name in ("beta", "temperature")}
 
 # Relative error above which the correctness check fails.
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-2, torch.float32: 1e-4}
@@ -277,6 +285,28 @@ def liger_provider(liger_loss: torch.nn.Module):
     return build
 
 
+def trl_loss(divergence, tensors: Tensors) -> torch.Tensor:
+    """TRL DistillationTrainer's loss on the bench's tensors: the per-token generalized JSD of ``divergence``
+    (``ChunkedDivergenceFunction``) at fused_linear_jsd's default beta and temperature, summed and divided by the
+    token count, as its trainer divides it."""
+    x_s, w_s, x_t, w_t, _labels = tensors.args()
+    per_token, _entropy = divergence.apply(x_s, w_s, None, x_t, w_t, None, JSD_DEFAULTS["beta"],
+                                           JSD_DEFAULTS["temperature"])
+    return per_token.sum() / per_token.shape[0]
+
+
+def trl_provider(divergence):
+    def build(tensors: Tensors, mode: str):
+        def step():
+            loss = trl_loss(divergence, tensors)
+            if mode == "full":
+                loss.backward()
+
+        return step
+
+    return build
+
+
 def floor_provider(tensors: Tensors, mode: str):
     """The GEMMs alone, into outputs allocated here (so they count as inputs in the memory column)."""
     x_s, w_s = tensors.student_input.detach(), tensors.student_weight.detach()
@@ -313,6 +343,21 @@ def load_liger(device: torch.device, loss: str = "cosine"):
         return None, f"liger skipped: liger-kernel {version} is installed, the bench compares {LIGER_VERSION}"
     module = LigerFusedLinearJSDLoss if loss == "jsd" else LigerFusedLinearCosineSimilarityLoss
     return module(compiled=device.type == "cuda"), None
+
+
+TRL_VERSION = "1.16.0"  # the release the ledger's trl rows are
+
+
+def load_trl_divergence():
+    """TRL's ``ChunkedDivergenceFunction``, or None with the reason if it cannot be imported or is another release."""
+    try:
+        version = importlib.metadata.version("trl")
+        from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+    except (ImportError, importlib.metadata.PackageNotFoundError) as error:
+        return None, f"trl skipped: cannot import trl.kernels.chunked_divergence ({error})"
+    if version != TRL_VERSION:
+        return None, f"trl skipped: trl {version} is installed, the bench compares {TRL_VERSION}"
+    return ChunkedDivergenceFunction, None
 
 
 def median_ms(step, tensors: Tensors | None, device: torch.device, warmup: int, reps: int, settle_s: float = 0.0) -> float:
@@ -409,13 +454,15 @@ def check_arguments(workload: Workload, providers, modes, settings) -> None:
         raise ValueError(f"providers must name at least one of {', '.join(PROVIDERS)}")
     if settings is not None and "ours" not in providers:
         raise ValueError("chunk sizes and accumulator dtypes are settings of provider 'ours': add it to the providers")
-    forced = sorted(set(providers) - {"ours", "naive", "liger", "floor"})
+    forced = sorted(set(providers) - {"ours", "naive", "liger", "trl", "floor"})
     if settings is not None and forced:  # those run their own fixed settings: an A/B against them would compare two
         raise ValueError(f"chunk sizes and accumulator dtypes are settings of provider 'ours' alone: time {forced} "
                          "in a run without them")
     unknown = set(providers) - set(PROVIDERS)
     if unknown:
         raise ValueError(f"unknown providers {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
+    if workload.loss != "jsd" and "trl" in providers:
+        raise ValueError("provider 'trl' (TRL's chunked divergence) is the generalized JSD: time it with loss 'jsd'")
     if workload.loss == "jsd" and set(providers) - set(JSD_PROVIDERS):
         raise ValueError(f"with loss 'jsd' the providers are among {', '.join(JSD_PROVIDERS)}, got "
                          f"{sorted(set(providers) - set(JSD_PROVIDERS))}")
@@ -441,6 +488,11 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
         liger_loss, why_not = load_liger(device, loss)
         if liger_loss is None:
             notes.append(why_not)
+    trl_divergence = None
+    if "trl" in providers:
+        trl_divergence, why_not = load_trl_divergence()
+        if trl_divergence is None:
+            notes.append(why_not)
     fp8_settings = []  # timed; loss error reported, not checked
     for setting in (replace(FP8_SETTING, loss=loss), replace(FP8_QUANTIZED_SETTING, loss=loss),
                     replace(FP8_UNCHECKED_SETTING, loss=loss)):
@@ -462,6 +514,8 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
             builders["naive"] = naive_provider(loss)
         elif name == "liger" and liger_loss is not None:
             builders["liger"] = liger_provider(liger_loss)
+        elif name == "trl" and trl_divergence is not None:
+            builders["trl"] = trl_provider(trl_divergence)
         elif name == "floor":
             builders["floor"] = floor_provider
 
@@ -474,7 +528,8 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
             tensors = make_tensors(tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype, device)
             # checked as the timed calls run: the plan depends on whether gradients are on (the Gram path, the
             # teacher's sub-chunks, the JSD's side stream)
-            loss_errors = bench_size_errors(tensors, settings + fp8_settings, liger_loss, loss, "full" in modes)
+            loss_errors = bench_size_errors(tensors, settings + fp8_settings, liger_loss, loss, "full" in modes,
+                                            trl_divergence)
             ours_errors += [loss_errors[setting.label] for setting in settings]
             if "forward" in modes and "full" in modes:
                 forward_errors = bench_size_errors(tensors, settings, None, loss, False)
@@ -524,16 +579,18 @@ def progress_bar(total: int):
     return tqdm(total=total, desc="bench", unit="timing", file=sys.stderr)
 
 
-def bench_size_errors(tensors: Tensors, settings, liger_loss, loss: str = "cosine", with_grads: bool = True) -> dict:
+def bench_size_errors(tensors: Tensors, settings, liger_loss, loss: str = "cosine", with_grads: bool = True,
+                      trl_divergence=None) -> dict:
     """Each ours setting's relative error against the naive loss on fp32 copies, at this size: its loss's, and
     ``with_grads`` the largest of its loss's, grad_input's and grad_weight's, run with gradients on as the timed
-    full mode runs it; Liger's loss error beside them."""
+    full mode runs it; Liger's loss error beside them, and TRL's against the naive soft term."""
     def fp32_copy(tensor):
         return tensor.detach().float().requires_grad_(with_grads and tensor.requires_grad)
 
     student_input, student_weight, teacher_input, teacher_weight = map(fp32_copy, tensors.args()[:4])
     with torch.set_grad_enabled(with_grads):
-        naive_loss = NAIVE_LOSSES[loss](student_input, student_weight, teacher_input, teacher_weight, tensors.labels)[0]
+        naive_loss, naive_soft, _ = NAIVE_LOSSES[loss](student_input, student_weight, teacher_input, teacher_weight,
+                                                       tensors.labels)
         if with_grads:
             naive_loss.backward()
         errors = {}
@@ -550,6 +607,9 @@ def bench_size_errors(tensors: Tensors, settings, liger_loss, loss: str = "cosin
             with torch.no_grad():
                 liger_out = liger_loss(*tensors.args(), None, None)
             errors["liger"] = rel_err(liger_out[0] if isinstance(liger_out, tuple) else liger_out, naive_loss)
+        if trl_divergence is not None:
+            with torch.no_grad():
+                errors["trl"] = rel_err(trl_loss(trl_divergence, tensors), naive_soft)
     return errors
 
 
