@@ -248,41 +248,30 @@ def ours_loss(setting: OursSetting, tensors: Tensors) -> torch.Tensor:
 # Each provider is a function (tensors, mode) -> a no-argument callable that runs one step.
 
 
-def ours_provider(setting: OursSetting):
+def loss_provider(loss_of):
+    """The provider whose step computes ``loss_of(tensors)``, and its backward in mode "full"."""
     def build(tensors: Tensors, mode: str):
         def step():
-            loss = ours_loss(setting, tensors)
+            loss = loss_of(tensors)
             if mode == "full":
                 loss.backward()
 
         return step
 
     return build
+
+
+def ours_provider(setting: OursSetting):
+    return loss_provider(lambda tensors: ours_loss(setting, tensors))
 
 
 def naive_provider(loss_name: str):
-    def build(tensors: Tensors, mode: str):
-        def step():
-            loss = NAIVE_LOSSES[loss_name](*tensors.args())[0]
-            if mode == "full":
-                loss.backward()
-
-        return step
-
-    return build
+    return loss_provider(lambda tensors: NAIVE_LOSSES[loss_name](*tensors.args())[0])
 
 
-def liger_provider(liger_loss: torch.nn.Module):
-    def build(tensors: Tensors, mode: str):
-        def step():
-            out = liger_loss(*tensors.args(), None, None)
-            loss = out[0] if isinstance(out, tuple) else out
-            if mode == "full":
-                loss.backward()
-
-        return step
-
-    return build
+def liger_loss_of(liger_loss: torch.nn.Module, tensors: Tensors) -> torch.Tensor:
+    out = liger_loss(*tensors.args(), None, None)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def trl_loss(divergence, tensors: Tensors) -> torch.Tensor:
@@ -293,18 +282,6 @@ def trl_loss(divergence, tensors: Tensors) -> torch.Tensor:
     per_token, _entropy = divergence.apply(x_s, w_s, None, x_t, w_t, None, JSD_DEFAULTS["beta"],
                                            JSD_DEFAULTS["temperature"])
     return per_token.sum() / per_token.shape[0]
-
-
-def trl_provider(divergence):
-    def build(tensors: Tensors, mode: str):
-        def step():
-            loss = trl_loss(divergence, tensors)
-            if mode == "full":
-                loss.backward()
-
-        return step
-
-    return build
 
 
 def floor_provider(tensors: Tensors, mode: str):
@@ -513,9 +490,9 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
         elif name == "naive":
             builders["naive"] = naive_provider(loss)
         elif name == "liger" and liger_loss is not None:
-            builders["liger"] = liger_provider(liger_loss)
+            builders["liger"] = loss_provider(lambda tensors: liger_loss_of(liger_loss, tensors))
         elif name == "trl" and trl_divergence is not None:
-            builders["trl"] = trl_provider(trl_divergence)
+            builders["trl"] = loss_provider(lambda tensors: trl_loss(trl_divergence, tensors))
         elif name == "floor":
             builders["floor"] = floor_provider
 
@@ -605,8 +582,7 @@ def bench_size_errors(tensors: Tensors, settings, liger_loss, loss: str = "cosin
         tensors.clear_grads()
         if liger_loss is not None:
             with torch.no_grad():
-                liger_out = liger_loss(*tensors.args(), None, None)
-            errors["liger"] = rel_err(liger_out[0] if isinstance(liger_out, tuple) else liger_out, naive_loss)
+                errors["liger"] = rel_err(liger_loss_of(liger_loss, tensors), naive_loss)
         if trl_divergence is not None:
             with torch.no_grad():
                 errors["trl"] = rel_err(trl_loss(trl_divergence, tensors), naive_soft)
