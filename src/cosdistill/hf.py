@@ -549,7 +549,8 @@ def tensor_parallel_size(trainer) -> int:
 def check_tensor_parallel(trainer) -> None:
     """Raise for a student whose LM head is split for tensor parallelism over other ranks than the Trainer's
     tensor-parallel ones (a model split by hand, or a transformers without ``Trainer.get_tp_size``): the Trainer's
-    count of labels, and the loss's scale, would be off by their ratio."""
+    count of labels, and the loss's scale, would be off by their ratio. Raise too where processes beyond the
+    tensor-parallel ones share the work (data parallelism or FSDP beside it): not tested."""
     student = trainer.accelerator.unwrap_model(trainer.model)
     rows = tensor_parallel_rows(lm_head(student, "student").weight)
     if rows is None:
@@ -560,6 +561,10 @@ def check_tensor_parallel(trainer) -> None:
                          f"parallelism but the Trainer's tensor-parallel size is {tp_size}, so it would count the "
                          "step's labels wrongly: load the student with tp_plan='auto' (transformers >= 5), or call "
                          "cosdistill.hf.distill_loss in a training loop of your own")
+    if trainer.accelerator.num_processes != tp_size:
+        raise ValueError(f"{type(trainer).__name__}: tensor parallelism over {tp_size} of {trainer.accelerator.num_processes} "
+                         "processes (data parallelism or FSDP beside it) is not tested with the fused loss: run every "
+                         "process in the tensor-parallel group, or call cosdistill.hf.distill_loss in a loop of your own")
 
 
 def check_no_router_aux_loss(trainer) -> None:

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -111,9 +112,15 @@ def refusals(folder):
             model=split_by_hand, teacher_model=tiny_llama(VOCAB_STUDENT, 1), args=gkd_config(os.path.join(folder, "out")),
             train_dataset=chat_dataset(), processing_class=chat_tokenizer()),
     }
+    from cosdistill.hf import check_tensor_parallel
     from cosdistill.trl import DistillationTrainer as TRLDistillationTrainer
     from test_trl_distillation import config, prompts, tokenizer
 
+    # the Trainers' check, as it finds a run of four processes whose tensor-parallel groups hold two
+    beside_data_parallelism = types.SimpleNamespace(
+        model=student, get_tp_size=lambda: WORLD,
+        accelerator=types.SimpleNamespace(num_processes=2 * WORLD, unwrap_model=lambda model: model))
+    attempts["tensor parallelism beside data parallelism"] = lambda: check_tensor_parallel(beside_data_parallelism)
     attempts["TRL's DistillationTrainer"] = lambda: TRLDistillationTrainer(
         model=student, teacher_model=tiny_llama(VOCAB_STUDENT, 1), args=config(os.path.join(folder, "out")),
         train_dataset=prompts(), processing_class=tokenizer())
@@ -194,6 +201,7 @@ def test_split_heads_give_the_whole_models_loss_and_gradients(results, case, los
                             r"the Trainer's tensor-parallel size is 1"),
     ("DistillationGKDTrainer", r"DistillationGKDTrainer: the student's LM head is split over 2 ranks .* size is 1"),
     ("TRL's DistillationTrainer", r"DistillationTrainer does not support a student whose LM head is split for tensor"),
+    ("tensor parallelism beside data parallelism", r"tensor parallelism over 2 of 4 processes \(data parallelism or FSDP"),
 ])
 def test_refused_splits_raise(results, case, message):
     if case not in results["errors"]:
