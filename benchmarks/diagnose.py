@@ -556,8 +556,8 @@ def host_path(tensors, options, device, calls, profiler=None, until_first_gemm=F
 
     patches = [mock.patch.object(cosdistill.api, attribute, stamped(name, getattr(cosdistill.api, attribute)))
                for name, attribute in HOST_MARKS]
-    patches.append(mock.patch.object(testing.chunk_loop, "_logits_into",
-                                     stamped("first GEMM", testing.chunk_loop._logits_into)))
+    patches.append(mock.patch.object(testing.chunk_loop, "logits_into",
+                                     stamped("first GEMM", testing.chunk_loop.logits_into)))
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)

@@ -1,4 +1,4 @@
-"""torch.compile: the loss runs as the custom op cosdistill::fused_linear_cosine_distill (_compile.py),
+"""torch.compile: the loss runs as the custom op cosdistill::fused_linear_distill (_compile.py),
 with no graph break under fullgraph=True and the numbers of eager."""
 
 import shutil
@@ -15,7 +15,7 @@ from cosdistill.testing import (
     REAL_OPTIONS,
     Options,
     compiled_distill,
-    fused_linear_cosine_distill_op,
+    fused_linear_distill_op,
     plan,
     real_options_tensor,
 )
@@ -59,7 +59,7 @@ def test_opcheck(dtype, bias, needs_grad, overrides):
                for t, need in zip((problem.student_input, problem.student_weight, problem.student_bias), needs_grad)]
     args = (student[0], student[1], student[2], problem.teacher_input, problem.teacher_weight, problem.teacher_bias,
             problem.labels, None)
-    torch.library.opcheck(fused_linear_cosine_distill_op, args, op_kwargs(needs_grad, **overrides))
+    torch.library.opcheck(fused_linear_distill_op, args, op_kwargs(needs_grad, **overrides))
 
 
 @pytest.mark.parametrize("needs_grad", [(True, True, False), (False, False, False)])
@@ -68,7 +68,7 @@ def test_op_tells_chunk_rows_whether_gradients_are_wanted(needs_grad, monkeypatc
     problem = make_problem(tokens=12, bias=False)
     args = (problem.student_input.detach(), problem.student_weight.detach(), None, problem.teacher_input,
             problem.teacher_weight, None, problem.labels, None)
-    fused_linear_cosine_distill_op(*args, **op_kwargs(needs_grad))
+    fused_linear_distill_op(*args, **op_kwargs(needs_grad))
     assert seen == [any(needs_grad)]
 
 
@@ -76,11 +76,11 @@ def test_opcheck_num_valid_tokens_tensor_and_no_tokens():
     problem = make_problem(tokens=12, bias=False)
     args = (problem.student_input.detach().requires_grad_(), problem.student_weight.detach().requires_grad_(), None,
             problem.teacher_input, problem.teacher_weight, None, problem.labels, torch.tensor(30))
-    torch.library.opcheck(fused_linear_cosine_distill_op, args, op_kwargs((True, True, False)))
+    torch.library.opcheck(fused_linear_distill_op, args, op_kwargs((True, True, False)))
     empty = make_problem(tokens=0, bias=False)
     args = (empty.student_input.detach().requires_grad_(), empty.student_weight.detach().requires_grad_(), None,
             empty.teacher_input, empty.teacher_weight, None, empty.labels, None)
-    torch.library.opcheck(fused_linear_cosine_distill_op, args, op_kwargs((True, True, False)))
+    torch.library.opcheck(fused_linear_distill_op, args, op_kwargs((True, True, False)))
 
 
 class TinyStudent(torch.nn.Module):
@@ -301,7 +301,7 @@ def test_no_graph_break():
     explanation = torch._dynamo.explain(TinyStudent.__call__)(student, *data, chunk_size=8)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
     ops = [node.target for graph in explanation.graphs for node in graph.graph.nodes if node.op == "call_function"]
-    assert torch.ops.cosdistill.fused_linear_cosine_distill.default in ops
+    assert torch.ops.cosdistill.fused_linear_distill.default in ops
 
 
 def _backward_traceable():

@@ -210,7 +210,7 @@ def test_errors():
     with pytest.raises(ValueError, match="teacher vocab must be >= student vocab"):
         cosine_distill_loss(student, tiny_model("llama", vocab=100), **batch)
     teacher.config.logits_scaling = 4.0
-    with pytest.raises(ValueError, match="teacher.config.logits_scaling"):
+    with pytest.raises(ValueError, match="the teacher's config.logits_scaling"):
         cosine_distill_loss(student, teacher, **batch)
     student.set_output_embeddings(torch.nn.Identity())
     with pytest.raises(TypeError, match=r"student.get_output_embeddings\(\) must be a torch.nn.Linear"):

@@ -15,8 +15,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ._device import HostCopy, addmm_into, leading_rows
-from ._device import logits_into as _logits_into
+from ._device import HostCopy, addmm_into, leading_rows, logits_into
 
 
 class Normaliser(Protocol):
@@ -139,8 +138,8 @@ class Gradients:
         """When this GEMM makes the whole of grad_weight, grad_output goes onto its hidden rows on the
         device. Otherwise (earlier chunks' sum in it; or fp16 rows, which a loss scale could overflow)
         it goes onto the GEMM's alpha and beta, read on the host (``host_grad_output``): a pass over
-        grad_weight instead (when grad_output != 1, e.g. 1 / gradient accumulation steps) would cost
-        ~0.25 ms, the wait only what the GPU has not queued behind it."""
+        grad_weight instead (when grad_output != 1, e.g. 1 / gradient accumulation steps) would cost a
+        read and write of all of it, the wait only what the GPU has not queued behind it."""
         hidden, alpha, beta = self.last_hidden, self.inv_normaliser, 1.0 if self.accumulate_last else 0.0
         if host_grad_output is not None:
             scale = float(host_grad_output.get())
@@ -241,7 +240,7 @@ def start_student_logits(student_input, student_weight, student_bias, rows: Chun
     student_logits = torch.empty(rows.student, student_weight.shape[0], dtype=student_weight.dtype,
                                  device=student_input.device)
     first_rows = min(rows.student, student_input.shape[0])
-    _logits_into(leading_rows(student_logits, first_rows), leading_rows(student_input, first_rows), student_weight,
+    logits_into(leading_rows(student_logits, first_rows), leading_rows(student_input, first_rows), student_weight,
                  student_bias)
     return student_logits
 
@@ -305,7 +304,7 @@ def chunked_loss_and_grads(
         hidden, teacher_hidden = student_input[start:stop], teacher_input[start:stop]
         grad_logits = student_logits[: stop - start]  # the chunk's logits, d loss / d logits after the row step
         if start:  # the first chunk's is queued above
-            _logits_into(grad_logits, hidden, student_weight, student_bias)
+            logits_into(grad_logits, hidden, student_weight, student_bias)
         teacher.row_step(grad_logits, hidden, teacher_hidden, labels[start:stop], token_losses[start:stop], write_grad,
                          None if unlift is None else unlift.lifts[: stop - start])
         if write_grad and inv_normaliser is None:

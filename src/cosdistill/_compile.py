@@ -6,8 +6,8 @@ reads grad_output on the host to fold it into the last grad_weight GEMM. Each wo
 
 So while compiling, ``api.distill`` hands over to ``compiled_distill`` here. It runs
 the checks that need no host read at trace time (the same rules and messages as eager), flattens 3-D
-inputs and calls ``cosdistill::fused_linear_cosine_distill``, an opaque op for both losses (its ``loss``
-option picks the cosine term or the generalized JSD; the name is the first loss's): the compiler sees only its
+inputs and calls ``cosdistill::fused_linear_distill``, an opaque op for both losses (its ``loss``
+option picks the cosine term or the generalized JSD): the compiler sees only its
 fake (meta) implementation, and at run time the real one runs eagerly as one call into the same chunk
 loop as eager. The op returns the loss, soft, hard and the student gradients for grad_output = 1,
 computed in the same single pass; its registered backward only multiplies them by grad_output.
@@ -53,8 +53,8 @@ def _grad_input_dtype(input_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if input_dtype == torch.float16 else input_dtype
 
 
-@torch.library.custom_op("cosdistill::fused_linear_cosine_distill", mutates_args=(), tags=_TAGS)
-def fused_linear_cosine_distill_op(
+@torch.library.custom_op("cosdistill::fused_linear_distill", mutates_args=(), tags=_TAGS)
+def fused_linear_distill_op(
     student_input: Tensor,  # [T, Hs]
     student_weight: Tensor,
     student_bias: Tensor | None,
@@ -106,7 +106,7 @@ def fused_linear_cosine_distill_op(
     return result.loss, result.soft_loss, result.hard_loss, *grads
 
 
-@fused_linear_cosine_distill_op.register_fake
+@fused_linear_distill_op.register_fake
 def _(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
       num_valid_tokens, real_options, teacher_scales=None, num_valid_count=None, *, accum_dtype, needs_grad, **options):
     scalars = [student_input.new_empty((), dtype=torch.float32) for _ in range(3)]
@@ -137,7 +137,7 @@ def _backward(ctx, grad_loss, _grad_soft, _grad_hard, *_grad_grads):
     return (*grads, None, None, None, None, None, None, None, None)
 
 
-fused_linear_cosine_distill_op.register_autograd(_backward, setup_context=_setup_context)
+fused_linear_distill_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _op_options(options: Options) -> dict:
@@ -180,7 +180,7 @@ def compiled_distill(options: Options, student_input, student_weight, teacher_in
     given_tensor = torch.is_tensor(num_valid_tokens)
     count = None if given_tensor or num_valid_tokens is None else _cpu_float64(num_valid_tokens)
     quantized = isinstance(teacher_weight, Fp8TeacherWeight)
-    loss, soft, hard, *_ = fused_linear_cosine_distill_op(
+    loss, soft, hard, *_ = fused_linear_distill_op(
         student_input.reshape(-1, student_input.shape[-1]),
         student_weight,
         student_bias,

@@ -130,6 +130,9 @@ class Options:
         )
 
 
+OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(Options))
+
+
 def _is_integer(value) -> bool:
     try:
         operator.index(value)  # ints, NumPy's and one-element integer tensors; not floats

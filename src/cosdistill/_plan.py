@@ -1,6 +1,7 @@
 """The plan of one call, made from its checked options (_options.py): which backend (_backends.py), which teacher
-side (its bf16 logits, its FP8 logits or the Gram matrices), how many rows per chunk, the normaliser. The eager
-function and module (api.py) and the torch.compile op (_compile.py) all build the plan here and run it with ``run``.
+side (its bf16 logits, its FP8 logits or the Gram matrices), how many rows per chunk (``chunk_rows``). The eager
+function and module (api.py) and the torch.compile op (_compile.py) all build the plan here and run it with ``run``,
+which makes the call's normaliser (_labels.py) and runs the chunk loop.
 """
 
 import dataclasses
@@ -16,6 +17,52 @@ from ._options import Options, check_accum_dtype, check_tensors, default_accum_d
 from ._row_step import RowStepConstants, RowStepImpl
 from ._split_check import VocabParallel
 from ._teacher_logits import LogitsTeacher, SideStream, TeacherHead
+
+# At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole grad_weight, and with
+# fewer rows that traffic shows. More rows while the two logits buffers stay small (small vocabularies), and
+# fewer than 1024 only past a hard budget (docs/design.md, Chunking and buffers). The seed vocabulary's chunks
+# are set by the rules below, not by this one.
+MIN_PREFERRED_ROWS = 1024
+SMALL_BUFFER_BYTES = 512 * 2**20  # grow the chunk up to this...
+MAX_BUFFER_BYTES = 5 * 2**28  # ...and shrink it below MIN_PREFERRED_ROWS only past this (1.25 GiB)
+CHUNK_MULTIPLE = 64
+# The student's chunk (its logits GEMM and the two gradient GEMMs) this long where the hard budget
+# allows, the teacher's logits computed in sub-chunks: the gradient GEMMs cost less per token at 2048
+# rows (the grad_weight traffic per chunk halves), for a larger student buffer only. The
+# teacher's sub-chunks shrink to MIN_TEACHER_ROWS first to make room (docs/design.md, Chunking and buffers).
+MIN_STUDENT_ROWS = 2048
+MIN_TEACHER_ROWS = 512
+
+
+def _budget_rows(row_bytes: int) -> int:
+    rows = max(MIN_PREFERRED_ROWS, SMALL_BUFFER_BYTES // row_bytes)
+    return min(rows, max(CHUNK_MULTIPLE, MAX_BUFFER_BYTES // row_bytes)) // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+
+
+@functools.lru_cache(maxsize=256)  # a pure function of its arguments, called at every call
+def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, vocab_teacher: int,
+               itemsize: int, write_grad: bool = True) -> ChunkRows:
+    """Rows per chunk: ``chunk_size`` for both heads if given, else from T, the vocabularies and the
+    budgets above (docs/design.md, Chunking and buffers). Without gradients (no grad_weight buffer) the teacher's
+    sub-chunks grow to the student's chunk where both buffers fit the hard budget: fewer teacher
+    GEMMs, each reading the whole teacher weight."""
+    if chunk_size is not None:
+        rows = max(1, min(chunk_size, num_tokens))
+        return ChunkRows(rows, rows)
+    student_row, teacher_row = max(1, vocab_student * itemsize), max(1, vocab_teacher * itemsize)
+    teacher = _budget_rows(student_row + teacher_row)
+    student = max(teacher, MIN_STUDENT_ROWS)
+    room = (MAX_BUFFER_BYTES - student * student_row) // teacher_row // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+    if room >= MIN_TEACHER_ROWS:  # the long student chunk fits, with teacher sub-chunks of at most `room` rows
+        teacher = min(teacher, room)
+    else:  # student rows within what the teacher's buffer leaves of the hard budget
+        student_cap = (MAX_BUFFER_BYTES - teacher * teacher_row) // student_row
+        student = max(teacher, min(MIN_STUDENT_ROWS, student_cap) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+    student = max(1, min(student, num_tokens))
+    if not write_grad and student * (student_row + teacher_row) <= MAX_BUFFER_BYTES:
+        teacher = student
+    return ChunkRows(student, min(teacher, student))
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,50 +319,3 @@ def _gram_blockers(options: Options, student_weight, student_bias, teacher_weigh
     # The dtypes' name is formatted only when it is needed: this runs at every call.
     return [name or f"{student_weight.dtype} and {teacher_weight.dtype} weights (bf16 or fp32, both alike)"
             for name in named]
-
-
-
-# At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole grad_weight, and with
-# fewer rows that traffic shows. More rows while the two logits buffers stay small (small vocabularies), and
-# fewer than 1024 only past a hard budget (docs/design.md, Chunking and buffers). The seed vocabulary's chunks
-# are set by the rules below, not by this one.
-MIN_PREFERRED_ROWS = 1024
-SMALL_BUFFER_BYTES = 512 * 2**20  # grow the chunk up to this...
-MAX_BUFFER_BYTES = 5 * 2**28  # ...and shrink it below MIN_PREFERRED_ROWS only past this (1.25 GiB)
-CHUNK_MULTIPLE = 64
-# The student's chunk (its logits GEMM and the two gradient GEMMs) this long where the hard budget
-# allows, the teacher's logits computed in sub-chunks: the gradient GEMMs cost less per token at 2048
-# rows (the grad_weight traffic per chunk halves), for a larger student buffer only. The
-# teacher's sub-chunks shrink to MIN_TEACHER_ROWS first to make room (docs/design.md, Chunking and buffers).
-MIN_STUDENT_ROWS = 2048
-MIN_TEACHER_ROWS = 512
-
-
-def _budget_rows(row_bytes: int) -> int:
-    rows = max(MIN_PREFERRED_ROWS, SMALL_BUFFER_BYTES // row_bytes)
-    return min(rows, max(CHUNK_MULTIPLE, MAX_BUFFER_BYTES // row_bytes)) // CHUNK_MULTIPLE * CHUNK_MULTIPLE
-
-
-@functools.lru_cache(maxsize=256)  # a pure function of its arguments, called every step: ~10 us of host time
-def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, vocab_teacher: int,
-               itemsize: int, write_grad: bool = True) -> ChunkRows:
-    """Rows per chunk: ``chunk_size`` for both heads if given, else from T, the vocabularies and the
-    budgets above (docs/design.md, Chunking and buffers). Without gradients (no grad_weight buffer) the teacher's
-    sub-chunks grow to the student's chunk where both buffers fit the hard budget: fewer teacher
-    GEMMs, each reading the whole teacher weight."""
-    if chunk_size is not None:
-        rows = max(1, min(chunk_size, num_tokens))
-        return ChunkRows(rows, rows)
-    student_row, teacher_row = max(1, vocab_student * itemsize), max(1, vocab_teacher * itemsize)
-    teacher = _budget_rows(student_row + teacher_row)
-    student = max(teacher, MIN_STUDENT_ROWS)
-    room = (MAX_BUFFER_BYTES - student * student_row) // teacher_row // CHUNK_MULTIPLE * CHUNK_MULTIPLE
-    if room >= MIN_TEACHER_ROWS:  # the long student chunk fits, with teacher sub-chunks of at most `room` rows
-        teacher = min(teacher, room)
-    else:  # student rows within what the teacher's buffer leaves of the hard budget
-        student_cap = (MAX_BUFFER_BYTES - teacher * teacher_row) // student_row
-        student = max(teacher, min(MIN_STUDENT_ROWS, student_cap) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
-    student = max(1, min(student, num_tokens))
-    if not write_grad and student * (student_row + teacher_row) <= MAX_BUFFER_BYTES:
-        teacher = student
-    return ChunkRows(student, min(teacher, student))

@@ -77,8 +77,8 @@ def _build_teacher_gram(teacher_weight: torch.Tensor) -> tuple[tuple[torch.Tenso
 teacher_grams = WeightCache("Gram matrix W_t^T W_t", _build_teacher_gram)
 
 
-# The Gram path must cost at most this share of the teacher GEMM's FLOPs: near parity it ran faster in one H200
-# run and slower in another (docs/design.md, The Gram path).
+# The Gram path must cost at most this share of the teacher GEMM's FLOPs: near parity its gain is within the
+# runs' spread (docs/design.md, The Gram path).
 GRAM_MARGIN = 0.9
 
 

@@ -2,18 +2,15 @@
 gradients to autograd. Both check their options into one ``_options.Options`` and run the plan of
 ``_plan.checked_plan``; under torch.compile the call goes to the custom op of _compile.py."""
 
-import dataclasses
 import inspect
 
 import torch
 
 from ._chunk_loop import check_not_creating_graph
 from ._device import as_rows, on_device_of
-from ._options import Options, options_of
+from ._options import OPTION_NAMES, Options, options_of
 from ._plan import checked_plan, run
 from ._split_check import check_vocab_parallel, gather_device
-
-_OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(Options))
 
 
 def fused_linear_cosine_distill(
@@ -132,7 +129,7 @@ def distill(options: Options, student_input, student_weight, teacher_input, teac
                         student_bias, teacher_bias, num_valid_tokens, vocab_parallel)
     labels = true_labels if true_labels.dim() == 1 and true_labels.is_contiguous() else true_labels.reshape(-1).contiguous()
     flat_input = as_rows(student_input)
-    # The loop computes the gradients itself. set_grad_enabled: half no_grad's host time, before the first GEMM.
+    # The loop computes the gradients itself (set_grad_enabled costs less host time than no_grad before the first GEMM).
     with on_device_of(student_input), torch.set_grad_enabled(False):
         result = run(plan, flat_input, student_weight, student_bias, as_rows(teacher_input), teacher_weight,
                      teacher_bias, labels, num_valid_tokens)
@@ -185,7 +182,7 @@ def _option_attribute(name: str) -> property:
 def _options_as_attributes(module_class):
     """Each option its constructor takes becomes an attribute (_option_attribute)."""
     for name in inspect.signature(module_class.__init__).parameters:
-        if name in _OPTION_NAMES:
+        if name in OPTION_NAMES:
             setattr(module_class, name, _option_attribute(name))
     return module_class
 

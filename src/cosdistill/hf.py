@@ -7,7 +7,6 @@ either model; ``DistillationTrainer`` is a ``transformers.Trainer`` that trains 
 """
 
 import contextlib
-import dataclasses
 import inspect
 import weakref
 
@@ -19,7 +18,7 @@ try:
 except ImportError as error:
     raise ImportError("cosdistill.hf needs transformers: pip install 'cosdistill[hf]'") from error
 
-from ._options import Options, options_of
+from ._options import OPTION_NAMES, options_of
 from .api import FUSED_LOSSES
 
 __all__ = ["CosineDistillationTrainer", "DistillationMixin", "DistillationTrainer", "cosine_distill_loss", "distill_loss",
@@ -297,12 +296,8 @@ def head_inputs(model, hidden, name="model"):
     model's own LM head would be. A tensor-parallel head gives this rank's rows of its weight and bias
     (``tensor_parallel_rows``).
     """
+    check_head_config(model, name)
     config, head = model.config.get_text_config(), lm_head(model, name)
-    if getattr(config, "logits_scaling", None) not in (None, 1):
-        raise ValueError(
-            f"{name}.config.logits_scaling={config.logits_scaling} is not supported: model families apply it "
-            "differently (Granite divides the logits by it, HyperCLOVA X multiplies, MiniCPM3 divides the hidden states)"
-        )
     device_type = hidden.device.type
     autocast = torch.is_autocast_enabled(device_type)
     dtype = torch.get_autocast_dtype(device_type) if autocast else head.weight.dtype
@@ -312,6 +307,16 @@ def head_inputs(model, hidden, name="model"):
     weight, bias = local_of(weight), None if bias is None else local_of(bias)
     scale = getattr(config, "logit_scale", None)
     return hidden, weight, bias, getattr(config, "final_logit_softcapping", None), 1.0 if scale is None else scale
+
+
+def check_head_config(model, name="model") -> None:
+    """Raise for a config field that changes the model's logits in a way the fused loss does not follow."""
+    config = model.config.get_text_config()
+    if getattr(config, "logits_scaling", None) not in (None, 1):
+        raise ValueError(
+            f"the {name}'s config.logits_scaling={config.logits_scaling} is not supported: model families apply it "
+            "differently (Granite divides the logits by it, HyperCLOVA X multiplies, MiniCPM3 divides the hidden states)"
+        )
 
 
 HEAD_CHECK_TOKENS = 8  # the probe's length: enough positions to compare, too few to cost anything
@@ -486,14 +491,13 @@ def check_loss_options(loss: str, loss_options: dict) -> None:
                         "(their LM heads and configs) and the batch")
 
 
-_OPTION_FIELDS = frozenset(field.name for field in dataclasses.fields(Options))
 
 
 def check_loss_values(loss: str, loss_options: dict, **values) -> None:
     """Raises, when a Trainer is made, for a bad value among its loss options and ``values`` (weights, beta,
     temperature), which its first step would raise (distill_loss's own call checks them once per call)."""
     check_loss_options(loss, loss_options)
-    options_of(loss=loss, **{name: value for name, value in {**loss_options, **values}.items() if name in _OPTION_FIELDS})
+    options_of(loss=loss, **{name: value for name, value in {**loss_options, **values}.items() if name in OPTION_NAMES})
 
 
 # Trainer options that change the loss in ways this loss does not follow: each raises at construction.
@@ -546,25 +550,34 @@ def tensor_parallel_size(trainer) -> int:
     return trainer.get_tp_size() if hasattr(trainer, "get_tp_size") else 1
 
 
-def check_tensor_parallel(trainer) -> None:
-    """Raise for a student whose LM head is split for tensor parallelism over other ranks than the Trainer's
-    tensor-parallel ones (a model split by hand, or a transformers without ``Trainer.get_tp_size``): the Trainer's
-    count of labels, and the loss's scale, would be off by their ratio. Raise too where processes beyond the
-    tensor-parallel ones share the work (data parallelism or FSDP beside it): not tested."""
-    student = trainer.accelerator.unwrap_model(trainer.model)
-    rows = tensor_parallel_rows(lm_head(student, "student").weight)
+def check_tensor_parallel(trainer, teacher) -> None:
+    """Raise, at construction, for the tensor-parallel heads the Trainers' loss is not right or not tested with: a
+    student split over other ranks than the Trainer's tensor-parallel ones (a model split by hand, or a transformers
+    without ``Trainer.get_tp_size``: the count of labels would be off by their ratio), or without
+    ``average_tokens_across_devices`` (transformers divides the count by the tensor-parallel size even then); more
+    processes than the tensor-parallel ones (data parallelism or FSDP beside them: not tested); a split teacher
+    beside a whole student (the ranks hold other batches: its collectives would not match)."""
+    name = type(trainer).__name__
+    rows = tensor_parallel_rows(lm_head(trainer.accelerator.unwrap_model(trainer.model), "student").weight)
     if rows is None:
+        if tensor_parallel_rows(lm_head(teacher, "teacher").weight) is not None:
+            raise ValueError(f"{name}: the teacher's LM head is split over ranks (tensor parallel) and the student's "
+                             "is not: split both the same way (tp_plan='auto'), or load the teacher whole on every rank")
         return
     split, tp_size = torch.distributed.get_world_size(rows[2]), tensor_parallel_size(trainer)
     if split != tp_size:
-        raise ValueError(f"{type(trainer).__name__}: the student's LM head is split over {split} ranks for tensor "
-                         f"parallelism but the Trainer's tensor-parallel size is {tp_size}, so it would count the "
-                         "step's labels wrongly: load the student with tp_plan='auto' (transformers >= 5), or call "
+        raise ValueError(f"{name}: the student's LM head is split over {split} ranks for tensor parallelism but the "
+                         f"Trainer's tensor-parallel size is {tp_size}, so it would count the step's labels wrongly: "
+                         "load the student with tp_plan='auto' (transformers >= 5), or call "
                          "cosdistill.hf.distill_loss in a training loop of your own")
+    if not getattr(trainer.args, "average_tokens_across_devices", False):
+        raise ValueError(f"{name}: a tensor-parallel student needs average_tokens_across_devices=True: without it "
+                         f"transformers still divides the step's count of labels by the tensor-parallel size "
+                         f"({tp_size}), and the loss would be that many times too large")
     if trainer.accelerator.num_processes != tp_size:
-        raise ValueError(f"{type(trainer).__name__}: tensor parallelism over {tp_size} of {trainer.accelerator.num_processes} "
-                         "processes (data parallelism or FSDP beside it) is not tested with the fused loss: run every "
-                         "process in the tensor-parallel group, or call cosdistill.hf.distill_loss in a loop of your own")
+        raise ValueError(f"{name}: tensor parallelism over {tp_size} of {trainer.accelerator.num_processes} processes "
+                         "(data parallelism or FSDP beside it) is not tested with the fused loss: run every process "
+                         "in the tensor-parallel group, or call cosdistill.hf.distill_loss in a loop of your own")
 
 
 def check_no_router_aux_loss(trainer) -> None:
@@ -621,7 +634,7 @@ class DistillationMixin:
                              "(num_items_in_batch), so the loss must ignore -100; set such labels to -100 instead")
         super().__init__(*args, **kwargs)
         check_sharding(self)
-        check_tensor_parallel(self)
+        check_tensor_parallel(self, teacher_model)
         check_no_router_aux_loss(self)
         check_unsupported_args(self, self.unsupported_args)
         # Before any call of a model accelerate may compile (torch_compile, or its dynamo plugin from the environment).

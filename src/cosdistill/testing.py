@@ -117,10 +117,10 @@ _KERNEL_NAMES = {  # name -> the kernels module that defines it
     "TRITON_ROW_STEP": "row_step_triton", "row_step_triton": "row_step_triton", "row_stats_triton": "row_step_triton",
     "row_grad_triton": "row_step_triton", "count_labels_triton": "labels", "mean_losses_triton": "labels",
     "scale_unless_one_triton": "grad_output", "quantize_rows_triton": "fp8_quantize",
-    "fingerprint_triton": "fingerprint", "stale_check_triton": "fingerprint", "TRITON_JSD_ROW_STEP": "row_step_jsd_triton",
+    "fingerprint_triton": "fingerprint", "stale_check_triton": "fingerprint",
     "row_step_jsd_triton": "row_step_jsd_triton",
 }
-_COMPILE_NAMES = ("compiled_distill", "fused_linear_cosine_distill_op", "real_options_tensor")
+_COMPILE_NAMES = ("compiled_distill", "fused_linear_distill_op", "real_options_tensor")
 
 
 def _kernels():

@@ -19,9 +19,9 @@ never building either model's logits. The change from a ``GKDTrainer`` script is
 ``DistillationTrainer`` is TRL's ``DistillationTrainer`` (on-policy distillation, GKD's successor in TRL's stable
 API) whose generalized JSD is likewise ``fused_linear_jsd``'s; the change is the import.
 
-Both are defined on first use (``from cosdistill.trl import DistillationGKDTrainer``): TRL keeps GKD in
-``trl.experimental``, whose import warns, its DistillationTrainer's module imports part of it, and SFT users need
-not load either.
+DistillationGKDTrainer and DistillationTrainer are defined on first use (``from cosdistill.trl import
+DistillationGKDTrainer``): TRL keeps GKD in ``trl.experimental``, whose import warns, its DistillationTrainer's
+module imports part of it, and SFT users need not load either.
 """
 
 import inspect
@@ -37,6 +37,7 @@ except ImportError as error:
 from .hf import (
     UNSUPPORTED_ARGS,
     DistillationMixin,
+    check_head_config,
     check_loss_options,
     check_loss_values,
     check_sharding,
@@ -97,13 +98,6 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
 CosineDistillationSFTTrainer = DistillationSFTTrainer  # its name from before loss="jsd"
 
 
-# Model config fields that change a model's logits in ways the fused loss does not follow, with the value that
-# changes nothing: GKDTrainer reads them through the models' own logits, so each raises here. (Gemma-2's
-# final_logit_softcapping and Cohere's logit_scale are applied, as cosdistill.hf.head_inputs reads them.)
-UNSUPPORTED_HEAD_CONFIG = {
-    "logits_scaling": (None, 1, 1.0),  # Granite, HyperCLOVA X, MiniCPM3: applied differently per family
-}
-
 # GKDConfig's SFT loss fields, with the value that changes nothing: GKDTrainer's loss ignores them too, but a set
 # one says the user expects an effect, so each raises here as it does for DistillationSFTTrainer.
 UNSUPPORTED_GKD_CONFIG = {
@@ -118,18 +112,13 @@ UNSUPPORTED_GKD_ARGUMENTS = {
 }
 
 
-def check_gkd_heads(trainer, student, teacher) -> None:
-    """Raise unless both models' logits are what the fused JSD computes: their LM head's linear output (``lm_head``:
-    a torch.nn.Linear, no adapter on it), scaled and softcapped as their configs say."""
-    name = type(trainer).__name__
+def check_heads(student, teacher) -> None:
+    """Raise, at construction, unless both models' logits are what the fused JSD computes: their LM head's linear
+    output (``lm_head``: a torch.nn.Linear, no adapter on it), scaled and softcapped as their configs say (Gemma-2's
+    final_logit_softcapping and Cohere's logit_scale; ``check_head_config``)."""
     for role, model in (("student", student), ("teacher", teacher)):
         lm_head(model, role)
-        config = model.config.get_text_config()
-        for field, neutral in UNSUPPORTED_HEAD_CONFIG.items():
-            value = getattr(config, field, None)
-            if not any(value is v or value == v for v in neutral):
-                raise ValueError(f"{name} does not support the {role}'s config.{field}={value!r}: model families "
-                                 "apply it differently; use trl's GKDTrainer for this model")
+        check_head_config(model, role)
 
 
 def check_jsd_alone_options(config_name, loss_options) -> None:
@@ -141,11 +130,6 @@ def check_jsd_alone_options(config_name, loss_options) -> None:
         raise ValueError(f"loss_options cannot set {sorted(reserved)}: {config_name} sets beta, and the loss is the "
                          "generalized JSD alone")
     check_loss_options("jsd", loss_options)
-
-
-# The batch fields TRL's DistillationTrainer hands both models' forward beside the tokens (vision-language models).
-MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
-                     "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
 def _define_distillation_trainer():
@@ -164,28 +148,38 @@ def _define_distillation_trainer():
         processes (in training), else by this batch's. Only the completion tokens' rows reach the LM heads.
 
         Differences: the student's ``entropy`` is not logged (TRL's kernel computes it beside the divergence; the fused
-        loss does not). DeepSpeed ZeRO-3, FSDP1 and torch.nn.DataParallel raise at construction (``check_sharding``),
-        as do tensor-parallel students and, at the first step, models whose logits the fused loss does not reproduce
-        (``check_head_reproduces_logits``: a logit multiplier other than Cohere's ``logit_scale``). ``loss_options``
+        loss does not). DeepSpeed ZeRO-3, FSDP (not tested with this trainer) and torch.nn.DataParallel raise at
+        construction, as do tensor-parallel heads, a missing ``teacher_model`` (a teacher served elsewhere: the
+        fused loss reads its head) and ``logits_scaling`` in a config; at the first step, models whose logits the
+        fused loss does not reproduce (``check_head_reproduces_logits``). ``loss_options``
         (chunk_size, impl, accum_dtype, teacher_precision) go to ``fused_linear_jsd``.
         """
 
         def __init__(self, *args, loss_options=None, **kwargs):
             check_jsd_alone_options("DistillationConfig", loss_options or {})
-            self._refuse_a_split(kwargs.get("model", args[0] if args else None))  # before accelerate prepares it
+            bound = inspect.signature(TRLDistillationTrainer.__init__).bind(self, *args, **kwargs).arguments
+            self._refuse_split_heads(bound.get("model"), bound.get("teacher_model"))  # before accelerate prepares them
             super().__init__(*args, **kwargs)
-            self._refuse_a_split(self.accelerator.unwrap_model(self.model))  # one loaded here from its name
+            name = type(self).__name__
+            if self.teacher_model is None:
+                raise ValueError(f"{name} needs a teacher_model: the fused loss reads the teacher's LM head")
+            student, teacher = (self.accelerator.unwrap_model(model) for model in (self.model, self.teacher_model))
+            self._refuse_split_heads(student, teacher)  # models loaded here from their names
             check_loss_values("jsd", loss_options or {}, beta=self.beta, weight_hard_loss=0.0, weight_soft_loss=1.0,
                               temperature=self.temperature)
             check_sharding(self)
-            check_gkd_heads(self, self.accelerator.unwrap_model(self.model),
-                            self.accelerator.unwrap_model(self.teacher_model))
+            if getattr(self, "is_fsdp_enabled", False):
+                raise ValueError(f"{name} under FSDP is not tested: use DDP, or TRL's DistillationTrainer")
+            check_heads(student, teacher)
             self.loss_options = dict(loss_options or {})
+            # the batch fields TRL's _get_last_hidden_state hands the models beside the tokens (vision-language models)
+            self.model_input_names = tuple(inspect.signature(self._get_last_hidden_state).parameters)[4:]
 
-        def _refuse_a_split(self, student):
-            if isinstance(student, torch.nn.Module) and tensor_parallel_rows(lm_head(student, "student").weight) is not None:
-                raise ValueError(f"{type(self).__name__} does not support a student whose LM head is split for tensor "
-                                 "parallelism: TRL's DistillationTrainer gathers it whole, which is not tested here")
+        def _refuse_split_heads(self, *models):
+            for role, model in zip(("student", "teacher"), models):
+                if isinstance(model, torch.nn.Module) and tensor_parallel_rows(lm_head(model, role).weight) is not None:
+                    raise ValueError(f"{type(self).__name__} does not support a {role} whose LM head is split for "
+                                     "tensor parallelism: not tested with TRL's DistillationTrainer")
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             # TRL's: the generated completions' count (not the dataset's), over the processes, whose gradients DDP
@@ -201,7 +195,7 @@ def _define_distillation_trainer():
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
             completion_length = inputs["completion_ids"].shape[1]
-            model_inputs = {key: inputs[key] for key in MULTIMODAL_INPUTS if key in inputs}
+            model_inputs = {key: inputs[key] for key in self.model_input_names if key in inputs}
             # TRL's hidden states of the completion positions: position i predicts completion token i
             student_hidden = self._get_last_hidden_state(student, input_ids, attention_mask, completion_length,
                                                          **model_inputs)
@@ -211,11 +205,13 @@ def _define_distillation_trainer():
                 teacher_hidden = self._forward_redirection(self.teacher_model, teacher, self._get_last_hidden_state,
                                                            teacher, input_ids, attention_mask, completion_length,
                                                            **model_inputs)
-            trained = mask.bool()
-            targets = inputs["completion_ids"][trained]
+            # one device for the loss (a model split over devices may end its backbone on another than its head)
+            device = lm_head(student, "student").weight.device
+            trained = mask.bool().to(device)
+            targets = inputs["completion_ids"].to(device)[trained]
             return loss_of_hidden_states(
-                student, teacher, student_hidden[trained], teacher_hidden[trained], targets, loss="jsd",
-                weight_hard_loss=0.0, weight_soft_loss=1.0, beta=self.beta, temperature=self.temperature,
+                student, teacher, student_hidden.to(device)[trained], teacher_hidden.to(device)[trained], targets,
+                loss="jsd", weight_hard_loss=0.0, weight_soft_loss=1.0, beta=self.beta, temperature=self.temperature,
                 num_valid_tokens=num_items_in_batch, **self.loss_options,
             )
 
@@ -285,8 +281,8 @@ def _define_gkd_trainer():
                               temperature=1.0)  # GKDConfig's beta in [0, 1]
             check_unsupported_args(self, UNSUPPORTED_GKD_CONFIG)
             check_sharding(self)
-            check_tensor_parallel(self)
-            check_gkd_heads(self, self.accelerator.unwrap_model(self.model),
+            check_tensor_parallel(self, self.accelerator.unwrap_model(self.teacher_model))
+            check_heads(self.accelerator.unwrap_model(self.model),
                             self.accelerator.unwrap_model(self.teacher_model))
             # Before any call of a model accelerate may compile (torch_compile, or its dynamo plugin).
             keep_head_hook(self.model, lm_head(self.accelerator.unwrap_model(self.model), "student"))

@@ -116,16 +116,31 @@ def refusals(folder):
     from cosdistill.trl import DistillationTrainer as TRLDistillationTrainer
     from test_trl_distillation import config, prompts, tokenizer
 
-    # the Trainers' check, as it finds a run of four processes whose tensor-parallel groups hold two
-    beside_data_parallelism = types.SimpleNamespace(
-        model=student, get_tp_size=lambda: WORLD,
-        accelerator=types.SimpleNamespace(num_processes=2 * WORLD, unwrap_model=lambda model: model))
-    attempts["tensor parallelism beside data parallelism"] = lambda: check_tensor_parallel(beside_data_parallelism)
+    def trainer_seen_by_the_check(processes, average_tokens_across_devices=True):
+        return types.SimpleNamespace(
+            model=student, get_tp_size=lambda: WORLD, args=types.SimpleNamespace(
+                average_tokens_across_devices=average_tokens_across_devices),
+            accelerator=types.SimpleNamespace(num_processes=processes, unwrap_model=lambda model: model))
+
+    whole_teacher = tiny_llama(VOCAB_STUDENT, 1)
+    attempts["tensor parallelism beside data parallelism"] = lambda: check_tensor_parallel(
+        trainer_seen_by_the_check(2 * WORLD), whole_teacher)
+    attempts["tokens counted per device"] = lambda: check_tensor_parallel(
+        trainer_seen_by_the_check(WORLD, average_tokens_across_devices=False), whole_teacher)
+    split_teacher = split(folder, f"teacher{VOCAB_STUDENT}", VOCAB_STUDENT, 1, "tp_plan")
+    attempts["a split teacher beside a whole student"] = lambda: DistillationTrainer(
+        model=tiny_llama(VOCAB_STUDENT, 0), teacher_model=split_teacher,
+        args=transformers.TrainingArguments(output_dir=os.path.join(folder, "out"), use_cpu=True, report_to="none"))
+    attempts["TRL's DistillationTrainer, a split teacher"] = lambda: TRLDistillationTrainer(
+        model=tiny_llama(VOCAB_STUDENT, 0), teacher_model=split_teacher, args=config(os.path.join(folder, "out")),
+        train_dataset=prompts(), processing_class=tokenizer())
     attempts["TRL's DistillationTrainer"] = lambda: TRLDistillationTrainer(
         model=student, teacher_model=tiny_llama(VOCAB_STUDENT, 1), args=config(os.path.join(folder, "out")),
         train_dataset=prompts(), processing_class=tokenizer())
     if BACKEND == "nccl":  # the Trainers' refusal comes before any device is used: the CPU run tests it
-        del attempts["DistillationTrainer"], attempts["DistillationGKDTrainer"], attempts["TRL's DistillationTrainer"]
+        for name in ("DistillationTrainer", "DistillationGKDTrainer", "TRL's DistillationTrainer",
+                     "a split teacher beside a whole student", "TRL's DistillationTrainer, a split teacher"):
+            del attempts[name]
     errors = {}
     for name, attempt in attempts.items():
         try:
@@ -202,6 +217,9 @@ def test_split_heads_give_the_whole_models_loss_and_gradients(results, case, los
     ("DistillationGKDTrainer", r"DistillationGKDTrainer: the student's LM head is split over 2 ranks .* size is 1"),
     ("TRL's DistillationTrainer", r"DistillationTrainer does not support a student whose LM head is split for tensor"),
     ("tensor parallelism beside data parallelism", r"tensor parallelism over 2 of 4 processes \(data parallelism or FSDP"),
+    ("tokens counted per device", r"needs average_tokens_across_devices=True: without it transformers still divides"),
+    ("a split teacher beside a whole student", r"DistillationTrainer: the teacher's LM head is split over ranks"),
+    ("TRL's DistillationTrainer, a split teacher", r"does not support a teacher whose LM head is split for tensor"),
 ])
 def test_refused_splits_raise(results, case, message):
     if case not in results["errors"]:

@@ -37,8 +37,11 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from cosdistill.hf import DistillationTrainer  # noqa: E402
 from cosdistill.testing import rel_err  # noqa: E402
 from cosdistill.trl import DistillationGKDTrainer, DistillationSFTTrainer  # noqa: E402
+from cosdistill.trl import DistillationTrainer as TRLDistillationTrainer  # noqa: E402
 from test_hf import dataset, make_trainer, tiny_model  # noqa: E402
 from test_trl import make_sft_trainer  # noqa: E402
+from test_trl_distillation import make as make_trl_distillation_trainer  # noqa: E402
+from test_trl_distillation import models as trl_distillation_models  # noqa: E402
 from test_trl_gkd import chat_dataset  # noqa: E402
 from test_trl_gkd import make as make_gkd_trainer  # noqa: E402
 from test_trl_gkd import models as gkd_models  # noqa: E402
@@ -117,6 +120,12 @@ def gkd_step(folder, trainer_class, beta, per_device, student=None, **args):
     return train_one_step(trainer)
 
 
+def trl_distillation_step(folder, trainer_class, **args):
+    student, teacher = trl_distillation_models()
+    return train_one_step(make_trl_distillation_trainer(trainer_class, folder, student, teacher, beta=0.5,
+                                                        per_device_train_batch_size=2, **args))
+
+
 def evaluate(folder, student, trainer_class=DistillationTrainer, **args):
     trainer = make_trainer(folder, student, tiny_model("llama", vocab=160, seed=1), dataset(ROWS),
                            trainer_class=trainer_class, per_device_eval_batch_size=1, **args)
@@ -139,6 +148,9 @@ def fsdp2_results(out):
         results["gkd", beta] = [gkd_step(out, fsdp2_on_the_cpu(DistillationGKDTrainer), beta, 2, **FSDP2),
                                 gkd_step(out, DistillationGKDTrainer, beta, 2, **GLOO)]  # DDP
     results["evaluate"] = evaluate(out, tiny_model("llama"), fsdp2_on_the_cpu(DistillationTrainer), **FSDP2)
+    # TRL's DistillationTrainer and ours under DDP (its FSDP is refused: not tested)
+    results["trl's DistillationTrainer under DDP"] = [
+        trl_distillation_step(out, trainer_class, **GLOO) for trainer_class in (TRLDistillationTrainer, trl.DistillationTrainer)]
     return results
 
 
@@ -244,9 +256,25 @@ def test_a_gkd_step_is_ddps_or_gkdtrainers(sharded, beta, tmp_path):
 
 
 def test_evaluate_logs_the_soft_and_hard_loss_that_make_eval_loss(sharded, tmp_path):
+    """Split, each loss is one process's too (under FSDP2 the ranks evaluate other rows: eval_loss is the Trainer's
+    mean over them, not one process's)."""
     sharding, results = sharded
     got, fully_sharded = results["evaluate"]
     assert fully_sharded == (sharding == "fsdp2")
     weights = make_trainer(tmp_path, tiny_model("llama"), tiny_model("llama"), dataset(ROWS)).loss_options
     total = weights["weight_hard_loss"] * got["eval_hard_loss"] + weights["weight_soft_loss"] * got["eval_soft_loss"]
     assert total == pytest.approx(got["eval_loss"], rel=1e-5), got
+    if sharding == "tensor parallel":
+        want, _ = evaluate(tmp_path, tiny_model("llama"))
+        for key in ("eval_loss", "eval_soft_loss", "eval_hard_loss"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5), (key, got, want)
+
+
+def test_trls_distillation_trainer_under_ddp_steps_as_trls(sharded):
+    """cosdistill.trl.DistillationTrainer on two processes: TRL's step and logged loss under the same DDP run."""
+    sharding, results = sharded
+    if sharding != "fsdp2":
+        pytest.skip("run beside the FSDP2 cases")
+    (ours, ours_log, _), (theirs, trl_log, _) = results["trl's DistillationTrainer under DDP"]
+    assert trl_log["loss"] > 1e-3 and ours_log["loss"] == pytest.approx(trl_log["loss"], rel=1e-5)
+    assert max(rel_err(got, want) for got, want in zip(ours, theirs)) < 1e-5

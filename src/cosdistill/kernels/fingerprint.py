@@ -51,7 +51,7 @@ def _fingerprint_kernel(words_ptr, rows, cols, stride_row, stride_col, partials_
     tl.store(partials_ptr + 2 * tl.program_id(0) + 1, lane_1)
 
 
-BLOCK_ROWS, BLOCK_COLS, WARPS = 16, 512, 8  # the fastest tile measured on the H200 (docs/design.md)
+BLOCK_ROWS, BLOCK_COLS, WARPS = 16, 512, 8  # the tile chosen by measurement (docs/design.md)
 
 
 def fingerprint_triton(weight: torch.Tensor) -> torch.Tensor:

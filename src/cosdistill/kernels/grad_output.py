@@ -2,7 +2,7 @@
 
 Backward gets grad_output as a 0-d tensor on the GPU. Reading it on the host (to skip the scaling
 when it is 1) waits for the whole forward to finish, and the GPU then idles while the host launches
-what follows (~0.07 ms a call). Here one small kernel reads it: when it
+what follows (docs/design.md, Host latency). Here one small kernel reads it: when it
 is 1 (a plain ``loss.backward()``), every program returns at once; otherwise they scale in place.
 All of a call's gradients go through one launch, since each launch's host time is what backward costs
 where the GPU has finished forward.

@@ -75,12 +75,10 @@ def _load_logits(row, cols, mask, logit_scale, cap, CAP: tl.constexpr, MASKED: t
     """Logits as the loss sees them: fp32, times the logit scale (None: 1), softcapped; 0 where masked,
     and 0 everywhere for a row of None (no teacher logits: the Gram path, _teacher_gram.py).
 
-    The last product, x times the scale or cap times tanh(x / cap), is rounded (_mul_rn): the kernels reload
-    the logits in each pass, and every difference they take (s - max, max - s[label]) must see one fp32 value
-    per logit, as the interpreter does. Contracted into FMAs, the product was rounded in the max but exact in
-    s - max: a one-column student's softmax 2^(s - max) came out 1 + ~1e-7 |s|, and its hard gradient
-    weight_hard (softmax - 1), exactly 0 in the spec, outweighed the JSD's soft gradient of order 1 / Vt on an
-    H200 (docs/design.md, Softcaps and logit scales). Without caps and scales the kernels are unchanged."""
+    The last product, x times the scale or cap times tanh(x / cap), is rounded once (_mul_rn), so that every
+    difference the kernels take (s - max, max - s[label]) sees one fp32 value per logit, as the interpreter
+    does: contracted into FMAs it was rounded in the max but not in s - max (docs/design.md, Softcaps and logit
+    scales). Without caps and scales the kernels are unchanged."""
     if row is None:  # one if-elif chain: code after a return in a static branch is still compiled
         x = tl.zeros(cols.shape, tl.float32)
     elif MASKED:

@@ -274,7 +274,7 @@ def liger_loss_of(liger_loss: torch.nn.Module, tensors: Tensors) -> torch.Tensor
     return out[0] if isinstance(out, tuple) else out
 
 
-def trl_loss(divergence, tensors: Tensors) -> torch.Tensor:
+def trl_loss_of(divergence, tensors: Tensors) -> torch.Tensor:
     """TRL DistillationTrainer's loss on the bench's tensors: the per-token generalized JSD of ``divergence``
     (``ChunkedDivergenceFunction``) at fused_linear_jsd's default beta and temperature, summed and divided by the
     token count, as its trainer divides it."""
@@ -492,7 +492,7 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
         elif name == "liger" and liger_loss is not None:
             builders["liger"] = loss_provider(lambda tensors: liger_loss_of(liger_loss, tensors))
         elif name == "trl" and trl_divergence is not None:
-            builders["trl"] = loss_provider(lambda tensors: trl_loss(trl_divergence, tensors))
+            builders["trl"] = loss_provider(lambda tensors: trl_loss_of(trl_divergence, tensors))
         elif name == "floor":
             builders["floor"] = floor_provider
 
@@ -585,7 +585,7 @@ def bench_size_errors(tensors: Tensors, settings, liger_loss, loss: str = "cosin
                 errors["liger"] = rel_err(liger_loss_of(liger_loss, tensors), naive_loss)
         if trl_divergence is not None:
             with torch.no_grad():
-                errors["trl"] = rel_err(trl_loss(trl_divergence, tensors), naive_soft)
+                errors["trl"] = rel_err(trl_loss_of(trl_divergence, tensors), naive_soft)
     return errors
 
 

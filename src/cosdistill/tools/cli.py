@@ -11,6 +11,7 @@ import sys
 import torch
 
 from .._options import options_of
+from ..api import FUSED_LOSSES
 from . import bench, check, demo
 
 EXIT_CHECK_FAILED = 1
@@ -135,7 +136,7 @@ def build_parser():
     demo_parser.add_argument("--weight-soft", type=float, default=defaults.weight_soft,
                              help="weight_soft_loss (default %(default)s)")
     demo_parser.add_argument("--beta", type=float, help="beta of the soft term (default: 1 for cosine, 0.5 for jsd)")
-    demo_parser.add_argument("--loss", choices=tuple(demo.FUSED_LOSSES), default="cosine",
+    demo_parser.add_argument("--loss", choices=tuple(FUSED_LOSSES), default="cosine",
                              help="the soft term: cosine similarity or the generalized JSD (default %(default)s)")
     demo_parser.add_argument("--seed", type=int, default=defaults.seed,
                              help="seed of the data and the models (default %(default)s)")
