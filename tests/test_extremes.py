@@ -117,7 +117,7 @@ def test_tokens_whose_student_or_teacher_logits_are_all_zero(impl, dtype):
 def test_fp16_tokens_whose_student_logits_are_all_zero(impl, zero, chunk_size, grad_output):
     """fp16: such a token's d loss / d logits (~weight_soft * beta / eps = 2.5e7) is past fp16's range
     until divided by N. The row step scales its row down, and the chunk loop takes its grad_weight
-    and grad_bias terms through fp32 (chunked._Unlift.add_scaled_down_rows). With N = 2^32, as
+    and grad_bias terms through fp32 (_fp16_lift.Unlift.correct_scaled_down). With N = 2^32, as
     num_valid_tokens, every exact gradient that reaches those tokens fits fp16 and must come out
     finite and right, in the last chunk (deferred to backward) and the others, the first included.
     A zero head (all rows scaled down, as a zero-initialised new head) exercises grad_weight; zero

@@ -228,7 +228,7 @@ def test_triton_row_step_matches_float64(case):
 
 
 # fp16, soft term only, grad_output = 1024 as from a GradScaler: before the per-row lifts (row_step.py,
-# chunked._Unlift) grad_input was 1.0e-2 off (TOLERANCE 5e-3; the reference rounded to fp16 is 2e-4
+# _fp16_lift.Unlift) grad_input was 1.0e-2 off (TOLERANCE 5e-3; the reference rounded to fp16 is 2e-4
 # off), because d loss / d logits, and then grad_input waiting for grad_output, sat in fp16's subnormals.
 FP16_SUBNORMAL_CASE = Case(
     seed=1, tokens=64, batch=None, hidden_student=32, hidden_teacher=32, vocab_student=4999, vocab_teacher=4999,

@@ -21,7 +21,7 @@ s.t and |t|^2 through ``with_teacher_products`` and the gradient's t term itself
   the soft term's entries, of order weight_soft * beta / (|s| * sqrt(V)), fall below that at LLM
   vocabularies; k < 0 brings a bound above 2^14 down into (2^13, 2^14] (a student row of norm
   ~0 has entries ~1/eps = 1e8, past fp16's 65504). The chunk loop divides it out again
-  (_chunk_loop._Unlift).
+  (_fp16_lift.Unlift).
 
 It does so in two stages, so that a vocabulary split over ranks (cosdistill.distributed) can add up
 the per-row statistics of its shards in between:
