@@ -64,7 +64,6 @@ def chunk_rows(chunk_size: int | None, num_tokens: int, vocab_student: int, voca
     return ChunkRows(student, min(teacher, student))
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What one call runs, decided from the options and the tensors' shapes, dtypes and device (and, for

@@ -491,8 +491,6 @@ def check_loss_options(loss: str, loss_options: dict) -> None:
                         "(their LM heads and configs) and the batch")
 
 
-
-
 def check_loss_values(loss: str, loss_options: dict, **values) -> None:
     """Raises, when a Trainer is made, for a bad value among its loss options and ``values`` (weights, beta,
     temperature), which its first step would raise (distill_loss's own call checks them once per call)."""
