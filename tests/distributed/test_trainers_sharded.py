@@ -186,16 +186,30 @@ def run_rank(rank, port, folder, sharding):
     torch.distributed.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=["fsdp2", "tensor parallel"])
-def sharded(request, tmp_path_factory):
-    """(the sharding, its ranks' results)"""
+def ranks_results(tmp_path_factory, sharding):
     folder = tmp_path_factory.mktemp("ranks")
-    if request.param == "tensor parallel":
+    if sharding == "tensor parallel":
         tiny_model("llama").save_pretrained(folder / "student")
         tiny_model("llama", seed=1).save_pretrained(folder / "teacher")
         gkd_models()[0].save_pretrained(folder / "gkd student")
-    mp.spawn(run_rank, args=(free_port(), str(folder), request.param), nprocs=WORLD)
-    return request.param, torch.load(folder / "results.pt", weights_only=False)
+    mp.spawn(run_rank, args=(free_port(), str(folder), sharding), nprocs=WORLD)
+    return torch.load(folder / "results.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    return ranks_results(tmp_path_factory, "fsdp2")
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(tmp_path_factory):
+    return ranks_results(tmp_path_factory, "tensor parallel")
+
+
+@pytest.fixture(params=["fsdp2", "tensor parallel"])
+def sharded(request):
+    """(the sharding, its ranks' results)"""
+    return request.param, request.getfixturevalue(request.param.replace(" ", "_"))
 
 
 def assert_same_step(got, want, sharded):
@@ -218,17 +232,17 @@ def test_a_step_is_one_processs_step_on_the_whole_batch(sharded, loss, split, tm
                      sharding)
 
 
-@pytest.mark.parametrize("case", ["tied head, not resharded", "head a unit", "split teacher cosine", "split teacher jsd"])
-def test_the_layouts_of_one_sharding(sharded, case, tmp_path):
-    """FSDP2: a tied head left unsharded after the forward, the head in a unit of its own; tensor parallelism: a
-    teacher split as the student is."""
-    sharding, results = sharded
-    if case not in results:
-        pytest.skip(f"not a layout of {sharding}")
-    models = {"tied head, not resharded": dict(student=tiny_model("llama", tie=True)), "head a unit": {}}.get(
-        case, dict(teacher=tiny_model("llama", seed=1)))
-    loss = case.split()[-1] if case.startswith("split teacher") else "jsd"
-    assert_same_step(results[case], distillation_step(tmp_path, loss, 2 * WORLD, **models), sharding)
+@pytest.mark.parametrize("case", ["tied head, not resharded", "head a unit"])
+def test_fsdp2_layouts(fsdp2, case, tmp_path):
+    """A tied head left unsharded after the forward; the head in a unit of its own."""
+    student = tiny_model("llama", tie=case.startswith("tied"))
+    assert_same_step(fsdp2[case], distillation_step(tmp_path, "jsd", 2 * WORLD, student=student), "fsdp2")
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_a_teacher_split_as_the_student_is(tensor_parallel, loss, tmp_path):
+    want = distillation_step(tmp_path, loss, 2 * WORLD, teacher=tiny_model("llama", seed=1))
+    assert_same_step(tensor_parallel[f"split teacher {loss}"], want, "tensor parallel")
 
 
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
@@ -270,11 +284,9 @@ def test_evaluate_logs_the_soft_and_hard_loss_that_make_eval_loss(sharded, tmp_p
             assert got[key] == pytest.approx(want[key], rel=1e-5), (key, got, want)
 
 
-def test_trls_distillation_trainer_under_ddp_steps_as_trls(sharded):
-    """cosdistill.trl.DistillationTrainer on two processes: TRL's step and logged loss under the same DDP run."""
-    sharding, results = sharded
-    if sharding != "fsdp2":
-        pytest.skip("run beside the FSDP2 cases")
-    (ours, ours_log, _), (theirs, trl_log, _) = results["trl's DistillationTrainer under DDP"]
+def test_trls_distillation_trainer_under_ddp_steps_as_trls(fsdp2):
+    """cosdistill.trl.DistillationTrainer on two processes (run beside the FSDP2 cases): TRL's step and logged loss
+    under the same DDP run."""
+    (ours, ours_log, _), (theirs, trl_log, _) = fsdp2["trl's DistillationTrainer under DDP"]
     assert trl_log["loss"] > 1e-3 and ours_log["loss"] == pytest.approx(trl_log["loss"], rel=1e-5)
     assert max(rel_err(got, want) for got, want in zip(ours, theirs)) < 1e-5
