@@ -1,6 +1,7 @@
 """The Trainers with a sharded student (two processes, gloo on the CPU): one optimizer step is one process's step on
 the whole batch (DistillationTrainer, DistillationSFTTrainer), or DDP's and TRL's GKDTrainer's step
-(DistillationGKDTrainer).
+(DistillationGKDTrainer). Beside the FSDP2 cases, cosdistill.trl.DistillationTrainer under DDP takes TRL's
+DistillationTrainer's step (its FSDP is refused: not tested).
 
 - FSDP2 through accelerate (``fsdp_config={"fsdp_version": 2}``): accelerate shards the student with
   ``fully_shard`` (the teacher, prepared for evaluation, stays whole); the ranks hold different batches.
