@@ -148,8 +148,8 @@ def _define_distillation_trainer():
         processes (in training), else by this batch's. Only the completion tokens' rows reach the LM heads.
 
         Differences: the student's ``entropy`` is not logged (TRL's kernel computes it beside the divergence; the fused
-        loss does not). DeepSpeed ZeRO-3, FSDP (not tested with this trainer) and torch.nn.DataParallel raise at
-        construction, as do tensor-parallel heads, a missing ``teacher_model`` (a teacher served elsewhere: the
+        loss does not). DeepSpeed ZeRO-3, FSDP1 and torch.nn.DataParallel raise at construction (FSDP2 works), as
+        do tensor-parallel heads, a missing ``teacher_model`` (a teacher served elsewhere: the
         fused loss reads its head) and ``logits_scaling`` in a config; at the first step, models whose logits the
         fused loss does not reproduce (``check_head_reproduces_logits``). ``loss_options``
         (chunk_size, impl, accum_dtype, teacher_precision) go to ``fused_linear_jsd``.
@@ -168,8 +168,6 @@ def _define_distillation_trainer():
             check_loss_values("jsd", loss_options or {}, beta=self.beta, weight_hard_loss=0.0, weight_soft_loss=1.0,
                               temperature=self.temperature)
             check_sharding(self)
-            if getattr(self, "is_fsdp_enabled", False):
-                raise ValueError(f"{name} under FSDP is not tested: use DDP, or TRL's DistillationTrainer")
             check_heads(student, teacher)
             self.loss_options = dict(loss_options or {})
             # the batch fields TRL's _get_last_hidden_state hands the models beside the tokens (vision-language models)

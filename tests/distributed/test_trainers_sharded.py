@@ -1,7 +1,7 @@
 """The Trainers with a sharded student (two processes, gloo on the CPU): one optimizer step is one process's step on
 the whole batch (DistillationTrainer, DistillationSFTTrainer), or DDP's and TRL's GKDTrainer's step
-(DistillationGKDTrainer). Beside the FSDP2 cases, cosdistill.trl.DistillationTrainer under DDP takes TRL's
-DistillationTrainer's step (its FSDP is refused: not tested).
+(DistillationGKDTrainer). Beside the FSDP2 cases, cosdistill.trl.DistillationTrainer under DDP and under FSDP2
+takes TRL's DistillationTrainer's step.
 
 - FSDP2 through accelerate (``fsdp_config={"fsdp_version": 2}``): accelerate shards the student with
   ``fully_shard`` (the teacher, prepared for evaluation, stays whole); the ranks hold different batches.
@@ -30,6 +30,7 @@ with warnings.catch_warnings():  # TRL warns on every import from trl.experiment
     gkd = pytest.importorskip("trl.experimental.gkd")
 
 from accelerate.parallelism_config import ParallelismConfig  # noqa: E402
+from accelerate.state import PartialState  # noqa: E402
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 from test_trainers_ddp import EVAL_ROWS, LOGGED, ROWS, SPLITS, free_port  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
@@ -68,7 +69,8 @@ def fsdp2_on_the_cpu(trainer_class):
             super().create_accelerator_and_postprocess()
             state = self.accelerator.state
             state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-            state.distributed_type = DistributedType.FSDP
+            # both states, as accelerate sets them: a later AcceleratorState() takes the type from PartialState's
+            state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
             self.is_fsdp_enabled = True
 
     OnTheCPU.__name__ = trainer_class.__name__
@@ -149,9 +151,11 @@ def fsdp2_results(out):
         results["gkd", beta] = [gkd_step(out, fsdp2_on_the_cpu(DistillationGKDTrainer), beta, 2, **FSDP2),
                                 gkd_step(out, DistillationGKDTrainer, beta, 2, **GLOO)]  # DDP
     results["evaluate"] = evaluate(out, tiny_model("llama"), fsdp2_on_the_cpu(DistillationTrainer), **FSDP2)
-    # TRL's DistillationTrainer and ours under DDP (its FSDP is refused: not tested)
-    results["trl's DistillationTrainer under DDP"] = [
-        trl_distillation_step(out, trainer_class, **GLOO) for trainer_class in (TRLDistillationTrainer, trl.DistillationTrainer)]
+    # TRL's DistillationTrainer and ours, under DDP and under FSDP2
+    trainer_classes = (TRLDistillationTrainer, trl.DistillationTrainer)
+    results["trl's DistillationTrainer under DDP"] = [trl_distillation_step(out, cls, **GLOO) for cls in trainer_classes]
+    results["trl's DistillationTrainer under FSDP2"] = [trl_distillation_step(out, fsdp2_on_the_cpu(cls), **FSDP2)
+                                                        for cls in trainer_classes]
     return results
 
 
@@ -285,9 +289,11 @@ def test_evaluate_logs_the_soft_and_hard_loss_that_make_eval_loss(sharded, tmp_p
             assert got[key] == pytest.approx(want[key], rel=1e-5), (key, got, want)
 
 
-def test_trls_distillation_trainer_under_ddp_steps_as_trls(fsdp2):
+@pytest.mark.parametrize("run", ["DDP", "FSDP2"])
+def test_trls_distillation_trainer_steps_as_trls(fsdp2, run):
     """cosdistill.trl.DistillationTrainer on two processes (run beside the FSDP2 cases): TRL's step and logged loss
-    under the same DDP run."""
-    (ours, ours_log, _), (theirs, trl_log, _) = fsdp2["trl's DistillationTrainer under DDP"]
+    under the same DDP or FSDP2 run."""
+    (ours, ours_log, ours_sharded), (theirs, trl_log, trl_sharded) = fsdp2[f"trl's DistillationTrainer under {run}"]
+    assert ours_sharded == trl_sharded == (run == "FSDP2")
     assert trl_log["loss"] > 1e-3 and ours_log["loss"] == pytest.approx(trl_log["loss"], rel=1e-5)
     assert max(rel_err(got, want) for got, want in zip(ours, theirs)) < 1e-5
