@@ -306,35 +306,42 @@ def floor_provider(tensors: Tensors, mode: str):
     return step
 
 
+def load_release(label: str, package: str, release: str, module: str, load):
+    """(load(), None) where ``package`` is installed at ``release``, else (None, why provider ``label`` is skipped);
+    ``load`` imports from ``module``."""
+    try:
+        version = importlib.metadata.version(package)
+        loaded = load()
+    except (ImportError, importlib.metadata.PackageNotFoundError) as error:
+        return None, f"{label} skipped: cannot import {module} ({error})"
+    if version != release:
+        return None, f"{label} skipped: {package} {version} is installed, the bench compares {release}"
+    return loaded, None
+
+
 LIGER_VERSION = "0.8.5"  # the release the ledger's liger rows are, and docs/reference.md's parity is held to
+TRL_VERSION = "1.16.0"  # the release the ledger's trl rows are
 
 
 def load_liger(device: torch.device, loss: str = "cosine"):
     """Liger's loss module for this loss, or None with the reason if it cannot be imported or is another release."""
-    try:
-        version = importlib.metadata.version("liger-kernel")
+    def liger_module():
         from liger_kernel.chunked_loss import LigerFusedLinearCosineSimilarityLoss, LigerFusedLinearJSDLoss
-    except (ImportError, importlib.metadata.PackageNotFoundError) as error:
-        return None, f"liger skipped: cannot import liger_kernel.chunked_loss ({error})"
-    if version != LIGER_VERSION:
-        return None, f"liger skipped: liger-kernel {version} is installed, the bench compares {LIGER_VERSION}"
-    module = LigerFusedLinearJSDLoss if loss == "jsd" else LigerFusedLinearCosineSimilarityLoss
-    return module(compiled=device.type == "cuda"), None
 
+        return LigerFusedLinearJSDLoss if loss == "jsd" else LigerFusedLinearCosineSimilarityLoss
 
-TRL_VERSION = "1.16.0"  # the release the ledger's trl rows are
+    module, why_not = load_release("liger", "liger-kernel", LIGER_VERSION, "liger_kernel.chunked_loss", liger_module)
+    return (None, why_not) if module is None else (module(compiled=device.type == "cuda"), None)
 
 
 def load_trl_divergence():
     """TRL's ``ChunkedDivergenceFunction``, or None with the reason if it cannot be imported or is another release."""
-    try:
-        version = importlib.metadata.version("trl")
+    def divergence():
         from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
-    except (ImportError, importlib.metadata.PackageNotFoundError) as error:
-        return None, f"trl skipped: cannot import trl.kernels.chunked_divergence ({error})"
-    if version != TRL_VERSION:
-        return None, f"trl skipped: trl {version} is installed, the bench compares {TRL_VERSION}"
-    return ChunkedDivergenceFunction, None
+
+        return ChunkedDivergenceFunction
+
+    return load_release("trl", "trl", TRL_VERSION, "trl.kernels.chunked_divergence", divergence)
 
 
 def median_ms(step, tensors: Tensors | None, device: torch.device, warmup: int, reps: int, settle_s: float = 0.0) -> float:
