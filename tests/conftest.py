@@ -176,7 +176,7 @@ def run_jsd_split_stages(student, teacher, labels, scales, bounds, write_grad, l
     the teacher's column ``bounds``, each shard a rank: every rank's stage, then the combination that
     split_jsd_row_step_triton makes of the all-gathered [ranks, ...] between the stages. Losses and lifts are
     NaN-poisoned."""
-    from cosdistill.testing import combine_jsd_sums, kernels
+    from cosdistill.testing import kernels
 
     jsd = kernels.row_step_jsd_triton
     vocab_student, poisoned = student.shape[1], functools.partial(torch.full, fill_value=float("nan"),
@@ -185,8 +185,9 @@ def run_jsd_split_stages(student, teacher, labels, scales, bounds, write_grad, l
                replace(scales, vocab_start=a, vocab_student_total=vocab_student)) for a, b in bounds]
     stats = jsd.combine_shard_stats(torch.stack([jsd.jsd_shard_stats_triton(s, t, labels, shard_scales)
                                                  for s, t, shard_scales in shards]), scales.temperature)
-    sums = combine_jsd_sums(torch.stack([jsd.jsd_shard_sums_triton(s, t, labels, stats, shard_scales, write_grad and lifts)
-                                         for s, t, shard_scales in shards]))
+    sums = jsd.combine_shard_sums(torch.stack([jsd.jsd_shard_sums_triton(s, t, labels, stats, shard_scales,
+                                                                         write_grad and lifts)
+                                               for s, t, shard_scales in shards]))
     losses, shard_lifts = [], []
     for s, t, shard_scales in shards:
         losses.append(poisoned((len(labels), 2)))

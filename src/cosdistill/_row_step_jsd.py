@@ -163,11 +163,11 @@ def jsd_row_sums(student_logits, teacher_logits, stats, scales: RowStepConstants
     return torch.stack([soft, student_part, largest, largest_p], dim=1)
 
 
-def combine_jsd_sums(shard_sums: torch.Tensor) -> torch.Tensor:
-    """The whole vocabulary's sums from its shards', [shards, n, c] -> [n, c]: the first two columns summed, the
-    rest (2 here, 1 from the Triton stages: the largest terms of the fp16 bound) the shards' largest."""
+def combine_jsd_sums(shard_sums: torch.Tensor, summed: int = 2) -> torch.Tensor:
+    """The whole vocabulary's sums from its shards', [shards, n, c] -> [n, c]: the first ``summed`` columns summed
+    (2 here, 3 from the Triton stages), the rest (the largest terms of the fp16 bound) the shards' largest."""
     sums = shard_sums.sum(0)
-    sums[:, 2:] = shard_sums[..., 2:].amax(0)
+    sums[:, summed:] = shard_sums[..., summed:].amax(0)
     return sums
 
 

@@ -171,7 +171,7 @@ def test_jsd_cluster_row_step_matches_the_spec(rows, vocab, beta, temperature, w
     labels = torch.randint(0, vocab, (rows,), device="cuda", dtype=torch.int32 if vocab % 3 else torch.int64)
     labels[::4] = -100
     assert jsd_cuda.supported(student, teacher, labels, scales, write_grad, None) == write_grad
-    assert jsd_cuda._launch(vocab, labels.dtype, 0, jsd_cuda.mode_of(beta), temperature == 1.0) is not None
+    assert jsd_cuda._launch(vocab, labels.dtype, 0, jsd_cuda.mode_of(beta, BF16), temperature == 1.0) is not None
     results = {}
     for name, step in (("cuda", jsd_cuda.row_step_jsd_cuda), ("triton", kernels.row_step_jsd_triton.row_step_jsd_triton),
                        ("torch", row_step_jsd_torch)):
@@ -198,7 +198,7 @@ def test_jsd_cluster_row_step_matches_the_spec(rows, vocab, beta, temperature, w
 @pytest.mark.parametrize("temperature", [1.0, 4.0])
 @pytest.mark.parametrize("beta", [1e-3, 1e-6, 1e-9, 1 - 1e-6, 1 - 1e-9])
 def test_jsd_betas_near_0_and_1_keep_fp32s_precision(beta, temperature, vocab):
-    """Within EDGE_MARGIN of beta = 0 or 1 the JSD step is the Triton step's MIXED_EDGE (the cluster kernel declines),
+    """Within EDGE_MARGIN of beta = 0 or 1 the JSD step is the Triton step's MIXED_PRECISE (the cluster kernel declines),
     here compiled, its logs and exponentials the GPU's approximate instructions: on fp32 logits with the soft term
     alone, its losses and gradient against the float64 spec, into NaN-poisoned losses."""
     jsd_cuda = kernels.row_step_jsd_cuda
@@ -216,6 +216,30 @@ def test_jsd_betas_near_0_and_1_keep_fp32s_precision(beta, temperature, vocab):
         (got_grad, got_losses), (want_grad, want_losses) = results
         assert rel_err(got_losses[:, 1], want_losses[:, 1]) < 1e-5, write_grad
         assert rel_err(got_grad, want_grad) < 1e-5 if write_grad else torch.equal(got_grad, student)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [32000, 128256])
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+@pytest.mark.parametrize("beta", [0.5, 0.95, 1 - 1e-6])
+def test_jsd_a_teacher_peaked_far_from_the_student_keeps_fp32s_precision(beta, temperature, vocab):
+    """fp32 logits run MIXED_PRECISE at every 0 < beta < 1 (the cluster kernel takes bf16 only), here compiled: with
+    each row's teacher peaked 30 above its other logits and the soft term alone, the gradient's bracket in its row
+    reference form; losses and gradient against the float64 spec, into NaN-poisoned losses."""
+    scales = RowStepConstants(weight_hard=0.0, weight_soft=1.0, beta=beta, temperature=temperature, ignore_index=-100)
+    student, teacher = torch.randn(16, vocab, device="cuda") * 2, torch.randn(16, vocab, device="cuda") * 2
+    teacher[torch.arange(16), torch.randint(0, vocab, (16,))] += 30.0
+    labels = torch.randint(0, vocab, (16,), device="cuda")
+    labels[::5] = -100
+    assert not kernels.row_step_jsd_cuda.supported(student, teacher, labels, scales, True, None)
+    results = []
+    for step in (kernels.row_step_jsd_triton.row_step_jsd_triton, row_step_jsd_torch):
+        logits, losses = student.clone(), torch.full((16, 2), POISON, device="cuda")
+        step(logits, teacher, labels, scales, losses, True)
+        results.append((logits, losses))
+    (got_grad, got_losses), (want_grad, want_losses) = results
+    assert rel_err(got_losses[:, 1], want_losses[:, 1]) < 1e-5
+    assert rel_err(got_grad, want_grad) < 1e-5
 
 
 # (rows, vocab, beta, temperature, the hashed weight's shape): the seed's, odd weights, a short launch

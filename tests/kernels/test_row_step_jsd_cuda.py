@@ -75,7 +75,7 @@ def test_supported_only_where_the_kernel_is_the_spec(monkeypatch):
     rejected = unsupported(student, teacher, labels, PLAIN) | {
         "no gradient (the Triton step is as fast)": (student, teacher, labels, PLAIN, False, None),
         "no teacher logits": (student, None, labels, PLAIN, True, None),
-        **{f"beta = {beta:g} (MIXED_EDGE: the Triton step's)": (student, teacher, labels,
+        **{f"beta = {beta:g} (MIXED_PRECISE: the Triton step's)": (student, teacher, labels,
                                                                 dataclasses.replace(PLAIN, beta=beta), True, None)
            for beta in (1e-5, 1 - 1e-5)},
     }
@@ -99,11 +99,14 @@ def test_falls_back_to_triton_where_unsupported(beta, write_grad):
     torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2e-2, atol=1e-4)
 
 
-def test_the_mode_follows_beta():
+def test_the_mode_follows_beta_and_the_logits_dtype():
+    """MIXED (2) only for bf16 logits away from beta's edges; MIXED_PRECISE (3) elsewhere between 0 and 1."""
     betas = (0.0, 1.0, 0.5, 0.05, 0.95, 0.0499, 0.9501, 1e-9, 1 - 1e-9)
-    assert [jsd_cuda.mode_of(beta) for beta in betas] == [0, 1, 2, 2, 2, 3, 3, 3, 3]
+    assert [jsd_cuda.mode_of(beta, torch.bfloat16) for beta in betas] == [0, 1, 2, 2, 2, 3, 3, 3, 3]
+    for dtype in (torch.float32, torch.float16):
+        assert [jsd_cuda.mode_of(beta, dtype) for beta in betas] == [0, 1, 3, 3, 3, 3, 3, 3, 3]
     layout = jsd_cuda.launch_configs(128256, 2)[-1]
-    with pytest.raises(ValueError, match="the cluster step has no MIXED_EDGE form"):  # it would read REVERSE's gaps
+    with pytest.raises(ValueError, match="the cluster step has no MIXED_PRECISE form"):  # it would read REVERSE's gaps
         jsd_cuda.source(128256, torch.int64, layout, 3, True)
 
 

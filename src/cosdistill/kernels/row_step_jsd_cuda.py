@@ -25,7 +25,7 @@ from .._fingerprint import LANE_KEYS, MASK, MIX
 from .._row_step import RowStepConstants, RowStepImpl
 from . import row_step_cuda
 from .row_step_cuda import MAX_SHARED_BYTES, Layout, _blocks_per_sm, _shared_bytes, _slice_vecs
-from .row_step_jsd_triton import MIXED, MIXED_EDGE, _check_scales, mode_of, row_step_jsd_triton, split_jsd_row_step_triton
+from .row_step_jsd_triton import MIXED, MIXED_PRECISE, _check_scales, mode_of, row_step_jsd_triton, split_jsd_row_step_triton
 from .row_step_triton import LOG2E
 
 _SOURCE = row_step_cuda.cuda_source("row_step_jsd.cu")
@@ -71,8 +71,8 @@ def source(vocab: int, label_dtype: torch.dtype, layout: Layout, mode: int, shar
     """The kernel's CUDA C for one vocabulary, layout and form: ``mode`` FORWARD / REVERSE / MIXED (mode_of),
     ``shared`` T == 1 (the hard term's softmax is p), ``hash_row_vecs`` > 0: it also hashes a weight whose rows
     hold that many 16-byte vectors of 32-bit words (_fingerprint.py's mix and keys)."""
-    if mode == MIXED_EDGE.value:
-        raise ValueError("the cluster step has no MIXED_EDGE form: betas within EDGE_MARGIN of 0 or 1 run the Triton step")
+    if mode == MIXED_PRECISE.value:
+        raise ValueError("the cluster step has no MIXED_PRECISE form: those betas and logits run the Triton step")
     keys = {}
     if hash_row_vecs:
         keys = {f"HASH_KEY_{lane}{k}": f"{key & MASK}u" for lane, lane_keys in enumerate(LANE_KEYS)
@@ -86,8 +86,8 @@ def source(vocab: int, label_dtype: torch.dtype, layout: Layout, mode: int, shar
 def supported(student_logits, teacher_logits, labels, scales: RowStepConstants, write_grad, grad_lifts) -> bool:
     """Whether this kernel computes exactly what _row_step_jsd.py asks for these arguments: where the cosine
     loss's cluster kernel would run (the same logits, layouts and device), at a beta it has a form for (a beta
-    within EDGE_MARGIN of 0 or 1 runs the Triton step's MIXED_EDGE)."""
-    return (teacher_logits is not None and mode_of(scales.beta) != MIXED_EDGE.value
+    within EDGE_MARGIN of 0 or 1 runs the Triton step's MIXED_PRECISE: mode_of)."""
+    return (teacher_logits is not None and mode_of(scales.beta, student_logits.dtype) != MIXED_PRECISE.value
             and row_step_cuda.supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts))
 
 
@@ -117,7 +117,8 @@ def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scale
     (words, rows, row stride in vectors, partials) for a kernel compiled to hash a weight."""
     rows, vocab = student_logits.shape
     row_step_cuda.launch_rows(
-        kernel, layout, rows, _shared_bytes(vocab, *layout, _tiles(mode_of(scales.beta))), student_logits.device,
+        kernel, layout, rows, _shared_bytes(vocab, *layout, _tiles(mode_of(scales.beta, student_logits.dtype))),
+        student_logits.device,
         [student_logits, teacher_logits, labels, token_losses, student_logits.stride(0), teacher_logits.stride(0),
          scales.ignore_index, float(scales.weight_hard), scales.weight_soft / scales.temperature,
          LOG2E.value / scales.temperature, 1.0 - scales.beta, float(scales.beta), *hash_args])
@@ -130,8 +131,8 @@ def _found(student_logits, teacher_logits, labels, scales: RowStepConstants, tok
             and token_losses.is_contiguous()):
         return None
     _check_scales(scales)
-    return _launch(student_logits.shape[1], labels.dtype, student_logits.device.index, mode_of(scales.beta),
-                   scales.temperature == 1.0, hash_row_vecs)
+    return _launch(student_logits.shape[1], labels.dtype, student_logits.device.index,
+                   mode_of(scales.beta, student_logits.dtype), scales.temperature == 1.0, hash_row_vecs)
 
 
 def row_step_jsd_cuda(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,

@@ -58,10 +58,12 @@ LN2: tl.constexpr = tl.constexpr(math.log(2.0))  # base-2 sums back to nats
 FORWARD: tl.constexpr = tl.constexpr(0)  # beta == 0: KL(q || p)
 REVERSE: tl.constexpr = tl.constexpr(1)  # beta == 1: KL(p || q)
 MIXED: tl.constexpr = tl.constexpr(2)  # 0 < beta < 1: against the mixture m
-# MIXED within EDGE_MARGIN of beta = 0 or 1: the mixture's log through log2(1 + y) to fp32's relative precision
-# (``_minus_mixture``), where MIXED's one log of (1 - beta) + beta 2^d would keep only its absolute precision
-# against a divergence that shrinks with beta or 1 - beta.
-MIXED_EDGE: tl.constexpr = tl.constexpr(3)
+# 0 < beta < 1 with the mixture's log through log2(1 + y) to fp32's relative precision (``_minus_mixture``) and
+# the gradient in its row's reference form (``_row_reference``), where MIXED's one log of (1 - beta) + beta 2^d
+# keeps only its absolute precision: against a divergence that shrinks with beta or 1 - beta within EDGE_MARGIN
+# of beta = 0 or 1, and against the gradient of a teacher peaked far from the student, which MIXED leaves at
+# bf16's rounding (mode_of says where each runs).
+MIXED_PRECISE: tl.constexpr = tl.constexpr(3)
 EDGE_MARGIN = 0.05
 LOG1P_SERIES_BELOW: tl.constexpr = tl.constexpr(0.125)  # _log2_1p's series to y^8 is within fp32's rounding below
 
@@ -164,50 +166,68 @@ def _log2_1p(y):
 
 
 @triton.jit
-def _minus_mixture(d, keep, beta, MODE: tl.constexpr):
-    """(log2 p - log2 m, log2 q - log2 m), m = (1 - beta) p + beta q, from d = log2 q - log2 p alone, each
+def _log2_weights(keep, beta):
+    """(log2(1 - beta), log2(beta)), each from whichever of beta and 1 - beta is small (the other side's argument
+    held in range), so that both keep fp32's relative precision at betas near 0 and 1."""
+    log_keep = tl.where(beta < 0.5, _log2_1p(-tl.minimum(beta, 0.5)), _log2(keep))
+    log_beta = tl.where(beta < 0.5, _log2(beta), _log2_1p(-tl.minimum(keep, 0.5)))
+    return log_keep, log_beta
+
+
+@triton.jit
+def _minus_mixture(d, keep, beta, shift, MODE: tl.constexpr):
+    """(log2 p - log2 m + shift, log2 q - log2 m), m = (1 - beta) p + beta q, from d = log2 q - log2 p alone, each
     formed without cancelling large terms (as b - m = d + (a - m) would, where a teacher peaks far from the
-    student). MIXED: with L = log2 of the larger weight plus the other times 2^-|d|, they are (-L - d, -L) for
-    d >= 0 and (-L, d - L) below: one exponential and one log. MIXED_EDGE: with c = log2((1 - beta) / beta),
-    m is the larger of (1 - beta) p and beta q times 1 + y, y = 2^-|c - d| <= 1, and log2(1 + y) is taken to
-    fp32's relative precision, as are log2(1 - beta) and log2(beta): the terms that cancel in the soft term's
-    sums (to O(beta^2) as beta -> 0) then carry fp32's relative rounding, not its absolute one."""
+    student). MIXED (``shift`` 0): with L = log2 of the larger weight plus the other times 2^-|d|, they are
+    (-L - d, -L) for d >= 0 and (-L, d - L) below: one exponential and one log. MIXED_PRECISE: with
+    c = log2((1 - beta) / beta), m is the larger of (1 - beta) p and beta q times 1 + y, y = 2^-|c - d| <= 1, and
+    log2(1 + y) is taken to fp32's relative precision, as are log2(1 - beta) and log2(beta): the terms that
+    cancel in the soft term's sums (to O(beta^2) as beta -> 0) then carry fp32's relative rounding, not its
+    absolute one. Its ``shift`` is 0 or log2(1 - beta); the latter gives log2((1 - beta) p / m) exactly 0 plus
+    log2(1 + y) where the student's weight is the larger, the gradient's reference form (_row_reference)."""
     if MODE == MIXED:
         smaller = _exp2(-tl.abs(d))  # the smaller of 2^d and 2^-d: never overflows
         spread = tl.where(d >= 0.0, beta + keep * smaller, keep + beta * smaller)
         log_spread = _log2(spread)
         return -log_spread - tl.maximum(d, 0.0), tl.minimum(d, 0.0) - log_spread
     else:
-        # each of 1 - beta and beta from the other where it is near 1 (the other side's argument held in range)
-        log_keep = tl.where(beta < 0.5, _log2_1p(-tl.minimum(beta, 0.5)), _log2(keep))
-        log_beta = tl.where(beta < 0.5, _log2(beta), _log2_1p(-tl.minimum(keep, 0.5)))
-        student_larger = d <= log_keep - log_beta  # (1 - beta) p >= beta q
-        log_spread = _log2_1p(_exp2(-tl.abs(log_keep - log_beta - d)))
-        return (tl.where(student_larger, -log_keep, -log_beta - d) - log_spread,
+        log_keep, log_beta = _log2_weights(keep, beta)
+        log_ratio = log_keep - log_beta
+        student_larger = d <= log_ratio  # (1 - beta) p >= beta q
+        log_spread = _log2_1p(_exp2(-tl.abs(log_ratio - d)))
+        return (tl.where(student_larger, shift - log_keep, (shift - log_beta) - d) - log_spread,
                 tl.where(student_larger, d - log_keep, -log_beta) - log_spread)
 
 
 @triton.jit
 def _soft_terms(a, b, d, keep, beta, MODE: tl.constexpr):
-    """The soft loss's summands in base-2 units, (the student's, the teacher's), from log2 p = a, log2 q = b and
-    d = log2 q - log2 p. FORWARD: (0, q d); REVERSE: (-p d, 0); MIXED: (p (a - log2 m), beta q (b - log2 m)).
-    The student's sum is also the gradient's row sum sum_j p_j g_j (up to the factor _grad's log_coef carries)."""
+    """The soft loss's summands in base-2 units, (the student's, the teacher's, the student's shifted), from
+    log2 p = a, log2 q = b and d = log2 q - log2 p. FORWARD: (0, q d); REVERSE: (-p d, 0); MIXED:
+    (p (a - log2 m), beta q (b - log2 m)). The student's sum is also the gradient's row sum sum_j p_j g_j (up to
+    the factor _grad's log_coef carries); MIXED_PRECISE's third, p times its gap shifted by log2(1 - beta), the
+    same row sum in the shifted form (the other forms repeat the student's)."""
     if MODE == FORWARD:
-        return tl.zeros_like(a), _exp2(b) * d
+        return tl.zeros_like(a), _exp2(b) * d, tl.zeros_like(a)
     elif MODE == REVERSE:
-        return -_exp2(a) * d, tl.zeros_like(a)
+        student_term = -_exp2(a) * d
+        return student_term, tl.zeros_like(a), student_term
     else:
-        student_gap, teacher_gap = _minus_mixture(d, keep, beta, MODE)
-        return _exp2(a) * student_gap, beta * _exp2(b) * teacher_gap
+        p = _exp2(a)
+        student_gap, teacher_gap = _minus_mixture(d, keep, beta, 0.0, MODE)
+        shifted_term = p * student_gap
+        if MODE == MIXED_PRECISE:
+            shifted_term = p * _minus_mixture(d, keep, beta, _log2_weights(keep, beta)[0], MODE)[0]
+        return p * student_gap, beta * _exp2(b) * teacher_gap, shifted_term
 
 
 @triton.jit
 def _grad(s, a, b, d, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum,
-          keep, beta, MODE: tl.constexpr, SHARED: tl.constexpr, MASKED: tl.constexpr):
+          shift, keep, beta, MODE: tl.constexpr, SHARED: tl.constexpr, MASKED: tl.constexpr):
     """(d L / d s, FORWARD's soft summand q d) of a block: weight_hard (softmax(s) - onehot) plus soft_coef =
     weight_soft / T times the soft term's bracket; in REVERSE and MIXED p log_coef ((a - x) - row_sum) with
-    a - x = -d or log2 p - log2 m. The bracket is formed before the scaling, as the spec forms it: where p
-    sits on one column, (a - x) and row_sum are large and equal, and scaled apart they would round apart."""
+    a - x = -d or log2 p - log2 m (MIXED_PRECISE: plus the row's ``shift``, which row_sum carries too). The bracket
+    is formed before the scaling, as the spec forms it: where p sits on one column, (a - x) and row_sum are
+    large and equal, and scaled apart they would round apart."""
     p, hard_prob = _student_probs(s, a, z_scale, shift_z, norm_z, inv_ratio, SHARED, MASKED)
     grad = weight_hard * hard_prob - tl.where(cols == label_col, weight_hard, 0.0)
     if MODE == FORWARD:
@@ -216,7 +236,7 @@ def _grad(s, a, b, d, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weig
     elif MODE == REVERSE:
         return grad + p * (log_coef * (-d - row_sum)), tl.zeros_like(a)
     else:
-        student_gap, _ = _minus_mixture(d, keep, beta, MODE)
+        student_gap, _ = _minus_mixture(d, keep, beta, shift, MODE)
         return grad + p * (log_coef * (student_gap - row_sum)), tl.zeros_like(a)
 
 
@@ -327,8 +347,8 @@ def _inv_ratio(top_s, shift_x, x_scale, norm_x, norm_z, SHARED: tl.constexpr):
 
 @triton.jit
 def _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale, z_scale, shift_x, norm_x, top_t,
-                    norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum, keep, beta, lift,
-                    student_cap, teacher_cap, student_scale, teacher_scale, MODE: tl.constexpr, SHARED: tl.constexpr,
+                    norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum, shift, keep, beta,
+                    lift, student_cap, teacher_cap, student_scale, teacher_scale, MODE: tl.constexpr, SHARED: tl.constexpr,
                     LIFT: tl.constexpr, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr,
                     STAGES: tl.constexpr):
     """Pass 3: the row's gradient over the student's columns, over its logits (_grad; times ``lift`` with LIFT)."""
@@ -340,7 +360,7 @@ def _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale,
         t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
         a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
         grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
-                        row_sum, keep, beta, MODE, SHARED, MASKED=False)
+                        row_sum, shift, keep, beta, MODE, SHARED, MASKED=False)
         grad = _lifted(_through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP), lift, LIFT)
         tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
     for start in range(whole_blocks_stop, vocab_student, BLOCK):  # the last, partial block
@@ -350,7 +370,7 @@ def _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale,
         t = _load_logits(teacher_row, cols, in_student, teacher_scale, teacher_cap, TEACHER_CAP)
         a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
         grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
-                        row_sum, keep, beta, MODE, SHARED, MASKED=True)
+                        row_sum, shift, keep, beta, MODE, SHARED, MASKED=True)
         grad = _lifted(_through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP), lift, LIFT)
         tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_student)
 
@@ -359,22 +379,26 @@ def _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale,
 def _soft_sums(student_row, teacher_row, vocab_student, vocab_teacher, x_scale, shift_x, norm_x, top_t, norm_y, keep,
                beta, student_cap, teacher_cap, student_scale, teacher_scale, MODE: tl.constexpr, LIFT: tl.constexpr,
                STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """Pass 2 without the gradient: (student_sum, teacher_sum, largest_bracket) over the given columns, the sums of
-    _soft_terms (the student's, sum p (a - x) with x = b or log2 m, is also the gradient's row sum) and with LIFT
-    the largest |_soft_bracket| over the student's columns (0 without). The student's zero padding counts."""
+    """Pass 2 without the gradient: (student_sum, teacher_sum, shifted_sum, largest_bracket) over the given
+    columns, the sums of _soft_terms (the student's, sum p (a - x) with x = b or log2 m, is also the gradient's row
+    sum; shifted_sum, MIXED_PRECISE's in the shifted form, the student's in the others) and with LIFT the largest
+    |_soft_bracket| over the student's columns (0 without). The student's zero padding counts."""
     offsets = tl.arange(0, BLOCK)
     whole_blocks_stop = vocab_student - vocab_student % BLOCK
     largest_bracket = tl.zeros([BLOCK], tl.float32)
     student_part = tl.zeros([BLOCK], tl.float32)
     teacher_part = tl.zeros([BLOCK], tl.float32)
+    shifted_part = tl.zeros([BLOCK], tl.float32)
     for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
         cols = start + offsets
         s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
         t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
         a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
-        student_term, teacher_term = _soft_terms(a, b, d, keep, beta, MODE)
+        student_term, teacher_term, shifted_term = _soft_terms(a, b, d, keep, beta, MODE)
         student_part += student_term
         teacher_part += teacher_term
+        if MODE == MIXED_PRECISE:
+            shifted_part += shifted_term
         if LIFT:
             largest_bracket = tl.maximum(largest_bracket, tl.abs(_soft_bracket(a, b, d, student_term, MODE)))
     for start in range(whole_blocks_stop, vocab_teacher, BLOCK):  # s is 0 on [Vs, Vt): the padding counts
@@ -384,13 +408,19 @@ def _soft_sums(student_row, teacher_row, vocab_student, vocab_teacher, x_scale, 
         s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
         t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
         a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
-        student_term, teacher_term = _soft_terms(a, b, d, keep, beta, MODE)
+        student_term, teacher_term, shifted_term = _soft_terms(a, b, d, keep, beta, MODE)
         student_part += tl.where(in_teacher, student_term, 0.0)
         teacher_part += tl.where(in_teacher, teacher_term, 0.0)
+        if MODE == MIXED_PRECISE:
+            shifted_part += tl.where(in_teacher, shifted_term, 0.0)
         if LIFT:  # over the student's columns: the padding has no gradient
             bracket = tl.abs(_soft_bracket(a, b, d, student_term, MODE))
             largest_bracket = tl.where(in_student, tl.maximum(largest_bracket, bracket), largest_bracket)
-    return tl.sum(student_part, axis=0), tl.sum(teacher_part, axis=0), tl.max(largest_bracket, axis=0)
+    student_sum = tl.sum(student_part, axis=0)
+    shifted_sum = student_sum
+    if MODE == MIXED_PRECISE:
+        shifted_sum = tl.sum(shifted_part, axis=0)
+    return student_sum, tl.sum(teacher_part, axis=0), shifted_sum, tl.max(largest_bracket, axis=0)
 
 
 @triton.jit
@@ -406,12 +436,29 @@ def _soft_loss(student_sum, teacher_sum, keep, MODE: tl.constexpr):
 
 
 @triton.jit
+def _row_reference(student_sum, shifted_sum, keep, beta, MODE: tl.constexpr):
+    """(row_sum, shift): the gradient's bracket g_k - sum_j p_j g_j is the same for g shifted by any constant
+    (sum p = 1), but formed in fp32 it keeps only the absolute precision of g where p sits. MIXED_PRECISE's student
+    gap is -log2(1 - beta) plus a small term wherever the student's weight dominates the mixture (a teacher
+    peaked far from the student, beta near 1): there the gap shifted by log2(1 - beta) holds only the small term,
+    elsewhere the unshifted one is small. Of the two forms, the one whose row sum is smaller in size, the same
+    on every rank of a split (the sums are combined before this pass); the other forms, unshifted."""
+    if MODE == MIXED_PRECISE:
+        shifted = tl.abs(shifted_sum) < tl.abs(student_sum)
+        return tl.where(shifted, shifted_sum, student_sum), tl.where(shifted, _log2_weights(keep, beta)[0], 0.0)
+    else:
+        return student_sum, 0.0
+
+
+@triton.jit
 def _lift_and_write_row_grad(student_row, teacher_row, lift_row, vocab_student, label_col, x_scale, z_scale, shift_x,
                              norm_x, top_t, norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, student_sum,
-                             largest_bracket, keep, beta, student_cap, teacher_cap, student_scale, teacher_scale,
+                             shifted_sum, largest_bracket, keep, beta, student_cap, teacher_cap, student_scale,
+                             teacher_scale,
                              MODE: tl.constexpr, SHARED: tl.constexpr, LIFT: tl.constexpr, STUDENT_CAP: tl.constexpr,
                              TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """Pass 3 from the row's whole sums: with LIFT its power of two (stored at ``lift_row``), then the gradient."""
+    """Pass 3 from the row's whole sums: with LIFT its power of two (stored at ``lift_row``), then the gradient in
+    the row's reference form (_row_reference)."""
     if MODE >= MIXED:
         gap_scale = keep  # g = (1 - beta) (a - log m)
     else:
@@ -425,8 +472,9 @@ def _lift_and_write_row_grad(student_row, teacher_row, lift_row, vocab_student, 
         largest_p = tl.exp2((top_s - shift_x) * x_scale - norm_x)
         lift = _row_lift(lift_row, weight_hard, soft_coef, gap_scale * largest_bracket, largest_p, row_sum,
                          student_scale)
+    row_sum, shift = _row_reference(student_sum, shifted_sum, keep, beta, MODE)
     _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale, z_scale, shift_x, norm_x, top_t,
-                    norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, student_sum, keep, beta, lift,
+                    norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum, shift, keep, beta, lift,
                     student_cap, teacher_cap, student_scale, teacher_scale, MODE, SHARED, LIFT, STUDENT_CAP,
                     TEACHER_CAP, BLOCK, STAGES)
 
@@ -480,7 +528,7 @@ def _jsd_row_step_kernel(
         # Pass 2: the soft sums, and for FORWARD with gradients the gradient (the target is read above).
         # With LIFT the gradient waits for pass 3 (in FORWARD too): its bound needs the whole row's brackets.
         if WRITE_GRAD and MODE == FORWARD and not LIFT:
-            student_sum = 0.0
+            student_sum, shifted_sum = 0.0, 0.0
             teacher_part = tl.zeros([BLOCK], tl.float32)
             for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
                 cols = start + offsets
@@ -488,7 +536,7 @@ def _jsd_row_step_kernel(
                 t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
                 a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
                 grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard,
-                                   soft_coef, 0.0, 0.0, keep, beta, MODE, SHARED, MASKED=False)
+                                   soft_coef, 0.0, 0.0, 0.0, keep, beta, MODE, SHARED, MASKED=False)
                 teacher_part += term
                 tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
                     student_row.dtype.element_ty))
@@ -500,14 +548,14 @@ def _jsd_row_step_kernel(
                 t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
                 a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
                 grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard,
-                                   soft_coef, 0.0, 0.0, keep, beta, MODE, SHARED, MASKED=True)
+                                   soft_coef, 0.0, 0.0, 0.0, keep, beta, MODE, SHARED, MASKED=True)
                 teacher_part += tl.where(in_teacher, term, 0.0)
                 tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
                     student_row.dtype.element_ty), mask=in_student)
             teacher_sum = tl.sum(teacher_part, axis=0)
             largest_bracket = 0.0
         else:
-            student_sum, teacher_sum, largest_bracket = _soft_sums(
+            student_sum, teacher_sum, shifted_sum, largest_bracket = _soft_sums(
                 student_row, teacher_row, vocab_student, vocab_teacher, x_scale, shift_x, norm_x, top_t, norm_y, keep,
                 beta, student_cap, teacher_cap, student_scale, teacher_scale, MODE, LIFT, STUDENT_CAP, TEACHER_CAP,
                 BLOCK, STAGES)
@@ -519,7 +567,8 @@ def _jsd_row_step_kernel(
         if WRITE_GRAD and (MODE != FORWARD or LIFT):
             _lift_and_write_row_grad(
                 student_row, teacher_row, lifts_ptr + row, vocab_student, label_col, x_scale, z_scale, shift_x, norm_x,
-                top_t, norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, student_sum, largest_bracket, keep,
+                top_t, norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, student_sum, shifted_sum,
+                largest_bracket, keep,
                 beta, student_cap, teacher_cap, student_scale, teacher_scale, MODE, SHARED, LIFT, STUDENT_CAP,
                 TEACHER_CAP, BLOCK, STAGES)
     else:  # an ignored token: no loss, no gradient
@@ -531,14 +580,18 @@ def _jsd_row_step_kernel(
             _zero_row(student_row, vocab_student, BLOCK)
 
 
-def mode_of(beta: float) -> int:
-    """The soft term's form for this beta: FORWARD, REVERSE, MIXED or MIXED_EDGE (the CUDA step's MODE, but for
-    MIXED_EDGE, which it has no form of)."""
+def mode_of(beta: float, dtype: torch.dtype) -> int:
+    """The soft term's form for this beta and logits of this dtype: FORWARD, REVERSE, MIXED or MIXED_PRECISE (the
+    CUDA step's MODE, but for MIXED_PRECISE, which it has no form of). MIXED, the cheaper, only for bf16 logits
+    away from beta's edges, whose gradient's own rounding is above MIXED's (docs/design.md, The generalized JSD,
+    Precision)."""
     if beta == 0.0:
         return FORWARD.value
     if beta == 1.0:
         return REVERSE.value
-    return MIXED_EDGE.value if min(beta, 1.0 - beta) < EDGE_MARGIN else MIXED.value
+    if dtype == torch.bfloat16 and min(beta, 1.0 - beta) >= EDGE_MARGIN:
+        return MIXED.value
+    return MIXED_PRECISE.value
 
 
 def _check_scales(scales: RowStepConstants):
@@ -557,7 +610,7 @@ def row_step_jsd_triton(student_logits, teacher_logits, labels, scales: RowStepC
         return
     lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
     beta, temperature = scales.beta, scales.temperature
-    mode = mode_of(beta)
+    mode = mode_of(beta, student_logits.dtype)
     num_warps = num_warps or (DEFAULT_WARPS if write_grad else LOSS_ONLY_WARPS)
     block = _block(vocab_student, block_size, num_warps, DEFAULT_BLOCK if write_grad else LOSS_ONLY_BLOCK)
     stages = num_stages or (DEFAULT_STAGES if write_grad else LOSS_ONLY_STAGES)
@@ -586,9 +639,9 @@ SHARD_STATS = (
     "target_logit",  # s[label] if the label falls in this shard, else 0
 )
 NUM_SHARD_STATS: tl.constexpr = tl.constexpr(len(SHARD_STATS))
-# Per row: the _soft_sums of the shard's columns, (student_sum, teacher_sum, largest_bracket); the ranks add up
-# the first two and take the largest of the third (_row_step_jsd.combine_jsd_sums).
-NUM_SHARD_SUMS: tl.constexpr = tl.constexpr(3)
+# Per row: the _soft_sums of the shard's columns, (student_sum, teacher_sum, shifted_sum, largest_bracket); the
+# ranks add up the first three and take the largest of the fourth (combine_shard_sums).
+NUM_SHARD_SUMS: tl.constexpr = tl.constexpr(4)
 
 
 @triton.jit
@@ -648,16 +701,17 @@ def _jsd_shard_sums_kernel(
         vocab_student_total,
     )
     sums_row = sums_ptr + row * NUM_SHARD_SUMS
-    student_sum, teacher_sum, largest_bracket = 0.0, 0.0, 0.0
+    student_sum, teacher_sum, shifted_sum, largest_bracket = 0.0, 0.0, 0.0, 0.0
     if valid:
         top_s, norm_z, shift_x, norm_x, top_t, norm_y, target = _whole_row_stats(stats_ptr + row * NUM_SHARD_STATS)
-        student_sum, teacher_sum, largest_bracket = _soft_sums(
+        student_sum, teacher_sum, shifted_sum, largest_bracket = _soft_sums(
             student_row, teacher_ptr + row * teacher_row_stride, vocab_student, vocab_teacher, x_scale, shift_x,
             norm_x, top_t, norm_y, keep, beta, student_cap, teacher_cap, student_scale, teacher_scale, MODE, LIFT,
             STUDENT_CAP, TEACHER_CAP, BLOCK, STAGES)
     tl.store(sums_row, student_sum)
     tl.store(sums_row + 1, teacher_sum)
-    tl.store(sums_row + 2, largest_bracket)
+    tl.store(sums_row + 2, shifted_sum)
+    tl.store(sums_row + 3, largest_bracket)
 
 
 @triton.jit
@@ -687,8 +741,9 @@ def _jsd_shard_grad_kernel(
             _lift_and_write_row_grad(
                 student_row, teacher_ptr + row * teacher_row_stride, lifts_ptr + row, vocab_student, label_col, x_scale,
                 LOG2E, shift_x, norm_x, top_t, norm_y, top_s, norm_z, _inv_ratio(top_s, shift_x, x_scale, norm_x, norm_z,
-                SHARED), weight_hard, soft_coef, student_sum, tl.load(sums_row + 2), keep, beta, student_cap,
-                teacher_cap, student_scale, teacher_scale, MODE, SHARED, LIFT, STUDENT_CAP, TEACHER_CAP, BLOCK, STAGES)
+                SHARED), weight_hard, soft_coef, student_sum, tl.load(sums_row + 2), tl.load(sums_row + 3), keep, beta,
+                student_cap, teacher_cap, student_scale, teacher_scale, MODE, SHARED, LIFT, STUDENT_CAP, TEACHER_CAP,
+                BLOCK, STAGES)
     else:
         tl.store(losses_row, 0.0)
         tl.store(losses_row + 1, 0.0)
@@ -750,11 +805,17 @@ def jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats, scales:
         _jsd_shard_sums_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats, sums,
             vocab_student, vocab_teacher, *_common_args(vocab_student, scales), LOG2E.value / scales.temperature,
-            1.0 - scales.beta, scales.beta, *_logit_args(scales), **_caps(scales), MODE=mode_of(scales.beta),
-            LIFT=lift_terms, BLOCK=_block(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK),
-            STAGES=LOSS_ONLY_STAGES, num_warps=LOSS_ONLY_WARPS, **TRITON_OPTIONS,
+            1.0 - scales.beta, scales.beta, *_logit_args(scales), **_caps(scales),
+            MODE=mode_of(scales.beta, student_logits.dtype), LIFT=lift_terms,
+            BLOCK=_block(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK), STAGES=LOSS_ONLY_STAGES,
+            num_warps=LOSS_ONLY_WARPS, **TRITON_OPTIONS,
         )
     return sums
+
+
+def combine_shard_sums(shard_sums: torch.Tensor) -> torch.Tensor:
+    """The whole rows' shard sums from the ranks', [ranks, n, NUM_SHARD_SUMS] -> [n, NUM_SHARD_SUMS]."""
+    return combine_jsd_sums(shard_sums, summed=3)
 
 
 def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, scales: RowStepConstants, token_losses,
@@ -771,7 +832,7 @@ def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, s
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats, sums,
         token_losses, lifts, vocab_student, *_common_args(vocab_student, scales), scales.weight_hard,
         scales.weight_soft / scales.temperature, LOG2E.value / scales.temperature, 1.0 - scales.beta, scales.beta,
-        *_logit_args(scales), **_caps(scales), MODE=mode_of(scales.beta), SHARED=scales.temperature == 1.0,
+        *_logit_args(scales), **_caps(scales), MODE=mode_of(scales.beta, student_logits.dtype), SHARED=scales.temperature == 1.0,
         WRITE_GRAD=write_grad, **lift_flag, BLOCK=_block(vocab_student, None, num_warps), STAGES=DEFAULT_STAGES,
         num_warps=num_warps, **TRITON_OPTIONS,
     )
@@ -779,14 +840,14 @@ def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, s
 
 def split_jsd_row_step_triton(all_gather):
     """The JSD's row step over a vocabulary split across ranks in three launches, with split_jsd_row_step's two
-    all-gathers of O(rows) per chunk between them (of [n, 7] and [n, 3] fp32)."""
+    all-gathers of O(rows) per chunk between them (of [n, 7] and [n, 4] fp32)."""
 
     def row_step(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None):
         stats = combine_shard_stats(all_gather(jsd_shard_stats_triton(student_logits, teacher_logits, labels, scales)),
                                     scales.temperature)
         lift_terms = write_grad and grad_lifts is not None
-        sums = combine_jsd_sums(all_gather(jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats, scales,
-                                                                 lift_terms)))
+        sums = combine_shard_sums(all_gather(jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats,
+                                                                   scales, lift_terms)))
         jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, scales, token_losses, write_grad,
                               grad_lifts)  # every rank: the same stats and sums, so the same losses and lifts
 
