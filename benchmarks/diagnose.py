@@ -628,7 +628,7 @@ def host(args):
 
 # --- row-step ---
 
-ROW_STEP_SCALES = RowStepConstants(weight_hard=0.3, weight_soft=0.7, beta=0.9, temperature=2.0, ignore_index=-100)
+ROW_STEP_CONSTANTS = RowStepConstants(weight_hard=0.3, weight_soft=0.7, beta=0.9, temperature=2.0, ignore_index=-100)
 # (rows, vocab, padding columns) the cluster kernel is checked at: the seed's and other LLMs' vocabularies, odd ones
 CLUSTER_CHECK_SHAPES = ((1024, 128256, 0), (256, 262144, 0), (300, 32000, 0), (100, 1000, 8), (33, 8, 0), (64, 151936, 0),
                         (200, 98304, 0), (64, 200064, 0), (300, 49152, 8))
@@ -642,17 +642,17 @@ def row_inputs(rows, vocab, device, pad=0, label_dtype=torch.int64, seed=0, igno
     student = torch.randn(rows, vocab + pad, device=device, generator=generator).mul_(3).bfloat16()[:, :vocab]
     teacher = torch.randn(rows, vocab + pad, device=device, generator=generator).mul_(3).bfloat16()[:, :vocab]
     labels = torch.randint(0, vocab, (rows,), device=device, generator=generator)
-    labels[torch.rand(rows, device=device, generator=generator) < ignored] = ROW_STEP_SCALES.ignore_index
+    labels[torch.rand(rows, device=device, generator=generator) < ignored] = ROW_STEP_CONSTANTS.ignore_index
     return student, teacher, labels.to(label_dtype)
 
 
-def spec_error(step, student, teacher, labels, scales, write_grad) -> float:
+def spec_error(step, student, teacher, labels, constants, write_grad) -> float:
     """The larger relative error of a row step's losses and gradient against the torch spec's (the losses poisoned
     first); inf where its NaN losses are not the spec's."""
     want_grad, want_losses = student.clone(), torch.empty(len(student), 2, device=student.device)
-    row_step_torch(want_grad, teacher, labels, scales, want_losses, write_grad)
+    row_step_torch(want_grad, teacher, labels, constants, want_losses, write_grad)
     grad, losses = student.clone(), torch.full((len(student), 2), float("nan"), device=student.device)
-    step(grad, teacher, labels, scales, losses, write_grad)
+    step(grad, teacher, labels, constants, losses, write_grad)
     finite = want_losses.isfinite()
     errors = [rel_err(losses[finite], want_losses[finite])]
     if write_grad:
@@ -661,7 +661,7 @@ def spec_error(step, student, teacher, labels, scales, write_grad) -> float:
     return max(errors) if same_nans and all(map(math.isfinite, errors)) else math.inf
 
 
-def triton_sweep(impls, student, teacher, labels, scales, copy_ms, configs, stages) -> list[dict]:
+def triton_sweep(impls, student, teacher, labels, constants, copy_ms, configs, stages) -> list[dict]:
     """Each Triton row step at each (block, warps) and --stages, with gradient (timed with a copy of the student
     buffer, which it overwrites, less the copy) and loss only; its error against the spec first."""
     records, scratch, losses = [], student.clone(), torch.empty(len(student), 2, device=student.device)
@@ -673,12 +673,12 @@ def triton_sweep(impls, student, teacher, labels, scales, copy_ms, configs, stag
             def step(s, t, y, sc, out, grad, row_step=row_step, settings=settings):
                 row_step(s, t, y, sc, out, grad, **settings)
 
-            error = spec_error(step, student, teacher, labels, scales, write_grad)
+            error = spec_error(step, student, teacher, labels, constants, write_grad)
             if write_grad:
-                ms = kernel_ms(lambda: (scratch.copy_(student), step(scratch, teacher, labels, scales, losses, True)),
+                ms = kernel_ms(lambda: (scratch.copy_(student), step(scratch, teacher, labels, constants, losses, True)),
                                student.device) - copy_ms
             else:
-                ms = kernel_ms(lambda: step(student, teacher, labels, scales, losses, False), student.device)
+                ms = kernel_ms(lambda: step(student, teacher, labels, constants, losses, False), student.device)
             records.append(dict(impl=name, write_grad=write_grad, block=block, warps=warps, stages=stage, ms=ms,
                                 tb_per_s=passes * one_pass / ms / 1e9 if ms > 0 else None, rel_err=error))
             setting = "defaults" if block is None else f"block={block:5d} warps={warps:2d}"
@@ -694,9 +694,9 @@ def cluster_step(layout):
 
     row_step_cuda = testing.kernels.row_step_cuda
 
-    def step(student, teacher, labels, scales, losses, write_grad=True):
-        row_step_cuda.cluster_kernel(student, teacher, labels, scales, losses, layout)
-        row_step_triton(student, teacher, labels, scales, losses, True, rescue_only=True)
+    def step(student, teacher, labels, constants, losses, write_grad=True):
+        row_step_cuda.cluster_kernel(student, teacher, labels, constants, losses, layout)
+        row_step_triton(student, teacher, labels, constants, losses, True, rescue_only=True)
     return step
 
 
@@ -726,7 +726,7 @@ def cluster_checks(layout, device) -> list[dict]:
     records = []
     for name, (student, teacher, labels) in cases:
         if cluster_fits(student.shape[1], layout):
-            error = spec_error(cluster_step(layout), student, teacher, labels, ROW_STEP_SCALES, True)
+            error = spec_error(cluster_step(layout), student, teacher, labels, ROW_STEP_CONSTANTS, True)
             records.append(dict(layout=layout, case=name, rel_err=error))
             print(f"  {layout or 'launched'} {name}: rel err against the spec {error:.2e}", flush=True)
     return records
@@ -741,7 +741,7 @@ def cluster_alone(student, teacher, labels, layouts, copy_ms, old_step) -> list[
     steps = [("--old cuda", None, old_step)] if old_step else []
     steps += [(f"cuda {layout or 'launched'}", layout, cluster_step(layout)) for layout in layouts if cluster_fits(vocab, layout)]
     for name, layout, step in steps:
-        ms = kernel_ms(lambda: (scratch.copy_(student), step(scratch, teacher, labels, ROW_STEP_SCALES, losses, True)),
+        ms = kernel_ms(lambda: (scratch.copy_(student), step(scratch, teacher, labels, ROW_STEP_CONSTANTS, losses, True)),
                        student.device) - copy_ms
         detail = ""
         if name.startswith("cuda"):
@@ -759,7 +759,7 @@ def in_step_times(steps, rows, vocab, device, ignored, hidden=4096, calls=60) ->
     """CUDA only: each step timed by CUDA events right after a teacher-sized logits GEMM into its teacher buffer, as
     in the chunk loop: at the clock and the L2 state the step meets there. Median ms over ``calls``."""
     student, teacher, labels = row_inputs(rows, vocab, device, ignored=0.0)
-    labels[:int(rows * ignored)] = ROW_STEP_SCALES.ignore_index  # a masked prompt, ignored rows first
+    labels[:int(rows * ignored)] = ROW_STEP_CONSTANTS.ignore_index  # a masked prompt, ignored rows first
     hidden_rows = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
     weight = torch.randn(vocab, hidden, device=device, dtype=torch.bfloat16) / hidden**0.5
     scratch, losses = student.clone(), torch.empty(rows, 2, device=device)
@@ -770,7 +770,7 @@ def in_step_times(steps, rows, vocab, device, ignored, hidden=4096, calls=60) ->
             torch.mm(hidden_rows, weight.T, out=teacher)
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            step(scratch, teacher, labels, ROW_STEP_SCALES, losses, True)
+            step(scratch, teacher, labels, ROW_STEP_CONSTANTS, losses, True)
             stop.record()
             torch.cuda.synchronize()
             if call >= 5:
@@ -804,7 +804,7 @@ def row_step(args):
     row_step_cuda = testing.kernels.row_step_cuda
 
     device = torch.device(args.device)
-    scales = dataclasses.replace(ROW_STEP_SCALES, student_softcap=args.softcap, teacher_softcap=args.softcap)
+    constants = dataclasses.replace(ROW_STEP_CONSTANTS, student_softcap=args.softcap, teacher_softcap=args.softcap)
     old_triton, old_cuda = old_row_steps(args.old) if args.old else (None, None)
     impls = [("this", row_step_triton)] + ([("--old", old_triton)] if old_triton else [])
     configs = {True: TRITON_GRAD_CONFIGS, False: TRITON_LOSS_CONFIGS}
@@ -826,7 +826,7 @@ def row_step(args):
             copy_ms = kernel_ms(lambda: scratch.copy_(student), device)
             print(f"rows={rows} vocab={vocab}: copy of one buffer {copy_ms:.3f} ms, "
                   f"{2 * student.numel() * 2 / copy_ms / 1e9:.2f} TB/s", flush=True)
-            records = triton_sweep(impls, student, teacher, labels, scales, copy_ms, configs, args.stages)
+            records = triton_sweep(impls, student, teacher, labels, constants, copy_ms, configs, args.stages)
             if cluster:
                 records += cluster_alone(student, teacher, labels, layouts, copy_ms, old_cuda)
             report["alone"] += [dict(rows=rows, vocab=vocab, copy_ms=copy_ms, **record) for record in records]

@@ -171,7 +171,7 @@ def impl(request):
     return request.param
 
 
-def run_jsd_split_stages(student, teacher, labels, scales, bounds, write_grad, lifts=False):
+def run_jsd_split_stages(student, teacher, labels, constants, bounds, write_grad, lifts=False):
     """(gradient, losses per shard, lifts per shard) of the JSD Triton step's stages over a vocabulary split at
     the teacher's column ``bounds``, each shard a rank: every rank's stage, then the combination that
     split_jsd_row_step_triton makes of the all-gathered [ranks, ...] between the stages. Losses and lifts are
@@ -182,9 +182,9 @@ def run_jsd_split_stages(student, teacher, labels, scales, bounds, write_grad, l
     vocab_student, poisoned = student.shape[1], functools.partial(torch.full, fill_value=float("nan"),
                                                                   device=student.device)
     shards = [(student[:, min(a, vocab_student):min(b, vocab_student)].clone(), teacher[:, a:b],
-               replace(scales, vocab_start=a, vocab_student_total=vocab_student)) for a, b in bounds]
+               replace(constants, vocab_start=a, vocab_student_total=vocab_student)) for a, b in bounds]
     stats = jsd.combine_shard_stats(torch.stack([jsd.jsd_shard_stats_triton(s, t, labels, shard_scales)
-                                                 for s, t, shard_scales in shards]), scales.temperature)
+                                                 for s, t, shard_scales in shards]), constants.temperature)
     sums = jsd.combine_shard_sums(torch.stack([jsd.jsd_shard_sums_triton(s, t, labels, stats, shard_scales,
                                                                          write_grad and lifts)
                                                for s, t, shard_scales in shards]))

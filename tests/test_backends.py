@@ -95,12 +95,12 @@ def test_every_triton_launch_pins_fma_contraction(monkeypatch):
     every_kernel = {name for module in modules for name, value in vars(module).items()
                     if isinstance(value, InterpretedFunction) and name.endswith("_kernel")}
     student, teacher, labels = random_chunk(6, 40, 45, torch.float32)
-    scales = RowStepConstants(0.4, 0.6, 0.5, 1.5, -7)
+    constants = RowStepConstants(0.4, 0.6, 0.5, 1.5, -7)
     losses = torch.empty(6, 2)
-    kernels.row_step_triton.row_step_triton(student.clone(), teacher, labels, scales, losses, True)
-    split_in_two(TRITON_ROW_STEP, student.clone(), teacher, labels, scales, losses, True)  # statistics, gradient
-    kernels.row_step_jsd_triton.row_step_jsd_triton(student.clone(), teacher, labels, scales, losses, True)
-    run_jsd_split_stages(student, teacher, labels, scales, [(0, 20), (20, 45)], True)
+    kernels.row_step_triton.row_step_triton(student.clone(), teacher, labels, constants, losses, True)
+    split_in_two(TRITON_ROW_STEP, student.clone(), teacher, labels, constants, losses, True)  # statistics, gradient
+    kernels.row_step_jsd_triton.row_step_jsd_triton(student.clone(), teacher, labels, constants, losses, True)
+    run_jsd_split_stages(student, teacher, labels, constants, [(0, 20), (20, 45)], True)
     counts = kernels.labels.count_labels_triton(labels, -7, 40)
     kernels.labels.mean_losses_triton(losses, counts, None, 0.4, 0.6)
     kernels.grad_output.scale_unless_one_triton((torch.randn(50),), torch.tensor(0.5))

@@ -195,8 +195,8 @@ def test_the_spec_comparison_fails_a_wrong_row_step():
     from cosdistill.testing import row_step_triton
 
     student, teacher, labels = diagnose.row_inputs(4, 64, torch.device("cpu"))
-    scales = diagnose.ROW_STEP_SCALES
-    assert diagnose.spec_error(row_step_triton, student, teacher, labels, scales, True) < 1e-2
+    constants = diagnose.ROW_STEP_CONSTANTS
+    assert diagnose.spec_error(row_step_triton, student, teacher, labels, constants, True) < 1e-2
 
     def scaled_losses(s, t, y, sc, losses, write_grad):
         row_step_triton(s, t, y, sc, losses, write_grad)
@@ -209,9 +209,9 @@ def test_the_spec_comparison_fails_a_wrong_row_step():
         row_step_triton(s, t, y, sc, losses, write_grad)
         losses[1, 0] = float("nan")
 
-    assert diagnose.spec_error(scaled_losses, student, teacher, labels, scales, True) > 5e-3
-    assert diagnose.spec_error(no_gradient, student, teacher, labels, scales, True) > 0.1
-    assert diagnose.spec_error(a_nan_loss, student, teacher, labels, scales, True) == math.inf
+    assert diagnose.spec_error(scaled_losses, student, teacher, labels, constants, True) > 5e-3
+    assert diagnose.spec_error(no_gradient, student, teacher, labels, constants, True) > 0.1
+    assert diagnose.spec_error(a_nan_loss, student, teacher, labels, constants, True) == math.inf
 
 
 def test_fp8_accuracy_reports_each_quantity(tmp_path):

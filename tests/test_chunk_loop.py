@@ -121,7 +121,7 @@ def test_host_reads_n_only_where_gradients_need_it(grad):
             return super().wait()
 
     labels = problem.labels
-    teacher = LogitsTeacher(TeacherHead(problem.teacher_weight, None), counting_row_step, Options().scales, ChunkRows(16, 8))
+    teacher = LogitsTeacher(TeacherHead(problem.teacher_weight, None), counting_row_step, Options().constants, ChunkRows(16, 8))
     result = chunked_loss_and_grads(
         problem.student_input.detach(), problem.student_weight.detach(), None, problem.teacher_input, teacher, labels,
         RecordingCounts(labels, -100, problem.student_weight.shape[0], None, TORCH, 0.5, 0.5), ChunkRows(16, 8),
@@ -231,7 +231,7 @@ def test_the_logits_teacher_takes_its_chunks_in_order():
     """The teacher side forms each chunk's logits from its own teacher_input (it queues them ahead of the chunk):
     a chunk out of order raises instead of stepping on another chunk's logits."""
     problem = make_problem(tokens=20, bias=False)
-    teacher = LogitsTeacher(TeacherHead(problem.teacher_weight, None), TORCH.row_step.step, Options().scales,
+    teacher = LogitsTeacher(TeacherHead(problem.teacher_weight, None), TORCH.row_step.step, Options().constants,
                             ChunkRows(8, 4))
     teacher.start(problem.student_input, problem.teacher_input)
     logits = torch.empty(8, problem.student_weight.shape[0])

@@ -112,7 +112,7 @@ def test_the_function_api_checks_each_set_of_options_once():
     first = options_of(weight_hard_loss=0.3, beta=0.7)
     assert options_of(weight_hard_loss=0.3, beta=0.7) is first
     assert options_of(weight_hard_loss=0.3, beta=0.8) is not first
-    assert first.scales is first.scales and first.scales.beta == 0.7
+    assert first.constants is first.constants and first.constants.beta == 0.7
     with pytest.raises(TypeError, match="chunk_size must be an int or None, got list \\[4\\]"):
         options_of(chunk_size=[4])
     # Values equal to a checked set's but of another type are checked, not taken for it (1024.0 == 1024)
@@ -126,9 +126,9 @@ def test_a_tensor_valued_option_is_read_at_every_call_and_never_cached():
     """A weight or beta kept in a one-element tensor may change in place between calls: each call's options read
     its value, and no cache keeps the tensor alive."""
     beta = torch.tensor(0.7)
-    assert options_of(beta=beta).scales.beta == pytest.approx(0.7)
+    assert options_of(beta=beta).constants.beta == pytest.approx(0.7)
     beta.fill_(0.2)
-    assert options_of(beta=beta).scales.beta == pytest.approx(0.2)
+    assert options_of(beta=beta).constants.beta == pytest.approx(0.2)
     alive = weakref.ref(beta)
     del beta
     gc.collect()

@@ -34,13 +34,13 @@ def test_statistics_of_vocabulary_shards_combine_to_the_whole_row_step(impl_name
     generator = torch.Generator().manual_seed(vocab_teacher * shards)
     rows = 9
     student, teacher, labels = random_chunk(rows, vocab_student, vocab_teacher, torch.float32)
-    scales = RowStepConstants(0.4, 0.7, 0.6, 1.3, -7, student_softcap=softcaps[0], teacher_softcap=softcaps[1])
+    constants = RowStepConstants(0.4, 0.7, 0.6, 1.3, -7, student_softcap=softcaps[0], teacher_softcap=softcaps[1])
     whole_grad, whole_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_torch(whole_grad, teacher, labels, scales, whole_losses, True)
+    row_step_torch(whole_grad, teacher, labels, constants, whole_losses, True)
 
     bounds = shard_bounds(vocab_teacher, shards, generator)
     pieces = [(student[:, start:min(stop, vocab_student)].contiguous(), teacher[:, start:stop].contiguous(),
-               replace(scales, vocab_start=start, vocab_student_total=vocab_student)) for start, stop in bounds]
+               replace(constants, vocab_start=start, vocab_student_total=vocab_student)) for start, stop in bounds]
     stats = combine_row_stats(torch.stack([impl.stats(s, t, labels, sc) for s, t, sc in pieces]))
     for s, t, sc in pieces:
         losses = torch.full((rows, 2), POISON)
@@ -59,14 +59,14 @@ def test_fp16_lifts_match_torch_and_keep_gradients_in_fp16_range(weights, softca
     student, teacher, labels = random_chunk(rows, vocab, vocab, torch.float16)
     student[2] = 0.0
     labels[2] = 5  # counted
-    scales = RowStepConstants(weights[0], weights[1], beta=0.8, temperature=1.3, ignore_index=-7,
+    constants = RowStepConstants(weights[0], weights[1], beta=0.8, temperature=1.3, ignore_index=-7,
                            student_softcap=softcap)
     plain_grad, plain_losses = student.float(), torch.empty(rows, 2)
-    row_step_torch(plain_grad, teacher.float(), labels, scales, plain_losses, True)  # fp32: all in range
+    row_step_torch(plain_grad, teacher.float(), labels, constants, plain_losses, True)  # fp32: all in range
     results = {}
     for name, step in (("torch", row_step_torch), ("triton", row_step_triton)):
         grad, losses, lifts = student.clone(), torch.empty(rows, 2), torch.full((rows,), POISON)
-        step(grad, teacher, labels, scales, losses, True, lifts)
+        step(grad, teacher, labels, constants, losses, True, lifts)
         results[name] = grad, lifts
         exponents = torch.log2(lifts)
         assert torch.equal(exponents, exponents.round()) and exponents.max() <= 10

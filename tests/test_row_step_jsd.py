@@ -61,27 +61,27 @@ def test_row_step_matches_autograd_of_the_reference(beta, temperature):
     t = torch.randn(9, 47, generator=generator, dtype=torch.float64) * 3
     labels = torch.randint(0, 40, (9,), generator=generator)
     labels[[2, 5]] = -100
-    scales = RowStepConstants(0.3, 1.7, beta, temperature, -100)
+    constants = RowStepConstants(0.3, 1.7, beta, temperature, -100)
     leaf = s.clone().requires_grad_()
     valid = labels != -100
     hard = torch.where(valid, torch.logsumexp(leaf, 1) - leaf.gather(1, labels.clamp(min=0)[:, None])[:, 0], 0.0)
     soft = torch.where(valid, jsd_reference(leaf, t, beta, temperature), 0.0)
     (0.3 * hard.sum() + 1.7 * soft.sum()).backward()
     got, losses = s.float(), torch.full((9, 2), float("nan"))
-    row_step_jsd_torch(got, t.float(), labels, scales, losses, True)
+    row_step_jsd_torch(got, t.float(), labels, constants, losses, True)
     assert rel_err(losses[:, 0], hard.detach()) < 1e-6 and rel_err(losses[:, 1], soft.detach()) < 1e-5
     assert rel_err(got, leaf.grad) < 1e-5
 
 
-def split_stages(s, t, labels, scales, bounds, lift_terms=False):
+def split_stages(s, t, labels, constants, bounds, lift_terms=False):
     """(shards, stats, sums): the logits cut at the teacher's column ``bounds`` (student copies, each with its
-    shard's scales), and the two combinations between the stages, as split_jsd_row_step makes them through
+    shard's constants), and the two combinations between the stages, as split_jsd_row_step makes them through
     all_gather."""
     vocab_student = s.shape[1]
     shards = [(s[:, min(a, vocab_student):min(b, vocab_student)].clone(), t[:, a:b], dataclasses.replace(
-        scales, vocab_start=a, vocab_student_total=vocab_student)) for a, b in bounds]
+        constants, vocab_start=a, vocab_student_total=vocab_student)) for a, b in bounds]
     stats = combine_jsd_stats(torch.stack([jsd_row_stats(*shard[:2], labels, shard[2]) for shard in shards]),
-                              scales.temperature)
+                              constants.temperature)
     sums = combine_jsd_sums(torch.stack([jsd_row_sums(*shard[:2], stats, shard[2], lift_terms) for shard in shards]))
     return shards, stats, sums
 
@@ -94,10 +94,10 @@ def test_its_stages_over_a_vocabulary_split_give_the_whole_rows_step(beta, write
     generator = torch.Generator().manual_seed(int(10 * beta))
     s, t = torch.randn(9, 30, generator=generator) * 3, torch.randn(9, 47, generator=generator) * 3
     labels = torch.tensor([0, 15, 16, 29, -100, 3, 40, 22, 7])  # 40: out of range, taken as ignored
-    scales = RowStepConstants(0.3, 1.7, beta, 1.5, -100)
+    constants = RowStepConstants(0.3, 1.7, beta, 1.5, -100)
     want, want_losses = s.clone(), torch.empty(9, 2)
-    row_step_jsd_torch(want, t, labels, scales, want_losses, write_grad)
-    shards, stats, sums = split_stages(s, t, labels, scales, [(0, 16), (16, 32), (32, 47)])
+    row_step_jsd_torch(want, t, labels, constants, want_losses, write_grad)
+    shards, stats, sums = split_stages(s, t, labels, constants, [(0, 16), (16, 32), (32, 47)])
     for shard in shards:
         losses = torch.full((9, 2), float("nan"))
         jsd_row_grad(shard[0], shard[1], labels, stats, sums, shard[2], losses, write_grad)
@@ -113,11 +113,11 @@ def test_fp16_lifts_are_the_same_over_a_vocabulary_split(beta):
     s = (torch.randn(9, 300, generator=generator) * 2).half()
     t = (torch.randn(9, 470, generator=generator) * 2).half()
     labels = torch.tensor([0, 150, 160, 299, -100, 3, 400, 220, 7])
-    scales = RowStepConstants(0.0, 1.0, beta, 1.3, -100)
+    constants = RowStepConstants(0.0, 1.0, beta, 1.3, -100)
     want, want_lifts = s.clone(), torch.empty(9)
-    row_step_jsd_torch(want, t, labels, scales, torch.empty(9, 2), True, want_lifts)
+    row_step_jsd_torch(want, t, labels, constants, torch.empty(9, 2), True, want_lifts)
     assert (want_lifts > 1).any() and (want_lifts[[4, 6]] == 1).all(), want_lifts  # rows 4 and 6 are ignored
-    shards, stats, sums = split_stages(s, t, labels, scales, [(0, 160), (160, 320), (320, 470)], lift_terms=True)
+    shards, stats, sums = split_stages(s, t, labels, constants, [(0, 160), (160, 320), (320, 470)], lift_terms=True)
     for shard in shards:
         lifts = torch.full((9,), float("nan"))
         jsd_row_grad(shard[0], shard[1], labels, stats, sums, shard[2], torch.empty(9, 2), True, lifts)
@@ -146,12 +146,12 @@ def test_the_lift_bound_holds(beta, temperature, case, weight_hard):
     s, t = (x.double() for x in LIFT_CASES[case](generator))
     labels = torch.tensor([0, 5, 39, 12, 21, 30])
     for heads in ({}, dict(student_softcap=5.0, student_logit_scale=1.7, teacher_softcap=8.0)):
-        scales = RowStepConstants(weight_hard, 0.9, beta, temperature, -100, **heads)
-        stats = jsd_row_stats(s, t, labels, scales)
-        sums = jsd_row_sums(s, t, stats, scales, lift_terms=True)
+        constants = RowStepConstants(weight_hard, 0.9, beta, temperature, -100, **heads)
+        stats = jsd_row_stats(s, t, labels, constants)
+        sums = jsd_row_sums(s, t, stats, constants, lift_terms=True)
         grad = s.clone()
-        jsd_row_grad(grad, t, labels, stats, sums, scales, torch.empty(6, 2), True)
-        largest, bound = grad.abs().amax(1), jsd_lift_bound(sums, scales)
+        jsd_row_grad(grad, t, labels, stats, sums, constants, torch.empty(6, 2), True)
+        largest, bound = grad.abs().amax(1), jsd_lift_bound(sums, constants)
         assert (largest <= bound * (1 + 1e-9)).all(), (largest, bound)
 
 

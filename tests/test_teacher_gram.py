@@ -219,14 +219,14 @@ def test_a_one_kernel_gram_step_is_used_where_the_impl_has_one(monkeypatch):
     two stages run. The stand-in computes what the kernel must: the torch spec's two stages."""
     calls = []
 
-    def gram_step(student_logits, labels, scales, token_losses, products, coefficients):
+    def gram_step(student_logits, labels, constants, token_losses, products, coefficients):
         calls.append(products.shape)
         if len(calls) > 1:
             return False  # declines from the second chunk on
-        stats = with_teacher_products(TORCH_ROW_STEP.stats(student_logits, None, labels, scales), products[:, 0],
-                                      products[:, 1], scales)
-        TORCH_ROW_STEP.grad(student_logits, None, labels, stats, scales, token_losses, True)
-        coefficients.copy_(teacher_grad_coefficient(stats, labels, student_logits.shape[1], scales))
+        stats = with_teacher_products(TORCH_ROW_STEP.stats(student_logits, None, labels, constants), products[:, 0],
+                                      products[:, 1], constants)
+        TORCH_ROW_STEP.grad(student_logits, None, labels, stats, constants, token_losses, True)
+        coefficients.copy_(teacher_grad_coefficient(stats, labels, student_logits.shape[1], constants))
         return True
 
     monkeypatch.setattr(backends, "TORCH", dataclasses.replace(

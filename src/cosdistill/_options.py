@@ -119,7 +119,7 @@ class Options:
                 )
 
     @functools.cached_property  # read at every call; a frozen dataclass's __dict__ can still hold it
-    def scales(self) -> RowStepConstants:
+    def constants(self) -> RowStepConstants:
         """The row step's constants."""
         optional = lambda value: None if value is None else float(value)  # noqa: E731
         return RowStepConstants(

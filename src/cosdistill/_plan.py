@@ -72,7 +72,7 @@ class Plan:
     options: Options
     backend: Backend
     row_step: RowStepImpl  # the backend's for the loss
-    scales: RowStepConstants  # the row step's constants (with the vocabulary split's, if any)
+    constants: RowStepConstants  # the row step's constants (with the vocabulary split's, if any)
     teacher: str  # "logits", "fp8" or "gram"
     rows: ChunkRows
     needs_grad: tuple[bool, bool, bool]  # input, weight, bias
@@ -98,15 +98,15 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
     if gram_applies(options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens, needs_grad,
                     vocab_parallel, teacher_gram_cached):
         teacher = "gram"
-    vocab_student, vocab_teacher, scales = student_weight.shape[0], teacher_weight.shape[0], options.scales
+    vocab_student, vocab_teacher, constants = student_weight.shape[0], teacher_weight.shape[0], options.constants
     if vocab_parallel is not None:  # the whole student vocabulary sizes the chunks: every rank runs as many
         vocab_student = vocab_teacher = vocab_parallel.vocab_student
-        scales = dataclasses.replace(scales, vocab_start=vocab_parallel.start, vocab_student_total=vocab_student)
+        constants = dataclasses.replace(constants, vocab_start=vocab_parallel.start, vocab_student_total=vocab_student)
     rows = chunk_rows(options.chunk_size, num_tokens, vocab_student, 0 if teacher == "gram" else vocab_teacher,
                       student_weight.element_size(), write_grad=any(needs_grad))
     side_stream = row_step_beside_gemms(options.loss, backend, student_weight.device, teacher, rows, num_tokens,
                                         vocab_student, vocab_teacher, student_weight.element_size(), vocab_parallel)
-    return Plan(options, backend, row_step, scales, teacher, rows, tuple(needs_grad),
+    return Plan(options, backend, row_step, constants, teacher, rows, tuple(needs_grad),
                 options.accum_dtype or default_accum_dtype(student_weight.dtype), vocab_parallel,
                 fall_back=options.cosine_via == "auto", side_stream=side_stream,
                 grad_weight_in_forward=small_call(rows, num_tokens, student_weight.shape, teacher_weight.shape))
@@ -230,7 +230,7 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
     # The GPU starts on the first chunk's student GEMM before the teacher side's set-up, whose host time
     # (and any cached teacher copy's check) it then covers.
     student_logits = start_student_logits(student_input, student_weight, student_bias, plan.rows)
-    backend, scales = plan.backend, plan.scales
+    backend, constants = plan.backend, plan.constants
     row_step, reduce_grad_input, split, fp8_head = plan.row_step.step, None, None, None
     if plan.teacher == "fp8":
         # The copy's content check rides on the first row step where it can take the weight's hash along; under a
@@ -246,14 +246,14 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
         row_step, reduce_grad_input = plan.row_step.over_ranks(split.all_gather), split.all_reduce
     side = SideStream(student_input.device) if plan.side_stream else None
     if plan.teacher == "gram":
-        teacher = _teacher_gram.GramTeacher(teacher_weight, student_weight, backend, scales,
+        teacher = _teacher_gram.GramTeacher(teacher_weight, student_weight, backend, constants,
                                             write_grad_weight=plan.needs_grad[1])
     elif plan.teacher == "fp8":
-        teacher = LogitsTeacher(fp8_head, row_step, scales, plan.rows, side, hashing_step, backend.fingerprint)
+        teacher = LogitsTeacher(fp8_head, row_step, constants, plan.rows, side, hashing_step, backend.fingerprint)
     else:
-        teacher = LogitsTeacher(TeacherHead(teacher_weight, teacher_bias), row_step, scales, plan.rows, side)
-    normaliser = LabelCounts(labels, scales.ignore_index, scales.vocab_student_total or student_weight.shape[0],
-                             num_valid_tokens, backend, scales.weight_hard, scales.weight_soft)
+        teacher = LogitsTeacher(TeacherHead(teacher_weight, teacher_bias), row_step, constants, plan.rows, side)
+    normaliser = LabelCounts(labels, constants.ignore_index, constants.vocab_student_total or student_weight.shape[0],
+                             num_valid_tokens, backend, constants.weight_hard, constants.weight_soft)
     if split is not None:
         normaliser = _split_check.HashesReadFirst(normaliser, split)
     try:

@@ -29,7 +29,7 @@ the per-row statistics of its shards in between:
 1. ``row_stats_torch``: per row, the ROW_STATS below over this shard's columns;
 2. ``row_grad_torch``: from the (combined) statistics, the losses and, if asked, the gradient.
 
-The sums of squares and s.t are kept relative to per-row scales (max |s|, max |t|), so logits near
+The sums of squares and s.t are kept relative to per-row constants (max |s|, max |t|), so logits near
 the dtype's largest value do not overflow |s|^2 in fp32; the Triton twin uses scale 1 and rescales
 only the rows whose sums overflowed.
 
@@ -84,12 +84,12 @@ class RowStepConstants:
 class RowStepImpl:
     """One implementation of the row step: whole (one process) and in its two stages."""
 
-    step: Callable[..., None]  # (s, t, labels, scales, token_losses, write_grad, grad_lifts=None)
+    step: Callable[..., None]  # (s, t, labels, constants, token_losses, write_grad, grad_lifts=None)
     # The two stages, for a vocabulary split over ranks; None where the step has no split form
-    stats: Callable[..., torch.Tensor] | None  # (s, t, labels, scales) -> [n, NUM_STATS]
-    grad: Callable[..., None] | None  # (s, t, labels, stats, scales, token_losses, write_grad, grad_lifts=None)
+    stats: Callable[..., torch.Tensor] | None  # (s, t, labels, constants) -> [n, NUM_STATS]
+    grad: Callable[..., None] | None  # (s, t, labels, stats, constants, token_losses, write_grad, grad_lifts=None)
     # The Gram path's step in one kernel where the implementation has one, else None (stats, then grad):
-    # (s, labels, scales, token_losses, teacher_products [n, 2], teacher_coefs [n]) -> whether it ran
+    # (s, labels, constants, token_losses, teacher_products [n, 2], teacher_coefs [n]) -> whether it ran
     gram_step: Callable[..., bool] | None = None
     # (all_gather) -> the step over a vocabulary split, for a loss whose split is not stats-then-grad
     split: Callable[..., Callable[..., None]] | None = None
@@ -108,21 +108,21 @@ def scale_and_softcap(logits: torch.Tensor, scale: float, cap: float | None) -> 
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
-def label_columns(labels: torch.Tensor, vocab_student: int, scales: RowStepConstants):
+def label_columns(labels: torch.Tensor, vocab_student: int, constants: RowStepConstants):
     """(valid, in_shard, column): which tokens count, and where each label lies in this shard's columns."""
-    total = vocab_student if scales.vocab_student_total is None else scales.vocab_student_total
-    valid = (labels != scales.ignore_index) & (labels >= 0) & (labels < total)
-    column = labels.long() - scales.vocab_start
+    total = vocab_student if constants.vocab_student_total is None else constants.vocab_student_total
+    valid = (labels != constants.ignore_index) & (labels >= 0) & (labels < total)
+    column = labels.long() - constants.vocab_start
     in_shard = valid & (column >= 0) & (column < vocab_student)
     return valid, in_shard, torch.where(in_shard, column, 0)
 
 
-def _transformed(student_logits, teacher_logits, scales: RowStepConstants):
+def _transformed(student_logits, teacher_logits, constants: RowStepConstants):
     """s and t as the loss sees them; t is None without teacher logits (the Gram path, _teacher_gram.py)."""
-    s = scale_and_softcap(student_logits.float(), scales.student_logit_scale, scales.student_softcap)
+    s = scale_and_softcap(student_logits.float(), constants.student_logit_scale, constants.student_softcap)
     if teacher_logits is None:
         return s, None
-    t = scale_and_softcap(teacher_logits.float(), scales.teacher_logit_scale, scales.teacher_softcap)
+    t = scale_and_softcap(teacher_logits.float(), constants.teacher_logit_scale, constants.teacher_softcap)
     return s, t
 
 
@@ -133,10 +133,10 @@ def _abs_max_or_one(x: torch.Tensor) -> torch.Tensor:
     return torch.where(abs_max > 0, abs_max, 1.0)
 
 
-def row_stats_torch(student_logits, teacher_logits, labels, scales: RowStepConstants) -> torch.Tensor:
+def row_stats_torch(student_logits, teacher_logits, labels, constants: RowStepConstants) -> torch.Tensor:
     rows, vocab_student = student_logits.shape
-    s, t = _transformed(student_logits, teacher_logits, scales)
-    _, in_shard, column = label_columns(labels, vocab_student, scales)
+    s, t = _transformed(student_logits, teacher_logits, constants)
+    _, in_shard, column = label_columns(labels, vocab_student, constants)
     stats = s.new_empty(rows, NUM_STATS)
     if vocab_student:
         stats[:, MAX] = s.amax(1)
@@ -158,26 +158,26 @@ def row_stats_torch(student_logits, teacher_logits, labels, scales: RowStepConst
 
 
 def with_teacher_products(stats: torch.Tensor, dot: torch.Tensor, sum_sq_teacher: torch.Tensor,
-                          scales: RowStepConstants) -> torch.Tensor:
+                          constants: RowStepConstants) -> torch.Tensor:
     """The statistics of a row step run without teacher logits (row_stats_torch(s, None, ...)), completed
     with each row's s.t and |t|^2 of the heads' raw logits (before the logit scales), which the Gram
     path computes from the weights' Gram matrices instead (_teacher_gram.py). In place; returns stats."""
-    teacher_scale = scales.teacher_logit_scale
-    stats[:, DOT] = dot * (scales.student_logit_scale * teacher_scale) / stats[:, SCALE_S]
+    teacher_scale = constants.teacher_logit_scale
+    stats[:, DOT] = dot * (constants.student_logit_scale * teacher_scale) / stats[:, SCALE_S]
     stats[:, SUM_SQ_T] = sum_sq_teacher * (teacher_scale * teacher_scale)
     stats[:, SCALE_T] = 1.0
     return stats
 
 
 def teacher_grad_coefficient(stats: torch.Tensor, labels: torch.Tensor, vocab_student: int,
-                             scales: RowStepConstants) -> torch.Tensor:
+                             constants: RowStepConstants) -> torch.Tensor:
     """Per row, c such that d L / d s (of the raw student logits) = c * t (raw teacher logits) plus what
     the row step writes without teacher logits; 0 for ignored rows. No softcap (its derivative would
     multiply t entry by entry)."""
-    valid, _, _ = label_columns(labels, vocab_student, scales)
-    _, coef_teacher, _ = cosine_terms(stats, scales)
-    coefficient = -scales.weight_soft * scales.beta * coef_teacher
-    coefficient = coefficient * (scales.student_logit_scale * scales.teacher_logit_scale)
+    valid, _, _ = label_columns(labels, vocab_student, constants)
+    _, coef_teacher, _ = cosine_terms(stats, constants)
+    coefficient = -constants.weight_soft * constants.beta * coef_teacher
+    coefficient = coefficient * (constants.student_logit_scale * constants.teacher_logit_scale)
     return torch.where(valid, coefficient, 0.0)
 
 
@@ -197,15 +197,15 @@ def combine_row_stats(shard_stats: torch.Tensor) -> torch.Tensor:
     return stats
 
 
-def cosine_terms(stats: torch.Tensor, scales: RowStepConstants):
+def cosine_terms(stats: torch.Tensor, constants: RowStepConstants):
     """cos(s/T, t/T) and the two coefficients of its gradient, from the row statistics.
 
     d cos / d s = coef_teacher * t - coef_student * s (t and s as they are, not divided by their
-    scales). The norms are clamped at eps like cosine_similarity, and where the student's clamp is
+    constants). The norms are clamped at eps like cosine_similarity, and where the student's clamp is
     active its norm is a constant, so its derivative term drops out. With scale = max |x|, the
     unit-scaled norms are >= 1 / T, so nothing below divides by a tiny number.
     """
-    inv_t2 = 1.0 / (scales.temperature * scales.temperature)
+    inv_t2 = 1.0 / (constants.temperature * constants.temperature)
     student_scale, teacher_scale = stats[:, SCALE_S], stats[:, SCALE_T]
     norm_student = torch.sqrt(stats[:, SUM_SQ_S] * inv_t2)  # |s / T| / student_scale
     norm_teacher = torch.sqrt(stats[:, SUM_SQ_T] * inv_t2)
@@ -219,12 +219,12 @@ def cosine_terms(stats: torch.Tensor, scales: RowStepConstants):
     return cos, coef_teacher, coef_student
 
 
-def row_lift_bound(stats: torch.Tensor, scales: RowStepConstants, coef_teacher, coef_student) -> torch.Tensor:
+def row_lift_bound(stats: torch.Tensor, constants: RowStepConstants, coef_teacher, coef_student) -> torch.Tensor:
     """A bound on max_v |d L / d s_v| of each row: |p - onehot| <= 1, |t_v| <= |t| and |s_v| <= |s|;
     the softcap's derivative is <= 1."""
     soft = coef_teacher * stats[:, SCALE_T] * torch.sqrt(stats[:, SUM_SQ_T]) + (
         coef_student.abs() * stats[:, SCALE_S] * torch.sqrt(stats[:, SUM_SQ_S]))
-    return (abs(scales.weight_hard) + abs(scales.weight_soft * scales.beta) * soft) * abs(scales.student_logit_scale)
+    return (abs(constants.weight_hard) + abs(constants.weight_soft * constants.beta) * soft) * abs(constants.student_logit_scale)
 
 
 def lift_for(bound: torch.Tensor) -> torch.Tensor:
@@ -236,42 +236,42 @@ def lift_for(bound: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(bound), exponent.int())
 
 
-def row_grad_torch(student_logits, teacher_logits, labels, stats, scales: RowStepConstants, token_losses, write_grad,
+def row_grad_torch(student_logits, teacher_logits, labels, stats, constants: RowStepConstants, token_losses, write_grad,
                    grad_lifts=None):
     vocab_student = student_logits.shape[1]
-    valid, in_shard, column = label_columns(labels, vocab_student, scales)
+    valid, in_shard, column = label_columns(labels, vocab_student, constants)
     # logsumexp - target as (max - target) + log(sum_exp): with logits near 1e38 the log(sum_exp) part
     # would vanish in max + log(sum_exp) (fp32 spacing there is ~1e31); likewise in the softmax below.
     log_sum_exp = torch.log(stats[:, SUM_EXP])
-    cos, coef_teacher, coef_student = cosine_terms(stats, scales)
+    cos, coef_teacher, coef_student = cosine_terms(stats, constants)
     token_losses[:, 0] = torch.where(valid, (stats[:, MAX] - stats[:, TARGET]) + log_sum_exp, 0.0)
-    token_losses[:, 1] = torch.where(valid, scales.beta * (1.0 - cos), 0.0)
+    token_losses[:, 1] = torch.where(valid, constants.beta * (1.0 - cos), 0.0)
     if not write_grad:
         return
 
-    s, t = _transformed(student_logits, teacher_logits, scales)
+    s, t = _transformed(student_logits, teacher_logits, constants)
     grad = torch.exp((s - stats[:, MAX, None]) - log_sum_exp[:, None])
     if vocab_student:  # a shard may hold none of the student's columns
         grad.scatter_add_(1, column[:, None], torch.where(in_shard, -1.0, 0.0)[:, None])
-    grad *= scales.weight_hard
-    soft_scale = scales.weight_soft * scales.beta
+    grad *= constants.weight_hard
+    soft_scale = constants.weight_soft * constants.beta
     grad += soft_scale * coef_student[:, None] * s
     if t is not None:
         grad -= soft_scale * coef_teacher[:, None] * t[:, :vocab_student]
-    if scales.student_softcap is not None:
-        grad *= 1.0 - (s / scales.student_softcap) ** 2  # d(c tanh(z / c)) / dz
-    grad *= scales.student_logit_scale
+    if constants.student_softcap is not None:
+        grad *= 1.0 - (s / constants.student_softcap) ** 2  # d(c tanh(z / c)) / dz
+    grad *= constants.student_logit_scale
     if grad_lifts is not None:
-        grad_lifts.copy_(lift_for(row_lift_bound(stats, scales, coef_teacher, coef_student)))
+        grad_lifts.copy_(lift_for(row_lift_bound(stats, constants, coef_teacher, coef_student)))
         grad *= grad_lifts[:, None]
     grad = torch.where(valid[:, None], grad, 0.0)
     student_logits.copy_(grad)
 
 
-def row_step_torch(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,
+def row_step_torch(student_logits, teacher_logits, labels, constants: RowStepConstants, token_losses, write_grad,
                    grad_lifts=None) -> None:
-    stats = row_stats_torch(student_logits, teacher_logits, labels, scales)
-    row_grad_torch(student_logits, teacher_logits, labels, stats, scales, token_losses, write_grad, grad_lifts)
+    stats = row_stats_torch(student_logits, teacher_logits, labels, constants)
+    row_grad_torch(student_logits, teacher_logits, labels, stats, constants, token_losses, write_grad, grad_lifts)
 
 
 TORCH_ROW_STEP = RowStepImpl(row_step_torch, row_stats_torch, row_grad_torch)
@@ -282,9 +282,9 @@ def split_row_step(impl: RowStepImpl, all_gather: Callable[[torch.Tensor], torch
     (``all_gather``: [ranks, *shape]; O(rows) traffic, never the logits), then each rank's losses and the
     gradient of its own logits."""
 
-    def row_step(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None):
-        shard_stats = impl.stats(student_logits, teacher_logits, labels, scales)
+    def row_step(student_logits, teacher_logits, labels, constants, token_losses, write_grad, grad_lifts=None):
+        shard_stats = impl.stats(student_logits, teacher_logits, labels, constants)
         stats = combine_row_stats(all_gather(shard_stats))  # every rank: the same lifts
-        impl.grad(student_logits, teacher_logits, labels, stats, scales, token_losses, write_grad, grad_lifts)
+        impl.grad(student_logits, teacher_logits, labels, stats, constants, token_losses, write_grad, grad_lifts)
 
     return row_step

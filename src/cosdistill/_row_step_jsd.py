@@ -3,7 +3,7 @@
 
 For one chunk of tokens, student logits s [n, Vs] and teacher logits t [n, Vt] (Vt >= Vs: s is zero-padded
 to Vt, as Liger-Kernel pads it), temperature T and mixing weight beta, each model's logits first times its
-logit scale and then softcapped where the scales say so (as in _row_step.py, the gradient then carrying
+logit scale and then softcapped where the constants say so (as in _row_step.py, the gradient then carrying
 those factors):
 
     a = log_softmax(s / T),  b = log_softmax(t / T),  p = exp(a),  q = exp(b)
@@ -64,10 +64,10 @@ JSD_STATS = (
 LSE, TARGET, MAX_STUDENT, LSE_STUDENT, MAX_TEACHER, LSE_TEACHER = range(len(JSD_STATS))
 
 
-def _as_the_loss_sees_them(student_logits, teacher_logits, scales: RowStepConstants):
+def _as_the_loss_sees_them(student_logits, teacher_logits, constants: RowStepConstants):
     """(s, t) in SPEC_DTYPE, each times its logit scale, then softcapped (as _row_step.py's)."""
-    s = scale_and_softcap(student_logits.to(SPEC_DTYPE), scales.student_logit_scale, scales.student_softcap)
-    t = scale_and_softcap(teacher_logits.to(SPEC_DTYPE), scales.teacher_logit_scale, scales.teacher_softcap)
+    s = scale_and_softcap(student_logits.to(SPEC_DTYPE), constants.student_logit_scale, constants.student_softcap)
+    t = scale_and_softcap(teacher_logits.to(SPEC_DTYPE), constants.teacher_logit_scale, constants.teacher_softcap)
     return s, t
 
 
@@ -76,11 +76,11 @@ def _padded(s, vocab_teacher):
     return torch.nn.functional.pad(s, (0, vocab_teacher - s.shape[1])) if vocab_teacher > s.shape[1] else s
 
 
-def jsd_row_stats(student_logits, teacher_logits, labels, scales: RowStepConstants) -> torch.Tensor:
+def jsd_row_stats(student_logits, teacher_logits, labels, constants: RowStepConstants) -> torch.Tensor:
     """[n, len(JSD_STATS)] over this shard's columns."""
     rows, vocab_student = student_logits.shape
-    _, in_shard, column = label_columns(labels, vocab_student, scales)
-    s, t = _as_the_loss_sees_them(student_logits, teacher_logits, scales)
+    _, in_shard, column = label_columns(labels, vocab_student, constants)
+    s, t = _as_the_loss_sees_them(student_logits, teacher_logits, constants)
     stats = s.new_empty(rows, len(JSD_STATS))
     stats[:, LSE] = torch.logsumexp(s, dim=1) if vocab_student else float("-inf")
     target = s.gather(1, column[:, None])[:, 0] if vocab_student else s.new_zeros(rows)
@@ -88,7 +88,7 @@ def jsd_row_stats(student_logits, teacher_logits, labels, scales: RowStepConstan
     for largest_column, logits in ((MAX_STUDENT, _padded(s, t.shape[1])), (MAX_TEACHER, t)):
         largest = logits.amax(1)  # every shard holds teacher columns, and s is padded to them
         stats[:, largest_column] = largest
-        stats[:, largest_column + 1] = torch.logsumexp(_distances(logits, largest, scales.temperature), dim=1)
+        stats[:, largest_column + 1] = torch.logsumexp(_distances(logits, largest, constants.temperature), dim=1)
     return stats
 
 
@@ -144,19 +144,19 @@ def _soft_brackets(a, b, g, beta):
     return a.exp() - b.exp() if beta == 0.0 else a.exp() * g
 
 
-def jsd_row_sums(student_logits, teacher_logits, stats, scales: RowStepConstants, lift_terms=False) -> torch.Tensor:
+def jsd_row_sums(student_logits, teacher_logits, stats, constants: RowStepConstants, lift_terms=False) -> torch.Tensor:
     """[n, 2]: the soft term and the gradient's student part (jsd_terms) over this shard's columns; with
     ``lift_terms`` [n, 4], with the largest |_soft_brackets| and the largest p over its student columns (0 over
     none), which jsd_lift_bound needs. A vocabulary split adds up the first two across ranks and takes the
     largest of the others (combine_jsd_sums)."""
-    s, t = _as_the_loss_sees_them(student_logits, teacher_logits, scales)
-    a, b = _log_probs(s, t, stats, scales.temperature)
-    soft, student_part, g = jsd_terms(a, b, scales.beta)
+    s, t = _as_the_loss_sees_them(student_logits, teacher_logits, constants)
+    a, b = _log_probs(s, t, stats, constants.temperature)
+    soft, student_part, g = jsd_terms(a, b, constants.beta)
     if not lift_terms:
         return torch.stack([soft, student_part], dim=1)
     vocab_student = s.shape[1]
     g = None if g is None else g[:, :vocab_student]
-    brackets = _soft_brackets(a[:, :vocab_student], b[:, :vocab_student], g, scales.beta)
+    brackets = _soft_brackets(a[:, :vocab_student], b[:, :vocab_student], g, constants.beta)
     largest, largest_p = torch.zeros_like(soft), torch.zeros_like(soft)
     if vocab_student:
         largest, largest_p = brackets.abs().amax(1), a[:, :vocab_student].amax(1).exp()
@@ -171,51 +171,51 @@ def combine_jsd_sums(shard_sums: torch.Tensor, summed: int = 2) -> torch.Tensor:
     return sums
 
 
-def jsd_lift_bound(sums, scales: RowStepConstants) -> torch.Tensor:
+def jsd_lift_bound(sums, constants: RowStepConstants) -> torch.Tensor:
     """[n]: a bound on each row's largest |d L / d s| from sums with their lift terms (the module's docstring
     says why it holds)."""
     soft = sums[:, 2] + sums[:, 3] * sums[:, 1].abs()
-    return (abs(scales.weight_hard) + abs(scales.weight_soft) / scales.temperature * soft) * abs(
-        scales.student_logit_scale)
+    return (abs(constants.weight_hard) + abs(constants.weight_soft) / constants.temperature * soft) * abs(
+        constants.student_logit_scale)
 
 
-def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales: RowStepConstants, token_losses,
+def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, constants: RowStepConstants, token_losses,
                  write_grad, grad_lifts=None) -> None:
     """The losses from the (combined) statistics and sums and, if asked, d L / d s of this shard's columns
     (times the row's lift, given ``grad_lifts``; 1 for an ignored row)."""
     rows, vocab_student = student_logits.shape
-    valid, in_shard, column = label_columns(labels, vocab_student, scales)
+    valid, in_shard, column = label_columns(labels, vocab_student, constants)
     token_losses[:, 0] = torch.where(valid, stats[:, LSE] - stats[:, TARGET], 0.0)
     token_losses[:, 1] = torch.where(valid, sums[:, 0], 0.0)
     if not write_grad:
         return
-    s, t = _as_the_loss_sees_them(student_logits, teacher_logits, scales)
-    grad = scales.weight_hard * torch.exp(s - stats[:, LSE, None])
+    s, t = _as_the_loss_sees_them(student_logits, teacher_logits, constants)
+    grad = constants.weight_hard * torch.exp(s - stats[:, LSE, None])
     if vocab_student:  # a shard may hold none of the student's columns
         # The one-hot's weight in SPEC_DTYPE, as the softmax's: rounded to fp32 it would not cancel where
         # softmax(s) is 1 (a one-column student), whose exact gradient is the soft term's alone.
-        grad.scatter_add_(1, column[:, None], in_shard.to(SPEC_DTYPE)[:, None] * -scales.weight_hard)
-    a, b = _log_probs(s, t, stats, scales.temperature)
+        grad.scatter_add_(1, column[:, None], in_shard.to(SPEC_DTYPE)[:, None] * -constants.weight_hard)
+    a, b = _log_probs(s, t, stats, constants.temperature)
     a, b = a[:, :vocab_student], b[:, :vocab_student]  # the student has no gradient past its own columns
-    if scales.beta == 0.0:
+    if constants.beta == 0.0:
         soft_grad = a.exp() - b.exp()
     else:  # the bracket before the product: where p sits on one column g and the row sum are large and equal
-        soft_grad = a.exp() * (jsd_terms(a, b, scales.beta)[2] - sums[:, 1, None])
-    grad += (scales.weight_soft / scales.temperature) * soft_grad
-    if scales.student_softcap is not None:
-        grad *= 1.0 - (s / scales.student_softcap) ** 2  # d(c tanh(z / c)) / dz
-    grad *= scales.student_logit_scale
+        soft_grad = a.exp() * (jsd_terms(a, b, constants.beta)[2] - sums[:, 1, None])
+    grad += (constants.weight_soft / constants.temperature) * soft_grad
+    if constants.student_softcap is not None:
+        grad *= 1.0 - (s / constants.student_softcap) ** 2  # d(c tanh(z / c)) / dz
+    grad *= constants.student_logit_scale
     if grad_lifts is not None:
-        grad_lifts.copy_(torch.where(valid, lift_for(jsd_lift_bound(sums, scales).float()), 1.0))
+        grad_lifts.copy_(torch.where(valid, lift_for(jsd_lift_bound(sums, constants).float()), 1.0))
         grad *= grad_lifts[:, None]
     student_logits.copy_(torch.where(valid[:, None], grad, 0.0))
 
 
-def row_step_jsd_torch(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,
+def row_step_jsd_torch(student_logits, teacher_logits, labels, constants: RowStepConstants, token_losses, write_grad,
                        grad_lifts=None):
-    stats = jsd_row_stats(student_logits, teacher_logits, labels, scales)
-    sums = jsd_row_sums(student_logits, teacher_logits, stats, scales, lift_terms=grad_lifts is not None)
-    jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales, token_losses, write_grad, grad_lifts)
+    stats = jsd_row_stats(student_logits, teacher_logits, labels, constants)
+    sums = jsd_row_sums(student_logits, teacher_logits, stats, constants, lift_terms=grad_lifts is not None)
+    jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, constants, token_losses, write_grad, grad_lifts)
 
 
 def split_jsd_row_step(all_gather):
@@ -223,12 +223,12 @@ def split_jsd_row_step(all_gather):
     the statistics (the log-sum-exps need every column before any probability), one of the sums (the
     gradient needs the whole row's student part, fp16's lift the whole row's largest terms)."""
 
-    def row_step(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None):
-        stats = combine_jsd_stats(all_gather(jsd_row_stats(student_logits, teacher_logits, labels, scales)),
-                                  scales.temperature)
-        sums = combine_jsd_sums(all_gather(jsd_row_sums(student_logits, teacher_logits, stats, scales,
+    def row_step(student_logits, teacher_logits, labels, constants, token_losses, write_grad, grad_lifts=None):
+        stats = combine_jsd_stats(all_gather(jsd_row_stats(student_logits, teacher_logits, labels, constants)),
+                                  constants.temperature)
+        sums = combine_jsd_sums(all_gather(jsd_row_sums(student_logits, teacher_logits, stats, constants,
                                                         lift_terms=grad_lifts is not None)))
-        jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, scales, token_losses, write_grad,
+        jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, constants, token_losses, write_grad,
                      grad_lifts)  # every rank: the same sums, so the same lifts
 
     return row_step

@@ -86,7 +86,7 @@ def check_vocab_parallel(split: VocabParallel, plan: PlannedCall | None, num_tok
                   LOSSES.index(options.loss), _statistics_of(plan), FLOAT_DTYPES.index(dtype),
                   sum(bit << i for i, bit in enumerate(plan.needs_grad)), _normaliser_bits(num_valid_tokens),
                   *(bits_of_float(-1.0 if value is None else float(value))
-                    for value in dataclasses.astuple(options.scales))]
+                    for value in dataclasses.astuple(options.constants))]
     ranks = split.all_gather(torch.tensor(values, dtype=torch.int64, device=device)).tolist()
     if error is not None:
         raise error

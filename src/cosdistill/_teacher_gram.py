@@ -105,11 +105,11 @@ class GramTeacher:
 
     adds_grad_input_share = True
 
-    def __init__(self, teacher_weight: torch.Tensor, student_weight: torch.Tensor, backend, scales: RowStepConstants,
+    def __init__(self, teacher_weight: torch.Tensor, student_weight: torch.Tensor, backend, constants: RowStepConstants,
                  write_grad_weight: bool):
         self.full_teacher_weight, self.student_weight = teacher_weight, student_weight
         self.teacher_weight = teacher_weight.detach()[: student_weight.shape[0]]
-        self.backend, self.impl, self.scales = backend, backend.row_step, scales
+        self.backend, self.impl, self.constants = backend, backend.row_step, constants
         self.write_grad_weight = write_grad_weight
         self.cross_rows = None  # the last chunk's h_t C [n, Hs] and coefficients c [n]
         self.coefficients = None
@@ -132,17 +132,17 @@ class GramTeacher:
     def _bound_range(self, student_input: torch.Tensor, teacher_input: torch.Tensor) -> None:
         """Queue the bound on this call's products (s.t and |t|^2 as the row step scales them) and its copy
         to the host, for ``check_range``. |x_i . y_i| <= H max|x| max|y| for each product taken."""
-        scales = self.scales
+        constants = self.constants
         hidden_teacher, hidden_student = self.cross_gram[0].shape
         if student_input.numel() == 0 or teacher_input.numel() == 0:  # no products to bound
             return
         with torch.no_grad():
             teacher_max, student_max = (torch.linalg.vector_norm(hidden, float("inf"), dtype=torch.float32)
                                         for hidden in (teacher_input, student_input))  # max |x|, no |x| copy
-            dot = (hidden_teacher * hidden_student * abs(scales.student_logit_scale * scales.teacher_logit_scale)
+            dot = (hidden_teacher * hidden_student * abs(constants.student_logit_scale * constants.teacher_logit_scale)
                    * teacher_max * self.cross_gram_max * student_max)
-            square = hidden_teacher * hidden_teacher * scales.teacher_logit_scale**2 * teacher_max**2 * self.teacher_gram_max
-            bound = torch.maximum(dot, square) * max(1.0, scales.temperature**-2)
+            square = hidden_teacher * hidden_teacher * constants.teacher_logit_scale**2 * teacher_max**2 * self.teacher_gram_max
+            bound = torch.maximum(dot, square) * max(1.0, constants.temperature**-2)
             self.in_range = HostCopy(bound < RANGE_LIMIT)  # False for inf and NaN too
 
     def check_range(self) -> None:
@@ -153,19 +153,19 @@ class GramTeacher:
     def row_step(self, student_logits, student_hidden, teacher_hidden, labels, token_losses, write_grad, lifts=None):
         """The row step of one chunk: the statistics of the student logits, completed with s . t and
         |t|^2, then the losses and (write_grad) the gradient without its teacher term, in place."""
-        scales = self.scales
+        constants = self.constants
         self.cross_rows = _times(teacher_hidden, self.cross_gram)
         dot = (self.cross_rows * student_hidden).sum(1)
         sum_sq_teacher = (_times(teacher_hidden, self.teacher_gram) * teacher_hidden).sum(1)
         if write_grad and self.impl.gram_step is not None:  # one kernel (row_step_cuda), where it applies
             products, coefficients = torch.stack((dot, sum_sq_teacher), 1), torch.empty_like(dot)
-            if self.impl.gram_step(student_logits, labels, scales, token_losses, products, coefficients):
+            if self.impl.gram_step(student_logits, labels, constants, token_losses, products, coefficients):
                 self.coefficients = coefficients
                 return
-        stats = self.impl.stats(student_logits, None, labels, scales)
-        with_teacher_products(stats, dot, sum_sq_teacher, scales)
-        self.impl.grad(student_logits, None, labels, stats, scales, token_losses, write_grad)
-        self.coefficients = teacher_grad_coefficient(stats, labels, student_logits.shape[1], scales)
+        stats = self.impl.stats(student_logits, None, labels, constants)
+        with_teacher_products(stats, dot, sum_sq_teacher, constants)
+        self.impl.grad(student_logits, None, labels, stats, constants, token_losses, write_grad)
+        self.coefficients = teacher_grad_coefficient(stats, labels, student_logits.shape[1], constants)
 
     def grad_input_share_into(self, grad_input_rows: torch.Tensor, inv_normaliser: float) -> bool:
         """grad_input_rows = c_i * h_t,i C / N for the current chunk (the GEMM of d L / d s adds the rest)."""

@@ -78,9 +78,9 @@ class LogitsTeacher:
 
     adds_grad_input_share = False  # d loss / d s alone makes the gradients
 
-    def __init__(self, head, row_step, scales: RowStepConstants, rows: ChunkRows, side: SideStream | None = None,
+    def __init__(self, head, row_step, constants: RowStepConstants, rows: ChunkRows, side: SideStream | None = None,
                  hashing_step=None, fingerprint=None):
-        self.head, self.step, self.scales, self.rows, self.side = head, row_step, scales, rows, side
+        self.head, self.step, self.constants, self.rows, self.side = head, row_step, constants, rows, side
         self.poison, self.later = head.poison, head.later
         self.hashing_step, self.fingerprint = hashing_step, fingerprint
         self.buffers = []
@@ -119,7 +119,7 @@ class LogitsTeacher:
             else:
                 buffer, stop = self.ahead
             rows = slice(start - chunk_start, stop - chunk_start)
-            args = (student_logits[rows], self.buffers[buffer][: stop - start, : self.head.vocab], labels[rows], self.scales,
+            args = (student_logits[rows], self.buffers[buffer][: stop - start, : self.head.vocab], labels[rows], self.constants,
                     token_losses[rows], write_grad, *(() if lifts is None else (lifts[rows],)))
             step = self.step if self.later is None else self._step_and_check
             if self.side is None:

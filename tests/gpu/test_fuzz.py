@@ -228,9 +228,9 @@ def cluster_eligible(case: Case) -> bool:
     """Whether impl="auto" runs the case's row steps in the CUDA cluster kernel (on Hopper; row_step_cuda.py)."""
     options = case.options()
     del options["num_valid_tokens"]  # the rest are Options fields
-    scales = Options(**options).scales
+    constants = Options(**options).constants
     return case.loss == "cosine" and not gram_taken(case) and kernels.row_step_cuda.applies(
-        DTYPES[case.dtype], case.vocab_student, case.vocab_teacher, scales)
+        DTYPES[case.dtype], case.vocab_student, case.vocab_teacher, constants)
 
 
 def fast_impl(device, case: Case) -> str:

@@ -120,7 +120,7 @@ def test_gram_cluster_row_step_matches_the_spec(device, case):
     teacher_logits None: losses, gradient and each row's coefficient of t, every output poisoned first; a
     quarter of the rows ignored, one row whose products overflow (NaN there)."""
     cluster_kernel_or_skip(device)
-    scales = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100)
+    constants = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100)
     student = (torch.randn(case.rows, case.vocab_student, device=device) * 3).to(BF16)
     labels = torch.randint(0, case.vocab_student, (case.rows,), device=device)
     labels[::4] = -100
@@ -129,12 +129,12 @@ def test_gram_cluster_row_step_matches_the_spec(device, case):
     dot = (torch.rand(case.rows, device=device) * 2 - 1) * norms * sum_sq_teacher.sqrt()
     dot[1], sum_sq_teacher[1] = float("inf"), float("inf")  # row 1 (not ignored): NaN loss and gradient
     want_grad, want_losses = student.clone(), torch.full((case.rows, 2), POISON, device=device)
-    stats = with_teacher_products(TORCH_ROW_STEP.stats(want_grad, None, labels, scales), dot, sum_sq_teacher, scales)
-    TORCH_ROW_STEP.grad(want_grad, None, labels, stats, scales, want_losses, True)
-    want_coefs = teacher_grad_coefficient(stats, labels, case.vocab_student, scales)
+    stats = with_teacher_products(TORCH_ROW_STEP.stats(want_grad, None, labels, constants), dot, sum_sq_teacher, constants)
+    TORCH_ROW_STEP.grad(want_grad, None, labels, stats, constants, want_losses, True)
+    want_coefs = teacher_grad_coefficient(stats, labels, case.vocab_student, constants)
     got_grad, got_losses = student.clone(), torch.full((case.rows, 2), POISON, device=device)
     got_coefs = torch.full((case.rows,), float("nan"), device=device)
-    assert row_step_cuda.gram_row_step_cuda(got_grad, labels, scales, got_losses,
+    assert row_step_cuda.gram_row_step_cuda(got_grad, labels, constants, got_losses,
                                             torch.stack((dot, sum_sq_teacher), 1), got_coefs)
     finite = torch.ones(case.rows, dtype=torch.bool, device=device)
     finite[1] = False
@@ -163,20 +163,20 @@ def test_jsd_cluster_row_step_matches_the_spec(rows, vocab, beta, temperature, w
     they were."""
     cluster_kernel_or_skip("cuda")
     jsd_cuda = kernels.row_step_jsd_cuda
-    scales = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
+    constants = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
     student = (torch.randn(rows, vocab, device="cuda") * 3).to(BF16)
     teacher = (torch.randn(rows, vocab, device="cuda") * 3).to(BF16)
     teacher[1] *= 30
     student[2 % rows] *= 30
     labels = torch.randint(0, vocab, (rows,), device="cuda", dtype=torch.int32 if vocab % 3 else torch.int64)
     labels[::4] = -100
-    assert jsd_cuda.supported(student, teacher, labels, scales, write_grad, None) == write_grad
+    assert jsd_cuda.supported(student, teacher, labels, constants, write_grad, None) == write_grad
     assert jsd_cuda._launch(vocab, labels.dtype, 0, jsd_cuda.mode_of(beta, BF16), temperature == 1.0) is not None
     results = {}
     for name, step in (("cuda", jsd_cuda.row_step_jsd_cuda), ("triton", kernels.row_step_jsd_triton.row_step_jsd_triton),
                        ("torch", row_step_jsd_torch)):
         logits, losses = student.clone(), torch.full((rows, 2), POISON, device="cuda")
-        step(logits, teacher, labels, scales, losses, write_grad)
+        step(logits, teacher, labels, constants, losses, write_grad)
         results[name] = logits, losses
     ignored = labels == -100
     got_grad, got_losses = results["cuda"]
@@ -202,16 +202,16 @@ def test_jsd_betas_near_0_and_1_keep_fp32s_precision(beta, temperature, vocab):
     here compiled, its logs and exponentials the GPU's approximate instructions: on fp32 logits with the soft term
     alone, its losses and gradient against the float64 spec, into NaN-poisoned losses."""
     jsd_cuda = kernels.row_step_jsd_cuda
-    scales = RowStepConstants(weight_hard=0.0, weight_soft=1.0, beta=beta, temperature=temperature, ignore_index=-100)
+    constants = RowStepConstants(weight_hard=0.0, weight_soft=1.0, beta=beta, temperature=temperature, ignore_index=-100)
     student, teacher = torch.randn(16, vocab, device="cuda") * 3, torch.randn(16, vocab, device="cuda") * 3
     labels = torch.randint(0, vocab, (16,), device="cuda")
     labels[::5] = -100
-    assert not jsd_cuda.supported(student.to(BF16), teacher.to(BF16), labels, scales, True, None)
+    assert not jsd_cuda.supported(student.to(BF16), teacher.to(BF16), labels, constants, True, None)
     for write_grad in (True, False):
         results = []
         for step in (jsd_cuda.CUDA_JSD_ROW_STEP.step, row_step_jsd_torch):
             logits, losses = student.clone(), torch.full((16, 2), POISON, device="cuda")
-            step(logits, teacher, labels, scales, losses, write_grad)
+            step(logits, teacher, labels, constants, losses, write_grad)
             results.append((logits, losses))
         (got_grad, got_losses), (want_grad, want_losses) = results
         assert rel_err(got_losses[:, 1], want_losses[:, 1]) < 1e-5, write_grad
@@ -226,16 +226,16 @@ def test_jsd_a_teacher_peaked_far_from_the_student_keeps_fp32s_precision(beta, t
     """fp32 logits run MIXED_PRECISE at every 0 < beta < 1 (the cluster kernel takes bf16 only), here compiled: with
     each row's teacher peaked 30 above its other logits and the soft term alone, the gradient's bracket in its row
     reference form; losses and gradient against the float64 spec, into NaN-poisoned losses."""
-    scales = RowStepConstants(weight_hard=0.0, weight_soft=1.0, beta=beta, temperature=temperature, ignore_index=-100)
+    constants = RowStepConstants(weight_hard=0.0, weight_soft=1.0, beta=beta, temperature=temperature, ignore_index=-100)
     student, teacher = torch.randn(16, vocab, device="cuda") * 2, torch.randn(16, vocab, device="cuda") * 2
     teacher[torch.arange(16), torch.randint(0, vocab, (16,))] += 30.0
     labels = torch.randint(0, vocab, (16,), device="cuda")
     labels[::5] = -100
-    assert not kernels.row_step_jsd_cuda.supported(student, teacher, labels, scales, True, None)
+    assert not kernels.row_step_jsd_cuda.supported(student, teacher, labels, constants, True, None)
     results = []
     for step in (kernels.row_step_jsd_triton.row_step_jsd_triton, row_step_jsd_torch):
         logits, losses = student.clone(), torch.full((16, 2), POISON, device="cuda")
-        step(logits, teacher, labels, scales, losses, True)
+        step(logits, teacher, labels, constants, losses, True)
         results.append((logits, losses))
     (got_grad, got_losses), (want_grad, want_losses) = results
     assert rel_err(got_losses[:, 1], want_losses[:, 1]) < 1e-5
@@ -258,23 +258,23 @@ def test_the_jsd_cluster_step_takes_a_weight_hash_along_with_the_same_bits(rows,
 
     cluster_kernel_or_skip("cuda")
     jsd_cuda = kernels.row_step_jsd_cuda
-    scales = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
+    constants = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
     student = (torch.randn(rows, vocab, device="cuda") * 3).to(BF16)
     teacher = (torch.randn(rows, vocab, device="cuda") * 3).to(BF16)
     labels = torch.randint(0, vocab, (rows,), device="cuda")
     labels[::4] = -100
     weight = torch.randn(weight_shape, device="cuda", dtype=BF16)
     plain_logits, plain_losses = student.clone(), torch.full((rows, 2), POISON, device="cuda")
-    jsd_cuda.row_step_jsd_cuda(plain_logits, teacher, labels, scales, plain_losses, True)
+    jsd_cuda.row_step_jsd_cuda(plain_logits, teacher, labels, constants, plain_losses, True)
     logits, losses = student.clone(), torch.full((rows, 2), POISON, device="cuda")
-    partials = jsd_cuda.row_step_jsd_cuda_hashing(logits, teacher, labels, scales, losses, True, words=as_words(weight))
+    partials = jsd_cuda.row_step_jsd_cuda_hashing(logits, teacher, labels, constants, losses, True, words=as_words(weight))
     if rows * 8 * jsd_cuda.HASH_ROWS_PER_BLOCK < weight_shape[0] or weight_shape[1] % 8:
         assert partials is None and torch.equal(logits, student) and (losses == POISON).all()
         return
     assert torch.equal(logits, plain_logits) and torch.equal(losses, plain_losses)
     assert torch.equal(lanes_of(partials), fingerprint_triton(weight))
     weight[weight_shape[0] * 3 // 5, weight_shape[1] // 3] += 1.0
-    changed = jsd_cuda.row_step_jsd_cuda_hashing(logits, teacher, labels, scales, losses, True, words=as_words(weight))
+    changed = jsd_cuda.row_step_jsd_cuda_hashing(logits, teacher, labels, constants, losses, True, words=as_words(weight))
     assert torch.equal(lanes_of(changed), fingerprint_triton(weight)) and not torch.equal(lanes_of(changed),
                                                                                         lanes_of(partials))
 
@@ -288,19 +288,19 @@ def test_jsd_triton_fp16_lifts_match_the_spec(vocab, beta, temperature, weights)
     against the torch spec: the same powers of two, the same losses, the unlifted gradient at fp16's rounding of
     the fp32 one; a quarter of the rows ignored, a peaked teacher, a softcap and a logit scale."""
     rows = 23
-    scales = RowStepConstants(*weights, beta, temperature, -100, student_softcap=30.0, teacher_logit_scale=1.3)
+    constants = RowStepConstants(*weights, beta, temperature, -100, student_softcap=30.0, teacher_logit_scale=1.3)
     student = (torch.randn(rows, vocab, device="cuda") * 3).to(FP16)
     teacher = (torch.randn(rows, vocab, device="cuda") * 3).to(FP16)
     teacher[1] *= 10
     labels = torch.randint(0, vocab, (rows,), device="cuda")
     labels[::4] = -100
     plain_grad, plain_losses = student.float(), torch.full((rows, 2), POISON, device="cuda")
-    row_step_jsd_torch(plain_grad, teacher.float(), labels, scales, plain_losses, True)  # fp32 storage: no lifts
+    row_step_jsd_torch(plain_grad, teacher.float(), labels, constants, plain_losses, True)  # fp32 storage: no lifts
     results = {}
     for name, step in (("triton", kernels.row_step_jsd_triton.row_step_jsd_triton), ("torch", row_step_jsd_torch)):
         grad, losses = student.clone(), torch.full((rows, 2), POISON, device="cuda")
         lifts = torch.full((rows,), POISON, device="cuda")
-        step(grad, teacher, labels, scales, losses, True, grad_lifts=lifts)
+        step(grad, teacher, labels, constants, losses, True, grad_lifts=lifts)
         valid = labels != -100
         assert rel_err(losses, plain_losses) < 1e-5, name
         assert torch.isfinite(grad).all() and (lifts[~valid] == 1).all()
@@ -327,21 +327,21 @@ def test_the_jsd_triton_split_stages_give_the_whole_rows_step(split, beta, tempe
     columns' gradient; a quarter of the rows ignored, a peaked teacher and a peaked student, NaN-poisoned losses."""
     vocab_student, vocab_teacher, bounds = JSD_SPLIT_CASES[split]
     rows = 37
-    scales = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
+    constants = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=-100)
     student = (torch.randn(rows, vocab_student, device="cuda") * 3).to(BF16)
     teacher = (torch.randn(rows, vocab_teacher, device="cuda") * 3).to(BF16)
     teacher[1] *= 30
     student[2] *= 30
     labels = torch.randint(0, vocab_student, (rows,), device="cuda")
     labels[::4] = -100
-    grad, losses, _ = run_jsd_split_stages(student, teacher, labels, scales, bounds, write_grad)
+    grad, losses, _ = run_jsd_split_stages(student, teacher, labels, constants, bounds, write_grad)
     assert all(torch.equal(shard_losses, losses[0]) for shard_losses in losses)
     ignored = labels == -100
     assert torch.isfinite(losses[0]).all() and (losses[0][ignored] == 0).all()
     for name, step, loss_tol in (("triton", kernels.row_step_jsd_triton.row_step_jsd_triton, 1e-5),
                                  ("torch", row_step_jsd_torch, 2e-5)):
         want_grad, want_losses = student.clone(), torch.full((rows, 2), POISON, device="cuda")
-        step(want_grad, teacher, labels, scales, want_losses, write_grad)
+        step(want_grad, teacher, labels, constants, want_losses, write_grad)
         for column in (0, 1):
             assert rel_err(losses[0][:, column], want_losses[:, column]) < loss_tol, (name, column)
         if write_grad:
@@ -357,15 +357,15 @@ def test_the_jsd_triton_split_stages_give_the_whole_rows_step(split, beta, tempe
 def test_the_jsd_triton_split_stages_lift_fp16_rows_as_the_whole_step(beta):
     """fp16 logits over a vocabulary split: every shard lifts a row by the unsplit Triton step's power of two."""
     rows, vocab = 23, 128256
-    scales = RowStepConstants(0.0, 1.0, beta, 1.3, -100, student_softcap=30.0, teacher_logit_scale=1.3)
+    constants = RowStepConstants(0.0, 1.0, beta, 1.3, -100, student_softcap=30.0, teacher_logit_scale=1.3)
     student = (torch.randn(rows, vocab, device="cuda") * 3).to(FP16)
     teacher = (torch.randn(rows, vocab, device="cuda") * 3).to(FP16)
     labels = torch.randint(0, vocab, (rows,), device="cuda")
     labels[::4] = -100
-    grad, _, lifts = run_jsd_split_stages(student, teacher, labels, scales, [(0, 50000), (50000, vocab)], True,
+    grad, _, lifts = run_jsd_split_stages(student, teacher, labels, constants, [(0, 50000), (50000, vocab)], True,
                                           lifts=True)
     whole, whole_lifts = student.clone(), torch.full((rows,), POISON, device="cuda")
-    kernels.row_step_jsd_triton.row_step_jsd_triton(whole, teacher, labels, scales,
+    kernels.row_step_jsd_triton.row_step_jsd_triton(whole, teacher, labels, constants,
                                                     torch.empty(rows, 2, device="cuda"), True, grad_lifts=whole_lifts)
     assert (whole_lifts > 1).any()
     assert all(torch.equal(shard_lifts, whole_lifts) for shard_lifts in lifts)

@@ -90,11 +90,11 @@ def test_falls_back_to_triton_where_unsupported(beta, write_grad):
     """Off Hopper (here: the CPU, Triton in its interpreter) the step is the Triton step, equal to the spec."""
     student, teacher, labels = plain_case(rows=5, vocab=300)
     labels[1] = PLAIN.ignore_index
-    scales = RowStepConstants(0.4, 0.6, beta, 1.5, -100)
+    constants = RowStepConstants(0.4, 0.6, beta, 1.5, -100)
     want_grad, want_losses = student.clone(), torch.full((5, 2), float("nan"))
-    row_step_jsd_torch(want_grad, teacher, labels, scales, want_losses, write_grad)
+    row_step_jsd_torch(want_grad, teacher, labels, constants, want_losses, write_grad)
     got_grad, got_losses = student.clone(), torch.full((5, 2), float("nan"))
-    jsd_cuda.CUDA_JSD_ROW_STEP.step(got_grad, teacher, labels, scales, got_losses, write_grad)
+    jsd_cuda.CUDA_JSD_ROW_STEP.step(got_grad, teacher, labels, constants, got_losses, write_grad)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2e-2, atol=1e-4)
 

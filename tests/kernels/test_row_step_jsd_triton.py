@@ -48,13 +48,13 @@ def ignored(labels, vocab_student):
     return (labels == IGNORE) | (labels < 0) | (labels >= vocab_student)
 
 
-def run_both(student, teacher, labels, scales, write_grad, block_size):
+def run_both(student, teacher, labels, constants, write_grad, block_size):
     """((gradient, losses) of the Triton step, the same of the spec), each from a copy of ``student`` and
     NaN-poisoned losses."""
     results = []
     for step, kwargs in ((row_step_jsd_triton, dict(block_size=block_size)), (row_step_jsd_torch, {})):
         logits, losses = student.clone(), torch.full((len(labels), 2), float("nan"))
-        step(logits, teacher, labels, scales, losses, write_grad, **kwargs)
+        step(logits, teacher, labels, constants, losses, write_grad, **kwargs)
         results.append((logits, losses))
     return results
 
@@ -81,8 +81,8 @@ def test_matches_the_torch_spec(beta, temperature, vocab_student, vocab_teacher,
     student = (torch.randn(rows, vocab_student, generator=generator) * 3).to(dtype)
     teacher = (torch.randn(rows, vocab_teacher, generator=generator) * 3).to(dtype)
     labels = labels_for(rows, vocab_student, generator)
-    scales = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=IGNORE)
-    got, expected = run_both(student, teacher, labels, scales, True, block)
+    constants = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=temperature, ignore_index=IGNORE)
+    got, expected = run_both(student, teacher, labels, constants, True, block)
     assert_matches_spec(got, expected, ignored(labels, vocab_student), dtype)
 
     if dtype == torch.float32:  # the comparison tells betas 0.1 apart: that gradient lies far outside the tolerance
@@ -100,8 +100,8 @@ def test_without_gradients_the_logits_are_left_alone(beta, temperature):
     student = (torch.randn(rows, vocab_student, generator=generator) * 3).bfloat16()
     teacher = (torch.randn(rows, vocab_teacher, generator=generator) * 3).bfloat16()
     labels = labels_for(rows, vocab_student, generator)
-    scales = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
-    (got_logits, got_losses), (_, expected_losses) = run_both(student, teacher, labels, scales, False, 64)
+    constants = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
+    (got_logits, got_losses), (_, expected_losses) = run_both(student, teacher, labels, constants, False, 64)
     assert torch.equal(got_logits, student)
     assert rel_err(got_losses[:, 0], expected_losses[:, 0]) < 1e-5
     assert rel_err(got_losses[:, 1], expected_losses[:, 1]) < 1e-5
@@ -112,9 +112,9 @@ def test_without_gradients_the_logits_are_left_alone(beta, temperature):
 def test_a_chunk_of_ignored_tokens_only(beta):
     student, teacher = torch.randn(5, 70) * 3, torch.randn(5, 90) * 3
     labels = torch.tensor([IGNORE, IGNORE, 70, -1, 10**6])
-    scales = RowStepConstants(0.37, 0.81, beta, 2.0, IGNORE)
+    constants = RowStepConstants(0.37, 0.81, beta, 2.0, IGNORE)
     for write_grad in (True, False):
-        (logits, losses), _ = run_both(student, teacher, labels, scales, write_grad, 32)
+        (logits, losses), _ = run_both(student, teacher, labels, constants, write_grad, 32)
         assert (losses == 0).all()
         assert torch.count_nonzero(logits) == 0 if write_grad else torch.equal(logits, student)
 
@@ -128,21 +128,21 @@ def test_small_vocabularies(vocab_student, vocab_teacher, beta, temperature):
     teacher = torch.randn(4, vocab_teacher, generator=generator) * 3
     labels = torch.randint(0, vocab_student, (4,), generator=generator)
     labels[1] = IGNORE
-    scales = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
-    got, expected = run_both(student, teacher, labels, scales, True, 16)
+    constants = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
+    got, expected = run_both(student, teacher, labels, constants, True, 16)
     (got_grad, got_losses), (expected_grad, expected_losses) = got, expected
     # A single column's hard loss and hard gradient are 0 up to rounding: an absolute tolerance there.
     torch.testing.assert_close(got_losses, expected_losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-6)
 
 
-def float64_reference(student, teacher, labels, scales):
+def float64_reference(student, teacher, labels, constants):
     """(d L / d s, losses [n, 2]) by autograd through the spec's definition (its docstring) in float64."""
     s = student.double().requires_grad_()
     vocab_student, vocab_teacher = s.shape[1], teacher.shape[1]
-    a = torch.log_softmax(torch.nn.functional.pad(s, (0, vocab_teacher - vocab_student)) / scales.temperature, 1)
-    b = torch.log_softmax(teacher.double() / scales.temperature, 1)
-    beta = scales.beta
+    a = torch.log_softmax(torch.nn.functional.pad(s, (0, vocab_teacher - vocab_student)) / constants.temperature, 1)
+    b = torch.log_softmax(teacher.double() / constants.temperature, 1)
+    beta = constants.beta
     if beta == 0:
         soft = (b.exp() * (b - a)).sum(1)
     elif beta == 1:
@@ -153,12 +153,12 @@ def float64_reference(student, teacher, labels, scales):
     counts = ~ignored(labels, vocab_student)
     hard = torch.logsumexp(s, 1) - s.gather(1, torch.where(counts, labels, 0)[:, None])[:, 0]
     losses = torch.stack([torch.where(counts, hard, 0.0), torch.where(counts, soft, 0.0)], 1)
-    (scales.weight_hard * losses[:, 0].sum() + scales.weight_soft * losses[:, 1].sum()).backward()
+    (constants.weight_hard * losses[:, 0].sum() + constants.weight_soft * losses[:, 1].sum()).backward()
     return s.grad, losses.detach()
 
 
-def assert_matches_float64(got, student, teacher, labels, scales, grad_tol=1e-5):
-    expected_grad, expected_losses = float64_reference(student, teacher, labels, scales)
+def assert_matches_float64(got, student, teacher, labels, constants, grad_tol=1e-5):
+    expected_grad, expected_losses = float64_reference(student, teacher, labels, constants)
     for column in (0, 1):
         assert rel_err(got[1][:, column], expected_losses[:, column]) < 1e-5, column
     assert rel_err(got[0], expected_grad) < grad_tol, rel_err(got[0], expected_grad)
@@ -182,11 +182,11 @@ def test_peaked_distributions(peaked_model, beta, temperature):
     student = logits_of(rows, vocab_student, peaked_model == "student", generator)
     teacher = logits_of(rows, vocab_teacher, peaked_model == "teacher", generator)
     labels = labels_for(rows, vocab_student, generator)
-    scales = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
-    got, expected = run_both(student, teacher, labels, scales, True, 32)
+    constants = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
+    got, expected = run_both(student, teacher, labels, constants, True, 32)
     grad_tol = REVERSE_KL_PEAKED_TOL if beta == 1 else 1e-5
     assert_matches_spec(got, expected, ignored(labels, vocab_student), torch.float32, (1e-5, grad_tol))
-    assert_matches_float64(got, student, teacher, labels, scales, grad_tol)
+    assert_matches_float64(got, student, teacher, labels, constants, grad_tol)
 
 
 @pytest.mark.parametrize("beta", BETAS + [1e-6, 1 - 1e-6])
@@ -211,10 +211,10 @@ def test_extreme_logits_and_temperatures(beta):
         cases.append((torch.randn(rows, 90, generator=generator) * 50, spiky_teacher, temperature))
     for student, teacher, temperature in cases:
         labels = labels_for(rows, student.shape[1], generator)
-        scales = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
-        got, expected = run_both(student, teacher, labels, scales, True, 64)
+        constants = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
+        got, expected = run_both(student, teacher, labels, constants, True, 64)
         assert_matches_spec(got, expected, ignored(labels, student.shape[1]), torch.float32, SPEC_FP32_EXTREME_TOL)
-        assert_matches_float64(got, student, teacher, labels, scales)
+        assert_matches_float64(got, student, teacher, labels, constants)
 
 
 EDGE_BETAS = [1e-3, 1e-6, 1e-9, 1e-12, 1 - 1e-3, 1 - 1e-6, 1 - 1e-9]
@@ -230,15 +230,15 @@ def test_betas_near_0_and_1_keep_fp32s_relative_precision(beta, temperature, mon
     generator = torch.Generator().manual_seed(int(-math.log10(min(beta, 1 - beta))) + int(temperature))
     student, teacher = torch.randn(9, 130, generator=generator) * 3, torch.randn(9, 157, generator=generator) * 3
     labels = torch.tensor([0, 49, 50, 119, IGNORE, 125, 129, 130, 77])
-    scales = RowStepConstants(0.0, 1.0, beta, temperature, IGNORE)
-    got, expected = run_both(student, teacher, labels, scales, True, 32)
+    constants = RowStepConstants(0.0, 1.0, beta, temperature, IGNORE)
+    got, expected = run_both(student, teacher, labels, constants, True, 32)
     assert_matches_spec(got, expected, ignored(labels, 130), torch.float32)
-    grad, losses, _ = run_jsd_split_stages(student, teacher, labels, scales, SPLITS["student across three shards"], True)
+    grad, losses, _ = run_jsd_split_stages(student, teacher, labels, constants, SPLITS["student across three shards"], True)
     assert_matches_spec((grad, losses[0]), expected, ignored(labels, 130), torch.float32)
 
     if min(beta, 1 - beta) <= 1e-6:
         monkeypatch.setattr(jsd_kernel, "mode_of", lambda beta, dtype: jsd_kernel.MIXED.value)
-        (_, mixed_losses), _ = run_both(student, teacher, labels, scales, True, 32)
+        (_, mixed_losses), _ = run_both(student, teacher, labels, constants, True, 32)
         assert rel_err(mixed_losses[:, 1], expected[1][:, 1]) > 100 * TOLERANCE[torch.float32][0]
 
 
@@ -256,18 +256,18 @@ def test_a_teacher_peaked_far_from_the_student_keeps_fp32s_precision(beta, tempe
     teacher[torch.arange(rows), torch.randint(0, vocab, (rows,), generator=generator)] += 30.0
     labels = torch.randint(0, vocab, (rows,), generator=generator)
     labels[2] = IGNORE
-    scales = RowStepConstants(0.0, 1.0, beta, temperature, IGNORE)
+    constants = RowStepConstants(0.0, 1.0, beta, temperature, IGNORE)
     assert jsd_kernel.mode_of(beta, torch.float32) == jsd_kernel.MIXED_PRECISE.value
-    got, expected = run_both(student, teacher, labels, scales, True, 512)
+    got, expected = run_both(student, teacher, labels, constants, True, 512)
     assert_matches_spec(got, expected, ignored(labels, vocab), torch.float32)
-    assert_matches_float64(got, student, teacher, labels, scales)
-    grad, losses, _ = run_jsd_split_stages(student, teacher, labels, scales, [(0, 1000), (1000, 2900), (2900, vocab)],
+    assert_matches_float64(got, student, teacher, labels, constants)
+    grad, losses, _ = run_jsd_split_stages(student, teacher, labels, constants, [(0, 1000), (1000, 2900), (2900, vocab)],
                                            True)
     assert_matches_spec((grad, losses[0]), expected, ignored(labels, vocab), torch.float32)
 
     if beta == 0.7 and temperature == 0.5:
         monkeypatch.setattr(jsd_kernel, "mode_of", lambda beta, dtype: jsd_kernel.MIXED.value)
-        (mixed_grad, _), _ = run_both(student, teacher, labels, scales, True, 512)
+        (mixed_grad, _), _ = run_both(student, teacher, labels, constants, True, 512)
         assert rel_err(mixed_grad, expected[0]) > 10 * TOLERANCE[torch.float32][1]
 
 
@@ -276,14 +276,14 @@ def test_strided_rows():
     generator = torch.Generator().manual_seed(3)
     student, teacher = torch.randn(6, 80, generator=generator) * 3, torch.randn(6, 250, generator=generator) * 3
     labels = labels_for(6, 80, generator)
-    scales = RowStepConstants(0.37, 0.81, 0.4, 1.5, IGNORE)
+    constants = RowStepConstants(0.37, 0.81, 0.4, 1.5, IGNORE)
     teacher = teacher[:, 7:207]  # the teacher's rows strided too, and offset
     wide = torch.full((6, 100), 12345.0)
     wide[:, :80] = student
     got_losses = torch.full((6, 2), float("nan"))
-    row_step_jsd_triton(wide[:, :80], teacher, labels, scales, got_losses, True, block_size=32)
+    row_step_jsd_triton(wide[:, :80], teacher, labels, constants, got_losses, True, block_size=32)
     expected_grad, expected_losses = student.clone(), torch.full((6, 2), float("nan"))
-    row_step_jsd_torch(expected_grad, teacher, labels, scales, expected_losses, True)
+    row_step_jsd_torch(expected_grad, teacher, labels, constants, expected_losses, True)
     assert_matches_spec((wide[:, :80], got_losses), (expected_grad, expected_losses), ignored(labels, 80), torch.float32)
     assert (wide[:, 80:] == 12345.0).all()
 
@@ -295,8 +295,8 @@ def test_labels_outside_the_shard(beta):
     generator = torch.Generator().manual_seed(5)
     student, teacher = torch.randn(6, 70, generator=generator) * 3, torch.randn(6, 75, generator=generator) * 3
     labels = torch.tensor([25, 3, 95, 140, 150, IGNORE])  # in the shard, below it, past it, past it, past the total
-    scales = RowStepConstants(0.37, 0.81, beta, 2.0, IGNORE, vocab_start=20, vocab_student_total=150)
-    got, expected = run_both(student, teacher, labels, scales, True, 32)
+    constants = RowStepConstants(0.37, 0.81, beta, 2.0, IGNORE, vocab_start=20, vocab_student_total=150)
+    got, expected = run_both(student, teacher, labels, constants, True, 32)
     assert_matches_spec(got, expected, torch.tensor([False] * 4 + [True] * 2), torch.float32)
 
 
@@ -314,8 +314,8 @@ def test_softcaps_and_logit_scales(change, dtype, beta):
     teacher = (torch.randn(7, 140, generator=generator) * 4).to(dtype)
     labels = labels_for(7, 131, generator)
     for temperature in (1.0, 1.7):
-        scales = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE, **change)
-        got, expected = run_both(student, teacher, labels, scales, True, 32)
+        constants = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE, **change)
+        got, expected = run_both(student, teacher, labels, constants, True, 32)
         assert_matches_spec(got, expected, ignored(labels, 131), dtype)
         plain, _ = run_both(student, teacher, labels, RowStepConstants(0.37, 0.81, beta, temperature, IGNORE), True, 32)
         assert rel_err(got[0].float(), plain[0].float()) > 1e-2  # the caps and scales change the result
@@ -339,8 +339,8 @@ def test_a_one_column_student_padded_with_a_capped_teacher_and_a_logit_scale(bet
             dict(student_softcap=1.7, teacher_softcap=2.003707, student_logit_scale=0.8395802, teacher_logit_scale=1.3)]
     for change in caps:
         for temperature in (1.0, 1.7):  # the shared softmax (T == 1) and the two streams
-            scales = RowStepConstants(1.2454676, 0.2631615, beta, temperature, IGNORE, **change)
-            got, expected = run_both(student, teacher, labels, scales, True, 1024)
+            constants = RowStepConstants(1.2454676, 0.2631615, beta, temperature, IGNORE, **change)
+            got, expected = run_both(student, teacher, labels, constants, True, 1024)
             assert_matches_spec(got, expected, ignored(labels, 1), torch.float32, SPEC_FP32_EXTREME_TOL)
             assert (got[1][:, 0] == 0).all()
             hard_only = RowStepConstants(1.2454676, 0.0, beta, temperature, IGNORE, **change)
@@ -359,13 +359,13 @@ def test_fp16_lifts_match_the_spec(beta, temperature, weights):
     student = (torch.randn(rows, vocab_student, generator=generator) * 3).half()
     teacher = (torch.randn(rows, vocab_teacher, generator=generator) * 3).half()
     labels = labels_for(rows, vocab_student, generator)
-    scales = RowStepConstants(*weights, beta, temperature, IGNORE, student_softcap=20.0, teacher_logit_scale=1.5)
+    constants = RowStepConstants(*weights, beta, temperature, IGNORE, student_softcap=20.0, teacher_logit_scale=1.5)
     plain_grad, plain_losses = student.float(), torch.empty(rows, 2)
-    row_step_jsd_torch(plain_grad, teacher.float(), labels, scales, plain_losses, True)  # fp32 storage: no lifts
+    row_step_jsd_torch(plain_grad, teacher.float(), labels, constants, plain_losses, True)  # fp32 storage: no lifts
     results = {}
     for name, step in (("triton", row_step_jsd_triton), ("torch", row_step_jsd_torch)):
         grad, losses, lifts = student.clone(), torch.full((rows, 2), float("nan")), torch.full((rows,), float("nan"))
-        step(grad, teacher, labels, scales, losses, True, grad_lifts=lifts)
+        step(grad, teacher, labels, constants, losses, True, grad_lifts=lifts)
         results[name] = grad, lifts
         exponents = torch.log2(lifts)
         assert torch.equal(exponents, exponents.round()) and exponents.max() <= 10, lifts
@@ -399,10 +399,10 @@ def test_the_split_stages_give_the_whole_rows_step(beta, temperature, write_grad
     generator = torch.Generator().manual_seed(int(10 * beta) + int(temperature) + 7 * write_grad)
     student, teacher = torch.randn(9, 130, generator=generator) * 3, torch.randn(9, 157, generator=generator) * 3
     labels = torch.tensor([0, 49, 50, 119, IGNORE, 125, 129, 130, 77])  # 130: past the student's vocabulary
-    scales = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
-    grad, losses, _ = run_jsd_split_stages(student, teacher, labels, scales, SPLITS[split], write_grad)
+    constants = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)
+    grad, losses, _ = run_jsd_split_stages(student, teacher, labels, constants, SPLITS[split], write_grad)
     expected_grad, expected_losses = student.clone(), torch.empty(9, 2)
-    row_step_jsd_torch(expected_grad, teacher, labels, scales, expected_losses, write_grad)
+    row_step_jsd_torch(expected_grad, teacher, labels, constants, expected_losses, write_grad)
     for shard_losses in losses:
         assert torch.equal(shard_losses, losses[0])  # every rank returns the same loss
     if write_grad:
@@ -419,11 +419,11 @@ def test_the_split_stages_with_softcaps_scales_and_bf16(beta):
     teacher = (torch.randn(9, 157, generator=generator) * 4).bfloat16()
     labels = torch.tensor([0, 49, 50, 119, IGNORE, 125, 129, 130, 77])
     for temperature in (1.0, 1.7):
-        scales = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE, student_softcap=4.0, teacher_softcap=3.0,
+        constants = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE, student_softcap=4.0, teacher_softcap=3.0,
                                student_logit_scale=0.5, teacher_logit_scale=1.5)
-        grad, losses, _ = run_jsd_split_stages(student, teacher, labels, scales, SPLITS["a shard of padding only"], True)
+        grad, losses, _ = run_jsd_split_stages(student, teacher, labels, constants, SPLITS["a shard of padding only"], True)
         expected_grad, expected_losses = student.clone(), torch.empty(9, 2)
-        row_step_jsd_torch(expected_grad, teacher, labels, scales, expected_losses, True)
+        row_step_jsd_torch(expected_grad, teacher, labels, constants, expected_losses, True)
         assert_matches_spec((grad, losses[0]), (expected_grad, expected_losses), ignored(labels, 130), torch.bfloat16)
 
 
@@ -434,11 +434,11 @@ def test_the_split_stages_lift_fp16_rows_as_the_whole_step(beta):
     student = (torch.randn(7, 3000, generator=generator) * 3).half()
     teacher = (torch.randn(7, 3013, generator=generator) * 3).half()
     labels = labels_for(7, 3000, generator)
-    scales = RowStepConstants(0.0, 0.05, beta, 0.6, IGNORE)
-    grad, _, lifts = run_jsd_split_stages(student, teacher, labels, scales, [(0, 1000), (1000, 2900), (2900, 3013)], True,
+    constants = RowStepConstants(0.0, 0.05, beta, 0.6, IGNORE)
+    grad, _, lifts = run_jsd_split_stages(student, teacher, labels, constants, [(0, 1000), (1000, 2900), (2900, 3013)], True,
                                lifts=True)
     whole, whole_lifts = student.clone(), torch.full((7,), float("nan"))
-    row_step_jsd_triton(whole, teacher, labels, scales, torch.empty(7, 2), True, grad_lifts=whole_lifts)
+    row_step_jsd_triton(whole, teacher, labels, constants, torch.empty(7, 2), True, grad_lifts=whole_lifts)
     assert (whole_lifts > 1).any(), whole_lifts  # the lifts are in play
     for shard_lifts in lifts:
         assert torch.equal(shard_lifts, whole_lifts)
@@ -450,11 +450,11 @@ def test_the_split_row_step_over_one_rank_is_the_whole_step():
     generator = torch.Generator().manual_seed(2)
     student, teacher = torch.randn(7, 101, generator=generator) * 3, torch.randn(7, 120, generator=generator) * 3
     labels = labels_for(7, 101, generator)
-    scales = RowStepConstants(0.37, 0.81, 0.5, 1.3, IGNORE)
+    constants = RowStepConstants(0.37, 0.81, 0.5, 1.3, IGNORE)
     got, got_losses = student.clone(), torch.full((7, 2), float("nan"))
-    jsd_kernel.split_jsd_row_step_triton(lambda tensor: tensor[None])(got, teacher, labels, scales, got_losses, True)
+    jsd_kernel.split_jsd_row_step_triton(lambda tensor: tensor[None])(got, teacher, labels, constants, got_losses, True)
     expected, expected_losses = student.clone(), torch.empty(7, 2)
-    row_step_jsd_torch(expected, teacher, labels, scales, expected_losses, True)
+    row_step_jsd_torch(expected, teacher, labels, constants, expected_losses, True)
     assert_matches_spec((got, got_losses), (expected, expected_losses), ignored(labels, 101), torch.float32)
 
 
@@ -572,7 +572,7 @@ def test_caps_and_scales_are_rounded_before_any_difference():
     """On the GPU each pass reloads a logit and applies its scale and cap again; contracted into FMAs, the product
     was rounded in the max but exact in s - max, and a one-column student's softmax 2^(s - max) was not 1 (its
     hard gradient 2e-3 of the gradient in GPU fuzz case 160). Through the real compiler for Hopper, with both
-    scales and either cap or both, and the cosine kernels' capped variants (the same _load_logits): no cap or
+    constants and either cap or both, and the cosine kernels' capped variants (the same _load_logits): no cap or
     scale enters an FMA (each product is mul.rn, never contracted)."""
     lines = compiled_for_hopper(ROUNDED_CAPS_AND_SCALES.replace("TESTS", repr(str(Path(__file__).resolve().parents[1]))))
     assert len(lines) == 10 + 4 * 8 and all(line[-1] == "0" for line in lines), lines

@@ -19,12 +19,12 @@ from cosdistill.testing import (
 )
 
 
-def term_bound(student, scales):
+def term_bound(student, constants):
     """Per row, a bound on the size of the terms each gradient entry sums: weight_hard * (p + 1) and
     weight_soft * beta * (|t_v| / (|s| |t|) + |cos| |s_v| / |s|^2) <= 2 |weight_soft * beta| / |s|."""
-    s = scale_and_softcap(student.double(), scales.student_logit_scale, scales.student_softcap)
-    soft = 2 * abs(scales.weight_soft * scales.beta) / s.norm(dim=1).clamp(min=1e-30)
-    return ((2 * abs(scales.weight_hard) + soft) * abs(scales.student_logit_scale)).clamp(min=1.0).float()
+    s = scale_and_softcap(student.double(), constants.student_logit_scale, constants.student_softcap)
+    soft = 2 * abs(constants.weight_soft * constants.beta) / s.norm(dim=1).clamp(min=1e-30)
+    return ((2 * abs(constants.weight_hard) + soft) * abs(constants.student_logit_scale)).clamp(min=1.0).float()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -37,13 +37,13 @@ def term_bound(student, scales):
 def test_triton_row_step_matches_torch(dtype, vocab_student, vocab_teacher, block, write_grad, softcaps, logit_scales):
     rows = 11
     student, teacher, labels = random_chunk(rows, vocab_student, vocab_teacher, dtype)
-    scales = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-7,
+    constants = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-7,
                            student_softcap=softcaps[0], teacher_softcap=softcaps[1],
                            student_logit_scale=logit_scales[0], teacher_logit_scale=logit_scales[1])
     expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, write_grad)
+    row_step_torch(expected_grad, teacher, labels, constants, expected_losses, write_grad)
     got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_triton(got_grad, teacher, labels, scales, got_losses, write_grad, block_size=block)
+    row_step_triton(got_grad, teacher, labels, constants, got_losses, write_grad, block_size=block)
 
     assert not (got_losses == POISON).any()
     torch.testing.assert_close(got_losses, expected_losses, rtol=2e-5, atol=2e-5)
@@ -52,7 +52,7 @@ def test_triton_row_step_matches_torch(dtype, vocab_student, vocab_teacher, bloc
         # atol covers entries that cancel to ~0 (p = 1 when V = 1, cos = 1): the rounding of the terms
         # that cancel, whose size the row's bound on them gives (the soft term's grows as 1 / |s|).
         rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else (1e-2, 1e-4)
-        error_bound = atol * term_bound(student, scales)[:, None] + rtol * expected_grad.float().abs()
+        error_bound = atol * term_bound(student, constants)[:, None] + rtol * expected_grad.float().abs()
         assert ((got_grad.float() - expected_grad.float()).abs() <= error_bound).all()
         ignored = labels == -7
         assert torch.count_nonzero(got_grad[ignored]) == 0
@@ -69,12 +69,12 @@ def test_softcap_of_logits_small_against_the_cap():
     student = torch.randn(rows, vocab) * row_scales
     teacher = torch.randn(rows, vocab) * row_scales.flip(0)
     labels = torch.randint(0, vocab, (rows,))
-    scales = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.0, ignore_index=-7,
+    constants = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=0.6, temperature=1.0, ignore_index=-7,
                            student_softcap=cap, teacher_softcap=cap)
     expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
+    row_step_torch(expected_grad, teacher, labels, constants, expected_losses, True)
     got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_triton(got_grad, teacher, labels, scales, got_losses, True, block_size=32)
+    row_step_triton(got_grad, teacher, labels, constants, got_losses, True, block_size=32)
     torch.testing.assert_close(got_losses, expected_losses, rtol=1e-5, atol=0.0)
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-6 * expected_grad.abs().amax().item())
 
@@ -84,11 +84,11 @@ def test_triton_row_step_on_strided_rows():
     student, teacher, labels = random_chunk(6, 80, 90, torch.float32)
     wide_student = torch.full((6, 100), POISON)
     wide_student[:, :80] = student
-    scales = RowStepConstants(0.5, 0.5, 0.5, 1.0, -7)
+    constants = RowStepConstants(0.5, 0.5, 0.5, 1.0, -7)
     expected_grad, expected_losses = student.clone(), torch.empty(6, 2)
-    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
+    row_step_torch(expected_grad, teacher, labels, constants, expected_losses, True)
     got_losses = torch.empty(6, 2)
-    row_step_triton(wide_student[:, :80], teacher, labels, scales, got_losses, True, block_size=32)
+    row_step_triton(wide_student[:, :80], teacher, labels, constants, got_losses, True, block_size=32)
     torch.testing.assert_close(got_losses, expected_losses)
     torch.testing.assert_close(wide_student[:, :80], expected_grad)
     assert (wide_student[:, 80:] == POISON).all()  # nothing written past the row's vocabulary
@@ -98,11 +98,11 @@ def test_out_of_range_labels_count_as_ignored_in_the_kernel():
     """The API raises on them, but only after the first chunk's row step is queued: it must not read out of bounds."""
     student, teacher, labels = random_chunk(5, 40, 40, torch.float32)
     labels[1], labels[3] = 40, -3
-    scales = RowStepConstants(0.5, 0.5, 0.5, 1.0, -7)
+    constants = RowStepConstants(0.5, 0.5, 0.5, 1.0, -7)
     expected_grad, expected_losses = student.clone(), torch.empty(5, 2)
-    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
+    row_step_torch(expected_grad, teacher, labels, constants, expected_losses, True)
     got_grad, got_losses = student.clone(), torch.empty(5, 2)
-    row_step_triton(got_grad, teacher, labels, scales, got_losses, True, block_size=16)
+    row_step_triton(got_grad, teacher, labels, constants, got_losses, True, block_size=16)
     assert (expected_losses[[1, 3]] == 0).all() and torch.count_nonzero(expected_grad[[1, 3]]) == 0
     torch.testing.assert_close(got_losses, expected_losses)
     torch.testing.assert_close(got_grad, expected_grad)
@@ -110,12 +110,12 @@ def test_out_of_range_labels_count_as_ignored_in_the_kernel():
 
 def test_triton_statistics_and_gradient_kernels_match_the_fused_kernel():
     student, teacher, labels = random_chunk(7, 300, 301, torch.bfloat16)
-    scales = RowStepConstants(0.37, 0.81, 0.6, 1.7, -7)
+    constants = RowStepConstants(0.37, 0.81, 0.6, 1.7, -7)
     fused_grad, fused_losses = student.clone(), torch.full((7, 2), POISON)
-    row_step_triton(fused_grad, teacher, labels, scales, fused_losses, True, block_size=64)
+    row_step_triton(fused_grad, teacher, labels, constants, fused_losses, True, block_size=64)
     split_grad, split_losses = student.clone(), torch.full((7, 2), POISON)
-    stats = row_stats_triton(split_grad, teacher, labels, scales, block_size=64)
-    row_grad_triton(split_grad, teacher, labels, stats, scales, split_losses, True, block_size=64)
+    stats = row_stats_triton(split_grad, teacher, labels, constants, block_size=64)
+    row_grad_triton(split_grad, teacher, labels, stats, constants, split_losses, True, block_size=64)
     assert torch.equal(split_losses, fused_losses) and torch.equal(split_grad, fused_grad)
 
 
@@ -130,11 +130,11 @@ def test_label_entry_in_whole_blocks_and_in_the_partial_last_block(vocab, block)
     student, teacher, _ = random_chunk(rows, vocab, vocab, torch.float32)
     labels = torch.tensor(columns + [-7])
     student[-1, 3] = float("inf")
-    scales = RowStepConstants(0.7, 0.4, 0.6, 1.3, -7)
+    constants = RowStepConstants(0.7, 0.4, 0.6, 1.3, -7)
     expected_grad, expected_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_torch(expected_grad, teacher, labels, scales, expected_losses, True)
+    row_step_torch(expected_grad, teacher, labels, constants, expected_losses, True)
     got_grad, got_losses = student.clone(), torch.full((rows, 2), POISON)
-    row_step_triton(got_grad, teacher, labels, scales, got_losses, True, block_size=block)
+    row_step_triton(got_grad, teacher, labels, constants, got_losses, True, block_size=block)
     torch.testing.assert_close(got_losses, expected_losses, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-6)
     assert torch.equal(got_grad[-1], torch.zeros(vocab))
@@ -148,14 +148,14 @@ def test_row_step_without_teacher_logits_matches_torch():
     student = (torch.randn(rows, vocab) * 3).bfloat16()
     labels = torch.randint(0, vocab, (rows,))
     labels[::4] = -100
-    scales = RowStepConstants(0.4, 0.6, 0.5, 1.5, -100, student_logit_scale=0.7)
+    constants = RowStepConstants(0.4, 0.6, 0.5, 1.5, -100, student_logit_scale=0.7)
     dot, sum_sq_teacher = torch.randn(rows) * 20, torch.rand(rows) * 100 + 1
     results = []
     for row_step in (TORCH_ROW_STEP, TRITON_ROW_STEP):
         logits = student.clone()
         losses = torch.full((rows, 2), float("nan"))
-        stats = with_teacher_products(row_step.stats(logits, None, labels, scales), dot, sum_sq_teacher, scales)
-        row_step.grad(logits, None, labels, stats, scales, losses, True)
+        stats = with_teacher_products(row_step.stats(logits, None, labels, constants), dot, sum_sq_teacher, constants)
+        row_step.grad(logits, None, labels, stats, constants, losses, True)
         results.append((losses, logits.float()))
     (torch_losses, torch_grad), (triton_losses, triton_grad) = results
     assert rel_err(triton_losses, torch_losses) < 1e-6

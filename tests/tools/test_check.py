@@ -66,10 +66,10 @@ def test_selfcheck_runs_the_cluster_kernel_where_it_applies(monkeypatch):
     called (its Triton fallback would pass vacuously); a case it does not apply to is left to the Triton rows."""
     calls = []
 
-    def recording_step(student, teacher, labels, scales, losses, write_grad, *lifts):
-        assert row_step_cuda.supported(student, teacher, labels, scales, write_grad, None)
+    def recording_step(student, teacher, labels, constants, losses, write_grad, *lifts):
+        assert row_step_cuda.supported(student, teacher, labels, constants, write_grad, None)
         calls.append(student.shape)
-        row_step_torch(student, teacher, labels, scales, losses, write_grad, *lifts)
+        row_step_torch(student, teacher, labels, constants, losses, write_grad, *lifts)
 
     monkeypatch.setattr(row_step_cuda, "available", lambda device: True)
     monkeypatch.setattr(row_step_cuda, "CUDA_ROW_STEP", RowStepImpl(recording_step, None, None))

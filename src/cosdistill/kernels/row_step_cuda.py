@@ -129,20 +129,20 @@ def available(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def applies(dtype: torch.dtype, vocab_student: int, vocab_teacher: int, scales: RowStepConstants) -> bool:
+def applies(dtype: torch.dtype, vocab_student: int, vocab_teacher: int, constants: RowStepConstants) -> bool:
     """Whether the kernel computes _row_step.py's step for logits of this kind (layout and device aside)."""
-    plain = (scales.student_softcap is None and scales.teacher_softcap is None and scales.student_logit_scale == 1.0
-             and scales.teacher_logit_scale == 1.0 and scales.vocab_start == 0
-             and scales.vocab_student_total in (None, vocab_student) and -2**31 <= scales.ignore_index < 2**31)
+    plain = (constants.student_softcap is None and constants.teacher_softcap is None and constants.student_logit_scale == 1.0
+             and constants.teacher_logit_scale == 1.0 and constants.vocab_start == 0
+             and constants.vocab_student_total in (None, vocab_student) and -2**31 <= constants.ignore_index < 2**31)
     return (plain and dtype == torch.bfloat16 and vocab_student == vocab_teacher and vocab_student % 8 == 0
             and _shared_bytes(vocab_student, 16) <= MAX_SHARED_BYTES)
 
 
-def supported(student_logits, teacher_logits, labels, scales: RowStepConstants, write_grad, grad_lifts) -> bool:
+def supported(student_logits, teacher_logits, labels, constants: RowStepConstants, write_grad, grad_lifts) -> bool:
     """Whether this kernel computes exactly what _row_step.py asks for these arguments."""
     rows, vocab = student_logits.shape
     return (write_grad and grad_lifts is None and rows > 0 and teacher_logits.dtype == student_logits.dtype
-            and teacher_logits.shape[0] == rows and applies(student_logits.dtype, vocab, teacher_logits.shape[1], scales)
+            and teacher_logits.shape[0] == rows and applies(student_logits.dtype, vocab, teacher_logits.shape[1], constants)
             and labels.dtype in _LABEL_TYPES and labels.is_contiguous()
             and student_logits.stride(1) == teacher_logits.stride(1) == 1
             and student_logits.stride(0) % 8 == 0 and teacher_logits.stride(0) % 8 == 0
@@ -210,7 +210,7 @@ def _launch(vocab: int, label_dtype: torch.dtype, device_index: int, models: int
     return None
 
 
-def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses,
+def cluster_kernel(student_logits, teacher_logits, labels, constants: RowStepConstants, token_losses,
                    layout: Layout | None = None) -> None:
     """The kernel alone, for ``supported`` arguments (layout: _launch's unless given): rows whose sums
     overflow fp32 are left with NaN losses and their logits."""
@@ -222,10 +222,10 @@ def cluster_kernel(student_logits, teacher_logits, labels, scales: RowStepConsta
             raise ValueError(f"no cluster of {layout} fits on {device}, or it spills registers")
     else:
         kernel, layout = _launch(vocab, labels.dtype, device.index)
-    launch(kernel, layout, student_logits, teacher_logits, labels, scales, token_losses)
+    launch(kernel, layout, student_logits, teacher_logits, labels, constants, token_losses)
 
 
-def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scales, token_losses,
+def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, constants, token_losses,
            teacher_products=None, teacher_coefs=None) -> None:
     """One launch of a compiled kernel of this source (benchmarks/diagnose.py row-step times variants);
     teacher_logits None: the one-model kernel with teacher_products and teacher_coefs (gram_row_step_cuda)."""
@@ -238,8 +238,8 @@ def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scale
         teacher_products = teacher_coefs = token_losses
     launch_rows(kernel, layout, rows, _shared_bytes(vocab, *layout, tiles=models), device,
                 [student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
-                 teacher_logits.stride(0), scales.ignore_index, float(scales.weight_hard), float(scales.weight_soft),
-                 float(scales.beta), 1.0 / (scales.temperature * scales.temperature), teacher_products, teacher_coefs])
+                 teacher_logits.stride(0), constants.ignore_index, float(constants.weight_hard), float(constants.weight_soft),
+                 float(constants.beta), 1.0 / (constants.temperature * constants.temperature), teacher_products, teacher_coefs])
 
 
 @functools.cache
@@ -271,33 +271,33 @@ def launch_rows(kernel, layout: Layout, rows: int, shared_bytes: int, device: to
     del values  # kept alive until here: the driver reads the arguments through their addresses at the launch
 
 
-def row_step_cuda(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,
+def row_step_cuda(student_logits, teacher_logits, labels, constants: RowStepConstants, token_losses, write_grad,
                   grad_lifts=None) -> None:
     """_row_step.row_step_torch: this kernel and the Triton RESCUE launch where ``supported``, else Triton."""
-    if not (supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts)
+    if not (supported(student_logits, teacher_logits, labels, constants, write_grad, grad_lifts)
             and token_losses.is_contiguous() and _launch(student_logits.shape[1], labels.dtype,
                                                           student_logits.device.index) is not None):
-        row_step_triton(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts)
+        row_step_triton(student_logits, teacher_logits, labels, constants, token_losses, write_grad, grad_lifts)
         return
-    cluster_kernel(student_logits, teacher_logits, labels, scales, token_losses)
-    row_step_triton(student_logits, teacher_logits, labels, scales, token_losses, write_grad, rescue_only=True)
+    cluster_kernel(student_logits, teacher_logits, labels, constants, token_losses)
+    row_step_triton(student_logits, teacher_logits, labels, constants, token_losses, write_grad, rescue_only=True)
 
 
-def gram_row_step_cuda(student_logits, labels, scales: RowStepConstants, token_losses, teacher_products,
+def gram_row_step_cuda(student_logits, labels, constants: RowStepConstants, token_losses, teacher_products,
                        teacher_coefs) -> bool:
     """The Gram path's row step (_teacher_gram.py) in one launch of the one-model kernel, where it applies: the
     losses, d L / d s without its teacher term in place, and each row's coefficient of t (0 for ignored
     rows) into teacher_coefs, from each row's raw s.t and |t|^2 in teacher_products [n, 2]. A row whose
     sums overflow fp32 gets NaN losses and gradient (no rescue; _teacher_gram.py's range). Whether it ran."""
     rows, vocab = student_logits.shape
-    runs = (rows > 0 and applies(student_logits.dtype, vocab, vocab, scales) and labels.dtype in _LABEL_TYPES
+    runs = (rows > 0 and applies(student_logits.dtype, vocab, vocab, constants) and labels.dtype in _LABEL_TYPES
             and labels.is_contiguous() and token_losses.is_contiguous() and teacher_products.is_contiguous()
             and teacher_coefs.is_contiguous() and student_logits.stride(1) == 1 and student_logits.stride(0) % 8 == 0
             and student_logits.data_ptr() % 16 == 0 and available(student_logits.device)
             and _launch(vocab, labels.dtype, student_logits.device.index, 1) is not None)
     if runs:
         kernel, layout = _launch(vocab, labels.dtype, student_logits.device.index, 1)
-        launch(kernel, layout, student_logits, None, labels, scales, token_losses, teacher_products, teacher_coefs)
+        launch(kernel, layout, student_logits, None, labels, constants, token_losses, teacher_products, teacher_coefs)
     return runs
 
 

@@ -25,7 +25,7 @@ from .._fingerprint import LANE_KEYS, MASK, MIX
 from .._row_step import RowStepConstants, RowStepImpl
 from . import row_step_cuda
 from .row_step_cuda import MAX_SHARED_BYTES, Layout, _blocks_per_sm, _shared_bytes, _slice_vecs
-from .row_step_jsd_triton import MIXED, MIXED_PRECISE, _check_scales, mode_of, row_step_jsd_triton, split_jsd_row_step_triton
+from .row_step_jsd_triton import MIXED, MIXED_PRECISE, _check_constants, mode_of, row_step_jsd_triton, split_jsd_row_step_triton
 from .row_step_triton import LOG2E
 
 _SOURCE = row_step_cuda.cuda_source("row_step_jsd.cu")
@@ -83,12 +83,12 @@ def source(vocab: int, label_dtype: torch.dtype, layout: Layout, mode: int, shar
                                            MODE=mode, SHARED=int(shared), HASH_ROW_VECS=hash_row_vecs, **keys), _SOURCE)
 
 
-def supported(student_logits, teacher_logits, labels, scales: RowStepConstants, write_grad, grad_lifts) -> bool:
+def supported(student_logits, teacher_logits, labels, constants: RowStepConstants, write_grad, grad_lifts) -> bool:
     """Whether this kernel computes exactly what _row_step_jsd.py asks for these arguments: where the cosine
     loss's cluster kernel would run (the same logits, layouts and device), at a beta it has a form for (a beta
     within EDGE_MARGIN of 0 or 1 runs the Triton step's MIXED_PRECISE: mode_of)."""
-    return (teacher_logits is not None and mode_of(scales.beta, student_logits.dtype) != MIXED_PRECISE.value
-            and row_step_cuda.supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts))
+    return (teacher_logits is not None and mode_of(constants.beta, student_logits.dtype) != MIXED_PRECISE.value
+            and row_step_cuda.supported(student_logits, teacher_logits, labels, constants, write_grad, grad_lifts))
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,41 +111,41 @@ def _launch(vocab: int, label_dtype: torch.dtype, device_index: int, mode: int, 
     return None
 
 
-def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, scales: RowStepConstants,
+def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, constants: RowStepConstants,
            token_losses, hash_args=()) -> None:
     """One launch of a compiled kernel of this source (benchmarks/diagnose.py times variants); ``hash_args``
     (words, rows, row stride in vectors, partials) for a kernel compiled to hash a weight."""
     rows, vocab = student_logits.shape
     row_step_cuda.launch_rows(
-        kernel, layout, rows, _shared_bytes(vocab, *layout, _tiles(mode_of(scales.beta, student_logits.dtype))),
+        kernel, layout, rows, _shared_bytes(vocab, *layout, _tiles(mode_of(constants.beta, student_logits.dtype))),
         student_logits.device,
         [student_logits, teacher_logits, labels, token_losses, student_logits.stride(0), teacher_logits.stride(0),
-         scales.ignore_index, float(scales.weight_hard), scales.weight_soft / scales.temperature,
-         LOG2E.value / scales.temperature, 1.0 - scales.beta, float(scales.beta), *hash_args])
+         constants.ignore_index, float(constants.weight_hard), constants.weight_soft / constants.temperature,
+         LOG2E.value / constants.temperature, 1.0 - constants.beta, float(constants.beta), *hash_args])
 
 
-def _found(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad, grad_lifts,
+def _found(student_logits, teacher_logits, labels, constants: RowStepConstants, token_losses, write_grad, grad_lifts,
            hash_row_vecs: int = 0):
     """_launch's (kernel, layout) for these arguments where this kernel computes the spec for them, else None."""
-    if not (supported(student_logits, teacher_logits, labels, scales, write_grad, grad_lifts)
+    if not (supported(student_logits, teacher_logits, labels, constants, write_grad, grad_lifts)
             and token_losses.is_contiguous()):
         return None
-    _check_scales(scales)
+    _check_constants(constants)
     return _launch(student_logits.shape[1], labels.dtype, student_logits.device.index,
-                   mode_of(scales.beta, student_logits.dtype), scales.temperature == 1.0, hash_row_vecs)
+                   mode_of(constants.beta, student_logits.dtype), constants.temperature == 1.0, hash_row_vecs)
 
 
-def row_step_jsd_cuda(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,
+def row_step_jsd_cuda(student_logits, teacher_logits, labels, constants: RowStepConstants, token_losses, write_grad,
                       grad_lifts=None) -> None:
     """_row_step_jsd.row_step_jsd_torch: this kernel where ``supported``, else the Triton step."""
-    found = _found(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts)
+    found = _found(student_logits, teacher_logits, labels, constants, token_losses, write_grad, grad_lifts)
     if found is None:
-        row_step_jsd_triton(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts)
+        row_step_jsd_triton(student_logits, teacher_logits, labels, constants, token_losses, write_grad, grad_lifts)
         return
-    launch(*found, student_logits, teacher_logits, labels, scales, token_losses)
+    launch(*found, student_logits, teacher_logits, labels, constants, token_losses)
 
 
-def row_step_jsd_cuda_hashing(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,
+def row_step_jsd_cuda_hashing(student_logits, teacher_logits, labels, constants: RowStepConstants, token_losses, write_grad,
                               grad_lifts=None, *, words) -> torch.Tensor | None:
     """row_step_jsd_cuda in this kernel, taking along the hash of ``words`` (_fingerprint.as_words of a weight):
     the hash's partial lanes [blocks, 2] (_fingerprint.lanes_of sums them). None, with nothing run, where the
@@ -153,13 +153,13 @@ def row_step_jsd_cuda_hashing(student_logits, teacher_logits, labels, scales: Ro
     hashable = (words.dtype == torch.int32 and words.dim() == 2 and words.device == student_logits.device
                 and words.stride(1) == 1 and words.shape[1] % 4 == 0 and words.stride(0) % 4 == 0
                 and words.data_ptr() % 16 == 0)
-    found = _found(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts,
+    found = _found(student_logits, teacher_logits, labels, constants, token_losses, write_grad, grad_lifts,
                    words.shape[1] // 4) if hashable else None
     rows = student_logits.shape[0]
     if found is None or rows * found[1].cluster * HASH_ROWS_PER_BLOCK < words.shape[0]:
         return None
     partials = torch.empty(rows * found[1].cluster, 2, dtype=torch.int32, device=student_logits.device)
-    launch(*found, student_logits, teacher_logits, labels, scales, token_losses,
+    launch(*found, student_logits, teacher_logits, labels, constants, token_losses,
            hash_args=[words, words.shape[0], words.stride(0) // 4, partials])
     return partials
 

@@ -71,7 +71,7 @@ LOG1P_SERIES_BELOW: tl.constexpr = tl.constexpr(0.125)  # _log2_1p's series to y
 @triton.jit
 def _exp2(x):
     """2^x as row_step_triton._exp's ex2.approx.ftz (results below 1e-38 flush to 0), without its multiply by
-    log2(e): the base-2 callers have folded that into their scales. The interpreter cannot run PTX."""
+    log2(e): the base-2 callers have folded that into their constants. The interpreter cannot run PTX."""
     if INTERPRET:
         return tl.exp2(x)
     else:
@@ -102,7 +102,7 @@ def _online(run_max, run_sum, v, scale):
 
 @triton.jit
 def _online_two(run_max, sum_x, sum_z, v, x_scale, z_scale):
-    """_online at two scales, the student's at T and unscaled (T != 1), sharing its max."""
+    """_online at two constants, the student's at T and unscaled (T != 1), sharing its max."""
     distance = -tl.abs(v - run_max)
     gap_x = _exp2(distance * x_scale)
     gap_z = _exp2(distance * z_scale)
@@ -563,7 +563,7 @@ def _jsd_row_step_kernel(
         tl.store(losses_row + 1, _soft_loss(student_sum, teacher_sum, keep, MODE))
 
         # Pass 3: REVERSE and MIXED subtract each row's sum_j p_j g_j, known only now; with LIFT each form
-        # scales by the row's power of two, known only now too.
+        # constants by the row's power of two, known only now too.
         if WRITE_GRAD and (MODE != FORWARD or LIFT):
             _lift_and_write_row_grad(
                 student_row, teacher_row, lifts_ptr + row, vocab_student, label_col, x_scale, z_scale, shift_x, norm_x,
@@ -594,31 +594,31 @@ def mode_of(beta: float, dtype: torch.dtype) -> int:
     return MIXED_PRECISE.value
 
 
-def _check_scales(scales: RowStepConstants):
+def _check_constants(constants: RowStepConstants):
     """beta in [0, 1], T > 0 (the API checks them; a direct call is checked here)."""
-    if not 0.0 <= scales.beta <= 1.0:
-        raise ValueError(f"the JSD row step needs beta in [0, 1], got {scales.beta}")
-    if not scales.temperature > 0.0:
-        raise ValueError(f"the JSD row step needs a positive temperature, got {scales.temperature}")
+    if not 0.0 <= constants.beta <= 1.0:
+        raise ValueError(f"the JSD row step needs beta in [0, 1], got {constants.beta}")
+    if not constants.temperature > 0.0:
+        raise ValueError(f"the JSD row step needs a positive temperature, got {constants.temperature}")
 
 
-def row_step_jsd_triton(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,
+def row_step_jsd_triton(student_logits, teacher_logits, labels, constants: RowStepConstants, token_losses, write_grad,
                         grad_lifts=None, block_size=None, num_warps=None, num_stages=None) -> None:
-    rows, vocab_student, vocab_teacher = _checked_sizes(student_logits, teacher_logits, labels, scales, token_losses,
+    rows, vocab_student, vocab_teacher = _checked_sizes(student_logits, teacher_logits, labels, constants, token_losses,
                                                         *([] if grad_lifts is None else [grad_lifts]))
     if rows == 0:
         return
     lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
-    beta, temperature = scales.beta, scales.temperature
+    beta, temperature = constants.beta, constants.temperature
     mode = mode_of(beta, student_logits.dtype)
     num_warps = num_warps or (DEFAULT_WARPS if write_grad else LOSS_ONLY_WARPS)
     block = _block(vocab_student, block_size, num_warps, DEFAULT_BLOCK if write_grad else LOSS_ONLY_BLOCK)
     stages = num_stages or (DEFAULT_STAGES if write_grad else LOSS_ONLY_STAGES)
     _jsd_row_step_kernel[(rows,)](
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses, lifts,
-        vocab_student, vocab_teacher, *_common_args(vocab_student, scales),
-        scales.weight_hard, scales.weight_soft / temperature, LOG2E.value / temperature,
-        float(vocab_teacher - vocab_student), 1.0 - beta, beta, *_logit_args(scales), **_caps(scales),
+        vocab_student, vocab_teacher, *_common_args(vocab_student, constants),
+        constants.weight_hard, constants.weight_soft / temperature, LOG2E.value / temperature,
+        float(vocab_teacher - vocab_student), 1.0 - beta, beta, *_logit_args(constants), **_caps(constants),
         MODE=mode, SHARED=temperature == 1.0, WRITE_GRAD=write_grad, **lift_flag, BLOCK=block, STAGES=stages,
         num_warps=num_warps, **TRITON_OPTIONS,
     )
@@ -753,10 +753,10 @@ def _jsd_shard_grad_kernel(
             _zero_row(student_row, vocab_student, BLOCK)
 
 
-def _checked_sizes(student_logits, teacher_logits, labels, scales: RowStepConstants, *contiguous):
-    """(rows, vocab_student, vocab_teacher) of a chunk's logits, whole rows or a shard of them, once the scales,
+def _checked_sizes(student_logits, teacher_logits, labels, constants: RowStepConstants, *contiguous):
+    """(rows, vocab_student, vocab_teacher) of a chunk's logits, whole rows or a shard of them, once the constants,
     the teacher's logits and, where there are rows, the layouts are checked."""
-    _check_scales(scales)
+    _check_constants(constants)
     if teacher_logits is None:
         raise ValueError("the JSD row step needs the teacher's logits (it has no Gram path)")
     rows, vocab_student = student_logits.shape
@@ -768,16 +768,16 @@ def _checked_sizes(student_logits, teacher_logits, labels, scales: RowStepConsta
     return rows, vocab_student, vocab_teacher
 
 
-def jsd_shard_stats_triton(student_logits, teacher_logits, labels, scales: RowStepConstants) -> torch.Tensor:
+def jsd_shard_stats_triton(student_logits, teacher_logits, labels, constants: RowStepConstants) -> torch.Tensor:
     """Stage 1 over a shard's columns: [n, NUM_SHARD_STATS] fp32 (SHARD_STATS)."""
     stats = torch.empty(len(labels), NUM_SHARD_STATS.value, dtype=torch.float32, device=student_logits.device)
-    rows, vocab_student, vocab_teacher = _checked_sizes(student_logits, teacher_logits, labels, scales, stats)
+    rows, vocab_student, vocab_teacher = _checked_sizes(student_logits, teacher_logits, labels, constants, stats)
     if rows:
         _jsd_shard_stats_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats,
-            vocab_student, vocab_teacher, *_common_args(vocab_student, scales), LOG2E.value / scales.temperature,
-            float(vocab_teacher - vocab_student), *_logit_args(scales), **_caps(scales),
-            SHARED=scales.temperature == 1.0, BLOCK=_block(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK),
+            vocab_student, vocab_teacher, *_common_args(vocab_student, constants), LOG2E.value / constants.temperature,
+            float(vocab_teacher - vocab_student), *_logit_args(constants), **_caps(constants),
+            SHARED=constants.temperature == 1.0, BLOCK=_block(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK),
             STAGES=LOSS_ONLY_STAGES, num_warps=LOSS_ONLY_WARPS, **TRITON_OPTIONS,
         )
     return stats
@@ -796,17 +796,17 @@ def combine_shard_stats(shard_stats: torch.Tensor, temperature: float) -> torch.
     return stats
 
 
-def jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats, scales: RowStepConstants,
+def jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats, constants: RowStepConstants,
                           lift_terms=False) -> torch.Tensor:
     """Stage 2 over a shard's columns, from the combined statistics: [n, NUM_SHARD_SUMS] fp32."""
     sums = torch.empty(len(labels), NUM_SHARD_SUMS.value, dtype=torch.float32, device=student_logits.device)
-    rows, vocab_student, vocab_teacher = _checked_sizes(student_logits, teacher_logits, labels, scales, stats, sums)
+    rows, vocab_student, vocab_teacher = _checked_sizes(student_logits, teacher_logits, labels, constants, stats, sums)
     if rows:
         _jsd_shard_sums_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats, sums,
-            vocab_student, vocab_teacher, *_common_args(vocab_student, scales), LOG2E.value / scales.temperature,
-            1.0 - scales.beta, scales.beta, *_logit_args(scales), **_caps(scales),
-            MODE=mode_of(scales.beta, student_logits.dtype), LIFT=lift_terms,
+            vocab_student, vocab_teacher, *_common_args(vocab_student, constants), LOG2E.value / constants.temperature,
+            1.0 - constants.beta, constants.beta, *_logit_args(constants), **_caps(constants),
+            MODE=mode_of(constants.beta, student_logits.dtype), LIFT=lift_terms,
             BLOCK=_block(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK), STAGES=LOSS_ONLY_STAGES,
             num_warps=LOSS_ONLY_WARPS, **TRITON_OPTIONS,
         )
@@ -818,11 +818,11 @@ def combine_shard_sums(shard_sums: torch.Tensor) -> torch.Tensor:
     return combine_jsd_sums(shard_sums, summed=3)
 
 
-def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, scales: RowStepConstants, token_losses,
+def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, constants: RowStepConstants, token_losses,
                           write_grad, grad_lifts=None) -> None:
     """Stage 3: the losses and, if asked, the shard's gradient over its logits (times each row's lift, given
     ``grad_lifts``), from the combined statistics and sums."""
-    rows, vocab_student, _ = _checked_sizes(student_logits, teacher_logits, labels, scales, stats, sums, token_losses,
+    rows, vocab_student, _ = _checked_sizes(student_logits, teacher_logits, labels, constants, stats, sums, token_losses,
                                             *([] if grad_lifts is None else [grad_lifts]))
     if not rows:
         return
@@ -830,9 +830,10 @@ def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, s
     num_warps = DEFAULT_WARPS if write_grad else LOSS_ONLY_WARPS
     _jsd_shard_grad_kernel[(rows,)](
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats, sums,
-        token_losses, lifts, vocab_student, *_common_args(vocab_student, scales), scales.weight_hard,
-        scales.weight_soft / scales.temperature, LOG2E.value / scales.temperature, 1.0 - scales.beta, scales.beta,
-        *_logit_args(scales), **_caps(scales), MODE=mode_of(scales.beta, student_logits.dtype), SHARED=scales.temperature == 1.0,
+        token_losses, lifts, vocab_student, *_common_args(vocab_student, constants), constants.weight_hard,
+        constants.weight_soft / constants.temperature, LOG2E.value / constants.temperature, 1.0 - constants.beta,
+        constants.beta, *_logit_args(constants), **_caps(constants), MODE=mode_of(constants.beta, student_logits.dtype),
+        SHARED=constants.temperature == 1.0,
         WRITE_GRAD=write_grad, **lift_flag, BLOCK=_block(vocab_student, None, num_warps), STAGES=DEFAULT_STAGES,
         num_warps=num_warps, **TRITON_OPTIONS,
     )
@@ -842,13 +843,13 @@ def split_jsd_row_step_triton(all_gather):
     """The JSD's row step over a vocabulary split across ranks in three launches, with split_jsd_row_step's two
     all-gathers of O(rows) per chunk between them (of [n, 7] and [n, 4] fp32)."""
 
-    def row_step(student_logits, teacher_logits, labels, scales, token_losses, write_grad, grad_lifts=None):
-        stats = combine_shard_stats(all_gather(jsd_shard_stats_triton(student_logits, teacher_logits, labels, scales)),
-                                    scales.temperature)
+    def row_step(student_logits, teacher_logits, labels, constants, token_losses, write_grad, grad_lifts=None):
+        stats = combine_shard_stats(all_gather(jsd_shard_stats_triton(student_logits, teacher_logits, labels, constants)),
+                                    constants.temperature)
         lift_terms = write_grad and grad_lifts is not None
         sums = combine_shard_sums(all_gather(jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats,
-                                                                   scales, lift_terms)))
-        jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, scales, token_losses, write_grad,
+                                                                   constants, lift_terms)))
+        jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, constants, token_losses, write_grad,
                               grad_lifts)  # every rank: the same stats and sums, so the same losses and lifts
 
     return row_step

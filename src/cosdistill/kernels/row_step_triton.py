@@ -149,7 +149,7 @@ def _unit_scaled_sums(student_row, teacher_row, vocab_student, vocab_teacher, st
 def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale,
                teacher_scale, student_cap, teacher_cap, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr,
                UNIT_SCALED: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """The row's ROW_STATS (_row_step.py): plain sums (scales 1), or with UNIT_SCALED sums of s / max|s|
+    """The row's ROW_STATS (_row_step.py): plain sums (constants 1), or with UNIT_SCALED sums of s / max|s|
     and t / max|t| (two more passes, for rows whose plain sums overflow fp32)."""
     offsets = tl.arange(0, BLOCK)
     run_max = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -457,23 +457,23 @@ def _check_layout(student_logits, teacher_logits, labels, *contiguous):
         raise ValueError("the Triton row step needs contiguous labels, statistics and token_losses")
 
 
-def _common_args(vocab_student, scales: RowStepConstants):
-    total = vocab_student if scales.vocab_student_total is None else scales.vocab_student_total
-    return (scales.ignore_index, scales.vocab_start, total)
+def _common_args(vocab_student, constants: RowStepConstants):
+    total = vocab_student if constants.vocab_student_total is None else constants.vocab_student_total
+    return (constants.ignore_index, constants.vocab_start, total)
 
 
-def _logit_args(scales: RowStepConstants):
+def _logit_args(constants: RowStepConstants):
     """Caps (1.0 when off: the CAP flags skip them), then logit scales (None for 1: no multiply per logit)."""
     def scale(value):
         return None if value == 1.0 else value
 
-    return (scales.student_softcap or 1.0, scales.teacher_softcap or 1.0, scale(scales.student_logit_scale),
-            scale(scales.teacher_logit_scale))
+    return (constants.student_softcap or 1.0, constants.teacher_softcap or 1.0, scale(constants.student_logit_scale),
+            scale(constants.teacher_logit_scale))
 
 
-def _loss_args(scales: RowStepConstants):
-    return (scales.weight_hard, scales.weight_soft, scales.beta, 1.0 / (scales.temperature * scales.temperature),
-            COSINE_EPS, *_logit_args(scales))
+def _loss_args(constants: RowStepConstants):
+    return (constants.weight_hard, constants.weight_soft, constants.beta, 1.0 / (constants.temperature * constants.temperature),
+            COSINE_EPS, *_logit_args(constants))
 
 
 def _block(vocab, block_size, num_warps, default=DEFAULT_BLOCK):
@@ -487,8 +487,8 @@ def _teacher_args(teacher_logits, vocab_student):
     return teacher_logits, teacher_logits.stride(0), teacher_logits.shape[1]
 
 
-def _caps(scales: RowStepConstants):
-    return dict(STUDENT_CAP=scales.student_softcap is not None, TEACHER_CAP=scales.teacher_softcap is not None)
+def _caps(constants: RowStepConstants):
+    return dict(STUDENT_CAP=constants.student_softcap is not None, TEACHER_CAP=constants.teacher_softcap is not None)
 
 
 def _lift_args(grad_lifts, token_losses, write_grad):
@@ -497,7 +497,7 @@ def _lift_args(grad_lifts, token_losses, write_grad):
     return (grad_lifts if lift else token_losses), dict(LIFT=lift)
 
 
-def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepConstants, token_losses, write_grad,
+def row_step_triton(student_logits, teacher_logits, labels, constants: RowStepConstants, token_losses, write_grad,
                     grad_lifts=None, block_size=None, num_warps=None, num_stages=None, rescue_only=False) -> None:
     """``rescue_only``: only the RESCUE launch, for the rows another kernel left with NaN losses
     (row_step_cuda)."""
@@ -513,13 +513,13 @@ def row_step_triton(student_logits, teacher_logits, labels, scales: RowStepConst
         teacher, teacher_stride, vocab_teacher = _teacher_args(teacher_logits, vocab_student)
         _row_step_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher, teacher_stride, labels, token_losses,
-            lifts, vocab_student, vocab_teacher, *_common_args(vocab_student, scales), *_loss_args(scales),
-            **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue, BLOCK=block,
+            lifts, vocab_student, vocab_teacher, *_common_args(vocab_student, constants), *_loss_args(constants),
+            **_caps(constants), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue, BLOCK=block,
             STAGES=stages, num_warps=num_warps, **TRITON_OPTIONS,
         )
 
 
-def row_stats_triton(student_logits, teacher_logits, labels, scales: RowStepConstants, block_size=None,
+def row_stats_triton(student_logits, teacher_logits, labels, constants: RowStepConstants, block_size=None,
                      num_warps=DEFAULT_WARPS, num_stages=DEFAULT_STAGES) -> torch.Tensor:
     rows, vocab_student = student_logits.shape
     stats = torch.empty(rows, NUM_STATS, dtype=torch.float32, device=student_logits.device)
@@ -529,14 +529,14 @@ def row_stats_triton(student_logits, teacher_logits, labels, scales: RowStepCons
     teacher, teacher_stride, vocab_teacher = _teacher_args(teacher_logits, vocab_student)
     _row_stats_kernel[(rows,)](
         student_logits, student_logits.stride(0), teacher, teacher_stride, labels, stats,
-        vocab_student, vocab_teacher, *_common_args(vocab_student, scales), *_logit_args(scales),
-        **_caps(scales), NUM_STATS=NUM_STATS, BLOCK=_block(vocab_student, block_size, num_warps), STAGES=num_stages,
+        vocab_student, vocab_teacher, *_common_args(vocab_student, constants), *_logit_args(constants),
+        **_caps(constants), NUM_STATS=NUM_STATS, BLOCK=_block(vocab_student, block_size, num_warps), STAGES=num_stages,
         num_warps=num_warps, **TRITON_OPTIONS,
     )
     return stats
 
 
-def row_grad_triton(student_logits, teacher_logits, labels, stats, scales: RowStepConstants, token_losses, write_grad,
+def row_grad_triton(student_logits, teacher_logits, labels, stats, constants: RowStepConstants, token_losses, write_grad,
                     grad_lifts=None, block_size=None, num_warps=DEFAULT_WARPS, num_stages=DEFAULT_STAGES) -> None:
     rows, vocab_student = student_logits.shape
     if rows == 0:
@@ -547,8 +547,8 @@ def row_grad_triton(student_logits, teacher_logits, labels, stats, scales: RowSt
     teacher, teacher_stride, _ = _teacher_args(teacher_logits, vocab_student)
     _row_grad_kernel[(rows,)](
         student_logits, student_logits.stride(0), teacher, teacher_stride, labels, stats,
-        token_losses, lifts, vocab_student, *_common_args(vocab_student, scales), *_loss_args(scales),
-        **_caps(scales), WRITE_GRAD=write_grad, **lift_flag, NUM_STATS=NUM_STATS,
+        token_losses, lifts, vocab_student, *_common_args(vocab_student, constants), *_loss_args(constants),
+        **_caps(constants), WRITE_GRAD=write_grad, **lift_flag, NUM_STATS=NUM_STATS,
         BLOCK=_block(vocab_student, block_size, num_warps), STAGES=num_stages, num_warps=num_warps,
         **TRITON_OPTIONS,
     )

@@ -289,13 +289,13 @@ def check_jsd(impls, device, cases=LOSS_CASES) -> list[CheckResult]:
     return results
 
 
-def split_in_two(impl: RowStepImpl, student, teacher, labels, scales, token_losses, write_grad, grad_lifts=None) -> None:
+def split_in_two(impl: RowStepImpl, student, teacher, labels, constants, token_losses, write_grad, grad_lifts=None) -> None:
     """The row step the way a vocabulary split over two ranks runs it (cosdistill.distributed): each
     half's statistics, combined, then each half's losses and gradient, in place in ``student``."""
     vocab_student, middle = student.shape[1], teacher.shape[1] // 2
     bounds = ((0, middle), (middle, teacher.shape[1]))
     halves = [(student[:, min(start, vocab_student):min(stop, vocab_student)], teacher[:, start:stop],
-               dataclasses.replace(scales, vocab_start=start, vocab_student_total=vocab_student))
+               dataclasses.replace(constants, vocab_start=start, vocab_student_total=vocab_student))
               for start, stop in bounds]
     stats = combine_row_stats(torch.stack([impl.stats(s, t, labels, half) for s, t, half in halves]))
     for s, t, half in halves:
@@ -319,14 +319,14 @@ def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
     for (name, run), case in ((run, case) for run in runs.items() for case in cases):
         if "split" in name and case.vocab_teacher < 2:
             continue
-        scales = RowStepConstants(
+        constants = RowStepConstants(
             weight_hard=0.0 if "alone" in name else 0.37, weight_soft=0.81, beta=0.6, temperature=1.7,
             ignore_index=-100, student_softcap=case.softcap, teacher_softcap=case.softcap and 1.5 * case.softcap,
             student_logit_scale=case.logit_scale, teacher_logit_scale=2 * case.logit_scale,
         )
         if "cuda" in name:  # the cluster kernel takes plain scales only: the teacher's scale as the student's
-            scales = dataclasses.replace(scales, teacher_logit_scale=scales.student_logit_scale)
-            if not row_step_cuda.applies(case.dtype, case.vocab_student, case.vocab_teacher, scales):
+            constants = dataclasses.replace(constants, teacher_logit_scale=constants.student_logit_scale)
+            if not row_step_cuda.applies(case.dtype, case.vocab_student, case.vocab_teacher, constants):
                 continue  # elsewhere it runs the Triton kernel, checked above
         tol_loss, tol_grad = ROW_STEP_TOLERANCE[case.dtype]
         student = (torch.randn(case.rows, case.vocab_student, device=device) * 3).to(case.dtype)
@@ -336,13 +336,13 @@ def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
         # fp16: the gradients lifted by powers of two, as the chunk loop asks for (_row_step.py)
         lifts = [torch.full((case.rows,), POISON, device=device) for _ in range(2)] if case.dtype == torch.float16 else []
         want_grad, want_losses = student.clone(), torch.full((case.rows, 2), POISON, device=device)
-        row_step_torch(want_grad, teacher, labels, scales, want_losses, True, *lifts[:1])
+        row_step_torch(want_grad, teacher, labels, constants, want_losses, True, *lifts[:1])
         got_grad, got_losses = student.clone(), torch.full((case.rows, 2), POISON, device=device)
-        if "cuda" in name and not row_step_cuda.supported(got_grad, teacher, labels, scales, True, None):
+        if "cuda" in name and not row_step_cuda.supported(got_grad, teacher, labels, constants, True, None):
             results.append(failed(name, case.describe(), RuntimeError("the cluster kernel would not run here")))
             continue  # a pass would be the Triton fallback's
         try:
-            run(got_grad, teacher, labels, scales, got_losses, True, *lifts[1:])
+            run(got_grad, teacher, labels, constants, got_losses, True, *lifts[1:])
         except Exception as error:
             results.append(failed(name, case.describe(), error))
             continue
