@@ -11,7 +11,7 @@ import triton.language as tl
 
 from .._teacher_fp8 import FP8_MAX
 from . import TRITON_OPTIONS
-from .row_step_triton import FLOAT32_TINY, INTERPRET
+from .triton_common import FLOAT32_TINY, INTERPRET
 
 FP8_MAX_CONST: tl.constexpr = tl.constexpr(FP8_MAX)  # a jit global must be a constexpr
 BLOCK = 1024  # columns per step: a 4096-wide row in four

@@ -26,7 +26,7 @@ from .._row_step import RowStepConstants, RowStepImpl
 from . import row_step_cuda
 from .row_step_cuda import MAX_SHARED_BYTES, Layout, _blocks_per_sm, _shared_bytes, _slice_vecs
 from .row_step_jsd_triton import MIXED, MIXED_PRECISE, _check_constants, mode_of, row_step_jsd_triton, split_jsd_row_step_triton
-from .row_step_triton import LOG2E
+from .triton_common import LOG2E
 
 _SOURCE = row_step_cuda.cuda_source("row_step_jsd.cu")
 # The most weight rows a block hashes when a launch takes a weight's hash along (``row_step_jsd_cuda_hashing``):
@@ -85,8 +85,8 @@ def source(vocab: int, label_dtype: torch.dtype, layout: Layout, mode: int, shar
 
 def supported(student_logits, teacher_logits, labels, constants: RowStepConstants, write_grad, grad_lifts) -> bool:
     """Whether this kernel computes exactly what _row_step_jsd.py asks for these arguments: where the cosine
-    loss's cluster kernel would run (the same logits, layouts and device), at a beta it has a form for (a beta
-    within EDGE_MARGIN of 0 or 1 runs the Triton step's MIXED_PRECISE: mode_of)."""
+    loss's cluster kernel would run (bf16 logits, the same layouts and device), at a beta it has a form for (a
+    beta within EDGE_MARGIN of 0 or 1 runs the Triton step's MIXED_PRECISE: mode_of)."""
     return (teacher_logits is not None and mode_of(constants.beta, student_logits.dtype) != MIXED_PRECISE.value
             and row_step_cuda.supported(student_logits, teacher_logits, labels, constants, write_grad, grad_lifts))
 

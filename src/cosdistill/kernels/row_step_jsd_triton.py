@@ -16,7 +16,7 @@ to three passes over the row:
 The launch without gradients runs passes 1 and 2; an ignored token reads nothing. Over a vocabulary split the
 passes are three launches with the ranks' numbers combined between them (``split_jsd_row_step_triton``). Each
 pass reloads the logits and applies the logit scales and softcaps again, rounding each logit to one fp32 value
-(``_load_logits``): a product left to FMA contraction would be exact in s - max but rounded in the max.
+(``load_logits``): a product left to FMA contraction would be exact in s - max but rounded in the max.
 """
 
 import math
@@ -28,20 +28,20 @@ import triton.language as tl
 from .._row_step import RowStepConstants, RowStepImpl
 from .._row_step_jsd import combine_jsd_sums
 from . import TRITON_OPTIONS
-from .row_step_triton import (
+from .triton_common import (
     INTERPRET,
     LOG2E,
-    _block,
-    _caps,
-    _check_layout,
-    _common_args,
-    _lift_args,
-    _lift_for,
-    _load_logits,
-    _logit_args,
-    _one_if_none,
-    _row_and_label,
-    _through_softcap,
+    block_size_for,
+    caps,
+    check_layout,
+    common_args,
+    lift_args,
+    lift_for,
+    load_logits,
+    logit_args,
+    one_if_none,
+    row_and_label,
+    through_softcap,
 )
 
 # H200 sweeps (docs/design.md, The generalized JSD). STAGES: each hot loop's loads go through shared memory
@@ -243,7 +243,7 @@ def _grad(s, a, b, d, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weig
 @triton.jit
 def _through_the_head(grad, s, logit_scale, cap, CAP: tl.constexpr):
     """d L / d raw logit from d L / d s, s the softcapped logit: through the softcap, then times the logit scale."""
-    grad = _through_softcap(grad, s, cap, CAP)
+    grad = through_softcap(grad, s, cap, CAP)
     if logit_scale is not None:
         grad = grad * logit_scale
     return grad
@@ -270,8 +270,8 @@ def _soft_bracket(a, b, d, student_term, MODE: tl.constexpr):
 def _row_lift(lift_row, weight_hard, soft_coef, largest_bracket, largest_p, row_sum, student_scale):
     """The row's power of two from _row_step_jsd.jsd_lift_bound, stored at ``lift_row``."""
     soft = largest_bracket + largest_p * tl.abs(row_sum)
-    bound = (tl.abs(weight_hard) + tl.abs(soft_coef) * soft) * tl.abs(_one_if_none(student_scale))
-    lift = _lift_for(bound)
+    bound = (tl.abs(weight_hard) + tl.abs(soft_coef) * soft) * tl.abs(one_if_none(student_scale))
+    lift = lift_for(bound)
     tl.store(lift_row, lift)
     return lift
 
@@ -292,8 +292,8 @@ def _row_sums_of_exps(student_row, teacher_row, vocab_student, vocab_teacher, x_
     sum_y = tl.zeros([BLOCK], tl.float32)
     for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
         cols = start + offsets
-        s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
-        t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
+        s = load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
+        t = load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
         if SHARED:
             max_s, sum_x = _online(max_s, sum_x, s, x_scale)
         else:
@@ -303,8 +303,8 @@ def _row_sums_of_exps(student_row, teacher_row, vocab_student, vocab_teacher, x_
         cols = start + offsets
         in_student = cols < vocab_student
         in_teacher = cols < vocab_teacher
-        s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
-        t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
+        s = load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
+        t = load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
         # A lane past a vocabulary keeps its state (its 0s computed nothing NaN).
         if SHARED:
             new_max, new_sum_x = _online(max_s, sum_x, s, x_scale)
@@ -356,8 +356,8 @@ def _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale,
     whole_blocks_stop = vocab_student - vocab_student % BLOCK
     for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
         cols = start + offsets
-        s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
-        t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
+        s = load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
+        t = load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
         a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
         grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
                         row_sum, shift, keep, beta, MODE, SHARED, MASKED=False)
@@ -366,8 +366,8 @@ def _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale,
     for start in range(whole_blocks_stop, vocab_student, BLOCK):  # the last, partial block
         cols = start + offsets
         in_student = cols < vocab_student
-        s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
-        t = _load_logits(teacher_row, cols, in_student, teacher_scale, teacher_cap, TEACHER_CAP)
+        s = load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
+        t = load_logits(teacher_row, cols, in_student, teacher_scale, teacher_cap, TEACHER_CAP)
         a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
         grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
                         row_sum, shift, keep, beta, MODE, SHARED, MASKED=True)
@@ -391,8 +391,8 @@ def _soft_sums(student_row, teacher_row, vocab_student, vocab_teacher, x_scale, 
     shifted_part = tl.zeros([BLOCK], tl.float32)
     for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
         cols = start + offsets
-        s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
-        t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
+        s = load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
+        t = load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
         a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
         student_term, teacher_term, shifted_term = _soft_terms(a, b, d, keep, beta, MODE)
         student_part += student_term
@@ -405,8 +405,8 @@ def _soft_sums(student_row, teacher_row, vocab_student, vocab_teacher, x_scale, 
         cols = start + offsets
         in_student = cols < vocab_student
         in_teacher = cols < vocab_teacher
-        s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
-        t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
+        s = load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
+        t = load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
         a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
         student_term, teacher_term, shifted_term = _soft_terms(a, b, d, keep, beta, MODE)
         student_part += tl.where(in_teacher, student_term, 0.0)
@@ -440,9 +440,10 @@ def _row_reference(student_sum, shifted_sum, keep, beta, MODE: tl.constexpr):
     """(row_sum, shift): the gradient's bracket g_k - sum_j p_j g_j is the same for g shifted by any constant
     (sum p = 1), but formed in fp32 it keeps only the absolute precision of g where p sits. MIXED_PRECISE's student
     gap is -log2(1 - beta) plus a small term wherever the student's weight dominates the mixture (a teacher
-    peaked far from the student, beta near 1): there the gap shifted by log2(1 - beta) holds only the small term,
-    elsewhere the unshifted one is small. Of the two forms, the one whose row sum is smaller in size, the same
-    on every rank of a split (the sums are combined before this pass); the other forms, unshifted."""
+    peaked far from the student, at betas from ~0.3 up at temperature 0.5): there the gap shifted by
+    log2(1 - beta) holds only the small term, elsewhere the unshifted one is small. Of the two forms, the one
+    whose row sum is smaller in size, the same on every rank of a split (the sums are combined before this
+    pass); the other forms, unshifted."""
     if MODE == MIXED_PRECISE:
         shifted = tl.abs(shifted_sum) < tl.abs(student_sum)
         return tl.where(shifted, shifted_sum, student_sum), tl.where(shifted, _log2_weights(keep, beta)[0], 0.0)
@@ -499,7 +500,7 @@ def _jsd_row_step_kernel(
     """With LIFT (fp16 logits, WRITE_GRAD) each row's gradient is written times its power of two, stored at
     lifts_ptr (1 for an ignored row), as the spec's jsd_row_grad."""
     row = tl.program_id(0).to(tl.int64)
-    student_row, valid, in_shard, column = _row_and_label(
+    student_row, valid, in_shard, column = row_and_label(
         row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
         vocab_student_total,
     )
@@ -522,7 +523,7 @@ def _jsd_row_step_kernel(
         norm_y = tl.log2(total_y)  # log2 q = (t - top_t) x_scale - norm_y
         norm_z = tl.log2(total_z)  # log2 softmax(s) = (s - top_s) z_scale - norm_z
         inv_ratio = _inv_ratio(top_s, shift_x, x_scale, norm_x, norm_z, SHARED)
-        target = _load_logits(student_row, label_col, label_col >= 0, student_scale, student_cap, STUDENT_CAP)
+        target = load_logits(student_row, label_col, label_col >= 0, student_scale, student_cap, STUDENT_CAP)
         hard_loss = (top_s - target) + LN2 * norm_z  # logsumexp(s) - s[label]
 
         # Pass 2: the soft sums, and for FORWARD with gradients the gradient (the target is read above).
@@ -532,8 +533,8 @@ def _jsd_row_step_kernel(
             teacher_part = tl.zeros([BLOCK], tl.float32)
             for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
                 cols = start + offsets
-                s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
-                t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
+                s = load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
+                t = load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
                 a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
                 grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard,
                                    soft_coef, 0.0, 0.0, 0.0, keep, beta, MODE, SHARED, MASKED=False)
@@ -544,8 +545,8 @@ def _jsd_row_step_kernel(
                 cols = start + offsets
                 in_student = cols < vocab_student
                 in_teacher = cols < vocab_teacher
-                s = _load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
-                t = _load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
+                s = load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
+                t = load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
                 a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
                 grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard,
                                    soft_coef, 0.0, 0.0, 0.0, keep, beta, MODE, SHARED, MASKED=True)
@@ -608,17 +609,17 @@ def row_step_jsd_triton(student_logits, teacher_logits, labels, constants: RowSt
                                                         *([] if grad_lifts is None else [grad_lifts]))
     if rows == 0:
         return
-    lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
+    lifts, lift_flag = lift_args(grad_lifts, token_losses, write_grad)
     beta, temperature = constants.beta, constants.temperature
     mode = mode_of(beta, student_logits.dtype)
     num_warps = num_warps or (DEFAULT_WARPS if write_grad else LOSS_ONLY_WARPS)
-    block = _block(vocab_student, block_size, num_warps, DEFAULT_BLOCK if write_grad else LOSS_ONLY_BLOCK)
+    block = block_size_for(vocab_student, block_size, num_warps, DEFAULT_BLOCK if write_grad else LOSS_ONLY_BLOCK)
     stages = num_stages or (DEFAULT_STAGES if write_grad else LOSS_ONLY_STAGES)
     _jsd_row_step_kernel[(rows,)](
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses, lifts,
-        vocab_student, vocab_teacher, *_common_args(vocab_student, constants),
+        vocab_student, vocab_teacher, *common_args(vocab_student, constants),
         constants.weight_hard, constants.weight_soft / temperature, LOG2E.value / temperature,
-        float(vocab_teacher - vocab_student), 1.0 - beta, beta, *_logit_args(constants), **_caps(constants),
+        float(vocab_teacher - vocab_student), 1.0 - beta, beta, *logit_args(constants), **caps(constants),
         MODE=mode, SHARED=temperature == 1.0, WRITE_GRAD=write_grad, **lift_flag, BLOCK=block, STAGES=stages,
         num_warps=num_warps, **TRITON_OPTIONS,
     )
@@ -654,7 +655,7 @@ def _jsd_shard_stats_kernel(
 ):
     """Stage 1: the SHARD_STATS of each row over the shard's columns (pass 1 of _jsd_row_step_kernel)."""
     row = tl.program_id(0).to(tl.int64)
-    student_row, valid, in_shard, column = _row_and_label(
+    student_row, valid, in_shard, column = row_and_label(
         row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
         vocab_student_total,
     )
@@ -665,7 +666,7 @@ def _jsd_shard_stats_kernel(
             student_row, teacher_ptr + row * teacher_row_stride, vocab_student, vocab_teacher, x_scale, LOG2E,
             student_cap, teacher_cap, student_scale, teacher_scale, SHARED, STUDENT_CAP, TEACHER_CAP, BLOCK, STAGES)
         shift_x, total_padded = _with_padding(top_s, total_x, padding, x_scale)
-        target = _load_logits(student_row, label_col, label_col >= 0, student_scale, student_cap, STUDENT_CAP)
+        target = load_logits(student_row, label_col, label_col >= 0, student_scale, student_cap, STUDENT_CAP)
         tl.store(stats_row, top_s)
         tl.store(stats_row + 1, total_z)
         tl.store(stats_row + 2, shift_x)
@@ -696,7 +697,7 @@ def _jsd_shard_sums_kernel(
 ):
     """Stage 2: each row's _soft_sums over the shard's columns, from the whole row's statistics (0 if ignored)."""
     row = tl.program_id(0).to(tl.int64)
-    student_row, valid, in_shard, column = _row_and_label(
+    student_row, valid, in_shard, column = row_and_label(
         row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
         vocab_student_total,
     )
@@ -725,7 +726,7 @@ def _jsd_shard_grad_kernel(
     """Stage 3: each row's losses from the whole row's statistics and sums (the same on every rank) and, with
     WRITE_GRAD, the gradient of the shard's student columns (pass 3 of _jsd_row_step_kernel, in every MODE)."""
     row = tl.program_id(0).to(tl.int64)
-    student_row, valid, in_shard, column = _row_and_label(
+    student_row, valid, in_shard, column = row_and_label(
         row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
         vocab_student_total,
     )
@@ -764,7 +765,7 @@ def _checked_sizes(student_logits, teacher_logits, labels, constants: RowStepCon
     if vocab_teacher < vocab_student:
         raise ValueError(f"the teacher's vocabulary ({vocab_teacher}) is smaller than the student's ({vocab_student})")
     if rows:
-        _check_layout(student_logits, teacher_logits, labels, *contiguous)
+        check_layout(student_logits, teacher_logits, labels, *contiguous)
     return rows, vocab_student, vocab_teacher
 
 
@@ -775,9 +776,9 @@ def jsd_shard_stats_triton(student_logits, teacher_logits, labels, constants: Ro
     if rows:
         _jsd_shard_stats_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats,
-            vocab_student, vocab_teacher, *_common_args(vocab_student, constants), LOG2E.value / constants.temperature,
-            float(vocab_teacher - vocab_student), *_logit_args(constants), **_caps(constants),
-            SHARED=constants.temperature == 1.0, BLOCK=_block(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK),
+            vocab_student, vocab_teacher, *common_args(vocab_student, constants), LOG2E.value / constants.temperature,
+            float(vocab_teacher - vocab_student), *logit_args(constants), **caps(constants),
+            SHARED=constants.temperature == 1.0, BLOCK=block_size_for(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK),
             STAGES=LOSS_ONLY_STAGES, num_warps=LOSS_ONLY_WARPS, **TRITON_OPTIONS,
         )
     return stats
@@ -804,10 +805,10 @@ def jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats, constan
     if rows:
         _jsd_shard_sums_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats, sums,
-            vocab_student, vocab_teacher, *_common_args(vocab_student, constants), LOG2E.value / constants.temperature,
-            1.0 - constants.beta, constants.beta, *_logit_args(constants), **_caps(constants),
+            vocab_student, vocab_teacher, *common_args(vocab_student, constants), LOG2E.value / constants.temperature,
+            1.0 - constants.beta, constants.beta, *logit_args(constants), **caps(constants),
             MODE=mode_of(constants.beta, student_logits.dtype), LIFT=lift_terms,
-            BLOCK=_block(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK), STAGES=LOSS_ONLY_STAGES,
+            BLOCK=block_size_for(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK), STAGES=LOSS_ONLY_STAGES,
             num_warps=LOSS_ONLY_WARPS, **TRITON_OPTIONS,
         )
     return sums
@@ -826,15 +827,16 @@ def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, c
                                             *([] if grad_lifts is None else [grad_lifts]))
     if not rows:
         return
-    lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
+    lifts, lift_flag = lift_args(grad_lifts, token_losses, write_grad)
     num_warps = DEFAULT_WARPS if write_grad else LOSS_ONLY_WARPS
     _jsd_shard_grad_kernel[(rows,)](
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats, sums,
-        token_losses, lifts, vocab_student, *_common_args(vocab_student, constants), constants.weight_hard,
+        token_losses, lifts, vocab_student, *common_args(vocab_student, constants), constants.weight_hard,
         constants.weight_soft / constants.temperature, LOG2E.value / constants.temperature, 1.0 - constants.beta,
-        constants.beta, *_logit_args(constants), **_caps(constants), MODE=mode_of(constants.beta, student_logits.dtype),
+        constants.beta, *logit_args(constants), **caps(constants), MODE=mode_of(constants.beta, student_logits.dtype),
         SHARED=constants.temperature == 1.0,
-        WRITE_GRAD=write_grad, **lift_flag, BLOCK=_block(vocab_student, None, num_warps), STAGES=DEFAULT_STAGES,
+        WRITE_GRAD=write_grad, **lift_flag, BLOCK=block_size_for(vocab_student, None, num_warps, DEFAULT_BLOCK),
+        STAGES=DEFAULT_STAGES,
         num_warps=num_warps, **TRITON_OPTIONS,
     )
 

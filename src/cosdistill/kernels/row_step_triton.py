@@ -8,14 +8,27 @@ in one kernel (``row_step_triton``); a vocabulary split over ranks runs them as 
 statistics combined across ranks in between (``row_stats_triton``, ``row_grad_triton``).
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .._row_step import COSINE_EPS, MAX_LIFT_EXPONENT, MAX_STORED_EXPONENT, NUM_STATS, RowStepConstants, RowStepImpl
+from .._row_step import COSINE_EPS, NUM_STATS, RowStepConstants, RowStepImpl
 from . import TRITON_OPTIONS
+from .triton_common import (
+    INTERPRET,
+    LOG2E,
+    block_size_for,
+    caps,
+    check_layout,
+    common_args,
+    lift_args,
+    lift_for,
+    load_logits,
+    logit_args,
+    one_if_none,
+    row_and_label,
+    through_softcap,
+)
 
 # H200 sweeps (docs/design.md, The row step). STAGES: each hot loop's loads go through
 # shared memory STAGES - 1 blocks ahead (cp.async; 1: plain loads into registers).
@@ -26,11 +39,6 @@ LOSS_ONLY_BLOCK = 2048  # the no-grad launch
 LOSS_ONLY_WARPS = 8
 LOSS_ONLY_STAGES = 4
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # a jit global must be a constexpr
-FLOAT32_TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # bound 0 (both weights 0): no log2(0)
-MAX_LIFT: tl.constexpr = tl.constexpr(float(MAX_LIFT_EXPONENT))
-MAX_STORED: tl.constexpr = tl.constexpr(float(MAX_STORED_EXPONENT))
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # read when Triton reads it
 
 
 @triton.jit
@@ -46,73 +54,6 @@ def _exp(x):
 
 
 @triton.jit
-def _tanh(x):
-    """tanh(x), written through exp of a non-positive number (no overflow), except below |x| = 1/8, where
-    1 - exp(-2|x|) cancels (relative error ~6e-8 / |x|: 1e-4 at 6e-4, seen by the property test in fp32) and
-    tanh's Taylor series to x^7 is exact to 1.3e-9 instead."""
-    a = tl.abs(x)
-    decay = tl.exp(-2.0 * a)
-    a2 = a * a
-    series = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
-    tanh_abs = tl.where(a < 0.125, series, (1.0 - decay) / (1.0 + decay))
-    return tl.where(x >= 0, tanh_abs, -tanh_abs)
-
-
-@triton.jit
-def _mul_rn(x, y):
-    """x * y rounded to fp32 before anything uses it: mul.rn, which neither LLVM nor ptxas contracts into one
-    FMA with the subtraction that uses it, as Triton's FP fusion does a plain product. The interpreter cannot
-    run PTX (and contracts nothing)."""
-    if INTERPRET:
-        return x * y
-    else:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-
-
-@triton.jit
-def _load_logits(row, cols, mask, logit_scale, cap, CAP: tl.constexpr, MASKED: tl.constexpr = True):
-    """Logits as the loss sees them: fp32, times the logit scale (None: 1), softcapped; 0 where masked,
-    and 0 everywhere for a row of None (no teacher logits: the Gram path, _teacher_gram.py).
-
-    The last product, x times the scale or cap times tanh(x / cap), is rounded once (_mul_rn), so that every
-    difference the kernels take (s - max, max - s[label]) sees one fp32 value per logit, as the interpreter
-    does: contracted into FMAs it was rounded in the max but not in s - max (docs/design.md, Softcaps and logit
-    scales). Without caps and scales the kernels are unchanged."""
-    if row is None:  # one if-elif chain: code after a return in a static branch is still compiled
-        x = tl.zeros(cols.shape, tl.float32)
-    elif MASKED:
-        x = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
-    else:
-        x = tl.load(row + cols).to(tl.float32)
-    if logit_scale is not None:
-        x = _mul_rn(x, logit_scale)
-    if CAP:  # cap * tanh(x / cap), x / cap as x times 1 / cap (the scalar's division is hoisted out of the loop)
-        x = _mul_rn(cap, _tanh(x * (1.0 / cap)))
-    return x
-
-
-@triton.jit
-def _one_if_none(x):
-    if x is None:
-        return 1.0
-    else:
-        return x
-
-
-@triton.jit
-def _row_and_label(row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
-                   vocab_student_total):
-    """The row's student logits pointer and its label: whether it counts, and where it lies in this shard.
-    (The teacher's row pointer is made in each kernel: a jit function cannot return None, the Gram path's.)"""
-    label = tl.load(labels_ptr + row).to(tl.int64)
-    valid = (label != ignore_index) & (label >= 0) & (label < vocab_student_total)
-    column = label - vocab_start
-    in_shard = valid & (column >= 0) & (column < vocab_student)
-    return student_ptr + row * student_row_stride, valid, in_shard, column
-
-
-@triton.jit
 def _unit_scaled_sums(student_row, teacher_row, vocab_student, vocab_teacher, student_scale, teacher_scale,
                       student_cap, teacher_cap, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr,
                       BLOCK: tl.constexpr):
@@ -123,8 +64,8 @@ def _unit_scaled_sums(student_row, teacher_row, vocab_student, vocab_teacher, st
     teacher_abs_max = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab_teacher, BLOCK):
         cols = start + offsets
-        s = _load_logits(student_row, cols, cols < vocab_student, student_scale, student_cap, STUDENT_CAP)
-        t = _load_logits(teacher_row, cols, cols < vocab_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
+        s = load_logits(student_row, cols, cols < vocab_student, student_scale, student_cap, STUDENT_CAP)
+        t = load_logits(teacher_row, cols, cols < vocab_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
         student_abs_max = tl.maximum(student_abs_max, tl.abs(s))
         teacher_abs_max = tl.maximum(teacher_abs_max, tl.abs(t))
     student_unit = tl.max(student_abs_max, axis=0)
@@ -136,8 +77,8 @@ def _unit_scaled_sums(student_row, teacher_row, vocab_student, vocab_teacher, st
     sum_sq_teacher = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab_teacher, BLOCK):
         cols = start + offsets
-        s = _load_logits(student_row, cols, cols < vocab_student, student_scale, student_cap, STUDENT_CAP) / student_unit
-        t = _load_logits(teacher_row, cols, cols < vocab_teacher, teacher_scale, teacher_cap, TEACHER_CAP) / teacher_unit
+        s = load_logits(student_row, cols, cols < vocab_student, student_scale, student_cap, STUDENT_CAP) / student_unit
+        t = load_logits(teacher_row, cols, cols < vocab_teacher, teacher_scale, teacher_cap, TEACHER_CAP) / teacher_unit
         dot += s * t  # s is 0 past the student's vocabulary
         sum_sq_student += s * s
         sum_sq_teacher += t * t
@@ -161,8 +102,8 @@ def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_
     # no masks: the hot loop; its loads prefetched STAGES - 1 blocks ahead
     for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
         cols = start + offsets
-        s = _load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
-        t = _load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
+        s = load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
+        t = load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
         new_max = tl.maximum(run_max, s)  # an inf or NaN logit makes the sums below overflow: the RESCUE launch
         run_sum_exp = run_sum_exp * _exp(run_max - new_max) + _exp(s - new_max)
         run_max = new_max
@@ -172,8 +113,8 @@ def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_
     for start in range(whole_blocks_stop, vocab_student, BLOCK):  # the last, partial block
         cols = start + offsets
         in_row = cols < vocab_student
-        s = _load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP)
-        t = _load_logits(teacher_row, cols, in_row, teacher_scale, teacher_cap, TEACHER_CAP)
+        s = load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP)
+        t = load_logits(teacher_row, cols, in_row, teacher_scale, teacher_cap, TEACHER_CAP)
         s_for_max = tl.where(in_row, s, float("-inf"))
         new_max = tl.maximum(run_max, s_for_max)
         # A lane that has seen only padding keeps max = -inf; keep its sum at 0 instead of NaN.
@@ -186,13 +127,13 @@ def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_
     # The teacher's extra vocabulary [Vs, Vt) meets the student's zero padding: only |t|^2 grows.
     for start in range(vocab_student, vocab_teacher, BLOCK):
         cols = start + offsets
-        t = _load_logits(teacher_row, cols, cols < vocab_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
+        t = load_logits(teacher_row, cols, cols < vocab_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
         sum_sq_teacher += t * t
 
     row_max = tl.max(run_max, axis=0)
     row_shift = tl.where(row_max != float("-inf"), row_max, 0.0)  # a shard with no student columns
     sum_exp = tl.sum(run_sum_exp * tl.exp(run_max - row_shift), axis=0)
-    target_logit = _load_logits(student_row, column, in_shard, student_scale, student_cap, STUDENT_CAP)
+    target_logit = load_logits(student_row, column, in_shard, student_scale, student_cap, STUDENT_CAP)
 
     dot = tl.sum(dot, axis=0)
     sum_sq_student = tl.sum(sum_sq_student, axis=0)
@@ -234,16 +175,6 @@ def _row_losses(losses_row, valid, row_max, sum_exp, target_logit, dot, sum_sq_s
 
 
 @triton.jit
-def _lift_for(bound):
-    """_row_step.lift_for: the row's power of two for a bound on its largest gradient entry."""
-    bound = tl.maximum(bound, FLOAT32_TINY, propagate_nan=tl.PropagateNan.ALL)
-    exponent = tl.floor(-tl.log2(bound))
-    exponent = tl.where(exponent > 0, tl.minimum(exponent, MAX_LIFT),
-                        tl.where(exponent < -MAX_STORED, exponent + MAX_STORED, 0.0))  # NaN -> 0
-    return ((exponent.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # exactly 2^exponent
-
-
-@triton.jit
 def _grad_coefficients(sum_sq_student, sum_sq_teacher, student_unit, teacher_unit, norm_student, student_eps,
                        clamped_student, clamped_teacher, cos, weight_hard, weight_soft, beta, inv_temp_sq,
                        student_scale, lift_row, LIFT: tl.constexpr):
@@ -259,12 +190,12 @@ def _grad_coefficients(sum_sq_student, sum_sq_teacher, student_unit, teacher_uni
         0.0,
     )
     soft_scale = weight_soft * beta
-    grad_factor = _one_if_none(student_scale)
+    grad_factor = one_if_none(student_scale)
     if LIFT:
         bound = tl.abs(weight_hard) + tl.abs(soft_scale) * (
             coef_teacher * teacher_unit * tl.sqrt(sum_sq_teacher)
             + tl.abs(coef_student) * student_unit * tl.sqrt(sum_sq_student))
-        lift = _lift_for(bound * tl.abs(grad_factor))
+        lift = lift_for(bound * tl.abs(grad_factor))
         tl.store(lift_row, lift)
         grad_factor *= lift
     return weight_hard * grad_factor, -soft_scale * coef_teacher * grad_factor, soft_scale * coef_student * grad_factor
@@ -300,7 +231,7 @@ def _row_losses_and_grad(
                                   prob_coef, teacher_coef, student_coef, student_scale, teacher_scale, student_cap,
                                   teacher_cap, STUDENT_CAP, TEACHER_CAP, MASKED=True)
             if in_shard:
-                t_label = _load_logits(teacher_row, column, in_shard, teacher_scale, teacher_cap, TEACHER_CAP)
+                t_label = load_logits(teacher_row, column, in_shard, teacher_scale, teacher_cap, TEACHER_CAP)
                 label_grad = _grad_block(target_logit, t_label, row_max, log_sum_exp, prob_coef, teacher_coef,
                                          student_coef, student_cap, STUDENT_CAP, ONE_HOT=True)
                 tl.debug_barrier()  # after every thread's store of the row's blocks
@@ -317,8 +248,8 @@ def _write_grad_block(student_row, teacher_row, cols, vocab_student, row_max, lo
                       TEACHER_CAP: tl.constexpr, MASKED: tl.constexpr):
     """Overwrites one block of the row's student logits with d L / d s (MASKED: the last, partial block)."""
     in_row = cols < vocab_student
-    s = _load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP, MASKED)
-    t = _load_logits(teacher_row, cols, in_row, teacher_scale, teacher_cap, TEACHER_CAP, MASKED)
+    s = load_logits(student_row, cols, in_row, student_scale, student_cap, STUDENT_CAP, MASKED)
+    t = load_logits(teacher_row, cols, in_row, teacher_scale, teacher_cap, TEACHER_CAP, MASKED)
     grad = _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coef, student_cap, STUDENT_CAP)
     if MASKED:
         tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_row)
@@ -336,16 +267,7 @@ def _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coe
     else:
         grad = prob_coef * _exp((s - row_max) - log_sum_exp)
     grad += teacher_coef * t + student_coef * s
-    return _through_softcap(grad, s, student_cap, STUDENT_CAP)
-
-
-@triton.jit
-def _through_softcap(grad, s, cap, CAP: tl.constexpr):
-    """d L / d z from d L / d s, s = cap tanh(z / cap) the softcapped logit (CAP): times 1 - (s / cap)^2."""
-    if CAP:
-        tanh_z = s * (1.0 / cap)
-        grad *= 1.0 - tanh_z * tanh_z
-    return grad
+    return through_softcap(grad, s, student_cap, STUDENT_CAP)
 
 
 @triton.jit
@@ -367,7 +289,7 @@ def _row_step_kernel(
     else:
         todo = True
     if todo:
-        student_row, valid, in_shard, column = _row_and_label(
+        student_row, valid, in_shard, column = row_and_label(
             row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
             vocab_student_total,
         )
@@ -399,7 +321,7 @@ def _row_stats_kernel(
     STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    student_row, _, in_shard, column = _row_and_label(
+    student_row, _, in_shard, column = row_and_label(
         row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student, vocab_student_total,
     )
     teacher_row = teacher_ptr  # None: no teacher logits (the Gram path)
@@ -434,7 +356,7 @@ def _row_grad_kernel(
     NUM_STATS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    student_row, valid, in_shard, column = _row_and_label(
+    student_row, valid, in_shard, column = row_and_label(
         row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student, vocab_student_total,
     )
     teacher_row = teacher_ptr  # None: no teacher logits (the Gram path)
@@ -450,34 +372,9 @@ def _row_grad_kernel(
     )
 
 
-def _check_layout(student_logits, teacher_logits, labels, *contiguous):
-    if student_logits.stride(1) != 1 or (teacher_logits is not None and teacher_logits.stride(1) != 1):
-        raise ValueError("the Triton row step needs logits with unit stride along the vocabulary")
-    if not all(t.is_contiguous() for t in (labels, *contiguous)):
-        raise ValueError("the Triton row step needs contiguous labels, statistics and token_losses")
-
-
-def _common_args(vocab_student, constants: RowStepConstants):
-    total = vocab_student if constants.vocab_student_total is None else constants.vocab_student_total
-    return (constants.ignore_index, constants.vocab_start, total)
-
-
-def _logit_args(constants: RowStepConstants):
-    """Caps (1.0 when off: the CAP flags skip them), then logit scales (None for 1: no multiply per logit)."""
-    def scale(value):
-        return None if value == 1.0 else value
-
-    return (constants.student_softcap or 1.0, constants.teacher_softcap or 1.0, scale(constants.student_logit_scale),
-            scale(constants.teacher_logit_scale))
-
-
 def _loss_args(constants: RowStepConstants):
     return (constants.weight_hard, constants.weight_soft, constants.beta, 1.0 / (constants.temperature * constants.temperature),
-            COSINE_EPS, *_logit_args(constants))
-
-
-def _block(vocab, block_size, num_warps, default=DEFAULT_BLOCK):
-    return block_size or max(32 * num_warps, min(default, triton.next_power_of_2(max(1, vocab))))
+            COSINE_EPS, *logit_args(constants))
 
 
 def _teacher_args(teacher_logits, vocab_student):
@@ -487,16 +384,6 @@ def _teacher_args(teacher_logits, vocab_student):
     return teacher_logits, teacher_logits.stride(0), teacher_logits.shape[1]
 
 
-def _caps(constants: RowStepConstants):
-    return dict(STUDENT_CAP=constants.student_softcap is not None, TEACHER_CAP=constants.teacher_softcap is not None)
-
-
-def _lift_args(grad_lifts, token_losses, write_grad):
-    """The lifts' pointer (token_losses stands in when there are none: never written) and LIFT."""
-    lift = write_grad and grad_lifts is not None
-    return (grad_lifts if lift else token_losses), dict(LIFT=lift)
-
-
 def row_step_triton(student_logits, teacher_logits, labels, constants: RowStepConstants, token_losses, write_grad,
                     grad_lifts=None, block_size=None, num_warps=None, num_stages=None, rescue_only=False) -> None:
     """``rescue_only``: only the RESCUE launch, for the rows another kernel left with NaN losses
@@ -504,17 +391,17 @@ def row_step_triton(student_logits, teacher_logits, labels, constants: RowStepCo
     rows, vocab_student = student_logits.shape
     if rows == 0:
         return
-    _check_layout(student_logits, teacher_logits, labels, token_losses, *([] if grad_lifts is None else [grad_lifts]))
-    lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
+    check_layout(student_logits, teacher_logits, labels, token_losses, *([] if grad_lifts is None else [grad_lifts]))
+    lifts, lift_flag = lift_args(grad_lifts, token_losses, write_grad)
     num_warps = num_warps or (DEFAULT_WARPS if write_grad else LOSS_ONLY_WARPS)
-    block = _block(vocab_student, block_size, num_warps, DEFAULT_BLOCK if write_grad else LOSS_ONLY_BLOCK)
+    block = block_size_for(vocab_student, block_size, num_warps, DEFAULT_BLOCK if write_grad else LOSS_ONLY_BLOCK)
     stages = num_stages or (DEFAULT_STAGES if write_grad else LOSS_ONLY_STAGES)
     for rescue in (True,) if rescue_only else (False, True):
         teacher, teacher_stride, vocab_teacher = _teacher_args(teacher_logits, vocab_student)
         _row_step_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher, teacher_stride, labels, token_losses,
-            lifts, vocab_student, vocab_teacher, *_common_args(vocab_student, constants), *_loss_args(constants),
-            **_caps(constants), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue, BLOCK=block,
+            lifts, vocab_student, vocab_teacher, *common_args(vocab_student, constants), *_loss_args(constants),
+            **caps(constants), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue, BLOCK=block,
             STAGES=stages, num_warps=num_warps, **TRITON_OPTIONS,
         )
 
@@ -525,13 +412,13 @@ def row_stats_triton(student_logits, teacher_logits, labels, constants: RowStepC
     stats = torch.empty(rows, NUM_STATS, dtype=torch.float32, device=student_logits.device)
     if rows == 0:
         return stats
-    _check_layout(student_logits, teacher_logits, labels)
+    check_layout(student_logits, teacher_logits, labels)
     teacher, teacher_stride, vocab_teacher = _teacher_args(teacher_logits, vocab_student)
     _row_stats_kernel[(rows,)](
         student_logits, student_logits.stride(0), teacher, teacher_stride, labels, stats,
-        vocab_student, vocab_teacher, *_common_args(vocab_student, constants), *_logit_args(constants),
-        **_caps(constants), NUM_STATS=NUM_STATS, BLOCK=_block(vocab_student, block_size, num_warps), STAGES=num_stages,
-        num_warps=num_warps, **TRITON_OPTIONS,
+        vocab_student, vocab_teacher, *common_args(vocab_student, constants), *logit_args(constants),
+        **caps(constants), NUM_STATS=NUM_STATS, BLOCK=block_size_for(vocab_student, block_size, num_warps, DEFAULT_BLOCK),
+        STAGES=num_stages, num_warps=num_warps, **TRITON_OPTIONS,
     )
     return stats
 
@@ -541,15 +428,15 @@ def row_grad_triton(student_logits, teacher_logits, labels, stats, constants: Ro
     rows, vocab_student = student_logits.shape
     if rows == 0:
         return
-    _check_layout(student_logits, teacher_logits, labels, stats, token_losses,
+    check_layout(student_logits, teacher_logits, labels, stats, token_losses,
                   *([] if grad_lifts is None else [grad_lifts]))
-    lifts, lift_flag = _lift_args(grad_lifts, token_losses, write_grad)
+    lifts, lift_flag = lift_args(grad_lifts, token_losses, write_grad)
     teacher, teacher_stride, _ = _teacher_args(teacher_logits, vocab_student)
     _row_grad_kernel[(rows,)](
         student_logits, student_logits.stride(0), teacher, teacher_stride, labels, stats,
-        token_losses, lifts, vocab_student, *_common_args(vocab_student, constants), *_loss_args(constants),
-        **_caps(constants), WRITE_GRAD=write_grad, **lift_flag, NUM_STATS=NUM_STATS,
-        BLOCK=_block(vocab_student, block_size, num_warps), STAGES=num_stages, num_warps=num_warps,
+        token_losses, lifts, vocab_student, *common_args(vocab_student, constants), *_loss_args(constants),
+        **caps(constants), WRITE_GRAD=write_grad, **lift_flag, NUM_STATS=NUM_STATS,
+        BLOCK=block_size_for(vocab_student, block_size, num_warps, DEFAULT_BLOCK), STAGES=num_stages, num_warps=num_warps,
         **TRITON_OPTIONS,
     )
 
