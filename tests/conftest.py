@@ -183,14 +183,14 @@ def run_jsd_split_stages(student, teacher, labels, constants, bounds, write_grad
                                                                   device=student.device)
     shards = [(student[:, min(a, vocab_student):min(b, vocab_student)].clone(), teacher[:, a:b],
                replace(constants, vocab_start=a, vocab_student_total=vocab_student)) for a, b in bounds]
-    stats = jsd.combine_shard_stats(torch.stack([jsd.jsd_shard_stats_triton(s, t, labels, shard_scales)
-                                                 for s, t, shard_scales in shards]), constants.temperature)
-    sums = jsd.combine_shard_sums(torch.stack([jsd.jsd_shard_sums_triton(s, t, labels, stats, shard_scales,
+    stats = jsd.combine_shard_stats(torch.stack([jsd.jsd_shard_stats_triton(s, t, labels, shard_constants)
+                                                 for s, t, shard_constants in shards]), constants.temperature)
+    sums = jsd.combine_shard_sums(torch.stack([jsd.jsd_shard_sums_triton(s, t, labels, stats, shard_constants,
                                                                          write_grad and lifts)
-                                               for s, t, shard_scales in shards]))
+                                               for s, t, shard_constants in shards]))
     losses, shard_lifts = [], []
-    for s, t, shard_scales in shards:
+    for s, t, shard_constants in shards:
         losses.append(poisoned((len(labels), 2)))
         shard_lifts.append(poisoned((len(labels),)) if lifts else None)
-        jsd.jsd_shard_grad_triton(s, t, labels, stats, sums, shard_scales, losses[-1], write_grad, shard_lifts[-1])
+        jsd.jsd_shard_grad_triton(s, t, labels, stats, sums, shard_constants, losses[-1], write_grad, shard_lifts[-1])
     return torch.cat([shard[0] for shard in shards], dim=1), losses, shard_lifts

@@ -80,8 +80,8 @@ def test_logits_at_the_largest_value_of_the_dtype(impl, dtype):
     # grad_input; the soft term is ~1 / |s| ~ 1e-39): held to the scale of one token's gradient,
     # max |weight| / N for grad_input and max |input| / N for grad_weight.
     tokens = len(inputs)
-    constants = (problem.student_weight.abs().max().double() / tokens, problem.student_input.abs().max().double() / tokens)
-    for got, want, scale in zip(got_grads, want_grads, constants):
+    scales = (problem.student_weight.abs().max().double() / tokens, problem.student_input.abs().max().double() / tokens)
+    for got, want, scale in zip(got_grads, want_grads, scales):
         assert torch.isfinite(got).all()
         assert (got.double() - want).abs().max() < grad_tol * scale
 

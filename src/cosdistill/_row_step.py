@@ -29,7 +29,7 @@ the per-row statistics of its shards in between:
 1. ``row_stats_torch``: per row, the ROW_STATS below over this shard's columns;
 2. ``row_grad_torch``: from the (combined) statistics, the losses and, if asked, the gradient.
 
-The sums of squares and s.t are kept relative to per-row constants (max |s|, max |t|), so logits near
+The sums of squares and s.t are kept relative to per-row scales (max |s|, max |t|), so logits near
 the dtype's largest value do not overflow |s|^2 in fp32; the Triton twin uses scale 1 and rescales
 only the rows whose sums overflowed.
 
@@ -201,7 +201,7 @@ def cosine_terms(stats: torch.Tensor, constants: RowStepConstants):
     """cos(s/T, t/T) and the two coefficients of its gradient, from the row statistics.
 
     d cos / d s = coef_teacher * t - coef_student * s (t and s as they are, not divided by their
-    constants). The norms are clamped at eps like cosine_similarity, and where the student's clamp is
+    scales). The norms are clamped at eps like cosine_similarity, and where the student's clamp is
     active its norm is a constant, so its derivative term drops out. With scale = max |x|, the
     unit-scaled norms are >= 1 / T, so nothing below divides by a tiny number.
     """

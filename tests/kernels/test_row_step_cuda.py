@@ -106,7 +106,7 @@ def plain_case(rows=6, vocab=1024, dtype=torch.bfloat16):
 
 def unsupported(student, teacher, labels, plain):
     """The launches a cluster row step must turn down, by reason, for the (student, teacher, labels) of
-    plain_case and its plain scales."""
+    plain_case and its plain constants."""
     def scaled(**options):
         return dataclasses.replace(plain, **options)
 

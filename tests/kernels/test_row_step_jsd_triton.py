@@ -576,7 +576,7 @@ def test_caps_and_scales_are_rounded_before_any_difference():
     """On the GPU each pass reloads a logit and applies its scale and cap again; contracted into FMAs, the product
     was rounded in the max but exact in s - max, and a one-column student's softmax 2^(s - max) was not 1 (its
     hard gradient 2e-3 of the gradient in GPU fuzz case 160). Through the real compiler for Hopper, with both
-    constants and either cap or both, and the cosine kernels' capped variants (the same load_logits): no cap or
+    scales and either cap or both, and the cosine kernels' capped variants (the same load_logits): no cap or
     scale enters an FMA (each product is mul.rn, never contracted)."""
     lines = compiled_for_hopper(ROUNDED_CAPS_AND_SCALES.replace("TESTS", repr(str(Path(__file__).resolve().parents[1]))))
     assert len(lines) == 10 + 4 * 8 and all(line[-1] == "0" for line in lines), lines
@@ -595,12 +595,14 @@ def test_every_variant_compiles_for_hopper():
 def precision_cases(draw):
     """fp32 logits drawn to stress the step's precision: any beta (its edges and exact 0 and 1 often), temperatures
     from 0.5 to 8, logits of a few units with, per row, a teacher peak of up to 40 at a random column, the soft
-    term alone or with the hard one, a teacher vocabulary often larger than the student's. Not drawn, as the
-    kernels hold them only to fp32's absolute precision (docs/design.md, The generalized JSD, Precision, (2)):
-    students whose p sits on one column (a gap past ~20 over T: a student peak, or T = 0.25 over logits of a few
-    units), whose row's gradient, of order e^-gap, comes out at the rounding of its bracket; and vocabularies of a
-    few columns, where two random rows can leave p and q so close that the gradient is the difference of nearly
-    equal fp32 log-probabilities (2.5% of a gradient of 1e-4 at two columns)."""
+    term alone or with the hard one, a teacher vocabulary often larger than the student's. Where the student's p
+    sits on one column, the kernels hold a row's gradient to fp32's absolute precision of its bracket only
+    (docs/design.md, The generalized JSD, Precision, (2)): so students peaked far above their other logits, and
+    T = 0.25 over logits of a few units, are not drawn (reverse KL, one row: up to ~1e-2 of the gradient), and
+    reverse KL is held to REVERSE_KL_PEAKED_TOL (at T = 0.5 a student whose largest p is 0.9-0.97 already leaves
+    its gradient 1.5-2.5e-5 off). Nor are vocabularies of a few columns, where two random rows can leave p and q
+    so close that the gradient is the difference of nearly equal fp32 log-probabilities (2.5% of a gradient of
+    1e-4 at two columns)."""
     rows = draw(st.integers(1, 6))
     vocab_student = draw(st.sampled_from([31, 97, 257, 509, 700]))
     vocab_teacher = vocab_student + draw(st.sampled_from([0, 0, 1, 37, 300]))
@@ -628,4 +630,4 @@ def test_fp32_precision_against_float64(case):
     row_step_jsd_triton(grad, teacher, labels, constants, losses, True, block_size=128)
     want_grad, want_losses = float64_reference(student, teacher, labels, constants)
     assert rel_err(losses[:, 1], want_losses[:, 1]) < 1e-5, rel_err(losses[:, 1], want_losses[:, 1])
-    assert rel_err(grad, want_grad) < 1e-5, rel_err(grad, want_grad)
+    assert rel_err(grad, want_grad) < (REVERSE_KL_PEAKED_TOL if beta == 1.0 else 1e-5), rel_err(grad, want_grad)

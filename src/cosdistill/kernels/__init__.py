@@ -7,7 +7,7 @@ code that calls it, and the tests compare the two.
 - ``row_step_jsd_triton.py``: the generalized JSD's row step; spec ``_row_step_jsd.py``.
 - ``row_step_jsd_cuda.py`` + ``row_step_jsd.cu``: the same in one read per logit, on clusters.
 - ``triton_common.py``: what the Triton row steps share (logits as the loss sees them, a row's label, the fp16
-  lift, launch arguments).
+  lift, launch arguments); helpers of the steps above, with no spec of their own.
 - ``labels.py``: the label count (N) and the losses' mean; spec ``_labels.py``.
 - ``grad_output.py``: grad_output applied without a host read; spec ``_backends.scale_unless_one_torch``.
 - ``fp8_quantize.py``: row-wise FP8 quantization; spec ``_teacher_fp8.quantize_rows``.

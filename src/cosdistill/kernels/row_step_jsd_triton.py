@@ -32,7 +32,7 @@ from .triton_common import (
     INTERPRET,
     LOG2E,
     block_size_for,
-    caps,
+    cap_flags,
     check_layout,
     common_args,
     lift_args,
@@ -71,7 +71,7 @@ LOG1P_SERIES_BELOW: tl.constexpr = tl.constexpr(0.125)  # _log2_1p's series to y
 @triton.jit
 def _exp2(x):
     """2^x as row_step_triton._exp's ex2.approx.ftz (results below 1e-38 flush to 0), without its multiply by
-    log2(e): the base-2 callers have folded that into their constants. The interpreter cannot run PTX."""
+    log2(e): the base-2 callers have folded that into their scales. The interpreter cannot run PTX."""
     if INTERPRET:
         return tl.exp2(x)
     else:
@@ -102,7 +102,7 @@ def _online(run_max, run_sum, v, scale):
 
 @triton.jit
 def _online_two(run_max, sum_x, sum_z, v, x_scale, z_scale):
-    """_online at two constants, the student's at T and unscaled (T != 1), sharing its max."""
+    """_online at two scales, the student's at T and unscaled (T != 1), sharing its max."""
     distance = -tl.abs(v - run_max)
     gap_x = _exp2(distance * x_scale)
     gap_z = _exp2(distance * z_scale)
@@ -564,7 +564,7 @@ def _jsd_row_step_kernel(
         tl.store(losses_row + 1, _soft_loss(student_sum, teacher_sum, keep, MODE))
 
         # Pass 3: REVERSE and MIXED subtract each row's sum_j p_j g_j, known only now; with LIFT each form
-        # constants by the row's power of two, known only now too.
+        # scales by the row's power of two, known only now too.
         if WRITE_GRAD and (MODE != FORWARD or LIFT):
             _lift_and_write_row_grad(
                 student_row, teacher_row, lifts_ptr + row, vocab_student, label_col, x_scale, z_scale, shift_x, norm_x,
@@ -619,7 +619,7 @@ def row_step_jsd_triton(student_logits, teacher_logits, labels, constants: RowSt
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, token_losses, lifts,
         vocab_student, vocab_teacher, *common_args(vocab_student, constants),
         constants.weight_hard, constants.weight_soft / temperature, LOG2E.value / temperature,
-        float(vocab_teacher - vocab_student), 1.0 - beta, beta, *logit_args(constants), **caps(constants),
+        float(vocab_teacher - vocab_student), 1.0 - beta, beta, *logit_args(constants), **cap_flags(constants),
         MODE=mode, SHARED=temperature == 1.0, WRITE_GRAD=write_grad, **lift_flag, BLOCK=block, STAGES=stages,
         num_warps=num_warps, **TRITON_OPTIONS,
     )
@@ -777,7 +777,7 @@ def jsd_shard_stats_triton(student_logits, teacher_logits, labels, constants: Ro
         _jsd_shard_stats_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats,
             vocab_student, vocab_teacher, *common_args(vocab_student, constants), LOG2E.value / constants.temperature,
-            float(vocab_teacher - vocab_student), *logit_args(constants), **caps(constants),
+            float(vocab_teacher - vocab_student), *logit_args(constants), **cap_flags(constants),
             SHARED=constants.temperature == 1.0, BLOCK=block_size_for(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK),
             STAGES=LOSS_ONLY_STAGES, num_warps=LOSS_ONLY_WARPS, **TRITON_OPTIONS,
         )
@@ -806,7 +806,7 @@ def jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats, constan
         _jsd_shard_sums_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats, sums,
             vocab_student, vocab_teacher, *common_args(vocab_student, constants), LOG2E.value / constants.temperature,
-            1.0 - constants.beta, constants.beta, *logit_args(constants), **caps(constants),
+            1.0 - constants.beta, constants.beta, *logit_args(constants), **cap_flags(constants),
             MODE=mode_of(constants.beta, student_logits.dtype), LIFT=lift_terms,
             BLOCK=block_size_for(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK), STAGES=LOSS_ONLY_STAGES,
             num_warps=LOSS_ONLY_WARPS, **TRITON_OPTIONS,
@@ -833,7 +833,7 @@ def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, c
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats, sums,
         token_losses, lifts, vocab_student, *common_args(vocab_student, constants), constants.weight_hard,
         constants.weight_soft / constants.temperature, LOG2E.value / constants.temperature, 1.0 - constants.beta,
-        constants.beta, *logit_args(constants), **caps(constants), MODE=mode_of(constants.beta, student_logits.dtype),
+        constants.beta, *logit_args(constants), **cap_flags(constants), MODE=mode_of(constants.beta, student_logits.dtype),
         SHARED=constants.temperature == 1.0,
         WRITE_GRAD=write_grad, **lift_flag, BLOCK=block_size_for(vocab_student, None, num_warps, DEFAULT_BLOCK),
         STAGES=DEFAULT_STAGES,

@@ -18,7 +18,7 @@ from .triton_common import (
     INTERPRET,
     LOG2E,
     block_size_for,
-    caps,
+    cap_flags,
     check_layout,
     common_args,
     lift_args,
@@ -90,7 +90,7 @@ def _unit_scaled_sums(student_row, teacher_row, vocab_student, vocab_teacher, st
 def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale,
                teacher_scale, student_cap, teacher_cap, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr,
                UNIT_SCALED: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """The row's ROW_STATS (_row_step.py): plain sums (constants 1), or with UNIT_SCALED sums of s / max|s|
+    """The row's ROW_STATS (_row_step.py): plain sums (scales 1), or with UNIT_SCALED sums of s / max|s|
     and t / max|t| (two more passes, for rows whose plain sums overflow fp32)."""
     offsets = tl.arange(0, BLOCK)
     run_max = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -401,7 +401,7 @@ def row_step_triton(student_logits, teacher_logits, labels, constants: RowStepCo
         _row_step_kernel[(rows,)](
             student_logits, student_logits.stride(0), teacher, teacher_stride, labels, token_losses,
             lifts, vocab_student, vocab_teacher, *common_args(vocab_student, constants), *_loss_args(constants),
-            **caps(constants), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue, BLOCK=block,
+            **cap_flags(constants), WRITE_GRAD=write_grad, **lift_flag, RESCUE=rescue, BLOCK=block,
             STAGES=stages, num_warps=num_warps, **TRITON_OPTIONS,
         )
 
@@ -417,7 +417,7 @@ def row_stats_triton(student_logits, teacher_logits, labels, constants: RowStepC
     _row_stats_kernel[(rows,)](
         student_logits, student_logits.stride(0), teacher, teacher_stride, labels, stats,
         vocab_student, vocab_teacher, *common_args(vocab_student, constants), *logit_args(constants),
-        **caps(constants), NUM_STATS=NUM_STATS, BLOCK=block_size_for(vocab_student, block_size, num_warps, DEFAULT_BLOCK),
+        **cap_flags(constants), NUM_STATS=NUM_STATS, BLOCK=block_size_for(vocab_student, block_size, num_warps, DEFAULT_BLOCK),
         STAGES=num_stages, num_warps=num_warps, **TRITON_OPTIONS,
     )
     return stats
@@ -435,7 +435,7 @@ def row_grad_triton(student_logits, teacher_logits, labels, stats, constants: Ro
     _row_grad_kernel[(rows,)](
         student_logits, student_logits.stride(0), teacher, teacher_stride, labels, stats,
         token_losses, lifts, vocab_student, *common_args(vocab_student, constants), *_loss_args(constants),
-        **caps(constants), WRITE_GRAD=write_grad, **lift_flag, NUM_STATS=NUM_STATS,
+        **cap_flags(constants), WRITE_GRAD=write_grad, **lift_flag, NUM_STATS=NUM_STATS,
         BLOCK=block_size_for(vocab_student, block_size, num_warps, DEFAULT_BLOCK), STAGES=num_stages, num_warps=num_warps,
         **TRITON_OPTIONS,
     )

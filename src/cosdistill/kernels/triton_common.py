@@ -18,7 +18,7 @@ INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def tanh(x):
+def stable_tanh(x):
     """tanh(x), written through exp of a non-positive number (no overflow), except below |x| = 1/8, where
     1 - exp(-2|x|) cancels (relative error ~6e-8 / |x|: 1e-4 at 6e-4, seen by the property test in fp32) and
     tanh's Taylor series to x^7 is exact to 1.3e-9 instead."""
@@ -60,7 +60,7 @@ def load_logits(row, cols, mask, logit_scale, cap, CAP: tl.constexpr, MASKED: tl
     if logit_scale is not None:
         x = mul_rn(x, logit_scale)
     if CAP:  # cap * tanh(x / cap), x / cap as x times 1 / cap (the scalar's division is hoisted out of the loop)
-        x = mul_rn(cap, tanh(x * (1.0 / cap)))
+        x = mul_rn(cap, stable_tanh(x * (1.0 / cap)))
     return x
 
 
@@ -128,7 +128,7 @@ def block_size_for(vocab, block_size, num_warps, default):
     return block_size or max(32 * num_warps, min(default, triton.next_power_of_2(max(1, vocab))))
 
 
-def caps(constants: RowStepConstants):
+def cap_flags(constants: RowStepConstants):
     return dict(STUDENT_CAP=constants.student_softcap is not None, TEACHER_CAP=constants.teacher_softcap is not None)
 
 
