@@ -193,6 +193,17 @@ def test_jsd_cluster_row_step_matches_the_spec(rows, vocab, beta, temperature, w
         assert torch.equal(got_grad, student)
 
 
+def jsd_step_and_spec(step, student, teacher, labels, constants, write_grad):
+    """((gradient, losses) of ``step``, the same of the float64 spec), each from a copy of ``student`` and
+    NaN-poisoned losses."""
+    results = []
+    for run in (step, row_step_jsd_torch):
+        logits, losses = student.clone(), torch.full((len(labels), 2), POISON, device=student.device)
+        run(logits, teacher, labels, constants, losses, write_grad)
+        results.append((logits, losses))
+    return results
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [32000, 128256])
 @pytest.mark.parametrize("temperature", [1.0, 4.0])
@@ -208,12 +219,8 @@ def test_jsd_betas_near_0_and_1_keep_fp32s_precision(beta, temperature, vocab):
     labels[::5] = -100
     assert not jsd_cuda.supported(student.to(BF16), teacher.to(BF16), labels, constants, True, None)
     for write_grad in (True, False):
-        results = []
-        for step in (jsd_cuda.CUDA_JSD_ROW_STEP.step, row_step_jsd_torch):
-            logits, losses = student.clone(), torch.full((16, 2), POISON, device="cuda")
-            step(logits, teacher, labels, constants, losses, write_grad)
-            results.append((logits, losses))
-        (got_grad, got_losses), (want_grad, want_losses) = results
+        (got_grad, got_losses), (want_grad, want_losses) = jsd_step_and_spec(
+            jsd_cuda.CUDA_JSD_ROW_STEP.step, student, teacher, labels, constants, write_grad)
         assert rel_err(got_losses[:, 1], want_losses[:, 1]) < 1e-5, write_grad
         assert rel_err(got_grad, want_grad) < 1e-5 if write_grad else torch.equal(got_grad, student)
 
@@ -232,12 +239,8 @@ def test_jsd_a_teacher_peaked_far_from_the_student_keeps_fp32s_precision(beta, t
     labels = torch.randint(0, vocab, (16,), device="cuda")
     labels[::5] = -100
     assert kernels.row_step_jsd_triton.mode_of(beta, torch.float32) == kernels.row_step_jsd_triton.MIXED_PRECISE.value
-    results = []
-    for step in (kernels.row_step_jsd_triton.row_step_jsd_triton, row_step_jsd_torch):
-        logits, losses = student.clone(), torch.full((16, 2), POISON, device="cuda")
-        step(logits, teacher, labels, constants, losses, True)
-        results.append((logits, losses))
-    (got_grad, got_losses), (want_grad, want_losses) = results
+    (got_grad, got_losses), (want_grad, want_losses) = jsd_step_and_spec(
+        kernels.row_step_jsd_triton.row_step_jsd_triton, student, teacher, labels, constants, True)
     assert rel_err(got_losses[:, 1], want_losses[:, 1]) < 1e-5
     assert rel_err(got_grad, want_grad) < 1e-5
 
