@@ -271,6 +271,42 @@ def test_the_training_step_benchmark_runs_every_loss_and_they_agree(tmp_path):
     assert rows[0].startswith("date,commit") and len(rows) == 1 + 3 * 2 + 3
 
 
+def load_beside_step(name, monkeypatch):
+    """A script that imports step.py, as it does when run from the command line (its folder first on the path)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return load(name)
+
+
+def test_the_trl_trainer_step_benchmark_runs_both_trainers_and_they_agree(tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    trl_step = load_beside_step("trl_step", monkeypatch)
+    path, ledger = tmp_path / "trl_step.json", tmp_path / "ledger.csv"
+    assert trl_step.main(["--tiny", "--device", "cpu", "--rows", "2", "--prompt-len", "8", "--completion-len", "16",
+                          "--rounds", "2", "--reps", "1", "--warmup", "1", "--json", str(path),
+                          "--ledger", str(ledger)]) == 0
+    report = json.loads(path.read_text())
+    losses = report["start_losses"]
+    assert set(losses) == set(report["results"]) == {"trl", "ours"}
+    assert losses["trl"] > 0 and abs(losses["ours"] - losses["trl"]) < 1e-2 * losses["trl"]
+    assert 8 <= report["completion_tokens"] <= 2 * 16
+    for result in report["results"].values():
+        assert result["step_ms"] > 0 and len(result["step_ms_by_round"]) == 2
+    rows = ledger.read_text().splitlines()
+    assert rows[0].startswith("date,commit") and len(rows) == 1 + 2 and all(",trl-step," in row for row in rows[1:])
+
+
+def test_the_trl_trainer_step_benchmark_refuses_trainers_whose_losses_differ(monkeypatch):
+    """The agreement check before timing can fail: a loss made wrong by a tenth stops the run."""
+    pytest.importorskip("trl")
+    trl_step = load_beside_step("trl_step", monkeypatch)
+    compute_loss = trl_step.cosdistill.trl.DistillationTrainer.compute_loss
+    monkeypatch.setattr(trl_step.cosdistill.trl.DistillationTrainer, "compute_loss",
+                        lambda self, *args, **kwargs: 1.1 * compute_loss(self, *args, **kwargs))
+    with pytest.raises(RuntimeError, match="differ before any step"):
+        trl_step.main(["--tiny", "--device", "cpu", "--rows", "2", "--prompt-len", "8", "--completion-len", "16",
+                       "--rounds", "1", "--reps", "1", "--warmup", "0"])
+
+
 def parity_rank(rank, folder):
     """One gloo rank of fsdp2_parity.main, in a group made here (torchrun's store can abort at exit on the CPU)."""
     import contextlib

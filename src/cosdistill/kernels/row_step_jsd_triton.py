@@ -176,27 +176,30 @@ def _log2_weights(keep, beta):
 
 @triton.jit
 def _minus_mixture(d, keep, beta, shift, MODE: tl.constexpr):
-    """(log2 p - log2 m + shift, log2 q - log2 m), m = (1 - beta) p + beta q, from d = log2 q - log2 p alone, each
-    formed without cancelling large terms (as b - m = d + (a - m) would, where a teacher peaks far from the
-    student). MIXED (``shift`` 0): with L = log2 of the larger weight plus the other times 2^-|d|, they are
-    (-L - d, -L) for d >= 0 and (-L, d - L) below: one exponential and one log. MIXED_PRECISE: with
-    c = log2((1 - beta) / beta), m is the larger of (1 - beta) p and beta q times 1 + y, y = 2^-|c - d| <= 1, and
-    log2(1 + y) is taken to fp32's relative precision, as are log2(1 - beta) and log2(beta): the terms that
-    cancel in the soft term's sums (to O(beta^2) as beta -> 0) then carry fp32's relative rounding, not its
-    absolute one. Its ``shift`` is 0 or log2(1 - beta); the latter gives log2((1 - beta) p / m) exactly 0 plus
-    log2(1 + y) where the student's weight is the larger, the gradient's reference form (_row_reference)."""
+    """(log2 p - log2 m, log2 q - log2 m, log2 p - log2 m + shift), m = (1 - beta) p + beta q, from
+    d = log2 q - log2 p alone, each formed without cancelling large terms (as b - m = d + (a - m) would, where a
+    teacher peaks far from the student). MIXED (``shift`` 0, the third repeats the first): with L = log2 of the
+    larger weight plus the other times 2^-|d|, they are (-L - d, -L) for d >= 0 and (-L, d - L) below: one
+    exponential and one log. MIXED_PRECISE: with c = log2((1 - beta) / beta), m is the larger of (1 - beta) p and
+    beta q times 1 + y, y = 2^-|c - d| <= 1, and log2(1 + y) is taken to fp32's relative precision, as are
+    log2(1 - beta) and log2(beta): the terms that cancel in the soft term's sums (to O(beta^2) as beta -> 0) then
+    carry fp32's relative rounding, not its absolute one. Its ``shift`` is 0 or log2(1 - beta); the latter gives
+    log2((1 - beta) p / m) exactly 0 plus log2(1 + y) where the student's weight is the larger, the gradient's
+    reference form (_row_reference). The shifted gap shares the unshifted one's exponential and logs."""
     if MODE == MIXED:
         smaller = _exp2(-tl.abs(d))  # the smaller of 2^d and 2^-d: never overflows
         spread = tl.where(d >= 0.0, beta + keep * smaller, keep + beta * smaller)
         log_spread = _log2(spread)
-        return -log_spread - tl.maximum(d, 0.0), tl.minimum(d, 0.0) - log_spread
+        student_gap = -log_spread - tl.maximum(d, 0.0)
+        return student_gap, tl.minimum(d, 0.0) - log_spread, student_gap
     else:
         log_keep, log_beta = _log2_weights(keep, beta)
         log_ratio = log_keep - log_beta
         student_larger = d <= log_ratio  # (1 - beta) p >= beta q
         log_spread = _log2_1p(_exp2(-tl.abs(log_ratio - d)))
-        return (tl.where(student_larger, shift - log_keep, (shift - log_beta) - d) - log_spread,
-                tl.where(student_larger, d - log_keep, -log_beta) - log_spread)
+        return (tl.where(student_larger, -log_keep, -log_beta - d) - log_spread,
+                tl.where(student_larger, d - log_keep, -log_beta) - log_spread,
+                tl.where(student_larger, shift - log_keep, (shift - log_beta) - d) - log_spread)
 
 
 @triton.jit
@@ -213,11 +216,11 @@ def _soft_terms(a, b, d, keep, beta, MODE: tl.constexpr):
         return student_term, tl.zeros_like(a), student_term
     else:
         p = _exp2(a)
-        student_gap, teacher_gap = _minus_mixture(d, keep, beta, 0.0, MODE)
-        shifted_term = p * student_gap
+        shift = 0.0
         if MODE == MIXED_PRECISE:
-            shifted_term = p * _minus_mixture(d, keep, beta, _log2_weights(keep, beta)[0], MODE)[0]
-        return p * student_gap, beta * _exp2(b) * teacher_gap, shifted_term
+            shift = _log2_weights(keep, beta)[0]
+        student_gap, teacher_gap, shifted_gap = _minus_mixture(d, keep, beta, shift, MODE)
+        return p * student_gap, beta * _exp2(b) * teacher_gap, p * shifted_gap
 
 
 @triton.jit
@@ -236,8 +239,8 @@ def _grad(s, a, b, d, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weig
     elif MODE == REVERSE:
         return grad + p * (log_coef * (-d - row_sum)), tl.zeros_like(a)
     else:
-        student_gap, _ = _minus_mixture(d, keep, beta, shift, MODE)
-        return grad + p * (log_coef * (student_gap - row_sum)), tl.zeros_like(a)
+        shifted_gap = _minus_mixture(d, keep, beta, shift, MODE)[2]
+        return grad + p * (log_coef * (shifted_gap - row_sum)), tl.zeros_like(a)
 
 
 @triton.jit

@@ -1,0 +1,173 @@
+"""One training step of TRL's DistillationTrainer with TRL's own loss and with ours (``cosdistill.trl``'s
+drop-in): what a TRL user who changes the import gets, on real-shaped models.
+
+A Llama-3.2-1B-shaped student and a Llama-3.1-8B-shaped teacher (random weights from their configs, no
+downloads), bf16, AdamW, gradient checkpointing, TRL's defaults otherwise (beta 0.5, temperature 0.9). The step is
+the trainer's own: ``Trainer.training_step`` (both models' forwards, the loss, the backward through accelerate)
+and the optimizer's step, on one batch of left-padded prompts and completions of varied lengths, padded after
+their end. Generating that batch costs both trainers the same and is left out: each trainer's
+``_generate_and_score_completions`` returns it. Per trainer: the step's time, completion tokens per second, and
+the peak memory above what the process holds between steps. Trainers interleaved in rounds, medians of
+CUDA-event times after a warm-up; before any step, both losses on the same weights and batch must agree.
+
+    PYTHONPATH=src python benchmarks/trl_step.py [--rows 4] [--prompt-len 512] [--completion-len 2048]
+        [--rounds 3] [--ledger benchmarks/results.csv] [--json out.json]
+    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/trl_step.py --tiny --device cpu   (a smoke run)
+"""
+
+import argparse
+import copy
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import warnings
+
+import datasets
+import tokenizers
+import torch
+import transformers
+import trl
+from step import STUDENT, TEACHER, TINY_STUDENT, TINY_TEACHER, TINY_VOCAB, VOCAB, llama, timed_ms  # benchmarks/step.py
+
+import cosdistill.trl
+from cosdistill.testing import rel_err
+from cosdistill.tools.bench import append_ledger_rows
+
+TRAINERS = {"trl": trl.DistillationTrainer, "ours": cosdistill.trl.DistillationTrainer}
+PAD = 0
+
+
+def word_tokenizer(vocab):
+    """Words w0 .. w(vocab - 1), w0 padding and w1 the end: the trainers need a tokenizer, the step never reads text."""
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w2"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="w0", eos_token="w1",
+                                                unk_token="w2", padding_side="left")
+
+
+def completions_batch(rows, prompt_len, completion_len, vocab, device, seed=0):
+    """What _generate_and_score_completions returns: prompts left-padded to prompt_len, completions of 1/2 to all
+    of completion_len tokens padded after their end, and the completion tokens' count."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(3, vocab, (rows, prompt_len), generator=generator)
+    completion_ids = torch.randint(3, vocab, (rows, completion_len), generator=generator)
+    prompt_lengths = torch.randint(prompt_len // 2, prompt_len + 1, (rows,), generator=generator)
+    completion_lengths = torch.randint(completion_len // 2, completion_len + 1, (rows,), generator=generator)
+    prompt_mask = (torch.arange(prompt_len) >= prompt_len - prompt_lengths[:, None]).long()
+    completion_mask = (torch.arange(completion_len) < completion_lengths[:, None]).long()
+    batch = dict(prompt_ids=prompt_ids.masked_fill(prompt_mask == 0, PAD), prompt_mask=prompt_mask,
+                 completion_ids=completion_ids.masked_fill(completion_mask == 0, PAD), completion_mask=completion_mask,
+                 num_items_in_batch=completion_mask.sum().float())
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+def make_trainer(name, student, teacher, batch, tokenizer, output_dir, device):
+    rows = batch["prompt_ids"].shape[0]
+    config = trl.DistillationConfig(
+        output_dir=output_dir, report_to="none", save_strategy="no", disable_tqdm=True, bf16=device.type == "cuda",
+        use_cpu=device.type == "cpu", per_device_train_batch_size=rows, max_completion_length=batch["completion_ids"].shape[1],
+        learning_rate=1e-5)
+    prompts = datasets.Dataset.from_list([{"prompt": "w3 w4"}] * rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's notes on the tokenizer's chat template and generation settings
+        trainer = TRAINERS[name](model=student, teacher_model=teacher, args=config, train_dataset=prompts,
+                                 processing_class=tokenizer)
+    trainer._generate_and_score_completions = lambda inputs: dict(batch)
+    student.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+    student.config.use_cache = False
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), read by TRL's training_step
+    return trainer
+
+
+def step(trainer) -> None:
+    """The trainer's step from the (already generated) batch to the updated weights."""
+    trainer.training_step(trainer.model, [{"prompt": "w3"}], None)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def measure(trainers, device, rounds, reps, warmup):
+    """{trainer: dict(step_ms, step_ms_by_round, peak_gb)} in interleaved rounds; the peak is above the memory
+    allocated just before the warm-up steps (the optimizer's state made by the first step included)."""
+    times, peaks = {name: [] for name in trainers}, {}
+    for round_index in range(rounds):
+        for name, trainer in trainers.items():
+            if round_index == 0:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    resting = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                for _ in range(warmup):
+                    step(trainer)
+                if device.type == "cuda":
+                    peaks[name] = (torch.cuda.max_memory_allocated() - resting) / 2**30
+            times[name].append(statistics.median(timed_ms(lambda: step(trainer), device) for _ in range(reps)))
+    return {name: dict(step_ms=statistics.median(by_round), step_ms_by_round=by_round, peak_gb=peaks.get(name))
+            for name, by_round in times.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=4, help="sequences per step")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--completion-len", type=int, default=2048)
+    parser.add_argument("--trainers", default=",".join(TRAINERS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny models (a smoke run)")
+    parser.add_argument("--ledger")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    student_shape, teacher_shape, vocab = (TINY_STUDENT, TINY_TEACHER, TINY_VOCAB) if args.tiny else (STUDENT, TEACHER, VOCAB)
+    max_len = args.prompt_len + args.completion_len
+    student = llama(student_shape, vocab, max_len, device, seed=0)
+    teacher = llama(teacher_shape, vocab, max_len, device, seed=1).eval().requires_grad_(False)
+    batch = completions_batch(args.rows, args.prompt_len, args.completion_len, vocab, device)
+    tokenizer = word_tokenizer(vocab)
+    names = args.trainers.split(",")
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainers = {name: make_trainer(name, student if i == 0 else copy.deepcopy(student), teacher, batch,
+                                       tokenizer, output_dir, device) for i, name in enumerate(names)}
+        start_losses = {}
+        with torch.no_grad():  # every trainer on the same weights and batch, before any step: they must agree
+            for name, trainer in trainers.items():
+                trainer.model.train()
+                start_losses[name] = trainer.compute_loss(trainer.model, dict(batch))
+        first = next(iter(start_losses.values()))
+        for name, loss in start_losses.items():
+            if not rel_err(loss.float(), first.float()) < 1e-2:
+                raise RuntimeError(f"the trainers' losses differ before any step: {start_losses}")
+        results = measure(trainers, device, args.rounds, args.reps, args.warmup)
+    tokens = int(batch["num_items_in_batch"])
+    print(f"{args.rows} rows of {args.prompt_len} + {args.completion_len} tokens ({tokens} completion tokens), {device}; "
+          "the losses on the first batch: " + ", ".join(f"{name} {float(loss):.5f}" for name, loss in start_losses.items()))
+    print("| trainer | step ms | completion tokens/s | peak GB above resting |")
+    print("|---|---:|---:|---:|")
+    for name, result in results.items():
+        peak = "-" if result["peak_gb"] is None else f"{result['peak_gb']:.2f}"
+        print(f"| {name} | {result['step_ms']:.1f} | {1000 * tokens / result['step_ms']:.0f} | {peak} |")
+    if args.ledger:
+        command = "python benchmarks/trl_step.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        workload = (f"trl-step: DistillationTrainer, Llama-3.2-1B-shaped student, Llama-3.1-8B-shaped teacher, V={vocab} "
+                    f"bf16 AdamW checkpointing rows={args.rows} prompt={args.prompt_len} "
+                    f"completion={args.completion_len} rounds={args.rounds} peak=above resting")
+        rows = [("trl-step", tokens, name, f"{result['step_ms']:.4f}", "",
+                 " ".join(f"{ms:.2f}" for ms in result["step_ms_by_round"]),
+                 "" if result["peak_gb"] is None else f"{result['peak_gb']:.3f}") for name, result in results.items()]
+        append_ledger_rows(args.ledger, gpu, workload, rows, command)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(dict(completion_tokens=tokens, start_losses={k: float(v) for k, v in start_losses.items()},
+                           results=results), file, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
