@@ -12,6 +12,7 @@ import collections
 import contextlib
 import cProfile
 import dataclasses
+import functools
 import importlib
 import itertools
 import json
@@ -669,10 +670,7 @@ def triton_sweep(impls, student, teacher, labels, constants, copy_ms, configs, s
     for write_grad, passes in ((True, 5), (False, 2)):
         for (name, row_step), (block, warps), stage in itertools.product(impls, configs[write_grad], stages):
             settings = dict(block_size=block, num_warps=warps) | ({} if stage is None else dict(num_stages=stage))
-
-            def step(s, t, y, sc, out, grad, row_step=row_step, settings=settings):
-                row_step(s, t, y, sc, out, grad, **settings)
-
+            step = functools.partial(row_step, **settings)
             error = spec_error(step, student, teacher, labels, constants, write_grad)
             if write_grad:
                 ms = kernel_ms(lambda: (scratch.copy_(student), step(scratch, teacher, labels, constants, losses, True)),
