@@ -2,13 +2,15 @@
 drop-in): what a TRL user who changes the import gets, on real-shaped models.
 
 A Llama-3.2-1B-shaped student and a Llama-3.1-8B-shaped teacher (random weights from their configs, no
-downloads), bf16, AdamW, gradient checkpointing, TRL's defaults otherwise (beta 0.5, temperature 0.9). The step is
-the trainer's own: ``Trainer.training_step`` (both models' forwards, the loss, the backward through accelerate)
-and the optimizer's step, on one batch of left-padded prompts and completions of varied lengths, padded after
+downloads), bf16, AdamW, gradient checkpointing, beta 0.5 and temperature 1 (``--beta``, ``--temperature``; TRL's
+DistillationConfig defaults to the reverse KL, beta 1). The step is the trainer's own: ``Trainer.training_step``
+(both models' forwards, the loss, the backward through accelerate), the gradient's clipping, the optimizer's and
+the learning rate's steps, on one batch of left-padded prompts and completions of varied lengths, padded after
 their end. Generating that batch costs both trainers the same and is left out: each trainer's
 ``_generate_and_score_completions`` returns it. Per trainer: the step's time, completion tokens per second, and
-the peak memory above what the process holds between steps. Trainers interleaved in rounds, medians of
-CUDA-event times after a warm-up; before any step, both losses on the same weights and batch must agree.
+the peak memory of a step after the warm-up above what the process holds between steps. Trainers interleaved in
+rounds (their order alternating), medians of CUDA-event times after a warm-up; before any step, both losses on
+the same weights and batch must agree.
 
     PYTHONPATH=src python benchmarks/trl_step.py [--rows 4] [--prompt-len 512] [--completion-len 2048]
         [--rounds 3] [--ledger benchmarks/results.csv] [--json out.json]
@@ -63,12 +65,12 @@ def completions_batch(rows, prompt_len, completion_len, vocab, device, seed=0):
     return {key: value.to(device) for key, value in batch.items()}
 
 
-def make_trainer(name, student, teacher, batch, tokenizer, output_dir, device):
+def make_trainer(name, student, teacher, batch, tokenizer, output_dir, device, beta, temperature):
     rows = batch["prompt_ids"].shape[0]
     config = trl.DistillationConfig(
         output_dir=output_dir, report_to="none", save_strategy="no", disable_tqdm=True, bf16=device.type == "cuda",
         use_cpu=device.type == "cpu", per_device_train_batch_size=rows, max_completion_length=batch["completion_ids"].shape[1],
-        learning_rate=1e-5)
+        learning_rate=1e-5, beta=beta, temperature=temperature)
     prompts = datasets.Dataset.from_list([{"prompt": "w3 w4"}] * rows)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TRL's notes on the tokenizer's chat template and generation settings
@@ -77,34 +79,38 @@ def make_trainer(name, student, teacher, batch, tokenizer, output_dir, device):
     trainer._generate_and_score_completions = lambda inputs: dict(batch)
     student.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
     student.config.use_cache = False
-    trainer.create_optimizer()
+    trainer.create_optimizer_and_scheduler(num_training_steps=1000)
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), read by TRL's training_step
     return trainer
 
 
 def step(trainer) -> None:
-    """The trainer's step from the (already generated) batch to the updated weights."""
+    """The trainer's step from the (already generated) batch to the updated weights, as Trainer.train runs it."""
     trainer.training_step(trainer.model, [{"prompt": "w3"}], None)
+    trainer.accelerator.clip_grad_norm_(trainer.model.parameters(), trainer.args.max_grad_norm)
     trainer.optimizer.step()
+    trainer.lr_scheduler.step()
     trainer.optimizer.zero_grad(set_to_none=True)
 
 
 def measure(trainers, device, rounds, reps, warmup):
-    """{trainer: dict(step_ms, step_ms_by_round, peak_gb)} in interleaved rounds; the peak is above the memory
-    allocated just before the warm-up steps (the optimizer's state made by the first step included)."""
+    """{trainer: dict(step_ms, step_ms_by_round, peak_gb)} in interleaved rounds; the peak is round 0's timed
+    steps' above the memory allocated before them (the optimizer's state, made by the warm-up, held)."""
     times, peaks = {name: [] for name in trainers}, {}
     for round_index in range(rounds):
-        for name, trainer in trainers.items():
+        names = list(trainers) if round_index % 2 == 0 else list(trainers)[::-1]
+        for name in names:
+            trainer = trainers[name]
             if round_index == 0:
+                for _ in range(warmup):
+                    step(trainer)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                     resting = torch.cuda.memory_allocated()
                     torch.cuda.reset_peak_memory_stats()
-                for _ in range(warmup):
-                    step(trainer)
-                if device.type == "cuda":
-                    peaks[name] = (torch.cuda.max_memory_allocated() - resting) / 2**30
             times[name].append(statistics.median(timed_ms(lambda: step(trainer), device) for _ in range(reps)))
+            if round_index == 0 and device.type == "cuda":
+                peaks[name] = (torch.cuda.max_memory_allocated() - resting) / 2**30
     return {name: dict(step_ms=statistics.median(by_round), step_ms_by_round=by_round, peak_gb=peaks.get(name))
             for name, by_round in times.items()}
 
@@ -114,15 +120,19 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, default=4, help="sequences per step")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--completion-len", type=int, default=2048)
+    parser.add_argument("--beta", type=float, default=0.5, help="0: forward KL, 1: reverse KL")
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--trainers", default=",".join(TRAINERS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1: it makes the optimizer's state)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny models (a smoke run)")
     parser.add_argument("--ledger")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1: the first step makes the optimizer's state")
     device = torch.device(args.device)
     student_shape, teacher_shape, vocab = (TINY_STUDENT, TINY_TEACHER, TINY_VOCAB) if args.tiny else (STUDENT, TEACHER, VOCAB)
     max_len = args.prompt_len + args.completion_len
@@ -133,7 +143,8 @@ def main(argv=None):
     names = args.trainers.split(",")
     with tempfile.TemporaryDirectory() as output_dir:
         trainers = {name: make_trainer(name, student if i == 0 else copy.deepcopy(student), teacher, batch,
-                                       tokenizer, output_dir, device) for i, name in enumerate(names)}
+                                       tokenizer, output_dir, device, args.beta, args.temperature)
+                    for i, name in enumerate(names)}
         start_losses = {}
         with torch.no_grad():  # every trainer on the same weights and batch, before any step: they must agree
             for name, trainer in trainers.items():
@@ -155,9 +166,10 @@ def main(argv=None):
     if args.ledger:
         command = "python benchmarks/trl_step.py " + shlex.join(argv if argv is not None else sys.argv[1:])
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        workload = (f"trl-step: DistillationTrainer, Llama-3.2-1B-shaped student, Llama-3.1-8B-shaped teacher, V={vocab} "
-                    f"bf16 AdamW checkpointing rows={args.rows} prompt={args.prompt_len} "
-                    f"completion={args.completion_len} rounds={args.rounds} peak=above resting")
+        models = "tiny student, tiny teacher" if args.tiny else "Llama-3.2-1B-shaped student, Llama-3.1-8B-shaped teacher"
+        workload = (f"trl-step: DistillationTrainer, {models}, V={vocab} bf16 AdamW checkpointing rows={args.rows} "
+                    f"prompt={args.prompt_len} completion={args.completion_len} beta={args.beta} "
+                    f"temperature={args.temperature} rounds={args.rounds} peak=above resting")
         rows = [("trl-step", tokens, name, f"{result['step_ms']:.4f}", "",
                  " ".join(f"{ms:.2f}" for ms in result["step_ms_by_round"]),
                  "" if result["peak_gb"] is None else f"{result['peak_gb']:.3f}") for name, result in results.items()]

@@ -75,8 +75,8 @@ __device__ __forceinline__ void reduce_row(float* part, const float* empty, floa
   }
 }
 
-// (log2 p - log2 m, log2 q - log2 m) from d = log2 q - log2 p alone (row_step_jsd_triton._minus_mixture), given
-// smaller = 2^-|d|.
+// (log2 p - log2 m, log2 q - log2 m) from d = log2 q - log2 p alone, given smaller = 2^-|d|: the MIXED form of
+// row_step_jsd_triton._minus_mixture (whose third value, the shifted gap, MIXED does not use).
 __device__ __forceinline__ void minus_mixture(float d, float smaller, float keep, float beta, float& student_gap,
                                               float& teacher_gap) {
   const float log_spread = log2_fast(d >= 0.f ? beta + keep * smaller : keep + beta * smaller);
