@@ -361,7 +361,7 @@ def test_autocast_leaves_the_loss_in_its_tensors_dtypes(loss, options, dtype):
     """Under torch.autocast the fused loss computes as outside it (docs/reference.md, mixed precision): its GEMMs
     write into its own buffers, which autocast does not cast, and the Gram path's fp32 products turn it off (they
     ran in bf16 under it, 89% off in the soft term, and the W_t^T W_t cached so served later calls too)."""
-    from cosdistill.api import FUSED_LOSSES
+    from cosdistill.testing import FUSED_LOSSES
 
     problem = make_problem(tokens=19, ignore_every=4, dtype=dtype, bias="cosine_via" not in options)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # first: it builds the Gram path's cached matrix
@@ -427,7 +427,7 @@ def test_bad_scalars_and_options():
 def test_scalar_options_must_be_finite_numbers(loss, name, value, error, message):
     """A string, bool, None, NaN or infinity is refused by name: cast to a number it would give a NaN or, for
     ignore_index=1.5 or True, silently ignore label 1. The module checks its options when built."""
-    from cosdistill.api import FUSED_LOSSES
+    from cosdistill.testing import FUSED_LOSSES
 
     problem = make_problem(tokens=9)
     with pytest.raises(error, match=message):
@@ -443,7 +443,7 @@ def test_scalar_options_take_any_real_number_type(loss):
     """Ints, NumPy scalars and one-element tensors give the float's loss."""
     import numpy as np
 
-    from cosdistill.api import FUSED_LOSSES
+    from cosdistill.testing import FUSED_LOSSES
 
     problem = make_problem(tokens=9, ignore_every=3)
     want = FUSED_LOSSES[loss](*problem.args(), temperature=2.0, beta=1.0, ignore_index=-100, num_valid_tokens=5)
@@ -459,7 +459,7 @@ def test_a_teacher_input_that_requires_grad_is_refused(loss):
     """The teacher is frozen: a teacher_input in the autograd graph would silently get no gradient (and keep the
     teacher's activations alive), so it raises. Detached, or under no_grad, it runs; a teacher weight that
     requires grad (a frozen model's parameter left trainable) is read as a constant and gets no gradient."""
-    from cosdistill.api import FUSED_LOSSES
+    from cosdistill.testing import FUSED_LOSSES
 
     problem = make_problem(tokens=11)
     problem.teacher_input = problem.teacher_input.detach().requires_grad_()
@@ -478,7 +478,7 @@ def test_a_teacher_input_that_requires_grad_is_refused(loss):
 def test_create_graph_is_refused(loss, chunk_size):
     """The gradients come from forward's pass: differentiated again (a gradient penalty, a Hessian-vector product),
     the loss's share would silently be zero (a penalty's gradient came out 91-100% off)."""
-    from cosdistill.api import FUSED_LOSSES
+    from cosdistill.testing import FUSED_LOSSES
 
     problem = make_problem()
     value = FUSED_LOSSES[loss](*problem.args(), chunk_size=chunk_size) + (problem.student_input**2).sum()
@@ -516,7 +516,7 @@ def test_the_float64_reference_in_passes_equals_one_pass(monkeypatch, loss, toke
 def test_options_given_as_tensors_are_read_at_every_call(loss):
     """A one-element tensor option (a schedule kept in a tensor and updated in place) gives, at each call, the loss
     of its current value: checked options are reused across calls only where every value is a number."""
-    from cosdistill.api import FUSED_LOSSES
+    from cosdistill.testing import FUSED_LOSSES
 
     problem = make_problem(tokens=9, ignore_every=3)
     function, module_class = FUSED_LOSSES[loss], api.FusedLinearJSDLoss if loss == "jsd" else FusedLinearCosineDistillLoss
@@ -540,7 +540,7 @@ def test_options_given_as_tensors_are_read_at_every_call(loss):
 def test_module_options_assigned_after_construction_take_effect(loss):
     """As in Liger's modules, the options are attributes: one assigned between calls (a beta or weight schedule) is
     checked when assigned and used by the next call; a bad value raises, naming it, and leaves the module as it was."""
-    from cosdistill.api import FUSED_LOSSES
+    from cosdistill.testing import FUSED_LOSSES
 
     problem = make_problem(tokens=9, ignore_every=3)
     module_class = api.FusedLinearJSDLoss if loss == "jsd" else FusedLinearCosineDistillLoss

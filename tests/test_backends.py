@@ -7,7 +7,15 @@ import torch
 
 from conftest import make_problem
 from cosdistill import fused_linear_cosine_distill
-from cosdistill.testing import TORCH, TRITON_ROW_STEP, backend_for, kernels, plan, quantize_rows_triton, scale_unless_one_torch
+from cosdistill.testing import (
+    COSINE_TRITON_ROW_STEP,
+    TORCH,
+    backend_for,
+    kernels,
+    plan,
+    quantize_rows_triton,
+    scale_unless_one_torch,
+)
 from cosdistill.testing import teacher_fp8 as fp8
 
 row_step_cuda = kernels.row_step_cuda
@@ -34,11 +42,11 @@ def test_not_available_on_the_cpu():
 def test_auto_picks_the_cluster_step_where_available(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(row_step_cuda, "available", lambda device: True)
-    assert backend_for("auto", cuda).row_step is row_step_cuda.CUDA_ROW_STEP
-    assert backend_for("cuda", cuda).row_step is row_step_cuda.CUDA_ROW_STEP
-    assert backend_for("triton", cuda).row_step is TRITON_ROW_STEP
+    assert backend_for("auto", cuda).cosine_row_step is row_step_cuda.COSINE_CUDA_ROW_STEP
+    assert backend_for("cuda", cuda).cosine_row_step is row_step_cuda.COSINE_CUDA_ROW_STEP
+    assert backend_for("triton", cuda).cosine_row_step is COSINE_TRITON_ROW_STEP
     monkeypatch.setattr(row_step_cuda, "available", lambda device: False)  # before Hopper
-    assert backend_for("auto", cuda).row_step is TRITON_ROW_STEP
+    assert backend_for("auto", cuda).cosine_row_step is COSINE_TRITON_ROW_STEP
     with pytest.raises(ValueError, match="thread block clusters"):
         backend_for("cuda", cuda)
 
@@ -53,8 +61,8 @@ def test_a_vocabulary_split_on_a_gpu_runs_kernels_not_the_spec(monkeypatch):
     for impl in ("triton", "cuda"):
         backend = backend_for(impl, cuda)
         assert backend.jsd_row_step.split is jsd.split_jsd_row_step_triton, impl
-        assert backend.row_step.stats is kernels.row_step_triton.row_stats_triton, impl
-        assert backend.row_step.grad is kernels.row_step_triton.row_grad_triton, impl
+        assert backend.cosine_row_step.stats is kernels.row_step_triton.row_stats_triton, impl
+        assert backend.cosine_row_step.grad is kernels.row_step_triton.row_grad_triton, impl
     assert TORCH.jsd_row_step.split is not jsd.split_jsd_row_step_triton
 
 def test_each_backend_quantizes_the_chunks_with_its_own_kernel(impl, monkeypatch):
@@ -98,7 +106,7 @@ def test_every_triton_launch_pins_fma_contraction(monkeypatch):
     constants = RowStepConstants(0.4, 0.6, 0.5, 1.5, -7)
     losses = torch.empty(6, 2)
     kernels.row_step_triton.row_step_triton(student.clone(), teacher, labels, constants, losses, True)
-    split_in_two(TRITON_ROW_STEP, student.clone(), teacher, labels, constants, losses, True)  # statistics, gradient
+    split_in_two(COSINE_TRITON_ROW_STEP, student.clone(), teacher, labels, constants, losses, True)  # statistics, gradient
     kernels.row_step_jsd_triton.row_step_jsd_triton(student.clone(), teacher, labels, constants, losses, True)
     run_jsd_split_stages(student, teacher, labels, constants, [(0, 20), (20, 45)], True)
     counts = kernels.labels.count_labels_triton(labels, -7, 40)

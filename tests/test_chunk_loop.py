@@ -7,8 +7,8 @@ import torch
 
 from conftest import TOLERANCE, assert_matches_reference, make_problem, reference, rel_err, run_fused
 from cosdistill import fused_linear_cosine_distill, fused_linear_jsd
-from cosdistill.api import FUSED_LOSSES
 from cosdistill.testing import (
+    FUSED_LOSSES,
     TORCH,
     ChunkRows,
     LabelCounts,
@@ -109,7 +109,7 @@ def test_host_reads_n_only_where_gradients_need_it(grad):
     GEMMs' alpha); without, only after every chunk is queued, the loss divided by N on the device."""
     problem = make_problem(tokens=37, ignore_every=3)
     row_steps, steps_before_read = [], []
-    row_step = TORCH.row_step.step
+    row_step = TORCH.cosine_row_step.step
 
     def counting_row_step(*args, **kwargs):
         row_steps.append(1)
@@ -231,7 +231,7 @@ def test_the_logits_teacher_takes_its_chunks_in_order():
     """The teacher side forms each chunk's logits from its own teacher_input (it queues them ahead of the chunk):
     a chunk out of order raises instead of stepping on another chunk's logits."""
     problem = make_problem(tokens=20, bias=False)
-    teacher = LogitsTeacher(TeacherHead(problem.teacher_weight, None), TORCH.row_step.step, Options().constants,
+    teacher = LogitsTeacher(TeacherHead(problem.teacher_weight, None), TORCH.cosine_row_step.step, Options().constants,
                             ChunkRows(8, 4))
     teacher.start(problem.student_input, problem.teacher_input)
     logits = torch.empty(8, problem.student_weight.shape[0])

@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 
 from conftest import make_problem, record_write_grad, reference, rel_err
 from cosdistill import api, fused_linear_cosine_distill
-from cosdistill.api import FUSED_LOSSES
-from cosdistill.testing import TORCH, ChunkRows, chunk_rows, options_of, plan
+from cosdistill.testing import FUSED_LOSSES, TORCH, ChunkRows, chunk_rows, options_of, plan
 
 
 @pytest.mark.parametrize("grad_enabled, student_requires_grad, want_write_grad",

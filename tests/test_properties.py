@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from conftest import TOLERANCE, Problem, problem_around, reference, rel_err
 from cosdistill import fused_linear_cosine_distill
 from cosdistill.reference import naive_cosine_distill
-from cosdistill.tools.check import accumulation_floor, ignore_some_labels, logits_rounding_floors
+from cosdistill.testing import accumulation_floor, ignore_some_labels, logits_rounding_floors
 
 PRIMES = (2, 3, 5, 7, 31, 97, 101, 127, 257, 509, 1021, 1031, 2039, 4093, 4999)
 MIN_STUDENT_HIDDEN = 4
@@ -150,10 +150,10 @@ def check(case: Case):
       the gradient's dtype is itself off by ``floor`` >= grad_tol (fp16 gradients of a few 1e-6 are
       subnormals, absolute step 2^-24), no result in that dtype -- which the README fixes -- can
       pass; the error must then stay below grad_tol on top of that floor. grad_weight's bound also
-      carries the rounding its accumulator adds per chunk (tools.check.accumulation_floor; 0 for fp32
+      carries the rounding its accumulator adds per chunk (testing.accumulation_floor; 0 for fp32
       accumulation and for one chunk). A gradient still past its bound is held to grad_tol plus the
       error that holding the logits in their dtype alone gives (the design's floor,
-      tools.check.logits_rounding_floors), if that is larger.
+      testing.logits_rounding_floors), if that is larger.
     * Losses that the shared arithmetic cannot hold to loss_tol: a loss past loss_tol is held to
       loss_tol plus the naive version's own error on the same inputs, which, like ours, takes the
       logits in their dtype and the loss from them in fp32. E.g. in fp32 a token right by a wide

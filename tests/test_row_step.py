@@ -8,8 +8,8 @@ import torch
 
 from conftest import POISON, random_chunk
 from cosdistill.testing import (
-    TORCH_ROW_STEP,
-    TRITON_ROW_STEP,
+    COSINE_TORCH_ROW_STEP,
+    COSINE_TRITON_ROW_STEP,
     RowStepConstants,
     combine_row_stats,
     row_step_torch,
@@ -30,7 +30,7 @@ def shard_bounds(vocab_teacher, shards, generator):
 def test_statistics_of_vocabulary_shards_combine_to_the_whole_row_step(impl_name, vocab_student, vocab_teacher,
                                                                        shards, softcaps):
     """Each shard's statistics, combined, then each shard's gradient: the unsplit row step, column for column."""
-    impl = {"torch": TORCH_ROW_STEP, "triton": TRITON_ROW_STEP}[impl_name]
+    impl = {"torch": COSINE_TORCH_ROW_STEP, "triton": COSINE_TRITON_ROW_STEP}[impl_name]
     generator = torch.Generator().manual_seed(vocab_teacher * shards)
     rows = 9
     student, teacher, labels = random_chunk(rows, vocab_student, vocab_teacher, torch.float32)

@@ -15,8 +15,8 @@ from cosdistill import (
     fused_linear_jsd,
     quantize_teacher_weight,
 )
-from cosdistill.api import FUSED_LOSSES
 from cosdistill.testing import (
+    FUSED_LOSSES,
     TORCH,
     ChunkRows,
     LabelCounts,
@@ -110,7 +110,7 @@ def test_fp8_sub_chunks_read_their_own_rows_of_the_quantized_chunk(hidden_teache
     head = fp8.Fp8TeacherHead(problem.teacher_weight, problem.teacher_bias.detach(), 19, TORCH)
     head.start_chunk(torch.full((head.code_rows, hidden_teacher), float("nan")))  # the whole buffer
     labels = problem.labels
-    teacher = LogitsTeacher(head, TORCH.row_step.step, plan.Options().constants, ChunkRows(19, 7))
+    teacher = LogitsTeacher(head, TORCH.cosine_row_step.step, plan.Options().constants, ChunkRows(19, 7))
     result = chunked_loss_and_grads(
         problem.student_input.detach(), problem.student_weight.detach(), problem.student_bias.detach(),
         problem.teacher_input, teacher, labels, LabelCounts(labels, -100, problem.student_weight.shape[0], None, TORCH,

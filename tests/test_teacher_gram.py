@@ -10,8 +10,8 @@ from conftest import TOLERANCE, assert_matches_reference, make_problem, referenc
 from cosdistill import fused_linear_cosine_distill
 from cosdistill.reference import naive_cosine_distill
 from cosdistill.testing import (
+    COSINE_TORCH_ROW_STEP,
     TORCH,
-    TORCH_ROW_STEP,
     backends,
     plan,
     teacher_grad_coefficient,
@@ -223,14 +223,14 @@ def test_a_one_kernel_gram_step_is_used_where_the_impl_has_one(monkeypatch):
         calls.append(products.shape)
         if len(calls) > 1:
             return False  # declines from the second chunk on
-        stats = with_teacher_products(TORCH_ROW_STEP.stats(student_logits, None, labels, constants), products[:, 0],
+        stats = with_teacher_products(COSINE_TORCH_ROW_STEP.stats(student_logits, None, labels, constants), products[:, 0],
                                       products[:, 1], constants)
-        TORCH_ROW_STEP.grad(student_logits, None, labels, stats, constants, token_losses, True)
+        COSINE_TORCH_ROW_STEP.grad(student_logits, None, labels, stats, constants, token_losses, True)
         coefficients.copy_(teacher_grad_coefficient(stats, labels, student_logits.shape[1], constants))
         return True
 
     monkeypatch.setattr(backends, "TORCH", dataclasses.replace(
-        backends.TORCH, row_step=dataclasses.replace(TORCH_ROW_STEP, gram_step=gram_step)))
+        backends.TORCH, cosine_row_step=dataclasses.replace(COSINE_TORCH_ROW_STEP, gram_step=gram_step)))
     problem = make_problem(tokens=30, bias=False, vocab_teacher=131, ignore_every=4)
     assert_matches_reference(problem, torch.float32, impl="torch", chunk_size=16, cosine_via="gram")
     assert calls == [(16, 2), (14, 2)]

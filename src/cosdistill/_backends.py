@@ -22,8 +22,8 @@ IMPLS = ("auto", "torch", "triton", "cuda")
 @dataclasses.dataclass(frozen=True)
 class Backend:
     name: str
-    row_step: _row_step.RowStepImpl  # the cosine loss's
-    jsd_row_step: _row_step.RowStepImpl  # the generalized JSD's
+    cosine_row_step: _row_step.RowStepImpl
+    jsd_row_step: _row_step.RowStepImpl
     count_labels: Callable  # (labels, ignore_index, vocab_student) -> [counted, out of range]
     mean_losses: Callable  # (token_losses, counts, given, weight_hard, weight_soft, poison) -> (loss, soft, hard)
     scale_unless_one: Callable  # (values, factor): each of values (a tuple) *= factor in place unless factor (0-d) is 1
@@ -40,7 +40,7 @@ def scale_unless_one_torch(values: tuple[torch.Tensor, ...], factor: torch.Tenso
             tensor.mul_(factor)
 
 
-TORCH = Backend("torch", _row_step.TORCH_ROW_STEP, _row_step_jsd.JSD_TORCH_ROW_STEP, _labels.count_labels_torch,
+TORCH = Backend("torch", _row_step.COSINE_TORCH_ROW_STEP, _row_step_jsd.JSD_TORCH_ROW_STEP, _labels.count_labels_torch,
                 _labels.mean_losses_torch, scale_unless_one_torch, _teacher_fp8.quantize_rows, _fingerprint.fingerprint_torch,
                 _fingerprint.stale_check_torch)
 
@@ -49,7 +49,7 @@ TORCH = Backend("torch", _row_step.TORCH_ROW_STEP, _row_step_jsd.JSD_TORCH_ROW_S
 def _triton() -> Backend:
     from .kernels import fingerprint, fp8_quantize, grad_output, labels, row_step_jsd_triton, row_step_triton
 
-    return Backend("triton", row_step_triton.TRITON_ROW_STEP, row_step_jsd_triton.TRITON_JSD_ROW_STEP,
+    return Backend("triton", row_step_triton.COSINE_TRITON_ROW_STEP, row_step_jsd_triton.JSD_TRITON_ROW_STEP,
                    labels.count_labels_triton, labels.mean_losses_triton,
                    grad_output.scale_unless_one_triton, fp8_quantize.quantize_rows_triton,
                    fingerprint.fingerprint_triton, fingerprint.stale_check_triton)
@@ -75,5 +75,5 @@ def backend_for(impl: str, device: torch.device) -> Backend:
 def _cuda() -> Backend:
     from .kernels import row_step_cuda, row_step_jsd_cuda
 
-    return dataclasses.replace(_triton(), name="cuda", row_step=row_step_cuda.CUDA_ROW_STEP,
-                               jsd_row_step=row_step_jsd_cuda.CUDA_JSD_ROW_STEP)
+    return dataclasses.replace(_triton(), name="cuda", cosine_row_step=row_step_cuda.COSINE_CUDA_ROW_STEP,
+                               jsd_row_step=row_step_jsd_cuda.JSD_CUDA_ROW_STEP)

@@ -88,7 +88,7 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
     """The plan for checked tensors. ``teacher_gram_cached``: see ``gram_applies``."""
     check_accum_dtype(options.accum_dtype, student_weight.dtype)
     backend = backend_for(options.impl, student_weight.device)
-    row_step = backend.jsd_row_step if options.loss == "jsd" else backend.row_step
+    row_step = backend.jsd_row_step if options.loss == "jsd" else backend.cosine_row_step
     quantized = isinstance(teacher_weight, _teacher_fp8.Fp8TeacherWeight)
     fp8 = options.teacher_precision == "fp8" or quantized
     if fp8:

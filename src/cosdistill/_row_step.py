@@ -1,4 +1,5 @@
-"""The fused row step in plain torch: the executable spec of the loss and of its gradient.
+"""The cosine loss's fused row step in plain torch: the executable spec of the loss and of its gradient
+(_row_step_jsd.py is the generalized JSD's), and what every row step shares (``RowStepConstants``, ``RowStepImpl``).
 
 For one chunk of tokens it takes the student logits s [n, Vs] and the teacher logits t [n, Vt]
 (Vt >= Vs; s is treated as zero-padded to Vt; t is None on the Gram path, _teacher_gram.py, which supplies
@@ -274,7 +275,7 @@ def row_step_torch(student_logits, teacher_logits, labels, constants: RowStepCon
     row_grad_torch(student_logits, teacher_logits, labels, stats, constants, token_losses, write_grad, grad_lifts)
 
 
-TORCH_ROW_STEP = RowStepImpl(row_step_torch, row_stats_torch, row_grad_torch)
+COSINE_TORCH_ROW_STEP = RowStepImpl(row_step_torch, row_stats_torch, row_grad_torch)
 
 
 def split_row_step(impl: RowStepImpl, all_gather: Callable[[torch.Tensor], torch.Tensor]):

@@ -109,7 +109,7 @@ class GramTeacher:
                  write_grad_weight: bool):
         self.full_teacher_weight, self.student_weight = teacher_weight, student_weight
         self.teacher_weight = teacher_weight.detach()[: student_weight.shape[0]]
-        self.backend, self.impl, self.constants = backend, backend.row_step, constants
+        self.backend, self.impl, self.constants = backend, backend.cosine_row_step, constants
         self.write_grad_weight = write_grad_weight
         self.cross_rows = None  # the last chunk's h_t C [n, Hs] and coefficients c [n]
         self.coefficients = None

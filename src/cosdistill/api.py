@@ -1,6 +1,7 @@
-"""Public API: the loss as a function and a module, and the autograd wrapper that hands the chunk loop's
-gradients to autograd. Both check their options into one ``_options.Options`` and run the plan of
-``_plan.checked_plan``; under torch.compile the call goes to the custom op of _compile.py."""
+"""Public API: each loss as a function and a module (cosine: ``fused_linear_cosine_distill``; generalized JSD:
+``fused_linear_jsd``), and the autograd wrapper that hands the chunk loop's gradients to autograd. Both check their
+options into one ``_options.Options`` and run the plan of ``_plan.checked_plan``; under torch.compile the call goes
+to the custom op of _compile.py. The other names here are the package's own (hf.py, distributed/, the tests)."""
 
 import inspect
 
@@ -11,6 +12,8 @@ from ._device import as_rows, on_device_of
 from ._options import OPTION_NAMES, Options, options_of
 from ._plan import checked_plan, run
 from ._split_check import check_vocab_parallel, gather_device
+
+__all__ = ["FusedLinearCosineDistillLoss", "FusedLinearJSDLoss", "fused_linear_cosine_distill", "fused_linear_jsd"]
 
 
 def fused_linear_cosine_distill(

@@ -5,8 +5,14 @@ Below them, in a section of its own, the internal pieces that the tests hold aga
 stable API): code outside the package reaches the private modules through here and nowhere else.
 """
 
-import torch
+import math
 
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ._options import default_accum_dtype
+from ._plan import chunk_rows
 from .reference import NAIVE_LOSSES
 
 
@@ -67,6 +73,87 @@ def float64_reference(args, grad_output=1.0, loss="cosine", **options):
     return totals, grads
 
 
+# Error floors: what the design's roundings alone bring, which the tests' tolerances add to.
+
+
+def ignore_some_labels(labels, pattern: str, ignore_index: int, generator=None) -> None:
+    """Sets labels to ignore_index in place: "none", "some" (30% at random), "alternating" or "all"."""
+    flat = labels.view(-1)
+    if pattern == "some":
+        flat[torch.rand(flat.numel(), generator=generator, device=labels.device) < 0.3] = ignore_index
+    elif pattern == "alternating":
+        flat[::2] = ignore_index
+    elif pattern == "all":
+        flat.fill_(ignore_index)
+
+
+class _LogitsInDtype(TorchFunctionMode):
+    """Rounds each F.linear output of the naive version to ``dtype`` (None: leaves them), as the GEMMs that
+    write the logits do, passing gradients straight through; keeps the first (the student logits) with its
+    gradient."""
+
+    def __init__(self, dtype: torch.dtype | None):
+        super().__init__()
+        self.dtype, self.logits = dtype, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is F.linear:
+            if self.dtype is not None:
+                out = out + (out.to(self.dtype).to(out.dtype) - out).detach()
+            if self.logits is None:
+                out.retain_grad()
+                self.logits = out
+        return out
+
+
+def _grad_student_logits(upcast, dtype, grad_output, loss, options) -> torch.Tensor:
+    """d loss / d student logits of the naive version on float64 ``upcast``, its logits held in ``dtype``."""
+    keeper = _LogitsInDtype(dtype)
+    with keeper:
+        losses = NAIVE_LOSSES[loss](*upcast, **options)
+    (losses[0] * grad_output).backward()
+    return keeper.logits.grad.reshape(-1, upcast[1].shape[0])
+
+
+def logits_rounding_floors(args, dtype: torch.dtype, grad_output=1.0, loss="cosine", **options) -> list[float]:
+    """[grad_input, grad_weight, grad_bias] floors: the relative error that holding the logits in their
+    dtype brings by itself (the design: the GEMMs write the logits in it, and the row step overwrites
+    them with d loss / d logits). The float64 gradients recomputed from d loss / d logits taken at the
+    logits rounded to ``dtype`` and stored rounded to it as the chunk loop stores it (unnormalised,
+    before grad_output), against the float64 gradients. A low temperature or a large logit scale
+    magnifies the logits' rounding (bf16 at temperature 0.45 and student scale 1.9: 2e-2); cancellation
+    in the sums over tokens or vocabulary magnifies the stored one (grad_bias of a soft term alone in
+    bf16: 1.5e-2). ``args`` as fused_linear_cosine_distill's first seven; ``loss``: "cosine" or "jsd";
+    ``options`` its loss keywords."""
+    def upcast():
+        return [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in args]
+
+    exact = _grad_student_logits(upcast(), None, grad_output, loss, options)
+    in_dtype = _grad_student_logits(upcast(), dtype, grad_output, loss, options)
+    given = options.get("num_valid_tokens")
+    normaliser = float(given) if given is not None else max(1, int((args[4] != options.get("ignore_index", -100)).sum()))
+    stored = in_dtype * (normaliser / grad_output)
+    rounded = stored.to(dtype).double() * (grad_output / normaliser)
+    hidden, weight = args[0].detach().double().reshape(-1, args[0].shape[-1]), args[1].detach().double()
+    return [rel_err(rounded @ weight, exact @ weight), rel_err(rounded.t() @ hidden, exact.t() @ hidden),
+            rel_err(rounded.sum(0), exact.sum(0))]
+
+
+def accumulation_floor(dtype: torch.dtype, accum_dtype: torch.dtype | None, chunk_size: int | None, tokens: int,
+                       vocab_student: int, vocab_teacher: int) -> float:
+    """The relative error that summing grad_weight chunk by chunk in a bf16 or fp16 accumulator brings
+    beyond the final rounding, for a call with these arguments (the library's accumulator and chunks):
+    one rounding (unit roundoff u) of the growing partial sum per further chunk, a random walk,
+    ~u * sqrt((chunks - 1) / 6); 0 in fp32. The property test that showed it (bf16, 244 one-row
+    chunks) found it; docs/reference.md, accum_dtype, says when it applies."""
+    accum_dtype = accum_dtype or default_accum_dtype(dtype)
+    if accum_dtype == torch.float32 or tokens == 0:
+        return 0.0
+    rows = chunk_rows(chunk_size, tokens, vocab_student, vocab_teacher, dtype.itemsize).student
+    return torch.finfo(accum_dtype).eps / 2 * math.sqrt((-(-tokens // rows) - 1) / 6)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Internals the tests hold against their specs. Not a stable API: they change with the package.
 #
@@ -86,9 +173,8 @@ from ._chunk_loop import ChunkRows, chunked_loss_and_grads  # noqa: E402
 from ._fingerprint import as_words, fingerprint_torch, lanes_of, stale_check_torch  # noqa: E402
 from ._labels import LabelCounts, count_labels_torch, mean_losses_torch  # noqa: E402
 from ._options import REAL_OPTIONS, Options, options_of  # noqa: E402
-from ._plan import chunk_rows  # noqa: E402
 from ._row_step import (  # noqa: E402
-    TORCH_ROW_STEP,
+    COSINE_TORCH_ROW_STEP,
     RowStepConstants,
     RowStepImpl,
     combine_row_stats,
@@ -108,13 +194,14 @@ from ._row_step_jsd import (  # noqa: E402
     row_step_jsd_torch,
 )
 from ._teacher_logits import LogitsTeacher, TeacherHead  # noqa: E402
+from .api import FUSED_LOSSES  # noqa: E402
 from .api import _AttachGradients as AttachGradients  # noqa: E402
 
 # Imported on first use (see __getattr__): the kernels import triton, which reads TRITON_INTERPRET once, and
 # importing _compile registers the torch.compile op (a second copy of the package loaded beside this one must
 # not register it twice).
 _KERNEL_NAMES = {  # name -> the kernels module that defines it
-    "TRITON_ROW_STEP": "row_step_triton", "row_step_triton": "row_step_triton", "row_stats_triton": "row_step_triton",
+    "COSINE_TRITON_ROW_STEP": "row_step_triton", "row_step_triton": "row_step_triton", "row_stats_triton": "row_step_triton",
     "row_grad_triton": "row_step_triton", "count_labels_triton": "labels", "mean_losses_triton": "labels",
     "scale_unless_one_triton": "grad_output", "quantize_rows_triton": "fp8_quantize",
     "fingerprint_triton": "fingerprint", "stale_check_triton": "fingerprint",
@@ -155,14 +242,16 @@ def __getattr__(name):
 __all__ = [
     # shared by the tests, the benchmarks and cosdistill check
     "float64_reference", "random_student_teacher", "rel_err",
+    # the error floors the tests' tolerances add to
+    "accumulation_floor", "ignore_some_labels", "logits_rounding_floors",
     # internals: modules
     "backends", "chunk_loop", "kernels", "plan", "split_check", "teacher_fp8", "teacher_gram", "weight_cache",  # noqa: F822 (kernels: __getattr__)
     # internals: the torch specs and the chunk loop's pieces
     "TORCH", "backend_for", "scale_unless_one_torch", "ChunkRows", "chunked_loss_and_grads", "fingerprint_torch",
     "as_words", "lanes_of", "stale_check_torch", "LabelCounts", "count_labels_torch", "mean_losses_torch", "Options",
-    "REAL_OPTIONS", "options_of", "chunk_rows", "TORCH_ROW_STEP", "RowStepImpl",
+    "REAL_OPTIONS", "options_of", "chunk_rows", "COSINE_TORCH_ROW_STEP", "RowStepImpl",
     "RowStepConstants", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
-    "with_teacher_products", "LogitsTeacher", "TeacherHead", "AttachGradients",
+    "with_teacher_products", "LogitsTeacher", "TeacherHead", "AttachGradients", "FUSED_LOSSES",
     "JSD_TORCH_ROW_STEP", "combine_jsd_stats", "combine_jsd_sums", "jsd_lift_bound", "jsd_row_grad", "jsd_row_stats",
     "jsd_row_sums", "row_step_jsd_torch",
     # internals imported on first use: the Triton twins and the torch.compile op

@@ -18,9 +18,8 @@ import torch.multiprocessing as mp
 
 from conftest import make_problem, rel_err
 from cosdistill import StaleWeightError, api, fused_linear_cosine_distill, quantize_teacher_weight
-from cosdistill.api import FUSED_LOSSES
 from cosdistill.distributed import VocabParallelOptions
-from cosdistill.testing import plan, split_check, teacher_fp8, weight_cache
+from cosdistill.testing import FUSED_LOSSES, plan, split_check, teacher_fp8, weight_cache
 
 # (vocab_student, vocab_teacher, dtype): neither divisible by 2 or 3; with 3 ranks the last holds no
 # student rows; fp16 takes the lifted gradient path (grad_input summed in fp32 before its rows are lifted)

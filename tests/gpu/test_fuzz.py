@@ -27,12 +27,20 @@ import pytest
 import torch
 
 from conftest import on_devices
-from cosdistill.api import FUSED_LOSSES
 from cosdistill.reference import NAIVE_LOSSES
-from cosdistill.testing import Options, float64_reference, kernels, random_student_teacher, rel_err
+from cosdistill.testing import (
+    FUSED_LOSSES,
+    Options,
+    accumulation_floor,
+    float64_reference,
+    ignore_some_labels,
+    kernels,
+    logits_rounding_floors,
+    random_student_teacher,
+    rel_err,
+)
 from cosdistill.testing import teacher_gram as gram
 from cosdistill.tools.bench import DTYPES
-from cosdistill.tools.check import accumulation_floor, ignore_some_labels, logits_rounding_floors
 
 # (losses, gradients), relative to the float64 result's norm
 TOLERANCE = {"fp32": (1e-5, 1e-4), "bf16": (5e-3, 2e-2), "fp16": (2e-3, 5e-3)}
@@ -285,9 +293,9 @@ def measure(got, want, reference, tolerance, exact_zero, floor, design_floor=0.0
       must be below the tolerance in absolute terms (the cancelling terms are of order one at most).
     * "relative": ||got - want|| / ||reference||. ``floor`` is the error that the case's dtype forces on any
       implementation (see dtype_floors); when it reaches the tolerance, the bound is tolerance + floor.
-      ``accumulation`` (grad_weight: tools.check.accumulation_floor) is added to the bound; an error still past
+      ``accumulation`` (grad_weight: testing.accumulation_floor) is added to the bound; an error still past
       it is held to tolerance + max(floor, design_floor) + accumulation, ``design_floor`` being the error that
-      holding the logits in their dtype alone gives (tools.check.logits_rounding_floors).
+      holding the logits in their dtype alone gives (testing.logits_rounding_floors).
     """
     diff = (got.detach().double() - want.detach().double()).norm().item()
     scale = reference.norm().item()

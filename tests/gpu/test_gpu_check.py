@@ -19,10 +19,11 @@ import torch
 
 from conftest import DEVICES, on_devices, run_jsd_split_stages
 from cosdistill import StaleWeightError, fused_linear_cosine_distill, quantize_teacher_weight
-from cosdistill.api import FUSED_LOSSES
 from cosdistill.testing import (
-    TORCH_ROW_STEP,
+    COSINE_TORCH_ROW_STEP,
+    FUSED_LOSSES,
     RowStepConstants,
+    accumulation_floor,
     fingerprint_torch,
     fingerprint_triton,
     float64_reference,
@@ -40,7 +41,6 @@ from cosdistill.tools.check import (
     POISON,
     LossCase,
     RowStepCase,
-    accumulation_floor,
     check_jsd,
     check_loss,
     check_row_step,
@@ -129,8 +129,8 @@ def test_gram_cluster_row_step_matches_the_spec(device, case):
     dot = (torch.rand(case.rows, device=device) * 2 - 1) * norms * sum_sq_teacher.sqrt()
     dot[1], sum_sq_teacher[1] = float("inf"), float("inf")  # row 1 (not ignored): NaN loss and gradient
     want_grad, want_losses = student.clone(), torch.full((case.rows, 2), POISON, device=device)
-    stats = with_teacher_products(TORCH_ROW_STEP.stats(want_grad, None, labels, constants), dot, sum_sq_teacher, constants)
-    TORCH_ROW_STEP.grad(want_grad, None, labels, stats, constants, want_losses, True)
+    stats = with_teacher_products(COSINE_TORCH_ROW_STEP.stats(want_grad, None, labels, constants), dot, sum_sq_teacher, constants)
+    COSINE_TORCH_ROW_STEP.grad(want_grad, None, labels, stats, constants, want_losses, True)
     want_coefs = teacher_grad_coefficient(stats, labels, case.vocab_student, constants)
     got_grad, got_losses = student.clone(), torch.full((case.rows, 2), POISON, device=device)
     got_coefs = torch.full((case.rows,), float("nan"), device=device)
@@ -220,7 +220,7 @@ def test_jsd_betas_near_0_and_1_keep_fp32s_precision(beta, temperature, vocab):
     assert not jsd_cuda.supported(student.to(BF16), teacher.to(BF16), labels, constants, True, None)
     for write_grad in (True, False):
         (got_grad, got_losses), (want_grad, want_losses) = jsd_step_and_spec(
-            jsd_cuda.CUDA_JSD_ROW_STEP.step, student, teacher, labels, constants, write_grad)
+            jsd_cuda.JSD_CUDA_ROW_STEP.step, student, teacher, labels, constants, write_grad)
         assert rel_err(got_losses[:, 1], want_losses[:, 1]) < 1e-5, write_grad
         assert rel_err(got_grad, want_grad) < 1e-5 if write_grad else torch.equal(got_grad, student)
 

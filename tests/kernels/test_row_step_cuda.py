@@ -148,7 +148,7 @@ def test_falls_back_to_triton_where_unsupported():
     want_grad, want_losses = student.clone(), torch.full((5, 2), float("nan"))
     row_step_torch(want_grad, teacher, labels, PLAIN, want_losses, True)
     got_grad, got_losses = student.clone(), torch.full((5, 2), float("nan"))
-    row_step_cuda.CUDA_ROW_STEP.step(got_grad, teacher, labels, PLAIN, got_losses, True)
+    row_step_cuda.COSINE_CUDA_ROW_STEP.step(got_grad, teacher, labels, PLAIN, got_losses, True)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2e-2, atol=1e-4)
 

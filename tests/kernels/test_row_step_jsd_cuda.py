@@ -94,7 +94,7 @@ def test_falls_back_to_triton_where_unsupported(beta, write_grad):
     want_grad, want_losses = student.clone(), torch.full((5, 2), float("nan"))
     row_step_jsd_torch(want_grad, teacher, labels, constants, want_losses, write_grad)
     got_grad, got_losses = student.clone(), torch.full((5, 2), float("nan"))
-    jsd_cuda.CUDA_JSD_ROW_STEP.step(got_grad, teacher, labels, constants, got_losses, write_grad)
+    jsd_cuda.JSD_CUDA_ROW_STEP.step(got_grad, teacher, labels, constants, got_losses, write_grad)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2e-2, atol=1e-4)
 

@@ -6,8 +6,8 @@ import torch
 
 from conftest import POISON, random_chunk
 from cosdistill.testing import (
-    TORCH_ROW_STEP,
-    TRITON_ROW_STEP,
+    COSINE_TORCH_ROW_STEP,
+    COSINE_TRITON_ROW_STEP,
     RowStepConstants,
     rel_err,
     row_grad_triton,
@@ -151,7 +151,7 @@ def test_row_step_without_teacher_logits_matches_torch():
     constants = RowStepConstants(0.4, 0.6, 0.5, 1.5, -100, student_logit_scale=0.7)
     dot, sum_sq_teacher = torch.randn(rows) * 20, torch.rand(rows) * 100 + 1
     results = []
-    for row_step in (TORCH_ROW_STEP, TRITON_ROW_STEP):
+    for row_step in (COSINE_TORCH_ROW_STEP, COSINE_TRITON_ROW_STEP):
         logits = student.clone()
         losses = torch.full((rows, 2), float("nan"))
         stats = with_teacher_products(row_step.stats(logits, None, labels, constants), dot, sum_sq_teacher, constants)

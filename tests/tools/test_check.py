@@ -72,7 +72,7 @@ def test_selfcheck_runs_the_cluster_kernel_where_it_applies(monkeypatch):
         row_step_torch(student, teacher, labels, constants, losses, write_grad, *lifts)
 
     monkeypatch.setattr(row_step_cuda, "available", lambda device: True)
-    monkeypatch.setattr(row_step_cuda, "CUDA_ROW_STEP", RowStepImpl(recording_step, None, None))
+    monkeypatch.setattr(row_step_cuda, "COSINE_CUDA_ROW_STEP", RowStepImpl(recording_step, None, None))
     cases = (selfcheck.RowStepCase(4, 64, 64, torch.bfloat16), selfcheck.RowStepCase(3, 40, 41, torch.bfloat16))
     results = [result for result in selfcheck.check_row_step("cpu", cases) if "cuda" in result.name]
     # with both terms, and with the soft term alone

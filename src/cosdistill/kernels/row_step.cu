@@ -1,4 +1,4 @@
-// The row step in one pass over each logit, for Hopper clusters: row_step_cuda.py prepends its #defines
+// The cosine loss's row step in one pass over each logit, for Hopper clusters: row_step_cuda.py prepends its #defines
 // (vocabulary, layout, label type) and cluster.cuh, and compiles it with NVRTC at run time. The math is
 // _row_step.py's.
 #define NUM_PARTS 5  // max, sum of exp, s.t, |s|^2, |t|^2

@@ -1,4 +1,4 @@
-"""The row step with each logit read once: a CUDA kernel for Hopper, compiled at run time by NVRTC.
+"""The cosine loss's row step with each logit read once: a CUDA kernel for Hopper, compiled at run time by NVRTC.
 
 The Triton row step (``row_step_triton.py``) reads every student and teacher logit twice, once for the
 row's statistics and once for its gradient, because a row (0.5 MB at V = 128256) does not fit on one
@@ -301,4 +301,4 @@ def gram_row_step_cuda(student_logits, labels, constants: RowStepConstants, toke
     return runs
 
 
-CUDA_ROW_STEP = RowStepImpl(row_step_cuda, row_stats_triton, row_grad_triton, gram_step=gram_row_step_cuda)
+COSINE_CUDA_ROW_STEP = RowStepImpl(row_step_cuda, row_stats_triton, row_grad_triton, gram_step=gram_row_step_cuda)

@@ -165,5 +165,5 @@ def row_step_jsd_cuda_hashing(student_logits, teacher_logits, labels, constants:
 
 
 # A vocabulary split over ranks runs the Triton step's three stages (the cluster kernel has no split form).
-CUDA_JSD_ROW_STEP = RowStepImpl(row_step_jsd_cuda, None, None, split=split_jsd_row_step_triton,
+JSD_CUDA_ROW_STEP = RowStepImpl(row_step_jsd_cuda, None, None, split=split_jsd_row_step_triton,
                                 hashing_step=row_step_jsd_cuda_hashing)

@@ -860,4 +860,4 @@ def split_jsd_row_step_triton(all_gather):
     return row_step
 
 
-TRITON_JSD_ROW_STEP = RowStepImpl(row_step_jsd_triton, None, None, split=split_jsd_row_step_triton)
+JSD_TRITON_ROW_STEP = RowStepImpl(row_step_jsd_triton, None, None, split=split_jsd_row_step_triton)

@@ -1,4 +1,4 @@
-"""The fused row step in Triton: the twin of ``_row_step.py`` (read that first).
+"""The cosine loss's fused row step in Triton: the twin of ``_row_step.py`` (read that first).
 
 One program per token row. ``_row_stats`` streams the row's student and teacher logits once and keeps
 per-lane running statistics (max and sum of exp for the softmax, s.t, |s|^2, |t|^2);
@@ -441,4 +441,4 @@ def row_grad_triton(student_logits, teacher_logits, labels, stats, constants: Ro
     )
 
 
-TRITON_ROW_STEP = RowStepImpl(row_step_triton, row_stats_triton, row_grad_triton)
+COSINE_TRITON_ROW_STEP = RowStepImpl(row_step_triton, row_stats_triton, row_grad_triton)

@@ -18,14 +18,9 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-from .._options import default_accum_dtype
-from .._plan import chunk_rows
 from .._row_step import RowStepConstants, RowStepImpl, combine_row_stats, row_step_torch
 from ..api import FUSED_LOSSES
-from ..reference import NAIVE_LOSSES
 from ..testing import float64_reference, random_student_teacher, rel_err
 
 POISON = 12345.0
@@ -128,17 +123,6 @@ class CheckResult:
     failure: str = ""  # the exception a check raised, if any
 
 
-def ignore_some_labels(labels, pattern: str, ignore_index: int, generator=None) -> None:
-    """Sets labels to ignore_index in place: "none", "some" (30% at random), "alternating" or "all"."""
-    flat = labels.view(-1)
-    if pattern == "some":
-        flat[torch.rand(flat.numel(), generator=generator, device=labels.device) < 0.3] = ignore_index
-    elif pattern == "alternating":
-        flat[::2] = ignore_index
-    elif pattern == "all":
-        flat.fill_(ignore_index)
-
-
 def random_problem(case: LossCase, device):
     """[student_input, student_weight, teacher_input, teacher_weight, labels, student_bias, teacher_bias]."""
     labels = torch.randint(0, case.vocab_student, (case.tokens,), device=device)
@@ -146,73 +130,6 @@ def random_problem(case: LossCase, device):
         labels[:: case.ignore_every] = case.ignore_index
     return random_student_teacher(labels, case.hidden_teacher // 2, case.hidden_teacher, case.vocab_student,
                                   case.vocab_teacher, case.dtype, case.bias, case.bias)
-
-
-class _LogitsInDtype(TorchFunctionMode):
-    """Rounds each F.linear output of the naive version to ``dtype`` (None: leaves them), as the GEMMs that
-    write the logits do, passing gradients straight through; keeps the first (the student logits) with its
-    gradient."""
-
-    def __init__(self, dtype: torch.dtype | None):
-        super().__init__()
-        self.dtype, self.logits = dtype, None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is F.linear:
-            if self.dtype is not None:
-                out = out + (out.to(self.dtype).to(out.dtype) - out).detach()
-            if self.logits is None:
-                out.retain_grad()
-                self.logits = out
-        return out
-
-
-def _grad_student_logits(upcast, dtype, grad_output, loss, options) -> torch.Tensor:
-    """d loss / d student logits of the naive version on float64 ``upcast``, its logits held in ``dtype``."""
-    keeper = _LogitsInDtype(dtype)
-    with keeper:
-        losses = NAIVE_LOSSES[loss](*upcast, **options)
-    (losses[0] * grad_output).backward()
-    return keeper.logits.grad.reshape(-1, upcast[1].shape[0])
-
-
-def logits_rounding_floors(args, dtype: torch.dtype, grad_output=1.0, loss="cosine", **options) -> list[float]:
-    """[grad_input, grad_weight, grad_bias] floors: the relative error that holding the logits in their
-    dtype brings by itself (the design: the GEMMs write the logits in it, and the row step overwrites
-    them with d loss / d logits). The float64 gradients recomputed from d loss / d logits taken at the
-    logits rounded to ``dtype`` and stored rounded to it as the chunk loop stores it (unnormalised,
-    before grad_output), against the float64 gradients. A low temperature or a large logit scale
-    magnifies the logits' rounding (bf16 at temperature 0.45 and student scale 1.9: 2e-2); cancellation
-    in the sums over tokens or vocabulary magnifies the stored one (grad_bias of a soft term alone in
-    bf16: 1.5e-2). ``args`` as fused_linear_cosine_distill's first seven; ``loss``: "cosine" or "jsd";
-    ``options`` its loss keywords."""
-    def upcast():
-        return [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in args]
-
-    exact = _grad_student_logits(upcast(), None, grad_output, loss, options)
-    in_dtype = _grad_student_logits(upcast(), dtype, grad_output, loss, options)
-    given = options.get("num_valid_tokens")
-    normaliser = float(given) if given is not None else max(1, int((args[4] != options.get("ignore_index", -100)).sum()))
-    stored = in_dtype * (normaliser / grad_output)
-    rounded = stored.to(dtype).double() * (grad_output / normaliser)
-    hidden, weight = args[0].detach().double().reshape(-1, args[0].shape[-1]), args[1].detach().double()
-    return [rel_err(rounded @ weight, exact @ weight), rel_err(rounded.t() @ hidden, exact.t() @ hidden),
-            rel_err(rounded.sum(0), exact.sum(0))]
-
-
-def accumulation_floor(dtype: torch.dtype, accum_dtype: torch.dtype | None, chunk_size: int | None, tokens: int,
-                       vocab_student: int, vocab_teacher: int) -> float:
-    """The relative error that summing grad_weight chunk by chunk in a bf16 or fp16 accumulator brings
-    beyond the final rounding, for a call with these arguments (the library's accumulator and chunks):
-    one rounding (unit roundoff u) of the growing partial sum per further chunk, a random walk,
-    ~u * sqrt((chunks - 1) / 6); 0 in fp32. The property test that showed it (bf16, 244 one-row
-    chunks) was off by 0.0247; this gives 0.0250. README: accum_dtype."""
-    accum_dtype = accum_dtype or default_accum_dtype(dtype)
-    if accum_dtype == torch.float32 or tokens == 0:
-        return 0.0
-    rows = chunk_rows(chunk_size, tokens, vocab_student, vocab_teacher, dtype.itemsize).student
-    return torch.finfo(accum_dtype).eps / 2 * math.sqrt((-(-tokens // rows) - 1) / 6)
 
 
 def fused_run(args, loss="cosine", **kwargs):
@@ -304,14 +221,14 @@ def split_in_two(impl: RowStepImpl, student, teacher, labels, constants, token_l
 
 def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
     from ..kernels import row_step_cuda
-    from ..kernels.row_step_triton import TRITON_ROW_STEP  # imports triton: only on CUDA or under the interpreter
+    from ..kernels.row_step_triton import COSINE_TRITON_ROW_STEP  # imports triton: only on CUDA or under the interpreter
 
     runs = {
-        "row step triton vs torch": TRITON_ROW_STEP.step,
-        "row step triton split in two vs torch": lambda *args: split_in_two(TRITON_ROW_STEP, *args),
+        "row step triton vs torch": COSINE_TRITON_ROW_STEP.step,
+        "row step triton split in two vs torch": lambda *args: split_in_two(COSINE_TRITON_ROW_STEP, *args),
     }
     if _cuda_row_step_available(device):
-        runs["row step cuda vs torch"] = row_step_cuda.CUDA_ROW_STEP.step
+        runs["row step cuda vs torch"] = row_step_cuda.COSINE_CUDA_ROW_STEP.step
     # each run again with the soft term alone: beside the hard term's, its gradient is 0.1-2% of the whole, under
     # the bf16 tolerance (a step that dropped it passed)
     runs |= {f"{name}, soft term alone": run for name, run in runs.items()}
