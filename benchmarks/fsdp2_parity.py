@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from cosdistill.distributed import data_parallel_num_valid_tokens
-from cosdistill.hf import CosineDistillationTrainer, cosine_distill_loss, next_token_targets
+from cosdistill.hf import DistillationTrainer, distill_loss, next_token_targets
 from cosdistill.testing import rel_err
 from cosdistill.tools.bench import append_ledger_rows
 
@@ -77,7 +77,7 @@ def hand_written_loop(student, teacher, batch, mesh, rank, world, device):
     num_valid = data_parallel_num_valid_tokens(next_token_targets(share["labels"], share["attention_mask"]))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    cosine_distill_loss(model, teacher, **share, num_valid_tokens=num_valid, **OPTIONS).backward()
+    distill_loss(model, teacher, **share, num_valid_tokens=num_valid, **OPTIONS).backward()
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return [param.grad for param in model.parameters()], peak
 
@@ -102,7 +102,7 @@ def under_the_trainer(student, teacher, batch, folder, device):
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, dataloader_num_workers=0,
         fsdp=True, fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
     )
-    trainer = CosineDistillationTrainer(model=model, args=args, train_dataset=rows, data_collator=collate,
+    trainer = DistillationTrainer(model=model, args=args, train_dataset=rows, data_collator=collate,
                                         teacher_model=teacher, **OPTIONS)
     torch.cuda.reset_peak_memory_stats(device)
     trainer.train()
@@ -132,7 +132,7 @@ def main(argv=None):
     teacher = llama(teacher_shape, vocab, args.row_len, device, dtype, seed=1).eval().requires_grad_(False)
     batch = whole_batch(args.tokens, args.row_len, vocab, world)
     reference = copy.deepcopy(student)
-    cosine_distill_loss(reference, teacher, **{key: value.to(device) for key, value in batch.items()}, **OPTIONS).backward()
+    distill_loss(reference, teacher, **{key: value.to(device) for key, value in batch.items()}, **OPTIONS).backward()
     mesh = init_device_mesh(device.type, (world,))
     results = {}
     grads, peak = hand_written_loop(student, teacher, batch, mesh, rank, world, device)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from cosdistill.hf import cosine_distill_loss, final_hidden_states, next_token_targets
+from cosdistill.hf import distill_loss, final_hidden_states, next_token_targets
 from cosdistill.tools.bench import append_ledger_rows
 
 STUDENT = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -75,7 +75,7 @@ def liger_loss_function():
 
 
 def ours_loss(student, teacher, input_ids, labels):
-    return cosine_distill_loss(student, teacher, input_ids, labels=labels, **OPTIONS)
+    return distill_loss(student, teacher, input_ids, labels=labels, **OPTIONS)
 
 
 def loss_functions(names):
@@ -141,7 +141,7 @@ def loss_alone(loss_function, trainee, input_ids, labels):
             (OPTIONS["weight_hard_loss"] * hard + OPTIONS["weight_soft_loss"] * soft).backward()
     elif loss_function is ours_loss:
         def run():
-            cosine_distill_loss(student, teacher, labels=labels, student_hidden=hidden, teacher_hidden=teacher_hidden,
+            distill_loss(student, teacher, labels=labels, student_hidden=hidden, teacher_hidden=teacher_hidden,
                                 **OPTIONS).backward()
     else:
         from liger_kernel.chunked_loss import LigerFusedLinearCosineSimilarityLoss

@@ -9,7 +9,8 @@
 # models (tests/distributed/test_tensor_parallel_hf.py over NCCL; needs transformers) and their example's training
 # steps (examples/tensor_parallel_hf.py), the vocabulary-parallel heads against the
 # unsplit loss and their scaling over NCCL for both soft terms, and a few training steps of DDP and FSDP2 with
-# each. Logs and the vocabulary-parallel reports go to OUT_DIR.
+# each, and FSDP2's gradients and per-GPU peak memory against one process on the whole batch (benchmarks/fsdp2_parity.py).
+# Logs and the vocabulary-parallel reports go to OUT_DIR.
 set -euo pipefail
 out=${1:?usage: bash benchmarks/two_gpus.sh OUT_DIR}
 mkdir -p "$out"
@@ -29,3 +30,5 @@ for loss in cosine jsd; do
       | tee "$out/torchrun_${loss}${sharding:+_fsdp2}.log"
   done
 done
+torchrun --standalone --nproc_per_node 2 benchmarks/fsdp2_parity.py --ledger "$out/results.csv" 2>&1 \
+  | tee "$out/fsdp2_parity.log"

@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 from conftest import rel_err  # noqa: E402
 from cosdistill import hf  # noqa: E402
 from cosdistill.hf import (  # noqa: E402
-    CosineDistillationTrainer,
-    cosine_distill_loss,
+    DistillationTrainer,
+    distill_loss,
     final_hidden_states,
     loss_labels,
     next_token_targets,
@@ -131,7 +131,7 @@ def test_matches_naive_logits_computation(student_kind, teacher_kind, student_kw
     batch = make_batch(left_pad=left_pad)
     (ref_loss, ref_soft, ref_hard), ref_grads = reference(student, teacher, batch, **OPTIONS)
 
-    loss, soft, hard = cosine_distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
+    loss, soft, hard = distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
     loss.backward()
     for got, want in ((loss, ref_loss), (soft, ref_soft), (hard, ref_hard)):
         assert rel_err(got, want) < 1e-5, (got.item(), want.item())
@@ -143,7 +143,7 @@ def test_softcapping_through_each_row_step(impl):
     student, teacher = tiny_model("gemma2", tie=True), tiny_model("gemma2", vocab=160, seed=1).eval()
     batch = make_batch()
     (ref_loss, _, _), ref_grads = reference(student, teacher, batch, **OPTIONS)
-    loss = cosine_distill_loss(student, teacher, **batch, impl=impl, **OPTIONS)
+    loss = distill_loss(student, teacher, **batch, impl=impl, **OPTIONS)
     loss.backward()
     assert rel_err(loss, ref_loss) < 1e-5
     assert_grads_match(student, ref_grads, 1e-4)
@@ -155,7 +155,7 @@ def test_precomputed_hidden_states_and_num_valid_tokens():
     with torch.no_grad():
         teacher_hidden = final_hidden_states(teacher, batch["input_ids"], batch["attention_mask"])
     student_hidden = final_hidden_states(student, batch["input_ids"], batch["attention_mask"])
-    loss = cosine_distill_loss(student, teacher, labels=batch["labels"], attention_mask=batch["attention_mask"],
+    loss = distill_loss(student, teacher, labels=batch["labels"], attention_mask=batch["attention_mask"],
                                student_hidden=student_hidden, teacher_hidden=teacher_hidden, num_valid_tokens=40)
     loss.backward()
     (ref_loss, _, _), ref_grads = reference(student, teacher, batch)
@@ -171,7 +171,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         student = tiny_model("llama").train()
         if checkpointing:
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        cosine_distill_loss(student, teacher, **batch).backward()
+        distill_loss(student, teacher, **batch).backward()
         grads.append([p.grad for p in student.parameters()])
     for plain, checkpointed in zip(*grads):
         assert torch.allclose(plain, checkpointed, rtol=1e-5, atol=1e-7)
@@ -189,7 +189,7 @@ def test_autocast_runs_the_heads_in_bf16(monkeypatch):
     student, teacher, batch = tiny_model("gemma2"), tiny_model("llama", vocab=144, seed=1).eval(), make_batch()
     (ref_loss, _, _), ref_grads = reference(student, teacher, batch)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = cosine_distill_loss(student, teacher, **batch)
+        loss = distill_loss(student, teacher, **batch)
     loss.backward()
     assert seen == [(torch.bfloat16,) * 4]
     # bf16's level, several times under what dropping the student's softcap gives
@@ -200,21 +200,21 @@ def test_autocast_runs_the_heads_in_bf16(monkeypatch):
 def test_errors():
     student, teacher, batch = tiny_model("llama"), tiny_model("llama"), make_batch(vocab=100)
     with pytest.raises(TypeError, match="labels is required"):
-        cosine_distill_loss(student, teacher, batch["input_ids"], batch["attention_mask"])
+        distill_loss(student, teacher, batch["input_ids"], batch["attention_mask"])
     with pytest.raises(TypeError, match="input_ids is required"):
-        cosine_distill_loss(student, teacher, labels=batch["labels"])
+        distill_loss(student, teacher, labels=batch["labels"])
     with pytest.raises(ValueError, match="labels must be"):
-        cosine_distill_loss(student, teacher, batch["input_ids"], labels=batch["labels"][0])
+        distill_loss(student, teacher, batch["input_ids"], labels=batch["labels"][0])
     with pytest.raises(ValueError, match="attention_mask shape"):
-        cosine_distill_loss(student, teacher, batch["input_ids"], batch["attention_mask"][:, 1:], batch["labels"])
+        distill_loss(student, teacher, batch["input_ids"], batch["attention_mask"][:, 1:], batch["labels"])
     with pytest.raises(ValueError, match="teacher vocab must be >= student vocab"):
-        cosine_distill_loss(student, tiny_model("llama", vocab=100), **batch)
+        distill_loss(student, tiny_model("llama", vocab=100), **batch)
     teacher.config.logits_scaling = 4.0
     with pytest.raises(ValueError, match="the teacher's config.logits_scaling"):
-        cosine_distill_loss(student, teacher, **batch)
+        distill_loss(student, teacher, **batch)
     student.set_output_embeddings(torch.nn.Identity())
     with pytest.raises(TypeError, match=r"student.get_output_embeddings\(\) must be a torch.nn.Linear"):
-        cosine_distill_loss(student, teacher, **batch)
+        distill_loss(student, teacher, **batch)
 
 
 # The Trainer
@@ -235,7 +235,7 @@ def dataset(lengths, vocab=128, seed=0):
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def make_trainer(tmp_path, student, teacher, train_dataset, loss="cosine", trainer_class=CosineDistillationTrainer, **args):
+def make_trainer(tmp_path, student, teacher, train_dataset, loss="cosine", trainer_class=DistillationTrainer, **args):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, report_to="none", disable_tqdm=True, seed=0, dataloader_num_workers=0,
         **{"save_strategy": "no", "logging_steps": 1, **args},
@@ -327,7 +327,7 @@ def one_sgd_step(tmp_path, student, teacher, rows, collator, callbacks=(), **arg
 
 def direct_loss_and_grads(student, teacher, batch, **model_inputs):
     student = copy.deepcopy(student)
-    losses = cosine_distill_loss(student, teacher, **batch, return_soft_hard_loss=True, model_inputs=model_inputs,
+    losses = distill_loss(student, teacher, **batch, return_soft_hard_loss=True, model_inputs=model_inputs,
                                  **OPTIONS)
     losses[0].backward()
     return [loss.detach() for loss in losses], [p.grad for p in student.parameters()]
@@ -441,7 +441,7 @@ def test_evaluate_logs_soft_and_hard(tmp_path):
     assert {"test_soft_loss", "test_hard_loss"} <= set(test_metrics)
     with torch.no_grad():
         batch = trainer.data_collator(rows[:2])
-        _, soft, hard = cosine_distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
+        _, soft, hard = distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
     assert test_metrics["test_soft_loss"] == pytest.approx(soft.item(), rel=1e-5)
 
 
@@ -473,9 +473,9 @@ def test_a_model_whose_logits_are_not_its_heads_output_raises(change):
         match = r"teacher's logits \(1, 8, 140\) are not its LM head's output \(1, 8, 144\)"
     batch = make_batch(vocab=80)
     with pytest.raises(ValueError, match=match):
-        cosine_distill_loss(student, teacher, **batch)
+        distill_loss(student, teacher, **batch)
     if change == "a logit multiplier" and hasattr(transformers, "FalconH1Config"):
-        cosine_distill_loss(student, falcon_h1(1.0), **batch)  # the same family, multiplier 1: its head's output
+        distill_loss(student, falcon_h1(1.0), **batch)  # the same family, multiplier 1: its head's output
 
 
 def test_the_head_check_runs_once_per_model():
@@ -485,7 +485,7 @@ def test_the_head_check_runs_once_per_model():
         model.register_forward_pre_hook(lambda module, args: calls.append(module))
     batch = make_batch()
     for _ in range(3):
-        cosine_distill_loss(student, teacher, **batch)
+        distill_loss(student, teacher, **batch)
     assert calls.count(student) == 3 + 1 and calls.count(teacher) == 3 + 1  # the loss's forwards and one probe
 
 
@@ -495,10 +495,10 @@ def test_options_the_loss_cannot_honour_raise(tmp_path):
         make_trainer(tmp_path, student, teacher, [], label_smoothing_factor=0.1)
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match="compute_loss_func"):
-        CosineDistillationTrainer(model=student, args=args, teacher_model=teacher, compute_loss_func=lambda *a, **k: 0)
+        DistillationTrainer(model=student, args=args, teacher_model=teacher, compute_loss_func=lambda *a, **k: 0)
     # the Trainer's num_items_in_batch counts labels != -100: another ignore_index divided by the wrong count
     with pytest.raises(ValueError, match="loss_options ignore_index=-1"):
-        CosineDistillationTrainer(model=student, args=args, teacher_model=teacher, loss_options={"ignore_index": -1})
+        DistillationTrainer(model=student, args=args, teacher_model=teacher, loss_options={"ignore_index": -1})
 
 
 def test_final_hidden_states_passes_model_inputs_on():
@@ -528,7 +528,7 @@ def test_a_lora_student_matches_the_naive_loss_and_skips_the_frozen_heads_gradie
     monkeypatch.setattr(api, "run", lambda plan, *a, **k: plans.append(plan) or run(plan, *a, **k))
     student, teacher, batch = lora_student(), tiny_model("llama", vocab=144, seed=1), make_batch(vocab=128)
     reference_student = copy.deepcopy(student)
-    losses = cosine_distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
+    losses = distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
     losses[0].backward()
     want = naive_loss(reference_student, teacher, **batch, **OPTIONS)
     want[0].backward()
@@ -559,7 +559,7 @@ def test_an_adapter_on_the_lm_head_is_a_clear_error():
     student, teacher, rows = lora_student(("q_proj", "lm_head")), tiny_model("llama", vocab=144, seed=1), dataset([5, 5])
     batch = dict(input_ids=torch.tensor(rows), labels=torch.tensor(rows))
     with pytest.raises(TypeError, match=r"LM head carries an adapter.*merge_adapter\(\) or merge_and_unload\(\)"):
-        cosine_distill_loss(student, teacher, **batch)
+        distill_loss(student, teacher, **batch)
 
 
 def test_a_merged_adapter_on_the_teacher_s_head_is_the_head_it_runs():
@@ -567,12 +567,12 @@ def test_a_merged_adapter_on_the_teacher_s_head_is_the_head_it_runs():
     teacher = lora_student(("q_proj", "lm_head"))
     teacher.merge_adapter()
     student, batch = tiny_model("llama", seed=1), make_batch()
-    got = cosine_distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
+    got = distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
     want = naive_loss(copy.deepcopy(student), teacher, **batch, **OPTIONS)
     assert all(rel_err(g, w) < 1e-5 for g, w in zip(got, want)), (got, want)
     teacher.unmerge_adapter()
     with pytest.raises(TypeError, match="LM head carries an adapter"):
-        cosine_distill_loss(student, teacher, **batch)
+        distill_loss(student, teacher, **batch)
 
 
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
@@ -609,7 +609,7 @@ def test_trainable_token_indices_on_the_head_is_a_clear_error():
     config = peft.LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 5])
     student = peft.get_peft_model(tiny_model("llama", tie=True), config)
     with pytest.raises(TypeError, match="trainable_token_indices"):
-        cosine_distill_loss(student, tiny_model("llama", seed=1), **make_batch())
+        distill_loss(student, tiny_model("llama", seed=1), **make_batch())
 
 
 @pytest.mark.parametrize("config_name", ["PromptTuningConfig", "PromptEncoderConfig"])
@@ -621,7 +621,7 @@ def test_a_prompt_learning_student_drops_its_virtual_tokens(config_name):
         dict(encoder_hidden_size=16) if config_name == "PromptEncoderConfig" else {}))
     student, teacher, batch = peft.get_peft_model(tiny_model("llama"), config), tiny_model("llama", seed=1), make_batch()
     reference_student = copy.deepcopy(student)
-    got = cosine_distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
+    got = distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
     got[0].backward()
     logits = reference_student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert logits.shape[1] == batch["input_ids"].shape[1] + 4
@@ -658,7 +658,7 @@ def test_the_teacher_runs_in_eval_mode_and_leaves_shared_modules_as_they_were():
     student.train()
     captured = []
     teacher.model.norm.register_forward_hook(lambda module, args, output: captured.append(output))
-    cosine_distill_loss(student, teacher, **batch)
+    distill_loss(student, teacher, **batch)
     assert all(module.training for module in student.modules())
     assert torch.equal(captured[-1], want.last_hidden_state)  # the teacher's call, the last through its norm
 
@@ -744,7 +744,7 @@ def test_distill_loss_with_the_jsd_matches_the_naive_logits(student_kind, teache
     assert rel_err(loss, want) < 1e-5
     for p, q in zip(student.parameters(), reference_student.parameters()):
         assert rel_err(p.grad, q.grad) < 1e-4
-    assert CosineDistillationTrainer is DistillationTrainer and hf.cosine_distill_loss is distill_loss
+    assert hf.CosineDistillationTrainer is DistillationTrainer and hf.cosine_distill_loss is distill_loss
 
 
 def test_the_trainer_trains_with_the_jsd(tmp_path):
@@ -802,7 +802,7 @@ def test_metrics_that_would_read_logits_raise_and_predict_gives_the_loss(tmp_pat
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     for name in ("compute_metrics", "preprocess_logits_for_metrics"):
         with pytest.raises(ValueError, match=f"does not support {name}: evaluation has no logits"):
-            CosineDistillationTrainer(model=student, args=args, teacher_model=teacher, **{name: lambda *a: {}})
+            DistillationTrainer(model=student, args=args, teacher_model=teacher, **{name: lambda *a: {}})
     trainer = make_trainer(tmp_path, student, teacher, rows, per_device_eval_batch_size=2)
     output = trainer.predict(rows)
     assert output.metrics["test_loss"] == pytest.approx(trainer.evaluate(eval_dataset=rows)["eval_loss"], rel=1e-6)

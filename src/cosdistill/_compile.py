@@ -40,7 +40,7 @@ from torch import Tensor
 from ._chunk_loop import check_not_creating_graph
 from ._device import on_device_of
 from ._options import REAL_OPTIONS, Options, check_accum_dtype, check_tensors, default_accum_dtype
-from ._plan import make_plan, run
+from ._plan import gradients_needed, make_plan, run
 from ._teacher_fp8 import Fp8TeacherWeight
 
 # The body reads label counts on the host, which a CUDA graph cannot capture ("reduce-overhead" mode).
@@ -175,8 +175,7 @@ def compiled_distill(options: Options, student_input, student_weight, teacher_in
     check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
                   teacher_bias, options.ignore_index, num_valid_tokens)
     check_accum_dtype(options.accum_dtype, student_weight.dtype)  # make_plan's rule, at trace time
-    grad_on = torch.is_grad_enabled()
-    needs_grad = [grad_on and t is not None and t.requires_grad for t in (student_input, student_weight, student_bias)]
+    needs_grad = list(gradients_needed(student_input, student_weight, student_bias))
     given_tensor = torch.is_tensor(num_valid_tokens)
     count = None if given_tensor or num_valid_tokens is None else _cpu_float64(num_valid_tokens)
     quantized = isinstance(teacher_weight, Fp8TeacherWeight)

@@ -161,10 +161,14 @@ def checked_plan(options: Options, student_input, student_weight, teacher_input,
 def _checked_new_plan(options: Options, tensors, num_valid_tokens, vocab_parallel, gram_cached) -> Plan:
     student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias = tensors
     check_tensors(*tensors, options.ignore_index, num_valid_tokens)
-    needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
-                       for t in (student_input, student_weight, student_bias))
     return make_plan(options, student_weight, student_bias, teacher_weight, teacher_bias, true_labels.numel(),
-                     needs_grad, vocab_parallel, gram_cached)
+                     gradients_needed(student_input, student_weight, student_bias), vocab_parallel, gram_cached)
+
+
+def gradients_needed(student_input, student_weight, student_bias) -> tuple[bool, bool, bool]:
+    """Whether this call makes each of the student's gradients: grad mode on and the tensor requiring grad."""
+    return tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
+                 for t in (student_input, student_weight, student_bias))
 
 
 def _call_signature(options: Options, tensors, num_valid_tokens, vocab_parallel) -> tuple | None:
@@ -209,9 +213,10 @@ def row_step_beside_gemms(loss: str, backend: Backend, device: torch.device, tea
     return rows.student * vocab_student * itemsize + 2 * rows.teacher * vocab_teacher * itemsize <= MAX_BUFFER_BYTES
 
 
-# The four GEMMs of a call under this many FLOPs take about as long on an H200 as the host takes to queue the
-# call, so from an idle GPU (a small model's training step, the bench) the GPU catches up with the host and would
-# idle from forward's end until backward queued the deferred grad_weight GEMM (docs/design.md, Host latency).
+# The four GEMMs of a call under this many FLOPs take about as long on the GPU (measured on the H200) as the host
+# takes to queue the call, so from an idle GPU (a small model's training step, the bench) the GPU catches up with
+# the host and would idle from forward's end until backward queued the deferred grad_weight GEMM (docs/design.md,
+# Host latency).
 SMALL_CALL_FLOPS = 10**12
 
 

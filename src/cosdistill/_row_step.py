@@ -118,12 +118,13 @@ def label_columns(labels: torch.Tensor, vocab_student: int, constants: RowStepCo
     return valid, in_shard, torch.where(in_shard, column, 0)
 
 
-def _transformed(student_logits, teacher_logits, constants: RowStepConstants):
-    """s and t as the loss sees them; t is None without teacher logits (the Gram path, _teacher_gram.py)."""
-    s = scale_and_softcap(student_logits.float(), constants.student_logit_scale, constants.student_softcap)
+def as_the_loss_sees_them(student_logits, teacher_logits, constants: RowStepConstants, dtype=torch.float32):
+    """s and t as the loss sees them, in ``dtype``: each times its logit scale, then softcapped; t is None without
+    teacher logits (the Gram path, _teacher_gram.py)."""
+    s = scale_and_softcap(student_logits.to(dtype), constants.student_logit_scale, constants.student_softcap)
     if teacher_logits is None:
         return s, None
-    t = scale_and_softcap(teacher_logits.float(), constants.teacher_logit_scale, constants.teacher_softcap)
+    t = scale_and_softcap(teacher_logits.to(dtype), constants.teacher_logit_scale, constants.teacher_softcap)
     return s, t
 
 
@@ -136,7 +137,7 @@ def _abs_max_or_one(x: torch.Tensor) -> torch.Tensor:
 
 def row_stats_torch(student_logits, teacher_logits, labels, constants: RowStepConstants) -> torch.Tensor:
     rows, vocab_student = student_logits.shape
-    s, t = _transformed(student_logits, teacher_logits, constants)
+    s, t = as_the_loss_sees_them(student_logits, teacher_logits, constants)
     _, in_shard, column = label_columns(labels, vocab_student, constants)
     stats = s.new_empty(rows, NUM_STATS)
     if vocab_student:
@@ -250,7 +251,7 @@ def row_grad_torch(student_logits, teacher_logits, labels, stats, constants: Row
     if not write_grad:
         return
 
-    s, t = _transformed(student_logits, teacher_logits, constants)
+    s, t = as_the_loss_sees_them(student_logits, teacher_logits, constants)
     grad = torch.exp((s - stats[:, MAX, None]) - log_sum_exp[:, None])
     if vocab_student:  # a shard may hold none of the student's columns
         grad.scatter_add_(1, column[:, None], torch.where(in_shard, -1.0, 0.0)[:, None])

@@ -48,7 +48,7 @@ import math
 
 import torch
 
-from ._row_step import RowStepConstants, RowStepImpl, label_columns, lift_for, scale_and_softcap
+from ._row_step import RowStepConstants, RowStepImpl, as_the_loss_sees_them, label_columns, lift_for
 
 SPEC_DTYPE = torch.float64
 # Per-row statistics of the JSD's row step, along the last dimension of a [n, 6] float64 tensor; over a
@@ -64,13 +64,6 @@ JSD_STATS = (
 LSE, TARGET, MAX_STUDENT, LSE_STUDENT, MAX_TEACHER, LSE_TEACHER = range(len(JSD_STATS))
 
 
-def _as_the_loss_sees_them(student_logits, teacher_logits, constants: RowStepConstants):
-    """(s, t) in SPEC_DTYPE, each times its logit scale, then softcapped (as _row_step.py's)."""
-    s = scale_and_softcap(student_logits.to(SPEC_DTYPE), constants.student_logit_scale, constants.student_softcap)
-    t = scale_and_softcap(teacher_logits.to(SPEC_DTYPE), constants.teacher_logit_scale, constants.teacher_softcap)
-    return s, t
-
-
 def _padded(s, vocab_teacher):
     """s zero-padded to the teacher's columns (the soft term's view of it)."""
     return torch.nn.functional.pad(s, (0, vocab_teacher - s.shape[1])) if vocab_teacher > s.shape[1] else s
@@ -80,7 +73,7 @@ def jsd_row_stats(student_logits, teacher_logits, labels, constants: RowStepCons
     """[n, len(JSD_STATS)] over this shard's columns."""
     rows, vocab_student = student_logits.shape
     _, in_shard, column = label_columns(labels, vocab_student, constants)
-    s, t = _as_the_loss_sees_them(student_logits, teacher_logits, constants)
+    s, t = as_the_loss_sees_them(student_logits, teacher_logits, constants, SPEC_DTYPE)
     stats = s.new_empty(rows, len(JSD_STATS))
     stats[:, LSE] = torch.logsumexp(s, dim=1) if vocab_student else float("-inf")
     target = s.gather(1, column[:, None])[:, 0] if vocab_student else s.new_zeros(rows)
@@ -149,7 +142,7 @@ def jsd_row_sums(student_logits, teacher_logits, stats, constants: RowStepConsta
     ``lift_terms`` [n, 4], with the largest |_soft_brackets| and the largest p over its student columns (0 over
     none), which jsd_lift_bound needs. A vocabulary split adds up the first two across ranks and takes the
     largest of the others (combine_jsd_sums)."""
-    s, t = _as_the_loss_sees_them(student_logits, teacher_logits, constants)
+    s, t = as_the_loss_sees_them(student_logits, teacher_logits, constants, SPEC_DTYPE)
     a, b = _log_probs(s, t, stats, constants.temperature)
     soft, student_part, g = jsd_terms(a, b, constants.beta)
     if not lift_terms:
@@ -189,7 +182,7 @@ def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, constants:
     token_losses[:, 1] = torch.where(valid, sums[:, 0], 0.0)
     if not write_grad:
         return
-    s, t = _as_the_loss_sees_them(student_logits, teacher_logits, constants)
+    s, t = as_the_loss_sees_them(student_logits, teacher_logits, constants, SPEC_DTYPE)
     grad = constants.weight_hard * torch.exp(s - stats[:, LSE, None])
     if vocab_student:  # a shard may hold none of the student's columns
         # The one-hot's weight in SPEC_DTYPE, as the softmax's: rounded to fp32 it would not cancel where

@@ -21,6 +21,8 @@ except ImportError as error:
 from ._options import OPTION_NAMES, options_of
 from .api import FUSED_LOSSES
 
+# The public names; the others are internal, and trl.py builds its trainers from some of them (lm_head, the check_*
+# functions, loss_of_hidden_states's pieces).
 __all__ = ["CosineDistillationTrainer", "DistillationMixin", "DistillationTrainer", "cosine_distill_loss", "distill_loss",
            "final_hidden_states", "head_inputs", "keep_head_hook", "loss_labels", "loss_of_hidden_states",
            "next_token_targets", "tensor_parallel_rows"]

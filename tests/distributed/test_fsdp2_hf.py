@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from cosdistill.distributed import data_parallel_num_valid_tokens  # noqa: E402
-from cosdistill.hf import cosine_distill_loss, next_token_targets  # noqa: E402
+from cosdistill.hf import distill_loss, next_token_targets  # noqa: E402
 from cosdistill.testing import rel_err  # noqa: E402
 
 WORLD = 2
@@ -53,7 +53,7 @@ def measure_rank(rank, folder):
     options = dict(weight_hard_loss=0.3, weight_soft_loss=1.7, beta=0.7)
     student, teacher, batch = tiny_llama(128, 0), tiny_llama(144, 1), batch_of(WORLD)
     whole = copy.deepcopy(student)
-    cosine_distill_loss(whole, teacher, **batch, **options).backward()
+    distill_loss(whole, teacher, **batch, **options).backward()
     mesh = init_device_mesh("cpu", (WORLD,))
     results = {}
     for reshard, head_unit in LAYOUTS:
@@ -66,7 +66,7 @@ def measure_rank(rank, folder):
         share = {key: value[2 * rank: 2 * rank + 2] for key, value in batch.items()}
         num_valid = data_parallel_num_valid_tokens(next_token_targets(share["labels"], share["attention_mask"]))
         for _ in range(2):  # two accumulated micro-steps: twice the whole-batch gradient
-            cosine_distill_loss(model, teacher, **share, num_valid_tokens=num_valid, **options).backward()
+            distill_loss(model, teacher, **share, num_valid_tokens=num_valid, **options).backward()
         grads = [param.grad.full_tensor() for param in model.parameters()]
         results[f"{reshard} {head_unit}"] = max(rel_err(got, 2 * want.grad) for got, want in zip(grads, whole.parameters()))
     if rank == 0:

@@ -331,7 +331,8 @@ def test_shards_that_do_not_match_the_split_are_refused():
 
 
 def test_even_split_needs_a_process_group_and_sensible_sizes():
-    with pytest.raises(ValueError, match="0 < vocab_student <= vocab_teacher"):
+    with pytest.raises(ValueError, match="even_split needs 0 < vocab_student <= vocab_teacher, got vocab_student=11, "
+                                         "vocab_teacher=10"):
         VocabParallelOptions.even_split(10, 11)
 
 

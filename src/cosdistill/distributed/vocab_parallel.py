@@ -54,10 +54,12 @@ class VocabParallelOptions:
         """This rank's slice of a contiguous split of the teacher's vocabulary into near-equal parts."""
         vocab_student = vocab_teacher if vocab_student is None else vocab_student
         if not 0 < vocab_student <= vocab_teacher:
-            raise ValueError(f"need 0 < vocab_student <= vocab_teacher, got {vocab_student} and {vocab_teacher}")
+            raise ValueError(f"VocabParallelOptions.even_split needs 0 < vocab_student <= vocab_teacher, got "
+                             f"vocab_student={vocab_student}, vocab_teacher={vocab_teacher}")
         ranks, rank = dist.get_world_size(group), dist.get_rank(group)
         if vocab_teacher < ranks:
-            raise ValueError(f"cannot split a vocabulary of {vocab_teacher} over {ranks} ranks")
+            raise ValueError(f"VocabParallelOptions.even_split cannot split vocab_teacher={vocab_teacher} rows over the "
+                             f"group's {ranks} ranks: each rank needs one")
         base, extra = divmod(vocab_teacher, ranks)
         start = rank * base + min(rank, extra)
         return cls(start, start + base + (rank < extra), vocab_student, group, vocab_teacher)

@@ -86,10 +86,8 @@ class Workload:
     warmup: int
     reps: int
     rounds: int = 1  # > 1: providers timed in turn, round after round (time_providers)
-    # Warm-up also lasts until a provider's own calls have kept the GPU busy this long: the H200's
-    # power limiter cuts the SM clock (1980 -> 1260-1620 MHz) under sustained load, and a provider
-    # timed after a light phase ran up to 12% faster than in a training job; 0.5 s of warm-up was
-    # not enough, 3 s was (docs/benchmarks.md, Method).
+    # Warm-up also lasts until a provider's own calls have kept the GPU busy this long, so that the power
+    # limiter's clock is a training job's, not a light phase's (docs/design.md, The power cap).
     settle_s: float = 0.0
     loss: str = "cosine"  # or "jsd": ours, the naive version and Liger's, of the generalized JSD
 

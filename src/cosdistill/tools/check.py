@@ -5,6 +5,8 @@
 * The generalized JSD (fused_linear_jsd) against its naive version in float64, forward KL, JSD and reverse KL.
 * The Triton row step against the torch row step (the spec), into poisoned outputs: the fused kernel,
   and the statistics and gradient kernels as a vocabulary split over two ranks runs them.
+* The cached teacher copies (the Gram matrix, the FP8 weight) against every way of changing the teacher weight:
+  each call gives a fresh copy's answer or raises, never a stale number.
 
 The Triton paths run on CUDA, and on the CPU only under Triton's interpreter, which must be switched on
 (``TRITON_INTERPRET=1``) before triton is imported, i.e. in the environment of the process.
