@@ -183,9 +183,9 @@ def run_jsd_split_stages(student, teacher, labels, constants, bounds, write_grad
                                                                   device=student.device)
     shards = [(student[:, min(a, vocab_student):min(b, vocab_student)].clone(), teacher[:, a:b],
                replace(constants, vocab_start=a, vocab_student_total=vocab_student)) for a, b in bounds]
-    stats = jsd.combine_shard_stats(torch.stack([jsd.jsd_shard_stats_triton(s, t, labels, shard_constants)
+    stats = jsd.combine_jsd_stats_triton(torch.stack([jsd.jsd_shard_stats_triton(s, t, labels, shard_constants)
                                                  for s, t, shard_constants in shards]), constants.temperature)
-    sums = jsd.combine_shard_sums(torch.stack([jsd.jsd_shard_sums_triton(s, t, labels, stats, shard_constants,
+    sums = jsd.combine_jsd_sums_triton(torch.stack([jsd.jsd_shard_sums_triton(s, t, labels, stats, shard_constants,
                                                                          write_grad and lifts)
                                                for s, t, shard_constants in shards]))
     losses, shard_lifts = [], []

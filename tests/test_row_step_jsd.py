@@ -12,12 +12,12 @@ from conftest import make_problem, rel_err
 from cosdistill import FusedLinearJSDLoss, fused_linear_jsd
 from cosdistill.testing import (
     RowStepConstants,
-    combine_jsd_stats,
-    combine_jsd_sums,
+    combine_jsd_stats_torch,
+    combine_jsd_sums_torch,
     jsd_lift_bound,
-    jsd_row_grad,
-    jsd_row_stats,
-    jsd_row_sums,
+    jsd_shard_grad_torch,
+    jsd_shard_stats_torch,
+    jsd_shard_sums_torch,
     row_step_jsd_torch,
 )
 
@@ -80,9 +80,10 @@ def split_stages(s, t, labels, constants, bounds, lift_terms=False):
     vocab_student = s.shape[1]
     shards = [(s[:, min(a, vocab_student):min(b, vocab_student)].clone(), t[:, a:b], dataclasses.replace(
         constants, vocab_start=a, vocab_student_total=vocab_student)) for a, b in bounds]
-    stats = combine_jsd_stats(torch.stack([jsd_row_stats(*shard[:2], labels, shard[2]) for shard in shards]),
-                              constants.temperature)
-    sums = combine_jsd_sums(torch.stack([jsd_row_sums(*shard[:2], stats, shard[2], lift_terms) for shard in shards]))
+    stats = combine_jsd_stats_torch(
+        torch.stack([jsd_shard_stats_torch(*shard[:2], labels, shard[2]) for shard in shards]), constants.temperature)
+    sums = combine_jsd_sums_torch(
+        torch.stack([jsd_shard_sums_torch(*shard[:2], stats, shard[2], lift_terms) for shard in shards]))
     return shards, stats, sums
 
 
@@ -100,7 +101,7 @@ def test_its_stages_over_a_vocabulary_split_give_the_whole_rows_step(beta, write
     shards, stats, sums = split_stages(s, t, labels, constants, [(0, 16), (16, 32), (32, 47)])
     for shard in shards:
         losses = torch.full((9, 2), float("nan"))
-        jsd_row_grad(shard[0], shard[1], labels, stats, sums, shard[2], losses, write_grad)
+        jsd_shard_grad_torch(shard[0], shard[1], labels, stats, sums, shard[2], losses, write_grad)
         assert rel_err(losses, want_losses) < 1e-6
     assert rel_err(torch.cat([shard[0] for shard in shards], dim=1), want) < 1e-6
 
@@ -120,7 +121,7 @@ def test_fp16_lifts_are_the_same_over_a_vocabulary_split(beta):
     shards, stats, sums = split_stages(s, t, labels, constants, [(0, 160), (160, 320), (320, 470)], lift_terms=True)
     for shard in shards:
         lifts = torch.full((9,), float("nan"))
-        jsd_row_grad(shard[0], shard[1], labels, stats, sums, shard[2], torch.empty(9, 2), True, lifts)
+        jsd_shard_grad_torch(shard[0], shard[1], labels, stats, sums, shard[2], torch.empty(9, 2), True, lifts)
         assert torch.equal(lifts, want_lifts)
     assert rel_err(torch.cat([shard[0] for shard in shards], dim=1).float(), want.float()) < 1e-3
 
@@ -147,10 +148,10 @@ def test_the_lift_bound_holds(beta, temperature, case, weight_hard):
     labels = torch.tensor([0, 5, 39, 12, 21, 30])
     for heads in ({}, dict(student_softcap=5.0, student_logit_scale=1.7, teacher_softcap=8.0)):
         constants = RowStepConstants(weight_hard, 0.9, beta, temperature, -100, **heads)
-        stats = jsd_row_stats(s, t, labels, constants)
-        sums = jsd_row_sums(s, t, stats, constants, lift_terms=True)
+        stats = jsd_shard_stats_torch(s, t, labels, constants)
+        sums = jsd_shard_sums_torch(s, t, stats, constants, lift_terms=True)
         grad = s.clone()
-        jsd_row_grad(grad, t, labels, stats, sums, constants, torch.empty(6, 2), True)
+        jsd_shard_grad_torch(grad, t, labels, stats, sums, constants, torch.empty(6, 2), True)
         largest, bound = grad.abs().amax(1), jsd_lift_bound(sums, constants)
         assert (largest <= bound * (1 + 1e-9)).all(), (largest, bound)
 

@@ -39,8 +39,8 @@ student's logit scale (the softcap's factor is at most 1). M and P come with the
 vocabulary split agree on them.
 
 It runs in three stages, so that a vocabulary split over ranks can combine each row's numbers between
-them: ``jsd_row_stats`` (the log-sum-exps, the soft distributions' largest logits, the target logit),
-``jsd_row_sums`` (the divergence, the gradient's sum_j p_j g_j and M) and ``jsd_row_grad`` (the losses and the
+them: ``jsd_shard_stats_torch`` (the log-sum-exps, the soft distributions' largest logits, the target logit),
+``jsd_shard_sums_torch`` (the divergence, the gradient's sum_j p_j g_j and M) and ``jsd_shard_grad_torch`` (the losses and the
 gradient).
 """
 
@@ -52,7 +52,7 @@ from ._row_step import RowStepConstants, RowStepImpl, as_the_loss_sees_them, lab
 
 SPEC_DTYPE = torch.float64
 # Per-row statistics of the JSD's row step, along the last dimension of a [n, 6] float64 tensor; over a
-# vocabulary split, each rank's are combined across ranks (combine_jsd_stats) before the sums.
+# vocabulary split, each rank's are combined across ranks (combine_jsd_stats_torch) before the sums.
 JSD_STATS = (
     "log_sum_exp",  # logsumexp of s over the student's columns (the hard term's; -inf over none)
     "target_logit",  # s[label] if the label falls in this shard, else 0
@@ -69,7 +69,7 @@ def _padded(s, vocab_teacher):
     return torch.nn.functional.pad(s, (0, vocab_teacher - s.shape[1])) if vocab_teacher > s.shape[1] else s
 
 
-def jsd_row_stats(student_logits, teacher_logits, labels, constants: RowStepConstants) -> torch.Tensor:
+def jsd_shard_stats_torch(student_logits, teacher_logits, labels, constants: RowStepConstants) -> torch.Tensor:
     """[n, len(JSD_STATS)] over this shard's columns."""
     rows, vocab_student = student_logits.shape
     _, in_shard, column = label_columns(labels, vocab_student, constants)
@@ -90,7 +90,7 @@ def _distances(logits, largest, temperature):
     return (logits - largest[:, None]) / temperature
 
 
-def combine_jsd_stats(shard_stats: torch.Tensor, temperature: float) -> torch.Tensor:
+def combine_jsd_stats_torch(shard_stats: torch.Tensor, temperature: float) -> torch.Tensor:
     """The whole vocabulary's statistics from its shards', [shards, n, 6] -> [n, 6]."""
     stats = torch.empty_like(shard_stats[0])
     stats[:, LSE] = torch.logsumexp(shard_stats[..., LSE], dim=0)
@@ -137,11 +137,11 @@ def _soft_brackets(a, b, g, beta):
     return a.exp() - b.exp() if beta == 0.0 else a.exp() * g
 
 
-def jsd_row_sums(student_logits, teacher_logits, stats, constants: RowStepConstants, lift_terms=False) -> torch.Tensor:
+def jsd_shard_sums_torch(student_logits, teacher_logits, stats, constants: RowStepConstants, lift_terms=False) -> torch.Tensor:
     """[n, 2]: the soft term and the gradient's student part (jsd_terms) over this shard's columns; with
     ``lift_terms`` [n, 4], with the largest |_soft_brackets| and the largest p over its student columns (0 over
     none), which jsd_lift_bound needs. A vocabulary split adds up the first two across ranks and takes the
-    largest of the others (combine_jsd_sums)."""
+    largest of the others (combine_jsd_sums_torch)."""
     s, t = as_the_loss_sees_them(student_logits, teacher_logits, constants, SPEC_DTYPE)
     a, b = _log_probs(s, t, stats, constants.temperature)
     soft, student_part, g = jsd_terms(a, b, constants.beta)
@@ -156,7 +156,7 @@ def jsd_row_sums(student_logits, teacher_logits, stats, constants: RowStepConsta
     return torch.stack([soft, student_part, largest, largest_p], dim=1)
 
 
-def combine_jsd_sums(shard_sums: torch.Tensor, summed: int = 2) -> torch.Tensor:
+def combine_jsd_sums_torch(shard_sums: torch.Tensor, summed: int = 2) -> torch.Tensor:
     """The whole vocabulary's sums from its shards', [shards, n, c] -> [n, c]: the first ``summed`` columns summed
     (2 here, 3 from the Triton stages), the rest (the largest terms of the fp16 bound) the shards' largest."""
     sums = shard_sums.sum(0)
@@ -172,7 +172,7 @@ def jsd_lift_bound(sums, constants: RowStepConstants) -> torch.Tensor:
         constants.student_logit_scale)
 
 
-def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, constants: RowStepConstants, token_losses,
+def jsd_shard_grad_torch(student_logits, teacher_logits, labels, stats, sums, constants: RowStepConstants, token_losses,
                  write_grad, grad_lifts=None) -> None:
     """The losses from the (combined) statistics and sums and, if asked, d L / d s of this shard's columns
     (times the row's lift, given ``grad_lifts``; 1 for an ignored row)."""
@@ -206,9 +206,9 @@ def jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, constants:
 
 def row_step_jsd_torch(student_logits, teacher_logits, labels, constants: RowStepConstants, token_losses, write_grad,
                        grad_lifts=None):
-    stats = jsd_row_stats(student_logits, teacher_logits, labels, constants)
-    sums = jsd_row_sums(student_logits, teacher_logits, stats, constants, lift_terms=grad_lifts is not None)
-    jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, constants, token_losses, write_grad, grad_lifts)
+    stats = jsd_shard_stats_torch(student_logits, teacher_logits, labels, constants)
+    sums = jsd_shard_sums_torch(student_logits, teacher_logits, stats, constants, lift_terms=grad_lifts is not None)
+    jsd_shard_grad_torch(student_logits, teacher_logits, labels, stats, sums, constants, token_losses, write_grad, grad_lifts)
 
 
 def split_jsd_row_step(all_gather):
@@ -217,11 +217,11 @@ def split_jsd_row_step(all_gather):
     gradient needs the whole row's student part, fp16's lift the whole row's largest terms)."""
 
     def row_step(student_logits, teacher_logits, labels, constants, token_losses, write_grad, grad_lifts=None):
-        stats = combine_jsd_stats(all_gather(jsd_row_stats(student_logits, teacher_logits, labels, constants)),
+        stats = combine_jsd_stats_torch(all_gather(jsd_shard_stats_torch(student_logits, teacher_logits, labels, constants)),
                                   constants.temperature)
-        sums = combine_jsd_sums(all_gather(jsd_row_sums(student_logits, teacher_logits, stats, constants,
+        sums = combine_jsd_sums_torch(all_gather(jsd_shard_sums_torch(student_logits, teacher_logits, stats, constants,
                                                         lift_terms=grad_lifts is not None)))
-        jsd_row_grad(student_logits, teacher_logits, labels, stats, sums, constants, token_losses, write_grad,
+        jsd_shard_grad_torch(student_logits, teacher_logits, labels, stats, sums, constants, token_losses, write_grad,
                      grad_lifts)  # every rank: the same sums, so the same lifts
 
     return row_step

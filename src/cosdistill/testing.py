@@ -185,12 +185,12 @@ from ._row_step import (  # noqa: E402
 )
 from ._row_step_jsd import (  # noqa: E402
     JSD_TORCH_ROW_STEP,
-    combine_jsd_stats,
-    combine_jsd_sums,
+    combine_jsd_stats_torch,
+    combine_jsd_sums_torch,
     jsd_lift_bound,
-    jsd_row_grad,
-    jsd_row_stats,
-    jsd_row_sums,
+    jsd_shard_grad_torch,
+    jsd_shard_stats_torch,
+    jsd_shard_sums_torch,
     row_step_jsd_torch,
 )
 from ._teacher_logits import LogitsTeacher, TeacherHead  # noqa: E402
@@ -252,8 +252,8 @@ __all__ = [
     "REAL_OPTIONS", "options_of", "chunk_rows", "COSINE_TORCH_ROW_STEP", "RowStepImpl",
     "RowStepConstants", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
     "with_teacher_products", "LogitsTeacher", "TeacherHead", "AttachGradients", "FUSED_LOSSES",
-    "JSD_TORCH_ROW_STEP", "combine_jsd_stats", "combine_jsd_sums", "jsd_lift_bound", "jsd_row_grad", "jsd_row_stats",
-    "jsd_row_sums", "row_step_jsd_torch",
+    "JSD_TORCH_ROW_STEP", "combine_jsd_stats_torch", "combine_jsd_sums_torch", "jsd_lift_bound", "jsd_shard_grad_torch",
+    "jsd_shard_stats_torch", "jsd_shard_sums_torch", "row_step_jsd_torch",
     # internals imported on first use: the Triton twins and the torch.compile op
     *_KERNEL_NAMES, *_COMPILE_NAMES,
 ]

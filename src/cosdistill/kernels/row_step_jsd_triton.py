@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._row_step import RowStepConstants, RowStepImpl
-from .._row_step_jsd import combine_jsd_sums
+from .._row_step_jsd import combine_jsd_sums_torch
 from . import TRITON_OPTIONS
 from .triton_common import (
     INTERPRET,
@@ -501,7 +501,7 @@ def _jsd_row_step_kernel(
     STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     """With LIFT (fp16 logits, WRITE_GRAD) each row's gradient is written times its power of two, stored at
-    lifts_ptr (1 for an ignored row), as the spec's jsd_row_grad."""
+    lifts_ptr (1 for an ignored row), as the spec's jsd_shard_grad_torch."""
     row = tl.program_id(0).to(tl.int64)
     student_row, valid, in_shard, column = row_and_label(
         row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
@@ -644,7 +644,7 @@ SHARD_STATS = (
 )
 NUM_SHARD_STATS: tl.constexpr = tl.constexpr(len(SHARD_STATS))
 # Per row: the _soft_sums of the shard's columns, (student_sum, teacher_sum, shifted_sum, largest_bracket); the
-# ranks add up the first three and take the largest of the fourth (combine_shard_sums).
+# ranks add up the first three and take the largest of the fourth (combine_jsd_sums_triton).
 NUM_SHARD_SUMS: tl.constexpr = tl.constexpr(4)
 
 
@@ -787,7 +787,7 @@ def jsd_shard_stats_triton(student_logits, teacher_logits, labels, constants: Ro
     return stats
 
 
-def combine_shard_stats(shard_stats: torch.Tensor, temperature: float) -> torch.Tensor:
+def combine_jsd_stats_triton(shard_stats: torch.Tensor, temperature: float) -> torch.Tensor:
     """The whole rows' SHARD_STATS from the ranks', [ranks, n, NUM_SHARD_STATS] -> [n, NUM_SHARD_STATS]: each
     (max, sum) pair's sums rescaled to the largest max at the pair's own scale (the hard term's log2(e), the
     others' log2(e) / T), the target logits added up."""
@@ -817,9 +817,9 @@ def jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats, constan
     return sums
 
 
-def combine_shard_sums(shard_sums: torch.Tensor) -> torch.Tensor:
+def combine_jsd_sums_triton(shard_sums: torch.Tensor) -> torch.Tensor:
     """The whole rows' shard sums from the ranks', [ranks, n, NUM_SHARD_SUMS] -> [n, NUM_SHARD_SUMS]."""
-    return combine_jsd_sums(shard_sums, summed=3)
+    return combine_jsd_sums_torch(shard_sums, summed=3)
 
 
 def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, constants: RowStepConstants, token_losses,
@@ -849,10 +849,10 @@ def split_jsd_row_step_triton(all_gather):
     all-gathers of O(rows) per chunk between them (of [n, 7] and [n, 4] fp32)."""
 
     def row_step(student_logits, teacher_logits, labels, constants, token_losses, write_grad, grad_lifts=None):
-        stats = combine_shard_stats(all_gather(jsd_shard_stats_triton(student_logits, teacher_logits, labels, constants)),
+        stats = combine_jsd_stats_triton(all_gather(jsd_shard_stats_triton(student_logits, teacher_logits, labels, constants)),
                                     constants.temperature)
         lift_terms = write_grad and grad_lifts is not None
-        sums = combine_shard_sums(all_gather(jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats,
+        sums = combine_jsd_sums_triton(all_gather(jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats,
                                                                    constants, lift_terms)))
         jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, constants, token_losses, write_grad,
                               grad_lifts)  # every rank: the same stats and sums, so the same losses and lifts
