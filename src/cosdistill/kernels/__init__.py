@@ -1,7 +1,8 @@
 """The GPU kernels, one file per family; internal (no stable API). Each has a plain-torch spec beside the
 code that calls it, and the tests compare the two.
 
-- ``row_step_triton.py``: the row step (statistics, losses, d loss / d logits in place); spec ``_row_step.py``.
+- ``row_step_triton.py``: the cosine loss's row step (statistics, losses, d loss / d logits in place); spec
+  ``_row_step.py``.
 - ``row_step_cuda.py`` + ``row_step.cu``: the same step in one read per logit, Hopper thread block clusters
   (``cluster.cuh``: what the cluster kernels share).
 - ``row_step_jsd_triton.py``: the generalized JSD's row step; spec ``_row_step_jsd.py``.
