@@ -1,19 +1,21 @@
-"""One training step of TRL's DistillationTrainer with TRL's own loss and with ours (``cosdistill.trl``'s
-drop-in): what a TRL user who changes the import gets, on real-shaped models.
+"""One training step of TRL's DistillationTrainer, or of its GKDTrainer (``--trainer gkd``), with TRL's own loss
+and with ours (``cosdistill.trl``'s drop-ins): what a TRL user who changes the import gets, on real-shaped models.
 
 A Llama-3.2-1B-shaped student and a Llama-3.1-8B-shaped teacher (random weights from their configs, no
 downloads), bf16, AdamW, gradient checkpointing, beta 0.5 and temperature 1 (``--beta``, ``--temperature``; TRL's
 DistillationConfig defaults to the reverse KL, beta 1). The step is the trainer's own: ``Trainer.training_step``
 (both models' forwards, the loss, the backward through accelerate), the gradient's clipping, the optimizer's and
 the learning rate's steps, on one batch of left-padded prompts and completions of varied lengths, padded after
-their end. Generating that batch costs both trainers the same and is left out: each trainer's
-``_generate_and_score_completions`` returns it. Per trainer: the step's time, completion tokens per second, and
-the peak memory of a step after the warm-up above what the process holds between steps. Trainers interleaved in
-rounds (their order alternating), medians of CUDA-event times after a warm-up; before any step, both losses on
-the same weights and batch must agree.
+their end. Generating that batch costs both trainers the same and is left out: each DistillationTrainer's
+``_generate_and_score_completions`` returns it; the GKDTrainers take it as their collator lays a dataset's
+conversations out (prompt and completion in one row, labels on the completion), with ``lmbda`` 0 (no on-policy
+generation; TRL's GKD loss takes no temperature: its ``temperature`` is the sampling one). Per trainer: the step's
+time, completion tokens per second, and the peak memory of a step after the warm-up above what the process holds
+between steps. Trainers interleaved in rounds (their order alternating), medians of CUDA-event times after a
+warm-up; before any step, both losses on the same weights and batch must agree.
 
-    PYTHONPATH=src python benchmarks/trl_step.py [--rows 4] [--prompt-len 512] [--completion-len 2048]
-        [--rounds 3] [--ledger benchmarks/results.csv] [--json out.json]
+    PYTHONPATH=src python benchmarks/trl_step.py [--trainer distillation|gkd] [--rows 4] [--prompt-len 512]
+        [--completion-len 2048] [--rounds 3] [--ledger benchmarks/results.csv] [--json out.json]
     TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/trl_step.py --tiny --device cpu   (a smoke run)
 """
 
@@ -37,8 +39,18 @@ import cosdistill.trl
 from cosdistill.testing import rel_err
 from cosdistill.tools.bench import append_ledger_rows
 
-TRAINERS = {"trl": trl.DistillationTrainer, "ours": cosdistill.trl.DistillationTrainer}
 PAD = 0
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def trainer_classes(kind):
+    """{"trl": TRL's trainer, "ours": its drop-in} for ``kind``, "distillation" or "gkd"."""
+    if kind == "distillation":
+        return {"trl": trl.DistillationTrainer, "ours": cosdistill.trl.DistillationTrainer}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL warns on every import from trl.experimental
+        from trl.experimental.gkd import GKDTrainer
+    return {"trl": GKDTrainer, "ours": cosdistill.trl.DistillationGKDTrainer}
 
 
 def word_tokenizer(vocab):
@@ -65,18 +77,36 @@ def completions_batch(rows, prompt_len, completion_len, vocab, device, seed=0):
     return {key: value.to(device) for key, value in batch.items()}
 
 
-def make_trainer(name, student, teacher, batch, tokenizer, output_dir, device, beta, temperature):
-    rows = batch["prompt_ids"].shape[0]
-    config = trl.DistillationConfig(
-        output_dir=output_dir, report_to="none", save_strategy="no", disable_tqdm=True, bf16=device.type == "cuda",
-        use_cpu=device.type == "cpu", per_device_train_batch_size=rows, max_completion_length=batch["completion_ids"].shape[1],
-        learning_rate=1e-5, beta=beta, temperature=temperature)
-    prompts = datasets.Dataset.from_list([{"prompt": "w3 w4"}] * rows)
+def as_gkd_batch(batch):
+    """The batch as GKD's collator lays out a conversation: prompt then completion in one row, labels (the targets,
+    shifted by the loss) on the completion's tokens alone."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    trained = torch.cat([torch.zeros_like(batch["prompt_mask"]), batch["completion_mask"]], dim=1)
+    return dict(input_ids=input_ids, attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
+                labels=input_ids.masked_fill(trained == 0, -100), prompts=batch["prompt_ids"],
+                prompt_attention_mask=batch["prompt_mask"])
+
+
+def make_trainer(kind, trainer_class, student, teacher, batch, tokenizer, output_dir, device, beta, temperature):
+    rows, completion_len = batch["completion_ids"].shape
+    common = dict(output_dir=output_dir, report_to="none", save_strategy="no", disable_tqdm=True,
+                  bf16=device.type == "cuda", use_cpu=device.type == "cpu", per_device_train_batch_size=rows,
+                  learning_rate=1e-5, beta=beta, temperature=temperature)
+    if kind == "distillation":
+        config = trl.DistillationConfig(**common, max_completion_length=completion_len)
+        dataset = datasets.Dataset.from_list([{"prompt": "w3 w4"}] * rows)
+    else:
+        from trl.experimental.gkd import GKDConfig
+
+        config = GKDConfig(**common, lmbda=0.0, max_new_tokens=completion_len)
+        dataset = datasets.Dataset.from_list(
+            [{"messages": [{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5"}]}] * rows)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TRL's notes on the tokenizer's chat template and generation settings
-        trainer = TRAINERS[name](model=student, teacher_model=teacher, args=config, train_dataset=prompts,
-                                 processing_class=tokenizer)
-    trainer._generate_and_score_completions = lambda inputs: dict(batch)
+        trainer = trainer_class(model=student, teacher_model=teacher, args=config, train_dataset=dataset,
+                                processing_class=tokenizer)
+    if kind == "distillation":
+        trainer._generate_and_score_completions = lambda inputs: dict(batch)
     student.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
     student.config.use_cache = False
     trainer.create_optimizer_and_scheduler(num_training_steps=1000)
@@ -84,16 +114,47 @@ def make_trainer(name, student, teacher, batch, tokenizer, output_dir, device, b
     return trainer
 
 
-def step(trainer) -> None:
-    """The trainer's step from the (already generated) batch to the updated weights, as Trainer.train runs it."""
-    trainer.training_step(trainer.model, [{"prompt": "w3"}], None)
+def gkd_reference_loss(student, teacher, inputs, beta) -> torch.Tensor:
+    """TRL's GKD loss (its generalized_jsd_loss) on both models' logits in fp32: TRL's trainer forms it in the logits'
+    dtype, which in bf16 rounds a small divergence away."""
+    from trl.experimental.gkd import GKDTrainer
+
+    with torch.no_grad():
+        logits = [model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                        use_cache=False).logits[:, :-1].float() for model in (student, teacher)]
+    return GKDTrainer.generalized_jsd_loss(*logits, labels=inputs["labels"][:, 1:], beta=beta)
+
+
+def start_losses_against_their_reference(kind, trainers, loss_inputs, teacher, beta):
+    """({trainer: its loss before any step}, the reference they are held to): TRL's own loss for the
+    DistillationTrainer (fp32 tiles); for GKD, gkd_reference_loss on the batch's first row (the whole batch's fp32
+    logits would not fit beside the models). Raises unless ours is within 1e-2 of it: the same loss, or the
+    timing compares different work."""
+    if kind == "gkd":
+        loss_inputs = {key: value[:1] for key, value in loss_inputs.items()}
+    losses = {}
+    with torch.no_grad():
+        for name, trainer in trainers.items():
+            trainer.model.train()
+            losses[name] = trainer.compute_loss(trainer.model, dict(loss_inputs)).float()
+    model = next(iter(trainers.values())).model
+    reference = (losses["trl"] if kind == "distillation" else
+                 gkd_reference_loss(model, teacher, loss_inputs, beta))
+    if "ours" in losses and not rel_err(losses["ours"], reference) < 1e-2:
+        raise RuntimeError(f"the trainers' losses differ before any step: {losses}, reference {float(reference)}")
+    return losses, reference
+
+
+def step(trainer, inputs) -> None:
+    """The trainer's step from the batch (already generated) to the updated weights, as Trainer.train runs it."""
+    trainer.training_step(trainer.model, copy.copy(inputs), None)
     trainer.accelerator.clip_grad_norm_(trainer.model.parameters(), trainer.args.max_grad_norm)
     trainer.optimizer.step()
     trainer.lr_scheduler.step()
     trainer.optimizer.zero_grad(set_to_none=True)
 
 
-def measure(trainers, device, rounds, reps, warmup):
+def measure(trainers, inputs, device, rounds, reps, warmup):
     """{trainer: dict(step_ms, step_ms_by_round, peak_gb)} in interleaved rounds; the peak is round 0's timed
     steps' above the memory allocated before them (the optimizer's state, made by the warm-up, held)."""
     times, peaks = {name: [] for name in trainers}, {}
@@ -103,12 +164,12 @@ def measure(trainers, device, rounds, reps, warmup):
             trainer = trainers[name]
             if round_index == 0:
                 for _ in range(warmup):
-                    step(trainer)
+                    step(trainer, inputs)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                     resting = torch.cuda.memory_allocated()
                     torch.cuda.reset_peak_memory_stats()
-            times[name].append(statistics.median(timed_ms(lambda: step(trainer), device) for _ in range(reps)))
+            times[name].append(statistics.median(timed_ms(lambda: step(trainer, inputs), device) for _ in range(reps)))
             if round_index == 0 and device.type == "cuda":
                 peaks[name] = (torch.cuda.max_memory_allocated() - resting) / 2**30
     return {name: dict(step_ms=statistics.median(by_round), step_ms_by_round=by_round, peak_gb=peaks.get(name))
@@ -117,12 +178,14 @@ def measure(trainers, device, rounds, reps, warmup):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trainer", choices=("distillation", "gkd"), default="distillation",
+                        help="TRL's DistillationTrainer or its GKDTrainer, each against ours")
     parser.add_argument("--rows", type=int, default=4, help="sequences per step")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--completion-len", type=int, default=2048)
     parser.add_argument("--beta", type=float, default=0.5, help="0: forward KL, 1: reverse KL")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--trainers", default=",".join(TRAINERS))
+    parser.add_argument("--trainers", default="trl,ours")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1: it makes the optimizer's state)")
@@ -140,24 +203,26 @@ def main(argv=None):
     teacher = llama(teacher_shape, vocab, max_len, device, seed=1).eval().requires_grad_(False)
     batch = completions_batch(args.rows, args.prompt_len, args.completion_len, vocab, device)
     tokenizer = word_tokenizer(vocab)
-    names = args.trainers.split(",")
+    if args.trainer == "gkd":
+        tokenizer.chat_template = CHAT_TEMPLATE
+    # what a step takes: a DistillationTrainer generates its batch (here returns it), a GKDTrainer is given it
+    loss_inputs = batch if args.trainer == "distillation" else as_gkd_batch(batch)
+    step_inputs = [{"prompt": "w3"}] if args.trainer == "distillation" else loss_inputs
+    classes, names = trainer_classes(args.trainer), args.trainers.split(",")
+    # the copies before any trainer is made: a trainer sets its model's forward to a wrapper of that very model's,
+    # which a later copy would share
+    students = [student] + [copy.deepcopy(student) for _ in names[1:]]
     with tempfile.TemporaryDirectory() as output_dir:
-        trainers = {name: make_trainer(name, student if i == 0 else copy.deepcopy(student), teacher, batch,
-                                       tokenizer, output_dir, device, args.beta, args.temperature)
-                    for i, name in enumerate(names)}
-        start_losses = {}
-        with torch.no_grad():  # every trainer on the same weights and batch, before any step: they must agree
-            for name, trainer in trainers.items():
-                trainer.model.train()
-                start_losses[name] = trainer.compute_loss(trainer.model, dict(batch))
-        first = next(iter(start_losses.values()))
-        for name, loss in start_losses.items():
-            if not rel_err(loss.float(), first.float()) < 1e-2:
-                raise RuntimeError(f"the trainers' losses differ before any step: {start_losses}")
-        results = measure(trainers, device, args.rounds, args.reps, args.warmup)
+        trainers = {name: make_trainer(args.trainer, classes[name], copied, teacher, batch, tokenizer, output_dir,
+                                       device, args.beta, args.temperature) for name, copied in zip(names, students)}
+        start_losses, reference = start_losses_against_their_reference(args.trainer, trainers, loss_inputs, teacher,
+                                                                       args.beta)
+        results = measure(trainers, step_inputs, device, args.rounds, args.reps, args.warmup)
     tokens = int(batch["num_items_in_batch"])
     print(f"{args.rows} rows of {args.prompt_len} + {args.completion_len} tokens ({tokens} completion tokens), {device}; "
-          "the losses on the first batch: " + ", ".join(f"{name} {float(loss):.5f}" for name, loss in start_losses.items()))
+          f"the losses before any step ({'the first row' if args.trainer == 'gkd' else 'the batch'}): reference "
+          f"{float(reference):.6f}, " + ", ".join(f"{name} {float(loss):.6f} ({rel_err(loss, reference):.1e} off)"
+                                                  for name, loss in start_losses.items()))
     print("| trainer | step ms | completion tokens/s | peak GB above resting |")
     print("|---|---:|---:|---:|")
     for name, result in results.items():
@@ -167,7 +232,8 @@ def main(argv=None):
         command = "python benchmarks/trl_step.py " + shlex.join(argv if argv is not None else sys.argv[1:])
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         models = "tiny student, tiny teacher" if args.tiny else "Llama-3.2-1B-shaped student, Llama-3.1-8B-shaped teacher"
-        workload = (f"trl-step: DistillationTrainer, {models}, V={vocab} bf16 AdamW checkpointing rows={args.rows} "
+        trained = "DistillationTrainer" if args.trainer == "distillation" else "GKDTrainer"
+        workload = (f"trl-step: {trained}, {models}, V={vocab} bf16 AdamW checkpointing rows={args.rows} "
                     f"prompt={args.prompt_len} completion={args.completion_len} beta={args.beta} "
                     f"temperature={args.temperature} rounds={args.rounds} peak=above resting")
         rows = [("trl-step", tokens, name, f"{result['step_ms']:.4f}", "",
@@ -177,6 +243,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as file:
             json.dump(dict(completion_tokens=tokens, start_losses={k: float(v) for k, v in start_losses.items()},
+                           reference_loss=float(reference),
                            results=results), file, indent=1)
     return 0
 

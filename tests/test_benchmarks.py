@@ -277,37 +277,44 @@ def load_beside_step(name, monkeypatch):
     return load(name)
 
 
-def test_the_trl_trainer_step_benchmark_runs_both_trainers_and_they_agree(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind, fused", [("distillation", "loss_of_hidden_states"), ("gkd", "distill_loss")])
+def test_the_trl_trainer_step_benchmark_runs_both_trainers_and_they_agree(tmp_path, monkeypatch, kind, fused):
+    """Each timed step moves its trainer's weights, ours through the fused loss, whose loss before any step is the
+    reference's: TRL's own (DistillationTrainer), or TRL's GKD loss on fp32 logits (GKDTrainer), which TRL's
+    trainer misses on these bf16 models."""
     pytest.importorskip("trl")
-    """Each timed step moves its trainer's weights, ours through the fused loss."""
     trl_step = load_beside_step("trl_step", monkeypatch)
     path, ledger = tmp_path / "trl_step.json", tmp_path / "ledger.csv"
     fused_calls, moved = [], {}
-    fused_loss = trl_step.cosdistill.trl.loss_of_hidden_states
-    monkeypatch.setattr(trl_step.cosdistill.trl, "loss_of_hidden_states",
+    fused_loss = getattr(trl_step.cosdistill.trl, fused)
+    monkeypatch.setattr(trl_step.cosdistill.trl, fused,
                         lambda *args, **kwargs: fused_calls.append(kwargs["loss"]) or fused_loss(*args, **kwargs))
     step = trl_step.step
 
-    def step_moving_weights(trainer):
+    def step_moving_weights(trainer, inputs):
         before = [p.detach().clone() for p in trainer.model.parameters()]
-        step(trainer)
+        step(trainer, inputs)
         changed = any(not torch.equal(old, new) for old, new in zip(before, trainer.model.parameters()))
         moved.setdefault(type(trainer).__module__.split(".")[0], []).append(changed)
 
     monkeypatch.setattr(trl_step, "step", step_moving_weights)
-    assert trl_step.main(["--tiny", "--device", "cpu", "--rows", "2", "--prompt-len", "8", "--completion-len", "16",
-                          "--rounds", "2", "--reps", "1", "--warmup", "1", "--json", str(path),
-                          "--ledger", str(ledger)]) == 0
+    assert trl_step.main(["--trainer", kind, "--tiny", "--device", "cpu", "--rows", "2", "--prompt-len", "8",
+                          "--completion-len", "16", "--rounds", "2", "--reps", "1", "--warmup", "1",
+                          "--json", str(path), "--ledger", str(ledger)]) == 0
     assert moved == {"trl": [True] * 3, "cosdistill": [True] * 3}  # a warm-up and a timed step per round
     assert fused_calls and set(fused_calls) == {"jsd"}
     report = json.loads(path.read_text())
-    losses = report["start_losses"]
+    losses, reference = report["start_losses"], report["reference_loss"]
     assert set(losses) == set(report["results"]) == {"trl", "ours"}
+    assert reference > 0 and abs(losses["ours"] - reference) < 1e-4 * reference
+    if kind == "distillation":
+        assert losses["trl"] == reference
     assert 8 <= report["completion_tokens"] <= 2 * 16
     for result in report["results"].values():
         assert result["step_ms"] > 0 and len(result["step_ms_by_round"]) == 2
     rows = ledger.read_text().splitlines()
     assert rows[0].startswith("date,commit") and len(rows) == 1 + 2 and all(",trl-step," in row for row in rows[1:])
+    assert all((kind == "gkd") == ("GKDTrainer" in row) for row in rows[1:])
 
 
 def test_the_trl_trainer_step_benchmark_refuses_trainers_whose_losses_differ(monkeypatch):
