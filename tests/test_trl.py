@@ -118,6 +118,22 @@ def test_a_packed_step_is_each_example_on_its_own(tmp_path, loss, rows):
         assert rel_err(old.detach() - new.detach(), ref.grad) < 1e-4
 
 
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_a_copy_made_after_sfttrainer_patched_the_model_raises_not_a_wrong_loss(tmp_path, loss):
+    """TRL's SFTTrainer replaces its model's forward by one that calls the original model's: a deep copy made after
+    it runs the original's layers. The loss sees its head never called and raises, saying so, rather than train
+    one model on another's hidden states (it raised an IndexError before the first call's head check)."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", seed=1)
+    trl.SFTTrainer(model=student, args=trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                                     bf16=False),
+                   train_dataset=text_dataset(), processing_class=word_tokenizer())
+    copied = copy.deepcopy(student)
+    input_ids = torch.randint(len(SPECIAL), VOCAB, (2, 6))
+    with pytest.raises(ValueError, match="called its LM head 0 times.*copy the model before a trainer is built"):
+        distill_loss(copied, teacher, input_ids, labels=input_ids, loss=loss)
+    distill_loss(copy.deepcopy(tiny_model("llama")), teacher, input_ids, labels=input_ids, loss=loss)  # a fresh copy
+
+
 @pytest.mark.parametrize("option", [dict(loss_type="dft"), dict(use_liger_kernel=True), dict(label_smoothing_factor=0.1)])
 def test_sft_options_the_loss_cannot_honour_raise(tmp_path, option):
     name = next(iter(option))

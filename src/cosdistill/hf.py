@@ -60,6 +60,13 @@ def lm_head_linear(head, name):
     return head
 
 
+def head_calls_error(calls: int) -> ValueError:
+    return ValueError(f"the model's forward called its LM head {calls} times, expected once (a model compiled by "
+                      "torch.compile whose first call ran without hooks skips them: call keep_head_hook(model) before "
+                      "that call; a copy of a model whose forward TRL or accelerate had replaced runs the original's "
+                      "forward: copy the model before a trainer is built on it)")
+
+
 def final_hidden_states(model, input_ids, attention_mask=None, head=None, **model_inputs):
     """The input of the model's LM head [B, L, H]: the final hidden states, after the final norm.
 
@@ -86,9 +93,7 @@ def final_hidden_states(model, input_ids, attention_mask=None, head=None, **mode
         if handle is not None:
             handle.remove()
     if len(captured) != 1:
-        raise ValueError(f"the model's forward called its LM head {len(captured)} times, expected once (a model "
-                         "compiled by torch.compile whose first call ran without hooks skips them: call "
-                         "keep_head_hook(model) before that call)")
+        raise head_calls_error(len(captured))
     # torch's ColwiseParallel hands the head a replicated DTensor: its local tensor is the whole hidden states.
     hidden = local_of(captured[0])
     extra = hidden.shape[-2] - input_ids.shape[-1]
@@ -353,6 +358,8 @@ def check_head_reproduces_logits(model, name="model") -> None:
             logits = model(input_ids=probe, use_cache=False).logits
         finally:
             handle.remove()
+        if not captured:
+            raise head_calls_error(0)
         hidden, weight, bias, softcap, scale = head_inputs(model, local_of(captured[-1]), name)
         rows = tensor_parallel_rows(head.weight)
         if rows is not None and logits.shape[-1] == vocab:  # gathered logits: this rank's rows' columns of them
