@@ -185,7 +185,8 @@ def main(argv=None):
     parser.add_argument("--completion-len", type=int, default=2048)
     parser.add_argument("--beta", type=float, default=0.5, help="0: forward KL, 1: reverse KL")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--trainers", default="trl,ours")
+    parser.add_argument("--trainers", default="trl,ours", help="trl, ours or both (a DistillationTrainer run "
+                        "needs trl: its loss is ours' reference)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1: it makes the optimizer's state)")
@@ -196,6 +197,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.warmup < 1:
         parser.error("--warmup must be at least 1: the first step makes the optimizer's state")
+    names = args.trainers.split(",")
+    if not names or not set(names) <= {"trl", "ours"} or len(set(names)) != len(names):
+        parser.error(f"--trainers takes trl, ours or both, got {args.trainers!r}")
+    if args.trainer == "distillation" and "trl" not in names:
+        parser.error("--trainer distillation needs trl in --trainers: TRL's loss is the reference ours is held to")
     device = torch.device(args.device)
     student_shape, teacher_shape, vocab = (TINY_STUDENT, TINY_TEACHER, TINY_VOCAB) if args.tiny else (STUDENT, TEACHER, VOCAB)
     max_len = args.prompt_len + args.completion_len
@@ -208,7 +214,7 @@ def main(argv=None):
     # what a step takes: a DistillationTrainer generates its batch (here returns it), a GKDTrainer is given it
     loss_inputs = batch if args.trainer == "distillation" else as_gkd_batch(batch)
     step_inputs = [{"prompt": "w3"}] if args.trainer == "distillation" else loss_inputs
-    classes, names = trainer_classes(args.trainer), args.trainers.split(",")
+    classes = trainer_classes(args.trainer)
     # the copies before any trainer is made: a trainer sets its model's forward to a wrapper of that very model's,
     # which a later copy would share
     students = [student] + [copy.deepcopy(student) for _ in names[1:]]

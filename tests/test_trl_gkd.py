@@ -99,20 +99,19 @@ def test_compute_loss_and_gradients_are_gkds(tmp_path, labels_on_padding, num_it
 
 
 def test_bf16_models_get_trls_loss_of_their_logits_taken_in_float64(tmp_path):
-    """With bf16 models TRL's GKDTrainer forms its loss in bf16, the logits' dtype: 1e-4 (forward KL) to 2e-2 (JSD)
-    off its own formula on the same logits in float64; ours is that formula to fp32's rounding (~1e-8 here)."""
+    """With bf16 models TRL's GKDTrainer forms its loss in bf16, the logits' dtype (trl 1.16: 1e-4 for forward KL
+    to 2e-2 for the JSD off its own formula on the same logits in float64, not asserted: TRL's to change); ours is
+    that formula to fp32's rounding (~1e-8 here)."""
     student, teacher = (model.to(torch.bfloat16) for model in models())
     for beta in (0.0, 0.5, 1.0):
         ours = make(DistillationGKDTrainer, tmp_path, copy.deepcopy(student), teacher, beta=beta)
-        theirs = make(GKDTrainer, tmp_path, copy.deepcopy(student), teacher, beta=beta)
         batch = ours.data_collator([ours.train_dataset[i] for i in range(len(ours.train_dataset))])
         with torch.no_grad():
             logits = [model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].double()
                       for model in (ours.model, teacher)]
             want = GKDTrainer.generalized_jsd_loss(*logits, labels=batch["labels"][:, 1:], beta=beta)
-            got, trls = ours.compute_loss(ours.model, dict(batch)), theirs.compute_loss(theirs.model, dict(batch))
+            got = ours.compute_loss(ours.model, dict(batch))
         assert want > 1e-2 and rel_err(got, want) < 1e-6, (beta, got.item(), want.item())
-        assert rel_err(trls, want) > 100 * rel_err(got, want), (beta, trls.item(), want.item())
 
 
 def test_a_step_that_counted_no_item_gives_loss_0(tmp_path):

@@ -173,7 +173,7 @@ def jsd_lift_bound(sums, constants: RowStepConstants) -> torch.Tensor:
 
 
 def jsd_shard_grad_torch(student_logits, teacher_logits, labels, stats, sums, constants: RowStepConstants, token_losses,
-                 write_grad, grad_lifts=None) -> None:
+                         write_grad, grad_lifts=None) -> None:
     """The losses from the (combined) statistics and sums and, if asked, d L / d s of this shard's columns
     (times the row's lift, given ``grad_lifts``; 1 for an ignored row)."""
     rows, vocab_student = student_logits.shape
@@ -217,12 +217,12 @@ def split_jsd_row_step(all_gather):
     gradient needs the whole row's student part, fp16's lift the whole row's largest terms)."""
 
     def row_step(student_logits, teacher_logits, labels, constants, token_losses, write_grad, grad_lifts=None):
-        stats = combine_jsd_stats_torch(all_gather(jsd_shard_stats_torch(student_logits, teacher_logits, labels, constants)),
-                                  constants.temperature)
+        stats = combine_jsd_stats_torch(
+            all_gather(jsd_shard_stats_torch(student_logits, teacher_logits, labels, constants)), constants.temperature)
         sums = combine_jsd_sums_torch(all_gather(jsd_shard_sums_torch(student_logits, teacher_logits, stats, constants,
-                                                        lift_terms=grad_lifts is not None)))
+                                                                      lift_terms=grad_lifts is not None)))
         jsd_shard_grad_torch(student_logits, teacher_logits, labels, stats, sums, constants, token_losses, write_grad,
-                     grad_lifts)  # every rank: the same sums, so the same lifts
+                             grad_lifts)  # every rank: the same sums, so the same lifts
 
     return row_step
 

@@ -849,11 +849,11 @@ def split_jsd_row_step_triton(all_gather):
     all-gathers of O(rows) per chunk between them (of [n, 7] and [n, 4] fp32)."""
 
     def row_step(student_logits, teacher_logits, labels, constants, token_losses, write_grad, grad_lifts=None):
-        stats = combine_jsd_stats_triton(all_gather(jsd_shard_stats_triton(student_logits, teacher_logits, labels, constants)),
-                                    constants.temperature)
+        stats = combine_jsd_stats_triton(
+            all_gather(jsd_shard_stats_triton(student_logits, teacher_logits, labels, constants)), constants.temperature)
         lift_terms = write_grad and grad_lifts is not None
         sums = combine_jsd_sums_triton(all_gather(jsd_shard_sums_triton(student_logits, teacher_logits, labels, stats,
-                                                                   constants, lift_terms)))
+                                                                        constants, lift_terms)))
         jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, constants, token_losses, write_grad,
                               grad_lifts)  # every rank: the same stats and sums, so the same losses and lifts
 
