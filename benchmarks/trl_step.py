@@ -43,14 +43,19 @@ PAD = 0
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
+def trl_gkd():
+    """TRL's GKD module, imported on first use: TRL warns on every import from trl.experimental."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl.experimental import gkd
+    return gkd
+
+
 def trainer_classes(kind):
     """{"trl": TRL's trainer, "ours": its drop-in} for ``kind``, "distillation" or "gkd"."""
     if kind == "distillation":
         return {"trl": trl.DistillationTrainer, "ours": cosdistill.trl.DistillationTrainer}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # TRL warns on every import from trl.experimental
-        from trl.experimental.gkd import GKDTrainer
-    return {"trl": GKDTrainer, "ours": cosdistill.trl.DistillationGKDTrainer}
+    return {"trl": trl_gkd().GKDTrainer, "ours": cosdistill.trl.DistillationGKDTrainer}
 
 
 def word_tokenizer(vocab):
@@ -96,9 +101,7 @@ def make_trainer(kind, trainer_class, student, teacher, batch, tokenizer, output
         config = trl.DistillationConfig(**common, max_completion_length=completion_len)
         dataset = datasets.Dataset.from_list([{"prompt": "w3 w4"}] * rows)
     else:
-        from trl.experimental.gkd import GKDConfig
-
-        config = GKDConfig(**common, lmbda=0.0, max_new_tokens=completion_len)
+        config = trl_gkd().GKDConfig(**common, lmbda=0.0, max_new_tokens=completion_len)
         dataset = datasets.Dataset.from_list(
             [{"messages": [{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5"}]}] * rows)
     with warnings.catch_warnings():
@@ -117,12 +120,10 @@ def make_trainer(kind, trainer_class, student, teacher, batch, tokenizer, output
 def gkd_reference_loss(student, teacher, inputs, beta) -> torch.Tensor:
     """TRL's GKD loss (its generalized_jsd_loss) on both models' logits in fp32: TRL's trainer forms it in the logits'
     dtype, which in bf16 rounds a small divergence away."""
-    from trl.experimental.gkd import GKDTrainer
-
     with torch.no_grad():
         logits = [model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                         use_cache=False).logits[:, :-1].float() for model in (student, teacher)]
-    return GKDTrainer.generalized_jsd_loss(*logits, labels=inputs["labels"][:, 1:], beta=beta)
+    return trl_gkd().GKDTrainer.generalized_jsd_loss(*logits, labels=inputs["labels"][:, 1:], beta=beta)
 
 
 def start_losses_against_their_reference(kind, trainers, loss_inputs, teacher, beta):
