@@ -175,17 +175,17 @@ def _log2_weights(keep, beta):
 
 
 @triton.jit
-def _minus_mixture(d, keep, beta, shift, MODE: tl.constexpr):
-    """(log2 p - log2 m, log2 q - log2 m, log2 p - log2 m + shift), m = (1 - beta) p + beta q, from
+def _minus_mixture(d, keep, beta, MODE: tl.constexpr):
+    """(log2 p - log2 m, log2 q - log2 m, log2 p - log2 m + log2(1 - beta)), m = (1 - beta) p + beta q, from
     d = log2 q - log2 p alone, each formed without cancelling large terms (as b - m = d + (a - m) would, where a
-    teacher peaks far from the student). MIXED (``shift`` 0, the third repeats the first): with L = log2 of the
+    teacher peaks far from the student). MIXED (the third repeats the first): with L = log2 of the
     larger weight plus the other times 2^-|d|, they are (-L - d, -L) for d >= 0 and (-L, d - L) below: one
     exponential and one log. MIXED_PRECISE: with c = log2((1 - beta) / beta), m is the larger of (1 - beta) p and
     beta q times 1 + y, y = 2^-|c - d| <= 1, and log2(1 + y) is taken to fp32's relative precision, as are
     log2(1 - beta) and log2(beta): the terms that cancel in the soft term's sums (to O(beta^2) as beta -> 0) then
-    carry fp32's relative rounding, not its absolute one. Its ``shift`` is 0 or log2(1 - beta); the latter gives
-    log2((1 - beta) p / m) exactly 0 plus log2(1 + y) where the student's weight is the larger, the gradient's
-    reference form (_row_reference). The shifted gap shares the unshifted one's exponential and logs."""
+    carry fp32's relative rounding, not its absolute one. Its third, log2((1 - beta) p / m), is -log2(1 + y) where
+    the student's weight is the larger (log2(1 - beta) cancelled before it is formed) and c - d - log2(1 + y)
+    elsewhere: the gradient's shifted form (_row_reference), sharing the others' exponential and logs."""
     if MODE == MIXED:
         smaller = _exp2(-tl.abs(d))  # the smaller of 2^d and 2^-d: never overflows
         spread = tl.where(d >= 0.0, beta + keep * smaller, keep + beta * smaller)
@@ -199,7 +199,7 @@ def _minus_mixture(d, keep, beta, shift, MODE: tl.constexpr):
         log_spread = _log2_1p(_exp2(-tl.abs(log_ratio - d)))
         return (tl.where(student_larger, -log_keep, -log_beta - d) - log_spread,
                 tl.where(student_larger, d - log_keep, -log_beta) - log_spread,
-                tl.where(student_larger, shift - log_keep, (shift - log_beta) - d) - log_spread)
+                tl.where(student_larger, 0.0, log_ratio - d) - log_spread)
 
 
 @triton.jit
@@ -216,19 +216,17 @@ def _soft_terms(a, b, d, keep, beta, MODE: tl.constexpr):
         return student_term, tl.zeros_like(a), student_term
     else:
         p = _exp2(a)
-        shift = 0.0
-        if MODE == MIXED_PRECISE:
-            shift = _log2_weights(keep, beta)[0]
-        student_gap, teacher_gap, shifted_gap = _minus_mixture(d, keep, beta, shift, MODE)
+        student_gap, teacher_gap, shifted_gap = _minus_mixture(d, keep, beta, MODE)
         return p * student_gap, beta * _exp2(b) * teacher_gap, p * shifted_gap
 
 
 @triton.jit
 def _grad(s, a, b, d, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum,
-          shift, keep, beta, MODE: tl.constexpr, SHARED: tl.constexpr, MASKED: tl.constexpr):
+          shifted, keep, beta, MODE: tl.constexpr, SHARED: tl.constexpr, MASKED: tl.constexpr):
     """(d L / d s, FORWARD's soft summand q d) of a block: weight_hard (softmax(s) - onehot) plus soft_coef =
     weight_soft / T times the soft term's bracket; in REVERSE and MIXED p log_coef ((a - x) - row_sum) with
-    a - x = -d or log2 p - log2 m (MIXED_PRECISE: plus the row's ``shift``, which row_sum carries too). The bracket
+    a - x = -d or log2 p - log2 m (MIXED_PRECISE: plus log2(1 - beta) where the row is ``shifted``, as row_sum
+    then is). The bracket
     is formed before the scaling, as the spec forms it: where p sits on one column, (a - x) and row_sum are
     large and equal, and scaled apart they would round apart."""
     p, hard_prob = _student_probs(s, a, z_scale, shift_z, norm_z, inv_ratio, SHARED, MASKED)
@@ -239,8 +237,9 @@ def _grad(s, a, b, d, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weig
     elif MODE == REVERSE:
         return grad + p * (log_coef * (-d - row_sum)), tl.zeros_like(a)
     else:
-        shifted_gap = _minus_mixture(d, keep, beta, shift, MODE)[2]
-        return grad + p * (log_coef * (shifted_gap - row_sum)), tl.zeros_like(a)
+        student_gap, _, shifted_gap = _minus_mixture(d, keep, beta, MODE)
+        gap = tl.where(shifted, shifted_gap, student_gap)
+        return grad + p * (log_coef * (gap - row_sum)), tl.zeros_like(a)
 
 
 @triton.jit
@@ -350,7 +349,7 @@ def _inv_ratio(top_s, shift_x, x_scale, norm_x, norm_z, SHARED: tl.constexpr):
 
 @triton.jit
 def _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale, z_scale, shift_x, norm_x, top_t,
-                    norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum, shift, keep, beta,
+                    norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum, shifted, keep, beta,
                     lift, student_cap, teacher_cap, student_scale, teacher_scale, MODE: tl.constexpr, SHARED: tl.constexpr,
                     LIFT: tl.constexpr, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr,
                     STAGES: tl.constexpr):
@@ -363,7 +362,7 @@ def _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale,
         t = load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
         a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
         grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
-                        row_sum, shift, keep, beta, MODE, SHARED, MASKED=False)
+                        row_sum, shifted, keep, beta, MODE, SHARED, MASKED=False)
         grad = _lifted(_through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP), lift, LIFT)
         tl.store(student_row + cols, grad.to(student_row.dtype.element_ty))
     for start in range(whole_blocks_stop, vocab_student, BLOCK):  # the last, partial block
@@ -373,7 +372,7 @@ def _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale,
         t = load_logits(teacher_row, cols, in_student, teacher_scale, teacher_cap, TEACHER_CAP)
         a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
         grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
-                        row_sum, shift, keep, beta, MODE, SHARED, MASKED=True)
+                        row_sum, shifted, keep, beta, MODE, SHARED, MASKED=True)
         grad = _lifted(_through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP), lift, LIFT)
         tl.store(student_row + cols, grad.to(student_row.dtype.element_ty), mask=in_student)
 
@@ -439,8 +438,8 @@ def _soft_loss(student_sum, teacher_sum, keep, MODE: tl.constexpr):
 
 
 @triton.jit
-def _row_reference(student_sum, shifted_sum, keep, beta, MODE: tl.constexpr):
-    """(row_sum, shift): the gradient's bracket g_k - sum_j p_j g_j is the same for g shifted by any constant
+def _row_reference(student_sum, shifted_sum, MODE: tl.constexpr):
+    """(row_sum, shifted): the gradient's bracket g_k - sum_j p_j g_j is the same for g shifted by any constant
     (sum p = 1), but formed in fp32 it keeps only the absolute precision of g where p sits. MIXED_PRECISE's student
     gap is -log2(1 - beta) plus a small term wherever the student's weight dominates the mixture (a teacher
     peaked far from the student, at betas from ~0.3 up at temperature 0.5): there the gap shifted by
@@ -449,9 +448,9 @@ def _row_reference(student_sum, shifted_sum, keep, beta, MODE: tl.constexpr):
     pass); the other forms, unshifted."""
     if MODE == MIXED_PRECISE:
         shifted = tl.abs(shifted_sum) < tl.abs(student_sum)
-        return tl.where(shifted, shifted_sum, student_sum), tl.where(shifted, _log2_weights(keep, beta)[0], 0.0)
+        return tl.where(shifted, shifted_sum, student_sum), shifted
     else:
-        return student_sum, 0.0
+        return student_sum, False
 
 
 @triton.jit
@@ -476,9 +475,9 @@ def _lift_and_write_row_grad(student_row, teacher_row, lift_row, vocab_student, 
         largest_p = tl.exp2((top_s - shift_x) * x_scale - norm_x)
         lift = _row_lift(lift_row, weight_hard, soft_coef, gap_scale * largest_bracket, largest_p, row_sum,
                          student_scale)
-    row_sum, shift = _row_reference(student_sum, shifted_sum, keep, beta, MODE)
+    row_sum, shifted = _row_reference(student_sum, shifted_sum, MODE)
     _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale, z_scale, shift_x, norm_x, top_t,
-                    norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum, shift, keep, beta, lift,
+                    norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum, shifted, keep, beta, lift,
                     student_cap, teacher_cap, student_scale, teacher_scale, MODE, SHARED, LIFT, STUDENT_CAP,
                     TEACHER_CAP, BLOCK, STAGES)
 
@@ -540,7 +539,7 @@ def _jsd_row_step_kernel(
                 t = load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
                 a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
                 grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard,
-                                   soft_coef, 0.0, 0.0, 0.0, keep, beta, MODE, SHARED, MASKED=False)
+                                   soft_coef, 0.0, 0.0, False, keep, beta, MODE, SHARED, MASKED=False)
                 teacher_part += term
                 tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
                     student_row.dtype.element_ty))
@@ -552,7 +551,7 @@ def _jsd_row_step_kernel(
                 t = load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
                 a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
                 grad, term = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard,
-                                   soft_coef, 0.0, 0.0, 0.0, keep, beta, MODE, SHARED, MASKED=True)
+                                   soft_coef, 0.0, 0.0, False, keep, beta, MODE, SHARED, MASKED=True)
                 teacher_part += tl.where(in_teacher, term, 0.0)
                 tl.store(student_row + cols, _through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP).to(
                     student_row.dtype.element_ty), mask=in_student)
