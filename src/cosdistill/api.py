@@ -59,7 +59,8 @@ def fused_linear_cosine_distill(
     cos is torch.nn.functional.cosine_similarity's (eps = 1e-8). Ignored tokens add to neither term and
     get zero gradient. Returns the fp32 scalar loss, or (loss, soft, hard) with return_soft_hard_loss;
     soft and hard are for logging and carry no gradient. Gradients reach student_input, student_weight
-    and student_bias in their own dtypes; the teacher is frozen.
+    and student_bias in their own dtypes; the teacher is frozen (its logits count as detached, even where its head
+    is the student's own).
 
     Extra keywords: ``num_valid_tokens`` (a positive number or 0-d tensor, e.g. a count all-reduced
     across ranks), ``accum_dtype`` (dtype of the grad_weight accumulator: None, the weight's dtype

@@ -193,6 +193,29 @@ def test_jsd_cluster_row_step_matches_the_spec(rows, vocab, beta, temperature, w
         assert torch.equal(got_grad, student)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("beta", [0.5, 1.0])
+def test_jsd_cluster_row_step_at_a_temperature_near_0(beta):
+    """At T = 1e-20 weight_soft / T times a gap passes fp32's range; the step scales the bracket by p times that
+    coefficient, so columns where p is 0 give 0, not inf times 0. Each row is a permutation of distinct bf16
+    logits, so that p is one column's and the true gradient is finite."""
+    cluster_kernel_or_skip("cuda")
+    rows, vocab = 6, 256
+    constants = RowStepConstants(weight_hard=0.37, weight_soft=0.81, beta=beta, temperature=1e-20, ignore_index=-100)
+    distinct = torch.arange(vocab, device="cuda", dtype=torch.float32) / 16  # exact in bf16
+    student = torch.stack([distinct[torch.randperm(vocab, device="cuda")] for _ in range(rows)]).to(BF16)
+    teacher = torch.stack([distinct[torch.randperm(vocab, device="cuda")] for _ in range(rows)]).to(BF16)
+    labels = torch.randint(0, vocab, (rows,), device="cuda")
+    labels[0] = -100
+    assert kernels.row_step_jsd_cuda.supported(student, teacher, labels, constants, True, None)
+    (got_grad, got_losses), (want_grad, want_losses) = jsd_step_and_spec(
+        kernels.row_step_jsd_cuda.row_step_jsd_cuda, student, teacher, labels, constants, True)
+    assert torch.isfinite(got_grad.float()).all() and torch.isfinite(got_losses).all()
+    for column in (0, 1):  # hard and soft apart: the soft term is ~1e20 here
+        assert rel_err(got_losses[:, column], want_losses[:, column]) < 1e-5, column
+    assert rel_err(got_grad, want_grad) < 1e-2
+
+
 def jsd_step_and_spec(step, student, teacher, labels, constants, write_grad):
     """((gradient, losses) of ``step``, the same of the float64 spec), each from a copy of ``student`` and
     NaN-poisoned losses."""

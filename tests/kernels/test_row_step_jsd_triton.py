@@ -202,7 +202,8 @@ def test_extreme_logits_and_temperatures(beta):
     which the T == 1 path gets as softmax(s) times a ratio that underflows) and both far below 0 without padding
     at T = 0.5 (the partial block's lanes past the row then hold log-probabilities of hundreds: 2^x would
     overflow, which the module's warnings filter turns into a failure); the spec's own extreme, a teacher at
-    +-1e4 at T = 0.05 and 20."""
+    +-1e4 at T = 0.05 and 20; ordinary logits at T = 1e-20, where weight_soft / T times the gaps passes fp32's
+    range."""
     generator = torch.Generator().manual_seed(int(100 * beta))
     rows = 5
     cases = [
@@ -216,6 +217,7 @@ def test_extreme_logits_and_temperatures(beta):
     spiky_teacher[:, 3] = 1e4
     for temperature in (0.05, 20.0):
         cases.append((torch.randn(rows, 90, generator=generator) * 50, spiky_teacher, temperature))
+    cases.append((torch.randn(rows, 90, generator=generator), torch.randn(rows, 90, generator=generator), 1e-20))
     for student, teacher, temperature in cases:
         labels = labels_for(rows, student.shape[1], generator)
         constants = RowStepConstants(0.37, 0.81, beta, temperature, IGNORE)

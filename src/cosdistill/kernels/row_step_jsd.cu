@@ -333,7 +333,7 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
           const float hard_prob = SHARED ? p : exp2_fast(student_distance * LOG2E - norm_z);
           const float student_gap =  // log2 p - log2 m, or REVERSE's log2 p - log2 q
               KEEP_GAP ? other[j] : -(((other[j] - top_t) - student_distance) * x_scale + norm_gap);
-          g[j] = weight_hard * hard_prob + p * (log_coef * (student_gap - row_sum));
+          g[j] = weight_hard * hard_prob + (p * log_coef) * (student_gap - row_sum);  // p first: as row_step_jsd_triton._grad
         }
         slice.grad_out[i] = grad_vector(g, i == label_vec, label_lane, weight_hard);
       }
