@@ -603,7 +603,7 @@ def test_a_student_near_its_teacher_gets_a_jsd_well_below_naive_fp32s_error(seed
     """Where the two models nearly agree the JSD is second order in each column's log-ratio d. The kernel forms both
     gaps to the mixture from d (_minus_mixture), so their first-order terms cancel as the math's do; gaps taken as
     differences of fp32 log-probabilities keep each one's rounding (docs/design.md, The generalized JSD, Precision,
-    (1)). The kernel is held to a quarter of that naive formula's error."""
+    (1)). The kernel is held to a sixth of that naive formula's error."""
     generator = torch.Generator().manual_seed(seed)
     student = torch.randn(4, 32000, generator=generator) * 2
     teacher = student + 1e-3 * torch.randn(4, 32000, generator=generator)
@@ -614,7 +614,7 @@ def test_a_student_near_its_teacher_gets_a_jsd_well_below_naive_fp32s_error(seed
     want = float64_reference(student, teacher, labels, constants)[1][:, 1]
     ours_error = (losses[:, 1].double() - want).abs().max()
     naive_error = (naive_soft_term(student, teacher, constants).double() - want).abs().max()
-    assert ours_error * 4 < naive_error, (ours_error, naive_error)
+    assert ours_error * 6 < naive_error, (ours_error, naive_error)
 
 
 @st.composite

@@ -333,7 +333,8 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
           const float hard_prob = SHARED ? p : exp2_fast(student_distance * LOG2E - norm_z);
           const float student_gap =  // log2 p - log2 m, or REVERSE's log2 p - log2 q
               KEEP_GAP ? other[j] : -(((other[j] - top_t) - student_distance) * x_scale + norm_gap);
-          g[j] = weight_hard * hard_prob + (p * log_coef) * (student_gap - row_sum);  // p first: as row_step_jsd_triton._grad
+          // p first: log_coef times the bracket can pass fp32's range near T = 0, where p is 0
+          g[j] = weight_hard * hard_prob + (p * log_coef) * (student_gap - row_sum);
         }
         slice.grad_out[i] = grad_vector(g, i == label_vec, label_lane, weight_hard);
       }
