@@ -45,10 +45,12 @@ def lm_head(model, name="model"):
     elif hasattr(head, "base_layer"):  # a PEFT adapter (LoRA, ...) around the head
         if getattr(head, "merged", False) and not getattr(head, "disable_adapters", False):
             return lm_head_linear(head.get_base_layer(), name)
+        # PEFT cannot merge an adapter into a head split for tensor parallelism: there, only the first way out works
+        merge = ("" if is_dtensor(getattr(head.get_base_layer(), "weight", None))
+                 else ", or merge the adapter into it (merge_adapter() or merge_and_unload())")
         raise TypeError(
             f"{name}'s LM head carries an adapter ({type(head).__module__}.{wrapper}); the fused loss needs the head "
-            "as one weight matrix: leave the LM head out of the adapter's target_modules, or merge the adapter into "
-            "it (merge_adapter() or merge_and_unload())"
+            f"as one weight matrix: leave the LM head out of the adapter's target_modules{merge}"
         )
     return lm_head_linear(head, name)
 

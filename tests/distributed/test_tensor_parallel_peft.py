@@ -1,0 +1,168 @@
+"""PEFT LoRA students whose LM heads are split along the vocabulary for tensor parallelism (two processes, gloo on the
+CPU): adapters on the transformer layers of a student loaded with transformers' ``tp_plan="auto"`` or split by hand
+(torch's ``ColwiseParallel`` on the head), and a head trained whole in ``modules_to_save`` beside a head split by
+hand. ``distill_loss`` gives the loss and every trainable parameter's gradient, gathered, of one process with the
+models whole; a LoRA adapter on a split head raises as on a whole one, without suggesting a merge (PEFT cannot merge
+into a split head). Not covered, as PEFT and transformers fail first: LoRA on tp_plan's rowwise layers (o_proj,
+down_proj), whose forward raises in PEFT; ``modules_to_save`` on a tp_plan head, whose deepcopy raises on ranks above
+0 and, with the shards cloned, runs the original head's forward."""
+
+import datetime
+import gc
+import os
+import re
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module  # noqa: E402
+
+from cosdistill.hf import distill_loss  # noqa: E402
+from cosdistill.testing import rel_err  # noqa: E402
+
+WORLD = 2
+VOCAB_STUDENT, VOCAB_TEACHER = 101, 117
+OPTIONS = {"cosine": dict(weight_hard_loss=0.3, weight_soft_loss=1.7, beta=0.7),
+           "jsd": dict(weight_hard_loss=0.3, weight_soft_loss=1.7, beta=0.3, temperature=0.8)}
+COLWISE_LAYERS = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]  # tp_plan's colwise projections
+ALL_LAYERS = COLWISE_LAYERS + ["o_proj", "down_proj"]
+# (how the student is split, its adapter, the teacher's vocabulary, how the teacher is split)
+CASES = {
+    "tp_plan-layers": ("tp_plan", dict(target_modules=COLWISE_LAYERS), VOCAB_STUDENT, "tp_plan"),
+    "tp_plan-layers-whole_teacher": ("tp_plan", dict(target_modules=["q_proj", "v_proj"]), VOCAB_TEACHER, "whole"),
+    "colwise-layers": ("colwise", dict(target_modules=ALL_LAYERS), VOCAB_STUDENT, "colwise"),
+    "colwise-layers-whole_teacher": ("colwise", dict(target_modules=["q_proj", "v_proj"]), VOCAB_TEACHER, "whole"),
+    "colwise-modules_to_save": ("colwise", dict(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]),
+                                VOCAB_STUDENT, "colwise"),
+    "colwise-modules_to_save-whole_teacher": (
+        "colwise", dict(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]), VOCAB_TEACHER, "whole"),
+}
+
+
+def tiny_llama(vocab, seed):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2,
+                                      vocab_size=vocab, pad_token_id=0, tie_word_embeddings=False)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def batch():
+    """Right-padded rows of different lengths, one -100 label."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = (9, 6, 3)
+    input_ids = torch.randint(3, VOCAB_STUDENT, (len(lengths), max(lengths)), generator=generator)
+    attention_mask = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).long()
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[1, 2] = -100
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def split(folder, name, vocab, seed, how):
+    if how == "tp_plan":
+        return transformers.AutoModelForCausalLM.from_pretrained(os.path.join(folder, name), tp_plan="auto",
+                                                                 attn_implementation="eager")
+    model = tiny_llama(vocab, seed)
+    if how == "colwise":
+        parallelize_module(model, init_device_mesh("cpu", (WORLD,)), {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    return model
+
+
+def lora_student(folder, how, adapter):
+    """The student with its adapter, every trainable parameter set from its name alone, whatever the split: the
+    LoRA matrices to random values (lora_B is zero at init, which would leave lora_A without a gradient), the
+    modules_to_save head moved away from the original's (the loss must read the copy)."""
+    model = peft.get_peft_model(split(folder, "student", VOCAB_STUDENT, 0, how),
+                                peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **adapter))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.requires_grad:
+                generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                values = 0.1 * torch.randn(tuple(parameter.shape), generator=generator)
+                if isinstance(parameter, DTensor):
+                    values = distribute_tensor(values, parameter.device_mesh, parameter.placements)
+                if "lora_" in name:
+                    parameter.copy_(values)
+                else:
+                    parameter.add_(values)
+    return model
+
+
+def gradients(model):
+    return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+            for name, p in model.named_parameters() if p.grad is not None}
+
+
+def measure_rank(rank, folder):
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), WORLD), rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="1")
+    torch.set_num_threads(1)
+    results = {}
+    for case, (student_how, adapter, vocab_teacher, teacher_how) in CASES.items():
+        for loss, options in OPTIONS.items():
+            student = lora_student(folder, student_how, adapter)
+            teacher = split(folder, f"teacher{vocab_teacher}", vocab_teacher, 1, teacher_how)
+            value, soft, hard = distill_loss(student, teacher, **batch(), loss=loss, return_soft_hard_loss=True,
+                                             **options)
+            value.backward()
+            results[case, loss] = (torch.stack([value, soft, hard]).detach(), gradients(student))
+    errors = {}
+    for how in ("tp_plan", "colwise"):  # all ranks raise before any collective
+        try:
+            distill_loss(lora_student(folder, how, dict(target_modules=["q_proj", "lm_head"])),
+                         split(folder, f"teacher{VOCAB_STUDENT}", VOCAB_STUDENT, 1, how), **batch())
+            errors[how] = "nothing raised"
+        except TypeError as error:
+            errors[how] = str(error)
+    results["errors"] = errors
+    torch.save(results, os.path.join(folder, f"results{rank}.pt"))
+    dist.barrier()
+    del student, teacher, value, soft, hard
+    gc.collect()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ranks")
+    tiny_llama(VOCAB_STUDENT, 0).save_pretrained(folder / "student")
+    for vocab in (VOCAB_STUDENT, VOCAB_TEACHER):
+        tiny_llama(vocab, 1).save_pretrained(folder / f"teacher{vocab}")
+    mp.spawn(measure_rank, args=(str(folder),), nprocs=WORLD)
+    return [torch.load(folder / f"results{rank}.pt") for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("loss", OPTIONS)
+@pytest.mark.parametrize("case", CASES)
+def test_lora_students_split_give_the_whole_models_loss_and_gradients(results, case, loss):
+    _, adapter, vocab_teacher, _ = CASES[case]
+    student = lora_student(None, "whole", adapter)
+    value, soft, hard = distill_loss(student, tiny_llama(vocab_teacher, 1), **batch(), loss=loss,
+                                     return_soft_hard_loss=True, **OPTIONS[loss])
+    value.backward()
+    want = gradients(student)
+    assert want and all(name.count("lora_") or "modules_to_save" in name for name in want)
+    for rank, rank_results in enumerate(results):  # each rank's replicated LoRA matrices too
+        values, grads = rank_results[case, loss]
+        assert rel_err(values, torch.stack([value, soft, hard]).detach()) < 1e-5, rank
+        assert grads.keys() == want.keys(), rank
+        errors = {name: rel_err(grads[name], want[name]) for name in want}
+        assert max(errors.values()) < 1e-5, (rank, errors)
+
+
+@pytest.mark.parametrize("how", ["tp_plan", "colwise"])
+def test_lora_on_a_split_head_raises(results, how):
+    for rank_results in results:  # without the way out that PEFT cannot take for a split head: merging
+        message = rank_results["errors"][how]
+        assert re.search(r"student's LM head carries an adapter \(peft\.tuners\.lora\.layer\.Linear\)", message), message
+        assert "merge" not in message, message
