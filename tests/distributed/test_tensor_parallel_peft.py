@@ -21,17 +21,21 @@ import torch.multiprocessing as mp
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor  # noqa: E402
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module  # noqa: E402
+from test_tensor_parallel_hf import (  # noqa: E402  the same models, batch and splits as the whole-head tests
+    OPTIONS,
+    VOCAB_STUDENT,
+    VOCAB_TEACHER,
+    WORLD,
+    batch,
+    gradients,
+    split,
+    tiny_llama,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 
 from cosdistill.hf import distill_loss  # noqa: E402
 from cosdistill.testing import rel_err  # noqa: E402
 
-WORLD = 2
-VOCAB_STUDENT, VOCAB_TEACHER = 101, 117
-OPTIONS = {"cosine": dict(weight_hard_loss=0.3, weight_soft_loss=1.7, beta=0.7),
-           "jsd": dict(weight_hard_loss=0.3, weight_soft_loss=1.7, beta=0.3, temperature=0.8)}
 COLWISE_LAYERS = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]  # tp_plan's colwise projections
 ALL_LAYERS = COLWISE_LAYERS + ["o_proj", "down_proj"]
 # (how the student is split, its adapter, the teacher's vocabulary, how the teacher is split)
@@ -45,35 +49,6 @@ CASES = {
     "colwise-modules_to_save-whole_teacher": (
         "colwise", dict(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]), VOCAB_TEACHER, "whole"),
 }
-
-
-def tiny_llama(vocab, seed):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2,
-                                      vocab_size=vocab, pad_token_id=0, tie_word_embeddings=False)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-
-
-def batch():
-    """Right-padded rows of different lengths, one -100 label."""
-    generator = torch.Generator().manual_seed(0)
-    lengths = (9, 6, 3)
-    input_ids = torch.randint(3, VOCAB_STUDENT, (len(lengths), max(lengths)), generator=generator)
-    attention_mask = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).long()
-    labels = input_ids.masked_fill(attention_mask == 0, -100)
-    labels[1, 2] = -100
-    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-
-
-def split(folder, name, vocab, seed, how):
-    if how == "tp_plan":
-        return transformers.AutoModelForCausalLM.from_pretrained(os.path.join(folder, name), tp_plan="auto",
-                                                                 attn_implementation="eager")
-    model = tiny_llama(vocab, seed)
-    if how == "colwise":
-        parallelize_module(model, init_device_mesh("cpu", (WORLD,)), {"lm_head": ColwiseParallel(output_layouts=Replicate())})
-    return model
 
 
 def lora_student(folder, how, adapter):
@@ -94,11 +69,6 @@ def lora_student(folder, how, adapter):
                 else:
                     parameter.add_(values)
     return model
-
-
-def gradients(model):
-    return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-            for name, p in model.named_parameters() if p.grad is not None}
 
 
 def measure_rank(rank, folder):
