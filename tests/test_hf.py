@@ -478,6 +478,29 @@ def test_a_model_whose_logits_are_not_its_heads_output_raises(change):
         distill_loss(student, falcon_h1(1.0), **batch)  # the same family, multiplier 1: its head's output
 
 
+def test_a_head_that_runs_another_module_s_forward_raises():
+    """A head whose forward is an attribute bound to another module (the deep copy of a head whose forward
+    transformers replaced for tensor parallelism, as PEFT's modules_to_save makes it) gives the model that module's
+    logits while the fused loss reads the copy's weight: a clear error, not two losses that part once the copy
+    trains."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
+    original = student.get_output_embeddings()
+    original_forward = original.forward
+
+    def tensor_parallel_forward(*args, **kwargs):  # as transformers' tp_plan installs it: a closure over the module's
+        return original_forward(*args, **kwargs)
+
+    original.forward = tensor_parallel_forward
+    distill_loss(student, teacher, **make_batch())  # the head's own forward, wrapped: fine
+    for copied_forward in ("closure", "bound method"):
+        copied = copy.deepcopy(original)  # keeps the original's closure
+        if copied_forward == "bound method":
+            copied.forward = original_forward
+        student.set_output_embeddings(copied)
+        with pytest.raises(ValueError, match="student's LM head runs another module's forward"):
+            distill_loss(student, teacher, **make_batch())
+
+
 def test_the_head_check_runs_once_per_model():
     student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
     calls = []

@@ -56,10 +56,31 @@ def lm_head(model, name="model"):
 
 
 def lm_head_linear(head, name):
-    """The head, checked to be a torch.nn.Linear."""
+    """The head, checked to be a torch.nn.Linear whose forward is its own."""
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"{name}.get_output_embeddings() must be a torch.nn.Linear, got {type(head).__name__}")
+    if runs_another_modules_forward(head):
+        raise ValueError(
+            f"{name}'s LM head runs another module's forward (set on it as an attribute): the model's logits come from "
+            "that module's weights, not the head's the fused loss reads. A deep copy of a head whose forward was replaced "
+            "does this, e.g. PEFT's modules_to_save on a head split by transformers' tp_plan: keep the head out of "
+            "modules_to_save there"
+        )
     return head
+
+
+def runs_another_modules_forward(module) -> bool:
+    """Whether ``module.forward`` is an attribute that runs another module: a method bound to it, or a closure or
+    partial holding it (transformers' tensor-parallel forward holds its module; a deep copy keeps the original's).
+    The fused loss reads this module's weight, the model's own logits (evaluation, generation) would be the other's."""
+    forward = vars(module).get("forward")
+    if forward is None:
+        return False
+    held = [forward.__self__] if inspect.ismethod(forward) else list(getattr(forward, "args", ()))
+    for cell in getattr(forward, "__closure__", None) or ():
+        value = cell.cell_contents
+        held.append(value.__self__ if inspect.ismethod(value) else value)
+    return any(isinstance(value, torch.nn.Module) and value is not module for value in held)
 
 
 def head_calls_error(calls: int) -> ValueError:

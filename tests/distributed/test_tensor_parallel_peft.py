@@ -3,9 +3,9 @@ CPU): adapters on the transformer layers of a student loaded with transformers' 
 (torch's ``ColwiseParallel`` on the head), and a head trained whole in ``modules_to_save`` beside a head split by
 hand. ``distill_loss`` gives the loss and every trainable parameter's gradient, gathered, of one process with the
 models whole; a LoRA adapter on a split head raises as on a whole one, without suggesting a merge (PEFT cannot merge
-into a split head). Not covered, as PEFT and transformers fail first: LoRA on tp_plan's rowwise layers (o_proj,
-down_proj), whose forward raises in PEFT; ``modules_to_save`` on a tp_plan head, whose deepcopy raises on ranks above
-0 and, with the shards cloned, runs the original head's forward."""
+into a split head); ``modules_to_save`` on a tp_plan head (its shards cloned: PEFT's deep copy raises on ranks above
+0 otherwise) raises, the copy running the original head's forward. Not covered, as PEFT fails first: LoRA on
+tp_plan's rowwise layers (o_proj, down_proj), whose forward raises in PEFT."""
 
 import datetime
 import gc
@@ -94,6 +94,17 @@ def measure_rank(rank, folder):
             errors[how] = "nothing raised"
         except TypeError as error:
             errors[how] = str(error)
+    # modules_to_save on a tp_plan head, its shards cloned so that PEFT's deep copy runs: the copy keeps the
+    # original's forward (transformers' closure over the original module)
+    student = split(folder, "student", VOCAB_STUDENT, 0, "tp_plan")
+    for parameter in student.parameters():
+        parameter.data = parameter.data.clone()
+    student = peft.get_peft_model(student, peft.LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    try:
+        distill_loss(student, split(folder, f"teacher{VOCAB_STUDENT}", VOCAB_STUDENT, 1, "tp_plan"), **batch())
+        errors["tp_plan-modules_to_save"] = "nothing raised"
+    except ValueError as error:
+        errors["tp_plan-modules_to_save"] = str(error)
     results["errors"] = errors
     torch.save(results, os.path.join(folder, f"results{rank}.pt"))
     dist.barrier()
@@ -128,6 +139,13 @@ def test_lora_students_split_give_the_whole_models_loss_and_gradients(results, c
         assert grads.keys() == want.keys(), rank
         errors = {name: rel_err(grads[name], want[name]) for name in want}
         assert max(errors.values()) < 1e-5, (rank, errors)
+
+
+def test_modules_to_save_on_a_tp_plan_head_raises(results):
+    """The copy would train while the model's own forward ran the original's weights."""
+    for rank_results in results:
+        message = rank_results["errors"]["tp_plan-modules_to_save"]
+        assert "student's LM head runs another module's forward" in message, message
 
 
 @pytest.mark.parametrize("how", ["tp_plan", "colwise"])
