@@ -226,10 +226,9 @@ def _grad(s, a, b, d, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weig
     """(d L / d s, FORWARD's soft summand q d) of a block: weight_hard (softmax(s) - onehot) plus soft_coef =
     weight_soft / T times the soft term's bracket; in REVERSE and MIXED p log_coef ((a - x) - row_sum) with
     a - x = -d or log2 p - log2 m (MIXED_PRECISE: plus log2(1 - beta) where the row is ``shifted``, as row_sum
-    then is). The bracket
-    is formed before the scaling, as the spec forms it: where p sits on one column, (a - x) and row_sum are
-    large and equal, and scaled apart they would round apart. It is scaled by p log_coef, not p times
-    log_coef times it: at temperatures near 0 the latter passes fp32's range where p is 0 (inf times 0)."""
+    then is). The bracket is formed before the scaling, as the spec forms it: where p sits on one column, (a - x)
+    and row_sum are large and equal, and scaled apart they would round apart. It is scaled by p log_coef, not p
+    times log_coef times it: at temperatures near 0 the latter passes fp32's range where p is 0 (inf times 0)."""
     p, hard_prob = _student_probs(s, a, z_scale, shift_z, norm_z, inv_ratio, SHARED, MASKED)
     grad = weight_hard * hard_prob - tl.where(cols == label_col, weight_hard, 0.0)
     if MODE == FORWARD:
