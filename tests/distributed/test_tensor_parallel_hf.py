@@ -151,7 +151,8 @@ def refusals(folder):
     return errors
 
 
-def measure_rank(rank, folder):
+def init_rank(rank, folder):
+    """This rank's process group over a FileStore in ``folder`` and the environment transformers reads."""
     store = dist.FileStore(os.path.join(folder, "store"), WORLD)
     if BACKEND == "nccl":
         torch.cuda.set_device(rank)
@@ -160,6 +161,21 @@ def measure_rank(rank, folder):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="1")
     torch.set_num_threads(1)
+
+
+def spawn_ranks(tmp_path_factory, measure_rank):
+    """The folder in which the tiny student and teachers were saved and ``measure_rank(rank, folder)`` ran on every
+    rank."""
+    folder = tmp_path_factory.mktemp("ranks")
+    tiny_llama(VOCAB_STUDENT, 0).save_pretrained(folder / "student")
+    for vocab in (VOCAB_STUDENT, VOCAB_TEACHER):
+        tiny_llama(vocab, 1).save_pretrained(folder / f"teacher{vocab}")
+    mp.spawn(measure_rank, args=(str(folder),), nprocs=WORLD)
+    return folder
+
+
+def measure_rank(rank, folder):
+    init_rank(rank, folder)
     results = {}
     for student_how, vocab_teacher, teacher_how in CASES:
         for loss, options in OPTIONS.items():
@@ -185,12 +201,7 @@ def measure_rank(rank, folder):
 def results(tmp_path_factory):
     if BACKEND == "nccl" and torch.cuda.device_count() < WORLD:
         pytest.skip(f"COSDISTILL_DISTRIBUTED_BACKEND=nccl needs {WORLD} CUDA GPUs")
-    folder = tmp_path_factory.mktemp("ranks")
-    tiny_llama(VOCAB_STUDENT, 0).save_pretrained(folder / "student")
-    for vocab in (VOCAB_STUDENT, VOCAB_TEACHER):
-        tiny_llama(vocab, 1).save_pretrained(folder / f"teacher{vocab}")
-    mp.spawn(measure_rank, args=(str(folder),), nprocs=WORLD)
-    return torch.load(folder / "results.pt")
+    return torch.load(spawn_ranks(tmp_path_factory, measure_rank) / "results.pt")
 
 
 @pytest.mark.parametrize("loss", OPTIONS)

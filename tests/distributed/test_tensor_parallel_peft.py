@@ -7,7 +7,6 @@ into a split head); ``modules_to_save`` on a tp_plan head (its shards cloned: PE
 0 otherwise) raises, the copy running the original head's forward. Not covered, as PEFT fails first: LoRA on
 tp_plan's rowwise layers (o_proj, down_proj), whose forward raises in PEFT."""
 
-import datetime
 import gc
 import os
 import re
@@ -16,7 +15,6 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -28,6 +26,8 @@ from test_tensor_parallel_hf import (  # noqa: E402  the same models, batch and 
     WORLD,
     batch,
     gradients,
+    init_rank,
+    spawn_ranks,
     split,
     tiny_llama,
 )
@@ -72,11 +72,7 @@ def lora_student(folder, how, adapter):
 
 
 def measure_rank(rank, folder):
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), WORLD), rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=120))
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="1")
-    torch.set_num_threads(1)
+    init_rank(rank, folder)
     results = {}
     for case, (student_how, adapter, vocab_teacher, teacher_how) in CASES.items():
         for loss, options in OPTIONS.items():
@@ -115,11 +111,7 @@ def measure_rank(rank, folder):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ranks")
-    tiny_llama(VOCAB_STUDENT, 0).save_pretrained(folder / "student")
-    for vocab in (VOCAB_STUDENT, VOCAB_TEACHER):
-        tiny_llama(vocab, 1).save_pretrained(folder / f"teacher{vocab}")
-    mp.spawn(measure_rank, args=(str(folder),), nprocs=WORLD)
+    folder = spawn_ranks(tmp_path_factory, measure_rank)
     return [torch.load(folder / f"results{rank}.pt") for rank in range(WORLD)]
 
 
