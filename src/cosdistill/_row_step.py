@@ -231,10 +231,13 @@ def row_lift_bound(stats: torch.Tensor, constants: RowStepConstants, coef_teache
 
 def lift_for(bound: torch.Tensor) -> torch.Tensor:
     """2^k: with e = floor(-log2(bound)), k = min(e, MAX_LIFT_EXPONENT) for e > 0, e + MAX_STORED_EXPONENT
-    for bounds above 2^MAX_STORED_EXPONENT, else 0; 1 for a NaN bound."""
+    for bounds above 2^MAX_STORED_EXPONENT, else 0; 1 for a bound that is NaN or infinite. A bound past fp32's
+    range comes from its looser terms (fp16 at temperatures near 0), so it says nothing of the entries: stored
+    as they are, one past fp16's range shows as inf, where a power of two from the bound could round them to 0."""
     exponent = torch.floor(-torch.log2(bound.clamp(min=torch.finfo(torch.float32).tiny)))
     exponent = torch.where(exponent > 0, exponent.clamp(max=MAX_LIFT_EXPONENT),
                            torch.where(exponent < -MAX_STORED_EXPONENT, exponent + MAX_STORED_EXPONENT, 0.0))
+    exponent = torch.where(torch.isfinite(bound), exponent, 0.0)
     return torch.ldexp(torch.ones_like(bound), exponent.int())
 
 

@@ -335,6 +335,26 @@ def test_jsd_triton_fp16_lifts_match_the_spec(vocab, beta, temperature, weights)
     assert torch.equal(results["triton"], results["torch"])
 
 
+@pytest.mark.gpu
+def test_jsd_triton_fp16_lift_bound_past_fp32s_range_leaves_the_row_as_it_is():
+    """Compiled: reverse KL at T = 1e-30, whose lift bound passes fp32's range while the soft gradient is 0,
+    lifts each row by 1 in the Triton step as in the spec, keeping the hard gradient softmax(s) - onehot."""
+    rows, vocab = 23, 32003
+    constants = RowStepConstants(1.0, 1.0, 1.0, 1e-30, -100)
+    student = (torch.randn(rows, vocab, device="cuda") * 3).to(FP16)
+    teacher = (torch.randn(rows, vocab, device="cuda") * 3).to(FP16)
+    labels = torch.randint(0, vocab, (rows,), device="cuda")
+    labels[::4] = -100
+    valid = labels != -100
+    expected = torch.softmax(student.double(), 1)
+    expected[torch.arange(rows, device="cuda"), labels.clamp(0)] -= 1
+    for step in (kernels.row_step_jsd_triton.row_step_jsd_triton, row_step_jsd_torch):
+        grad, lifts = student.clone(), torch.full((rows,), POISON, device="cuda")
+        step(grad, teacher, labels, constants, torch.full((rows, 2), POISON, device="cuda"), True, grad_lifts=lifts)
+        assert (lifts == 1).all(), lifts
+        assert rel_err(grad[valid].double(), expected[valid]) < 1e-3
+
+
 
 # (Vs, Vt, the teacher's column bounds of each rank): the seed's vocabulary over two ranks, a padded student over
 # three (its last shard partial, then none of its columns)

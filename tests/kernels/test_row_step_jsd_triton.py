@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -392,6 +393,28 @@ def test_fp16_lifts_match_the_spec(beta, temperature, weights):
     assert torch.equal(results["triton"][1], results["torch"][1])
     torch.testing.assert_close(results["triton"][0].float(), results["torch"][0].float(), rtol=1e-2, atol=1e-4)
 
+
+
+def test_a_lift_bound_past_fp32s_range_leaves_the_row_as_it_is_in_both():
+    """fp16, reverse KL at a temperature near 0: the bound's terms (weight_soft / T times the student's largest
+    log-ratio, ~1 / T) pass fp32's range while the soft gradient itself is 0 (the student's p sits on one
+    column, where g_k equals the row's sum). Both twins lift such a row by 1, keeping its hard gradient; the spec
+    once lifted it by 2^-inf = 0 (NaN once divided out again)."""
+    generator = torch.Generator().manual_seed(23)
+    rows, vocab = 5, 300
+    student = (torch.randn(rows, vocab, generator=generator) * 3).half()
+    teacher = (torch.randn(rows, vocab, generator=generator) * 3).half()
+    labels = labels_for(rows, vocab, generator)
+    constants = RowStepConstants(1.0, 1.0, 1.0, 1e-30, IGNORE)
+    valid = ~ignored(labels, vocab)
+    expected = torch.softmax(student.double(), 1) - torch.nn.functional.one_hot(torch.where(valid, labels, 0), vocab)
+    for step in (row_step_jsd_triton, row_step_jsd_torch):
+        grad, lifts = student.clone(), torch.full((rows,), float("nan"))
+        with warnings.catch_warnings():  # the bound's overflow, as meant
+            warnings.filterwarnings("ignore", "overflow encountered in multiply", RuntimeWarning)
+            step(grad, teacher, labels, constants, torch.empty(rows, 2), True, grad_lifts=lifts)
+        assert (lifts == 1).all(), (step.__name__, lifts)
+        assert rel_err(grad[valid].double(), expected[valid]) < 1e-3, step.__name__
 
 
 SPLITS = {  # Vs = 130, Vt = 157: the last shard's student columns partial, then none

@@ -11,6 +11,7 @@ import triton.language as tl
 from .._row_step import MAX_LIFT_EXPONENT, MAX_STORED_EXPONENT, RowStepConstants
 
 FLOAT32_TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # bound 0 (both weights 0): no log2(0)
+FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 MAX_LIFT: tl.constexpr = tl.constexpr(float(MAX_LIFT_EXPONENT))
 MAX_STORED: tl.constexpr = tl.constexpr(float(MAX_STORED_EXPONENT))
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -87,10 +88,10 @@ def row_and_label(row, student_ptr, student_row_stride, labels_ptr, ignore_index
 @triton.jit
 def lift_for(bound):
     """_row_step.lift_for: the row's power of two for a bound on its largest gradient entry."""
-    bound = tl.maximum(bound, FLOAT32_TINY, propagate_nan=tl.PropagateNan.ALL)
-    exponent = tl.floor(-tl.log2(bound))
+    exponent = tl.floor(-tl.log2(tl.maximum(bound, FLOAT32_TINY)))
     exponent = tl.where(exponent > 0, tl.minimum(exponent, MAX_LIFT),
-                        tl.where(exponent < -MAX_STORED, exponent + MAX_STORED, 0.0))  # NaN -> 0
+                        tl.where(exponent < -MAX_STORED, exponent + MAX_STORED, 0.0))
+    exponent = tl.where(bound <= FLOAT32_MAX, exponent, 0.0)  # NaN and inf: 1, as the spec
     return ((exponent.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # exactly 2^exponent
 
 
