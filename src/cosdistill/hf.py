@@ -772,7 +772,8 @@ class _SoftHardLogsPerRun(TrainerCallback):
 
 class DistillationTrainer(DistillationMixin, Trainer):
     """A ``transformers.Trainer`` whose loss is ``distill_loss`` against a frozen teacher (``DistillationMixin``
-    says how)."""
+    says how), on the dataset's own completions. Not TRL's on-policy trainer of the same name: that one, with the
+    fused loss, is ``cosdistill.trl.DistillationTrainer``."""
 
 
 CosineDistillationTrainer = DistillationTrainer  # its name from before loss="jsd"

@@ -139,7 +139,8 @@ def _define_distillation_trainer():
         """TRL's ``DistillationTrainer`` (on-policy distillation: the student generates the completions, with vLLM or
         transformers, tools included) whose generalized JSD is ``fused_linear_jsd`` on the two models' last hidden
         states, instead of TRL's chunked divergence, which computes each logit tile twice or three times. The change
-        from a TRL script is the import (``from cosdistill.trl import DistillationTrainer``).
+        from a TRL script is the import (``from cosdistill.trl import DistillationTrainer``). Not
+        ``cosdistill.hf.DistillationTrainer``, a ``transformers.Trainer`` on the dataset's own completions.
 
         Everything but the loss is TRL's. The loss is TRL's to the token and the divisor (trl 1.16): on each completion
         token (``completion_mask`` times ``tool_mask``) the generalized JSD at ``beta`` (0: forward KL, 1: reverse KL)

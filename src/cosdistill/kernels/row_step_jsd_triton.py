@@ -259,7 +259,7 @@ def _lifted(grad, lift, LIFT: tl.constexpr):
 
 
 @triton.jit
-def _soft_bracket(a, b, d, student_term, MODE: tl.constexpr):
+def _soft_bracket(a, b, student_term, MODE: tl.constexpr):
     """_row_step_jsd._soft_brackets in nats up to MIXED's factor 1 - beta: p - q, or p g from the student's
     summand (base 2)."""
     if MODE == FORWARD:
@@ -402,7 +402,7 @@ def _soft_sums(student_row, teacher_row, vocab_student, vocab_teacher, x_scale, 
         if MODE == MIXED_PRECISE:
             shifted_part += shifted_term
         if LIFT:
-            largest_bracket = tl.maximum(largest_bracket, tl.abs(_soft_bracket(a, b, d, student_term, MODE)))
+            largest_bracket = tl.maximum(largest_bracket, tl.abs(_soft_bracket(a, b, student_term, MODE)))
     for start in range(whole_blocks_stop, vocab_teacher, BLOCK):  # s is 0 on [Vs, Vt): the padding counts
         cols = start + offsets
         in_student = cols < vocab_student
@@ -416,7 +416,7 @@ def _soft_sums(student_row, teacher_row, vocab_student, vocab_teacher, x_scale, 
         if MODE == MIXED_PRECISE:
             shifted_part += tl.where(in_teacher, shifted_term, 0.0)
         if LIFT:  # over the student's columns: the padding has no gradient
-            bracket = tl.abs(_soft_bracket(a, b, d, student_term, MODE))
+            bracket = tl.abs(_soft_bracket(a, b, student_term, MODE))
             largest_bracket = tl.where(in_student, tl.maximum(largest_bracket, bracket), largest_bracket)
     student_sum = tl.sum(student_part, axis=0)
     shifted_sum = student_sum
