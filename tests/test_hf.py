@@ -345,6 +345,24 @@ def test_loss_labels_leave_exactly_the_loss_targets():
         [[2, -100, 4, 5, -100]]
 
 
+def test_position_ids_of_one_row_serve_every_row_as_in_the_models():
+    """Hugging Face models broadcast position_ids of shape [1, L] over the batch; so does the loss (a packed
+    restart in that row restarts every row), against the same ids expanded, through the models too."""
+    labels = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 3, 4, -100]])
+    one_row = torch.tensor([[0, 1, 2, 0, 1]])
+    assert torch.equal(loss_labels(labels, None, one_row), loss_labels(labels, None, one_row.expand(2, 5)))
+    assert loss_labels(labels, None, one_row)[:, 3].tolist() == [-100, -100]
+    for wrong in (torch.arange(5), torch.zeros(3, 5, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"position_ids shape .* does not match labels \(2, 5\)"):
+            loss_labels(labels, None, wrong)
+    student, teacher = tiny_model("llama"), tiny_model("llama", seed=1)
+    batch = make_batch()
+    positions = torch.arange(batch["input_ids"].shape[1])[None]
+    losses = [distill_loss(student, teacher, **batch, loss="jsd", beta=0.5, model_inputs=dict(position_ids=ids))
+              for ids in (positions, positions.expand(3, -1))]
+    assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-6)
+
+
 def test_left_padding_the_trainer_counts_what_the_loss_counts(tmp_path):
     """With left padding the Trainer's own count takes each row's first real token as a target (its source
     position is padding): every update was scaled by the wrong N. Now the logged loss and the step's gradient

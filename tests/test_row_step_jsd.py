@@ -279,12 +279,22 @@ def test_matches_trls_generalized_jsd_loss(beta):
     assert rel_err(soft, want) < 1e-5
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_a_drop_in_for_ligers_module(beta):
+LIGER_CASES = {  # (beta, weight_hard_loss, weight_soft_loss, temperature, ignore_index, every how many labels it is)
+    "forward KL": (0.0, 0.4, 0.6, 2.0, -100, 4), "JSD": (0.5, 0.4, 0.6, 2.0, -100, 4),
+    "reverse KL": (1.0, 0.4, 0.6, 2.0, -100, 4), "hard term alone, ignore_index 7": (0.2, 1.0, 0.0, 1.0, 7, 3),
+    "soft term alone": (0.9, 0.0, 1.0, 0.7, -100, 5), "every label ignored": (0.5, 0.5, 0.5, 1.0, -100, 1),
+}
+
+
+@pytest.mark.parametrize("case", LIGER_CASES)
+def test_a_drop_in_for_ligers_module(case):
     """The same constructor and call as LigerFusedLinearJSDLoss, and the same numbers (biases, Vt > Vs)."""
     liger = pytest.importorskip("liger_kernel.chunked_loss")
-    problem = make_problem(tokens=30, vocab_teacher=131, ignore_every=4)
-    options = dict(weight_hard_loss=0.4, weight_soft_loss=0.6, beta=beta, temperature=2.0, return_soft_hard_loss=True)
+    beta, weight_hard, weight_soft, temperature, ignore_index, every = LIGER_CASES[case]
+    problem = make_problem(tokens=30, vocab_teacher=131, ignore_every=every)
+    problem.labels.masked_fill_(problem.labels == -100, ignore_index)
+    options = dict(weight_hard_loss=weight_hard, weight_soft_loss=weight_soft, beta=beta, temperature=temperature,
+                   ignore_index=ignore_index, return_soft_hard_loss=True)
     ours = FusedLinearJSDLoss(**options)(*problem.args())
     grads = torch.autograd.grad(ours[0], (problem.student_input, problem.student_weight, problem.student_bias))
     theirs = liger.LigerFusedLinearJSDLoss(**options, compiled=False)(*problem.args())

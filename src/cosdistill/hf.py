@@ -194,7 +194,8 @@ def loss_labels(labels, attention_mask=None, position_ids=None, ignore_index=-10
     Label j is the target of position j - 1: none for j = 0, for a padding position j or j - 1
     (attention_mask == 0; left padding too), or for the first token of a packed sequence (where
     position_ids does not increase, or at a boundary of ``cu_seq_lens``, the flash-attention
-    cumulative lengths of a one-row packed batch): labels never cross a sequence boundary.
+    cumulative lengths of a one-row packed batch): labels never cross a sequence boundary. position_ids of
+    one row ([1, L]) serve every row, as the models broadcast them.
     """
     if labels.dim() != 2:
         raise ValueError(f"labels must be [batch, length], got shape {tuple(labels.shape)}")
@@ -208,9 +209,10 @@ def loss_labels(labels, attention_mask=None, position_ids=None, ignore_index=-10
         no_target |= padding
         no_target[:, 1:] |= padding[:, :-1]
     if position_ids is not None:
-        if position_ids.shape != labels.shape:
+        if position_ids.dim() != 2 or position_ids.shape[0] not in (1, labels.shape[0]) or (
+                position_ids.shape[1] != labels.shape[1]):
             raise ValueError(f"position_ids shape {tuple(position_ids.shape)} does not match labels "
-                             f"{tuple(labels.shape)}")
+                             f"{tuple(labels.shape)} (nor one row of them)")
         no_target[:, 1:] |= position_ids[:, 1:] <= position_ids[:, :-1]
     if cu_seq_lens is not None:
         starts = cu_seq_lens.flatten().long()
