@@ -245,11 +245,11 @@ def fused_linear_jsd(
     accum_dtype=None,
     impl="auto",
     teacher_precision=None,
-    vocab_parallel=None,
     student_softcap=None,
     teacher_softcap=None,
     student_logit_scale=1.0,
     teacher_logit_scale=1.0,
+    vocab_parallel=None,
 ):
     """Hard cross-entropy plus the generalized Jensen-Shannon divergence through two LM heads, never holding
     all logits. The positional order is that of Liger-Kernel's ``LigerFusedLinearJSDFunction.apply``.
