@@ -28,6 +28,9 @@ __all__ = ["CosineDistillationTrainer", "DistillationMixin", "DistillationTraine
            "next_token_targets", "tensor_parallel_rows"]
 
 
+# --- The model's LM head, and the hidden states its forward hands it.
+
+
 def lm_head(model, name="model"):
     """The torch.nn.Linear that ``model.get_output_embeddings()`` runs (tied or not, with or without bias): under a
     PEFT ``modules_to_save`` wrapper the active adapter's copy (the original where none is active), under a merged
@@ -187,6 +190,9 @@ def virtual_tokens(model) -> int:
     return config.num_virtual_tokens if getattr(config, "is_prompt_learning", False) else 0
 
 
+# --- The loss's targets: which labels a batch leaves without one.
+
+
 def loss_labels(labels, attention_mask=None, position_ids=None, ignore_index=-100, cu_seq_lens=None):
     """labels with ignore_index wherever the loss has no target, so that any count of labels !=
     ignore_index (the Trainer's num_items_in_batch, shifted or not) is the loss's own count.
@@ -229,6 +235,9 @@ def next_token_targets(labels, attention_mask=None, ignore_index=-100, position_
     """
     targets = loss_labels(labels, attention_mask, position_ids, ignore_index, cu_seq_lens)
     return torch.cat([targets[:, 1:], targets.new_full((targets.shape[0], 1), ignore_index)], dim=1)
+
+
+# --- Heads split for tensor parallelism, and the vocabulary split the loss takes from them.
 
 
 def is_dtensor(tensor) -> bool:
@@ -319,6 +328,10 @@ def vocab_split(student_head, teacher_head):
     return VocabParallelOptions(teacher_start, teacher_stop, vocab_student, group, vocab_teacher)
 
 
+# --- What the fused loss takes from a head (weight, bias, softcap, logit scale), and the first call's check that
+# the model's logits are that head's output and nothing more.
+
+
 def head_inputs(model, hidden, name="model"):
     """(hidden, weight, bias, softcap, logit_scale) for the fused loss, reproducing the model's logits.
 
@@ -403,6 +416,9 @@ def check_head_reproduces_logits(model, name="model") -> None:
             f"(e.g. a logit multiplier under another config name)"
         )
     _heads_checked[model] = True
+
+
+# --- The loss of two models and a batch.
 
 
 def distill_loss(
@@ -503,6 +519,10 @@ def loss_of_hidden_states(student, teacher, student_hidden, teacher_hidden, targ
 
 
 cosine_distill_loss = distill_loss  # its name from before loss="jsd"
+
+
+# --- The checks of the loss's options and of a Trainer's arguments, at construction.
+
 
 _FUSED_OPTIONS = {loss: frozenset(inspect.signature(fused).parameters) for loss, fused in FUSED_LOSSES.items()}
 # The fused functions' arguments that distill_loss takes from the models (their heads and configs) and the batch.
@@ -623,6 +643,9 @@ def check_no_router_aux_loss(trainer) -> None:
             f"{config.router_aux_loss_coef}): train without it, with router_aux_loss_coef=0.0 (SFTConfig) or "
             "output_router_logits=False (the model's config)"
         )
+
+
+# --- The Trainer.
 
 
 class DistillationMixin:
