@@ -15,7 +15,10 @@ peak the whole process's, and mode "max-tokens" marks the largest step that fitt
     python benchmarks/ledger.py --commit 65372b1 --loss jsd --gpu H200 --spread
     python benchmarks/ledger.py --commit 1724d88 --loss cosine --providers ours,ours-fp8,liger,naive --plot docs/speed.png
 
-``--spread`` prints every selected run's ratio side by side, for a bar that one run cannot call.
+``--spread`` prints every selected run's ratio side by side, for a bar that one run cannot call; ``--by-run
+PROVIDER`` one provider's ratios, a row per run (its commit, GPU and date), for a shape measured again and again.
+
+    python benchmarks/ledger.py --loss jsd --workload "V=32000 " --by-run ours
 
 The plot (needs matplotlib) draws each provider's ratio to the floor against T, one line per provider,
 from the selected rows; where a (provider, T) was measured in several runs, the last row counts.
@@ -118,6 +121,27 @@ def spread_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def by_run_table(rows: list[dict], provider: str) -> str:
+    """One table over the selected runs: a row per run that timed ``provider`` (its commit, GPU and date), a column
+    per T, each cell that run's ratio to the floor and, where it had several rounds, their range."""
+    tokens = sorted({int(row["T"]) for row in rows if row["provider"] == provider and row["ratio_to_floor"]})
+    lines = ["| commit | GPU | date | " + " | ".join(f"T = {t}" for t in tokens) + " |",
+             "|---|---|---|" + "---:|" * len(tokens)]
+    for (commit, gpu, *_), run in runs_of(rows):
+        timed = {int(row["T"]): row for row in run if row["provider"] == provider and row["ratio_to_floor"]}
+        if not timed:
+            continue
+        cells = []
+        for t in tokens:
+            row = timed.get(t)
+            by_round = [float(value) for value in row["ratio_to_floor_by_round"].split()] if row else []
+            spread = f" [{min(by_round):.2f}-{max(by_round):.2f}]" if len(by_round) > 1 else ""
+            cells.append("-" if row is None else f"{float(row['ratio_to_floor']):.2f}x{spread}")
+        gpu_name = gpu.removeprefix("NVIDIA ").split(" ")[0]
+        lines.append(f"| {commit[:7]} | {gpu_name} | {run[0]['date']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def kinds_of_run(rows: list[dict]) -> set[tuple]:
     """What must be one for rows to share a table: GPU, versions, workload (rounds aside) and mode."""
     return {(row["gpu"], row["torch"], row["triton"], re.sub(r" rounds=\d+", "", row["workload"]), row["mode"])
@@ -158,6 +182,7 @@ def main():
     parser.add_argument("--gpu", help="only rows whose GPU contains this text (e.g. 'H200')")
     parser.add_argument("--compact", action="store_true", help="one table of ratios over the selected runs")
     parser.add_argument("--spread", action="store_true", help="one table with every selected run's ratios")
+    parser.add_argument("--by-run", metavar="PROVIDER", help="one provider's ratios, a row per selected run")
     parser.add_argument("--plot", metavar="PATH.png", help="plot the selected rows (mode full) instead of printing tables")
     args = parser.parse_args()
     providers = args.providers.split(",") if args.providers else None
@@ -167,12 +192,18 @@ def main():
             and (not args.loss or ("loss=jsd" in row["workload"]) == (args.loss == "jsd"))]
     if args.plot:
         rows = [row for row in rows if row["mode"] == "full"]
+    if args.by_run and len(kinds := {kind[3:] for kind in kinds_of_run(rows)}) != 1:  # GPUs and versions may differ
+        shown = "; ".join(" ".join(kind) for kind in sorted(kinds)) or "no rows"
+        parser.exit(2, f"ledger.py: --by-run takes runs of one workload and mode, these rows are of {len(kinds)} "
+                       f"({shown}): narrow them with --workload, --loss or --mode\n")
     if (args.plot or args.spread or args.compact) and len(kinds := kinds_of_run(rows)) != 1:
         shown = "; ".join(" ".join(kind) for kind in sorted(kinds)) or "no rows"
         parser.exit(2, f"ledger.py: --compact, --spread and --plot take runs of one kind, these rows are of "
                        f"{len(kinds)} ({shown}): narrow them with --gpu, --workload, --mode or --commit\n")
     if args.plot:
         plot(rows, args.plot)
+    elif args.by_run:
+        print(by_run_table(rows, args.by_run), end="")
     elif args.spread:
         print(spread_table(rows), end="")
     elif args.compact:
