@@ -262,6 +262,12 @@ def test_the_ledger_gets_one_row_per_timing_appended_and_renders_as_markdown(cap
                            capture_output=True, text=True)
     assert mixed.returncode == 2 and "runs of one kind, these rows are of 2" in mixed.stderr
     assert "| ours | " in rendered("abc", "--compact", "--mode", "forward")
+    by_run = rendered("abc", "--by-run", "ours", "--mode", "full").splitlines()  # a row per run, in ledger order
+    gpu = rows[0]["gpu"].removeprefix("NVIDIA ").split(" ")[0]
+    assert by_run[2:] == [f"| abc1234 | {gpu} | {rows[0]['date']} | {ratio:.2f}x |" for ratio in ratios]
+    refused = subprocess.run([sys.executable, str(script), "--ledger", str(ledger), "--by-run", "ours"],
+                             capture_output=True, text=True)  # full and forward mode: one ratio would mean two things
+    assert refused.returncode == 2 and "--by-run takes runs of one workload and mode" in refused.stderr
 
 
 def test_bench_of_the_jsd_checks_ours_against_its_naive_version_and_liger(capsys, tmp_path):
