@@ -730,6 +730,11 @@ class DistillationMixin:
         student = self.accelerator.unwrap_model(model)
         model_inputs = {key: value for key, value in inputs.items() if key not in NOT_MODEL_INPUTS}
         input_ids, attention_mask = inputs["input_ids"], inputs.get("attention_mask")
+        if not model.training:
+            # Evaluation: each batch's own mean, as one process's evaluation. The Trainer's count there is over all
+            # processes' batches, the rows accelerate repeats to even out the last ones among them, whose losses
+            # gather_for_metrics then drops: the batch that kept its row was divided by targets not its own.
+            num_items_in_batch = None
         if torch.is_tensor(num_items_in_batch):  # a step whose labels are all -100: loss 0, not an error
             num_items_in_batch = num_items_in_batch.clamp(min=1)
         elif num_items_in_batch is not None:
