@@ -28,10 +28,12 @@ TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (5e-3, 2e-2), torch.fl
 @pytest.fixture(autouse=True)
 def fresh_plans():
     """Each test's calls make their own plans: one reused from an earlier test's call of the same signature
-    (_plan.checked_plan) would skip what a test patches inside make_plan."""
-    from cosdistill.testing import plan
+    (_plan.checked_plan) would skip what a test patches inside make_plan. And the Gram cache takes each test's new
+    weights as held, whatever the weights of earlier tests, freed after one call, taught it (will_hold)."""
+    from cosdistill.testing import plan, teacher_gram
 
     plan._plans.clear()
+    teacher_gram.teacher_grams.values_outlive_calls = True
 
 
 def pytest_addoption(parser):

@@ -201,6 +201,13 @@ def test_the_checks_still_fail_after_a_good_call_of_the_signature():
     args[4] = problem.labels.tolist()
     with pytest.raises(TypeError, match="true_labels must be a torch.Tensor"):
         fused_linear_cosine_distill(*args)
+    args = list(problem.args())
+    args[3] = problem.teacher_weight.detach()
+    fused_linear_cosine_distill(*args)
+    for sparse in (args[3].to_sparse_csr(), args[3].to_sparse()):
+        args[3] = sparse  # of the dense call's type, shape, dtype, device and requires_grad
+        with pytest.raises(TypeError, match="teacher_weight must be a dense \\(strided\\) tensor, got layout"):
+            fused_linear_cosine_distill(*args)
 
 
 def test_auto_asks_the_gram_cache_at_every_call_and_a_split_is_never_reused(monkeypatch):

@@ -283,6 +283,32 @@ def test_auto_counts_the_teacher_gram_matrix_where_the_teacher_changes_every_cal
     assert calls == [True, False, False, False, True, True]
 
 
+def test_auto_counts_the_teacher_gram_matrix_where_the_teacher_is_made_anew_for_every_call(monkeypatch):
+    """A teacher head cast into a new tensor at every call (an fp32 head under bf16 autocast, as cosdistill.hf casts
+    it; a gathered head) frees its Gram matrix unused: from its second call "auto" counts W_t^T W_t and takes the
+    logits path. A head that then stays takes the logits path once (new to the cache), then the Gram path; a new
+    head after it is taken as held again."""
+    tokens, vocab, hidden_teacher = 200, 300, 64
+    calls = gram_calls(monkeypatch)
+    generator = torch.Generator().manual_seed(8)
+    head = teacher_module(vocab=vocab, hidden=hidden_teacher, generator=generator)
+    student_input, student_weight, _, labels = student_and_labels(vocab=vocab, tokens=tokens, generator=generator)
+    teacher_input = torch.randn(tokens, hidden_teacher, generator=generator)
+
+    def step(teacher_weight):
+        loss = fused_linear_cosine_distill(student_input, student_weight, teacher_input, teacher_weight, labels)
+        loss.backward()
+
+    for _ in range(3):
+        step(head.weight.clone())  # freed when the step ends, as a cast's copy is
+    kept = head.weight.clone()
+    for _ in range(3):
+        step(kept)
+    step(head.weight.clone())
+    assert calls == [True, False, False, False, True, True, True]
+    assert not gram.teacher_grams.values_outlive_calls  # that last head's Gram matrix, freed unused
+
+
 @pytest.mark.parametrize("takes_hash", [True, False])
 def test_a_row_step_that_takes_the_fp8_copy_s_hash_along_still_catches_a_stale_copy(takes_hash, monkeypatch,
                                                                                     on_device_comparison):

@@ -173,7 +173,7 @@ def gradients_needed(student_input, student_weight, student_bias) -> tuple[bool,
 
 def _call_signature(options: Options, tensors, num_valid_tokens, vocab_parallel) -> tuple | None:
     """What check_tensors and make_plan read of a call: the options, whether gradients are on, whether
-    num_valid_tokens passes, each tensor's type, shape, dtype, device and requires_grad. None where they must run:
+    num_valid_tokens passes, each tensor's type, layout, shape, dtype, device and requires_grad. None where they must run:
     a vocabulary split (an object the plan holds, which may change), options holding tensors (made for one call),
     an argument that is not a tensor. The
     options go in by identity, cheaper than hashing their fields: the plan holds them, so their id stays theirs
@@ -193,7 +193,8 @@ def _call_signature(options: Options, tensors, num_valid_tokens, vocab_parallel)
         if tensor is not None and not isinstance(tensor, (torch.Tensor, _teacher_fp8.Fp8TeacherWeight)):
             return None
         signature.append(None if tensor is None else
-                         (type(tensor), tensor.shape, tensor.dtype, tensor.device, tensor.requires_grad))
+                         (type(tensor), getattr(tensor, "layout", None), tensor.shape, tensor.dtype, tensor.device,
+                          tensor.requires_grad))
     return tuple(signature)
 
 

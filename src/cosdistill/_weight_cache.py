@@ -17,7 +17,8 @@ A value is reused only for the same weight with the same contents, checked two w
 """
 
 import functools
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -69,6 +70,8 @@ class _Entry:
     value: Any = None  # None: seen, not built
     hash: torch.Tensor | None = None
     pending: HostCopy | None = None  # the last reuse's mismatch flag, read by the next lookup
+    # [whether the storage was looked up again after its first value was built], shared with its finalizer
+    outlived: list = field(default_factory=lambda: [False])
 
 
 class WeightCache:
@@ -79,6 +82,9 @@ class WeightCache:
     def __init__(self, what: str, build: Callable[[torch.Tensor], Any]):
         self.what, self.build = what, build
         self.entries = WeakIdKeyDictionary()
+        # Whether the last storage freed with a value built for it had been looked up again (True before any):
+        # a weight made anew for every call (a cast, a gather) frees each value unused, and so new ones are not held.
+        self.values_outlive_calls = True
 
     def get(self, weight: torch.Tensor, backend, hash_later: bool = False, compare_later: bool = False) -> Cached:
         """The value for the weight as it is now, rebuilt where its identity changed. ``backend``: its
@@ -89,11 +95,15 @@ class WeightCache:
         (``raise_if_stale``)."""
         storage, entry = self._lookup(weight)
         if entry is None or entry.value is None or entry.identity != _identity(weight):
-            entry = _Entry(_identity(weight))
+            built = _Entry(_identity(weight))
             with torch.no_grad():
-                entry.value, entry.hash = self.build(weight), backend.fingerprint(weight)
-            self.entries[storage] = entry
-            return Cached(entry.value, None)
+                built.value, built.hash = self.build(weight), backend.fingerprint(weight)
+            if entry is None:
+                weakref.finalize(storage, self._freed, built.outlived)
+            else:
+                built.outlived = entry.outlived
+            self.entries[storage] = built
+            return Cached(built.value, None)
         return self.check_contents(weight, storage, entry, backend, hash_later, compare_later)
 
     def check_contents(self, weight: torch.Tensor, storage, entry: _Entry, backend, hash_later=False,
@@ -118,14 +128,22 @@ class WeightCache:
         entry.pending = HostCopy(changed)
         return poison
 
+    def _freed(self, outlived: list) -> None:
+        """A storage with a value built for it was freed (weakref.finalize)."""
+        self.values_outlive_calls = outlived[0]
+
     def will_hold(self, weight: torch.Tensor) -> bool:
-        """Whether a value built now is likely to be reused: the cache holds one for the weight as it is,
-        or the weight is new to it, or unchanged since it last saw it. Records the weight as seen, so
-        that one that changes between calls counts as changing, and one that stops changing is cached again."""
+        """Whether a value built now is likely to be reused: the cache holds one for the weight as it is, or
+        the weight is unchanged since it last saw it, or new to it while the values built so far outlived their
+        first call. Records the weight as seen, so that one that changes between calls counts as changing, one
+        that stops changing is cached again, and a weight made anew for every call counts as not held from its
+        second call on."""
         storage, entry = self._lookup(weight)
-        if entry is None or entry.identity == _identity(weight):
+        if entry is not None and entry.identity == _identity(weight):
             return True
-        self.entries[storage] = _Entry(_identity(weight))
+        if entry is None and self.values_outlive_calls:
+            return True
+        self.entries[storage] = _Entry(_identity(weight), outlived=[False] if entry is None else entry.outlived)
         return False
 
     def raise_if_stale(self, weight: torch.Tensor, when: str = PREVIOUS_CALL) -> None:
@@ -137,6 +155,8 @@ class WeightCache:
         """(storage, its entry or None); raises if the last reuse of the entry found the weight changed."""
         storage = weight.untyped_storage()
         entry = self.entries.get(storage)
+        if entry is not None:
+            entry.outlived[0] = self.values_outlive_calls = True  # looked up again: not made for one call
         if entry is not None and entry.pending is not None:
             pending, entry.pending = entry.pending, None
             if pending.get().item():
