@@ -335,13 +335,12 @@ def vocab_split(student_head, teacher_head):
 def head_inputs(model, hidden, name="model"):
     """(hidden, weight, bias, softcap, logit_scale) for the fused loss, reproducing the model's logits.
 
-    Cohere-style ``config.logit_scale`` (logits = scale * (h W^T + b)) and Gemma-2-style
+    The config's logit multiplier (``config_logit_scale``: logits = scale * (h W^T + b)) and Gemma-2-style
     ``config.final_logit_softcapping`` are handed to the fused step, which applies both (scale, then
     softcap) with their gradients. Under autocast everything is cast to the autocast dtype, as the
     model's own LM head would be. A tensor-parallel head gives this rank's rows of its weight and bias
     (``tensor_parallel_rows``).
     """
-    check_head_config(model, name)
     config, head = model.config.get_text_config(), lm_head(model, name)
     device_type = hidden.device.type
     autocast = torch.is_autocast_enabled(device_type)
@@ -350,18 +349,22 @@ def head_inputs(model, hidden, name="model"):
     bias = None if head.bias is None else head.bias.to(dtype)
     # a tensor-parallel head: this rank's rows (their gradients reach the DTensor's shard)
     weight, bias = local_of(weight), None if bias is None else local_of(bias)
-    scale = getattr(config, "logit_scale", None)
-    return hidden, weight, bias, getattr(config, "final_logit_softcapping", None), 1.0 if scale is None else scale
+    return hidden, weight, bias, getattr(config, "final_logit_softcapping", None), config_logit_scale(config)
 
 
-def check_head_config(model, name="model") -> None:
-    """Raise for a config field that changes the model's logits in a way the fused loss does not follow."""
-    config = model.config.get_text_config()
-    if getattr(config, "logits_scaling", None) not in (None, 1):
-        raise ValueError(
-            f"the {name}'s config.logits_scaling={config.logits_scaling} is not supported: model families apply it "
-            "differently (Granite divides the logits by it, HyperCLOVA X multiplies, MiniCPM3 divides the hidden states)"
-        )
+def config_logit_scale(config) -> float:
+    """The factor a model's forward applies to its head's output, read as TRL's DistillationTrainer reads it:
+    Cohere's ``logit_scale``, else ``output_multiplier``, else Falcon-H1's ``lm_head_multiplier``, else
+    ``logits_scaling``, by which HyperCLOVA X multiplies and Granite divides (MiniCPM3 divides the hidden states
+    of its bias-free head, the same); 1 where none is set. The first call's check (check_head_reproduces_logits)
+    holds each model to it."""
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        if getattr(config, name, None) is not None:
+            return getattr(config, name)
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling is None:
+        return 1.0
+    return scaling if config.model_type == "hyperclovax" else 1.0 / scaling
 
 
 HEAD_CHECK_TOKENS = 8  # the probe's length: enough positions to compare, too few to cost anything

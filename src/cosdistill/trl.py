@@ -37,7 +37,6 @@ except ImportError as error:
 from .hf import (
     UNSUPPORTED_ARGS,
     DistillationMixin,
-    check_head_config,
     check_loss_options,
     check_loss_values,
     check_sharding,
@@ -113,12 +112,11 @@ UNSUPPORTED_GKD_ARGUMENTS = {
 
 
 def check_heads(student, teacher) -> None:
-    """Raise, at construction, unless both models' logits are what the fused JSD computes: their LM head's linear
-    output (``lm_head``: a torch.nn.Linear, no adapter on it), scaled and softcapped as their configs say (Gemma-2's
-    final_logit_softcapping and Cohere's logit_scale; ``check_head_config``)."""
+    """Raise, at construction, unless both models' LM heads are what the fused JSD reads (``lm_head``: a
+    torch.nn.Linear, no adapter on it); their configs' logit scales and softcaps are applied (``head_inputs``), and
+    the first step checks that the models' logits are that (``check_head_reproduces_logits``)."""
     for role, model in (("student", student), ("teacher", teacher)):
         lm_head(model, role)
-        check_head_config(model, role)
 
 
 def check_jsd_alone_options(config_name, loss_options) -> None:
@@ -151,7 +149,7 @@ def _define_distillation_trainer():
         Differences: the student's ``entropy`` is not logged (TRL's kernel computes it beside the divergence; the fused
         loss does not). DeepSpeed ZeRO-3, FSDP1 and torch.nn.DataParallel raise at construction (FSDP2 works), as
         do tensor-parallel heads, a missing ``teacher_model`` (a teacher served elsewhere: the
-        fused loss reads its head) and ``logits_scaling`` in a config; at the first step, models whose logits the
+        fused loss reads its head); at the first step, models whose logits the
         fused loss does not reproduce (``check_head_reproduces_logits``). ``loss_options``
         (chunk_size, impl, accum_dtype, teacher_precision) go to ``fused_linear_jsd``.
         """
@@ -258,9 +256,9 @@ def _define_gkd_trainer():
 
         Differences: no logits are computed, so evaluation and ``predict()`` return none (``eval_loss`` and
         ``test_loss`` are GKDTrainer's, the predictions None; ``compute_metrics`` and
-        ``preprocess_logits_for_metrics`` raise a ValueError); models with ``logits_scaling`` in the config
-        (applied differently per family) and LM heads carrying an adapter raise at construction (Gemma-2's
-        ``final_logit_softcapping`` and Cohere's ``logit_scale`` are applied, with their gradients); so do
+        ``preprocess_logits_for_metrics`` raise a ValueError); LM heads carrying an adapter raise at construction
+        (the configs' softcaps and logit multipliers are applied, with their gradients: ``hf.config_logit_scale``);
+        so do
         DeepSpeed ZeRO-3, FSDP1 and torch.nn.DataParallel (``check_sharding``: the fused loss reads each head
         whole; FSDP2 works). Where ``num_items_in_batch`` is 0 the loss is 0, also for a generated batch with
         targets (TRL's 0 / 0 is NaN, x / 0 inf). Under mixed precision both heads run in the autocast dtype as
