@@ -355,9 +355,9 @@ def head_inputs(model, hidden, name="model"):
 def config_logit_scale(config) -> float:
     """The factor a model's forward applies to its head's output, read as TRL's DistillationTrainer reads it:
     Cohere's ``logit_scale``, else ``output_multiplier``, else Falcon-H1's ``lm_head_multiplier``, else
-    ``logits_scaling``, by which HyperCLOVA X multiplies and Granite divides (MiniCPM3 divides the hidden states
-    of its bias-free head, the same); 1 where none is set. The first call's check (check_head_reproduces_logits)
-    holds each model to it."""
+    ``logits_scaling``, by which HyperCLOVA X multiplies and the others (Granite) divide; 1 where none is set. The
+    first call's check (check_head_reproduces_logits) holds each model's own logits to it: a family that applies
+    one of these otherwise raises there."""
     for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
         if getattr(config, name, None) is not None:
             return getattr(config, name)
