@@ -49,6 +49,29 @@ def test_statistics_of_vocabulary_shards_combine_to_the_whole_row_step(impl_name
     torch.testing.assert_close(torch.cat([s for s, _, _ in pieces], 1), whole_grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl_name", ["torch", "triton"])
+def test_shards_whose_sums_fit_fp32_where_their_total_does_not_combine_to_the_whole_row_step(impl_name):
+    """Student logits ~9e18 over three shards of four columns: each shard's |s|^2 (~3.3e38) is in fp32's range, so
+    the Triton statistics keep it unscaled, and the total is past it (it came out inf: cos 0, no soft gradient)."""
+    impl = {"torch": COSINE_TORCH_ROW_STEP, "triton": COSINE_TRITON_ROW_STEP}[impl_name]
+    rows, vocab = 5, 12
+    student = 9e18 * (1 + 0.01 * torch.rand(rows, vocab))
+    teacher, labels = torch.randn(rows, vocab), torch.randint(0, vocab, (rows,))
+    constants = RowStepConstants(0.3, 1.0, 0.5, 1.0, -7)
+    whole_grad, whole_losses = student.clone(), torch.full((rows, 2), POISON)
+    row_step_torch(whole_grad, teacher, labels, constants, whole_losses, True)
+    pieces = [(student[:, start:start + 4].contiguous(), teacher[:, start:start + 4].contiguous(),
+               replace(constants, vocab_start=start, vocab_student_total=vocab)) for start in (0, 4, 8)]
+    shard_stats = torch.stack([impl.stats(s, t, labels, sc) for s, t, sc in pieces])
+    stats = combine_row_stats(shard_stats)
+    assert torch.isfinite(stats).all()
+    for s, t, sc in pieces:
+        losses = torch.full((rows, 2), POISON)
+        impl.grad(s, t, labels, stats, sc, losses, True)
+        torch.testing.assert_close(losses, whole_losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.cat([s for s, _, _ in pieces], 1), whole_grad, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("weights", [(0.0, 0.05), (0.5, 0.5), (0.0, 0.0)])
 @pytest.mark.parametrize("softcap", [None, 4.0])
 def test_fp16_lifts_match_torch_and_keep_gradients_in_fp16_range(weights, softcap):

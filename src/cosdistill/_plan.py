@@ -150,7 +150,7 @@ def checked_plan(options: Options, student_input, student_weight, teacher_input,
             error = raised
         _split_check.check_vocab_parallel(vocab_parallel, plan, true_labels.numel() if plan else 0,
                                           student_weight.dtype if plan else None, _split_check.gather_device(tensors),
-                                          error, num_valid_tokens)
+                                          error, num_valid_tokens, (student_bias is not None, teacher_bias is not None))
     if key is not None:
         if len(_plans) >= MAX_PLANS:
             _plans.clear()

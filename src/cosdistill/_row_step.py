@@ -184,7 +184,10 @@ def teacher_grad_coefficient(stats: torch.Tensor, labels: torch.Tensor, vocab_st
 
 
 def combine_row_stats(shard_stats: torch.Tensor) -> torch.Tensor:
-    """The statistics of the whole vocabulary from those of its shards, [shards, n, NUM_STATS] -> [n, NUM_STATS]."""
+    """The statistics of the whole vocabulary from those of its shards, [shards, n, NUM_STATS] -> [n, NUM_STATS].
+    Combined in float64: each shard's sums may fit their dtype where their total does not (the Triton statistics
+    stay unscaled until a row's own sums overflow), and such a row's units then move by a power of two."""
+    dtype, shard_stats = shard_stats.dtype, shard_stats.double()
     stats = shard_stats.new_empty(shard_stats.shape[1:])
     stats[:, MAX] = shard_stats[..., MAX].amax(0)
     stats[:, SUM_EXP] = (shard_stats[..., SUM_EXP] * torch.exp(shard_stats[..., MAX] - stats[:, MAX])).sum(0)
@@ -196,7 +199,15 @@ def combine_row_stats(shard_stats: torch.Tensor) -> torch.Tensor:
     stats[:, DOT] = (shard_stats[..., DOT] * student_ratio * teacher_ratio).sum(0)
     stats[:, SUM_SQ_S] = (shard_stats[..., SUM_SQ_S] * student_ratio * student_ratio).sum(0)
     stats[:, SUM_SQ_T] = (shard_stats[..., SUM_SQ_T] * teacher_ratio * teacher_ratio).sum(0)
-    return stats
+    for sum_sq, scale in ((SUM_SQ_S, SCALE_S), (SUM_SQ_T, SCALE_T)):
+        # |dot| <= the larger sum of squares, so these two moves bring it into range too
+        past_range = stats[:, sum_sq] > torch.finfo(dtype).max
+        factor = torch.where(past_range, torch.ldexp(torch.ones_like(stats[:, sum_sq]),
+                                                     torch.frexp(stats[:, sum_sq]).exponent // 2), 1.0)
+        stats[:, sum_sq] /= factor * factor
+        stats[:, scale] *= factor
+        stats[:, DOT] /= factor
+    return stats.to(dtype)
 
 
 def cosine_terms(stats: torch.Tensor, constants: RowStepConstants):

@@ -69,9 +69,11 @@ def gather_device(tensors) -> torch.device:
 
 
 def check_vocab_parallel(split: VocabParallel, plan: PlannedCall | None, num_tokens: int, dtype: torch.dtype,
-                         device: torch.device, error: Exception | None, num_valid_tokens=None) -> None:
+                         device: torch.device, error: Exception | None, num_valid_tokens=None,
+                         biases: tuple[bool, bool] = (False, False)) -> None:
     """One all-gather of what the host knows of the call, read at once, before its first GEMM: every rank raises
-    unless the ranks' teacher rows tile [0, Vt) and they agree on the vocabularies, the options and all that sizes
+    unless the ranks' teacher rows tile [0, Vt) and they agree on the vocabularies, the options, which heads have
+    a bias (``biases``: student, teacher), the teacher's precision, grad_weight's accumulator and all that sizes
     the collectives to come (tokens, rows per chunk, the soft term, dtype, gradients asked for), so that none
     waits in a collective the others skip. A rank that found an error of its own (``error``: its arguments, its
     shards, its stale FP8 copy; then ``plan`` may be None) raises it, the others name that rank. The hidden states
@@ -85,6 +87,8 @@ def check_vocab_parallel(split: VocabParallel, plan: PlannedCall | None, num_tok
                   -1 if split.vocab_teacher is None else split.vocab_teacher, num_tokens, plan.rows.student,
                   LOSSES.index(options.loss), _statistics_of(plan), FLOAT_DTYPES.index(dtype),
                   sum(bit << i for i, bit in enumerate(plan.needs_grad)), _normaliser_bits(num_valid_tokens),
+                  sum(bit << i for i, bit in enumerate(biases)), TEACHER_SIDES.index(plan.teacher),
+                  FLOAT_DTYPES.index(plan.accum_dtype),
                   *(bits_of_float(-1.0 if value is None else float(value))
                     for value in dataclasses.astuple(options.constants))]
     ranks = split.all_gather(torch.tensor(values, dtype=torch.int64, device=device)).tolist()
@@ -96,6 +100,7 @@ def check_vocab_parallel(split: VocabParallel, plan: PlannedCall | None, num_tok
 RANK_COLUMNS = ("start", "stop", "raised", "vocab_student", "vocab_teacher", "the number of tokens",
                 "rows per chunk", "the soft term", "the JSD's statistics", "student dtype",
                 "gradients asked for (input, weight, bias bits)", "num_valid_tokens",
+                "biases (student, teacher bits)", "the teacher's precision", "accum_dtype",
                 *(f"option {field.name}" for field in dataclasses.fields(RowStepConstants)))
 HASHED = ("student_input", "teacher_input", "true_labels")  # two lanes each
 # the lanes, then a num_valid_tokens tensor's value (its float64 bits; 0 where not a tensor), then whether this
@@ -108,6 +113,7 @@ NORMALISER_COUNTED, NORMALISER_TENSOR = -1.0, -2.0  # the first gather's num_val
 # CUDA backend's split runs those too); ranks that differ gather tensors of other shapes. The cosine loss's
 # split gathers the same from every backend.
 STATISTICS = ("any (the cosine term)", "torch spec", "Triton stages")
+TEACHER_SIDES = ("logits", "fp8")  # Plan.teacher (a split has no Gram path)
 
 
 def _statistics_of(plan: PlannedCall) -> int:
@@ -181,7 +187,9 @@ def _check_ranks_agree(ranks: list[dict], vocab_teacher: int | None) -> None:
                      [_shown_normaliser(value) for value in values] if name == "num_valid_tokens" else
                      [LOSSES[value] for value in values] if name == "the soft term" else
                      [STATISTICS[value] for value in values] if name == "the JSD's statistics" else
-                     [str(FLOAT_DTYPES[value]) for value in values] if name == "student dtype" else values)
+                     [TEACHER_SIDES[value] for value in values] if name == "the teacher's precision" else
+                     [str(FLOAT_DTYPES[value]) for value in values] if name in ("student dtype", "accum_dtype") else
+                     values)
             raise ValueError(f"vocab_parallel ranks must agree on {name}, got {shown} (rank by rank)")
     shards = sorted((row["start"], row["stop"]) for row in ranks)
     tiled = shards[0][0] == 0 and all(left[1] == right[0] for left, right in zip(shards, shards[1:]))

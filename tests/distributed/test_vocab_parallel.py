@@ -180,6 +180,15 @@ WRONG_SETUPS = {
     "another implementation on one rank": ([(0, 16, 23), (16, 31, 23)], {"impl": "not auto's"},
                                            r"agree on the JSD's statistics, got \['(torch spec|Triton stages)', "
                                            r"'(torch spec|Triton stages)'\]"),
+    # a wrong loss on every rank: that rank's shard of the logits quantized, or with a bias the others leave out
+    "the FP8 teacher on one rank": ([(0, 16, 23), (16, 31, 23)], {"teacher_precision": "fp8"},
+                                    r"agree on the teacher's precision, got \['logits', 'fp8'\]"),
+    "a student bias on one rank only": ([(0, 16, 23), (16, 31, 23)], {"bias": "student"},
+                                        r"agree on biases \(student, teacher bits\), got \[0, 1\]"),
+    "a teacher bias on one rank only": ([(0, 16, 23), (16, 31, 23)], {"bias": "teacher"},
+                                        r"agree on biases \(student, teacher bits\), got \[0, 2\]"),
+    "another grad_weight accumulator on one rank": ([(0, 16, 23), (16, 31, 23)], {"accum_dtype": torch.float32},
+                                                    r"agree on accum_dtype, got \['torch.bfloat16', 'torch.float32'\]"),
     # that rank alone would raise at its label count, after the first statistics' collectives
     "a label past the vocabulary on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "past the vocabulary"},
                                                 "same true_labels"),
@@ -229,9 +238,16 @@ def run_wrong_setups(rank, folder):
             temperature = change.get("temperature", 1.5) if rank == 1 else 1.5
             student_weight = problem.student_weight[split.start : split.start + student_rows]
             teacher_weight = problem.teacher_weight[split.start : split.start + teacher_rows]
-            if rank == 1 and "dtype" in change:
+            if (rank == 1 and "dtype" in change) or "accum_dtype" in change:  # bf16 weights have two accumulators
                 student_input, student_weight, teacher_input, teacher_weight = (
-                    t.to(change["dtype"]) for t in (student_input, student_weight, teacher_input, teacher_weight))
+                    t.to(change.get("dtype", torch.bfloat16)) for t in (student_input, student_weight, teacher_input,
+                                                                        teacher_weight))
+            options = {"teacher_precision": change.get("teacher_precision"),
+                       "accum_dtype": change.get("accum_dtype")} if rank == 1 else {}
+            biases = {"student_bias": None, "teacher_bias": None}
+            if rank == 1 and "bias" in change:  # a frozen one: the gradients asked for stay the same
+                biases[f"{change['bias']}_bias"] = torch.randn(len((student_weight, teacher_weight)[
+                    change["bias"] == "teacher"]), device=device, dtype=student_weight.dtype)
             losses = list(FUSED_LOSSES.values())
             if rank == 1 and "losses" in change:
                 losses.reverse()
@@ -241,8 +257,8 @@ def run_wrong_setups(rank, folder):
             try:
                 with torch.set_grad_enabled(change.get("grad", True) or rank == 0):
                     for loss in losses:
-                        loss(student_input, student_weight, teacher_input, teacher_weight, labels,
-                             temperature=temperature, vocab_parallel=split, num_valid_tokens=num_valid_tokens,
+                        loss(student_input, student_weight, teacher_input, teacher_weight, labels, **biases,
+                             temperature=temperature, vocab_parallel=split, num_valid_tokens=num_valid_tokens, **options,
                              impl=("torch" if device.type == "cuda" else "triton") if rank == 1 and "impl" in change
                              else "auto")
                 raised[case] = "no error"
