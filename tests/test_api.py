@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import TOLERANCE, assert_matches_reference, make_problem, reference, rel_err, run_fused
-from cosdistill import FusedLinearCosineDistillLoss, api, fused_linear_cosine_distill, testing
+from cosdistill import FusedLinearCosineDistillLoss, api, fused_linear_cosine_distill, fused_linear_jsd, testing
 from cosdistill.reference import NAIVE_LOSSES
 
 
@@ -71,6 +71,22 @@ def test_non_contiguous_inputs(impl):
     assert rel_err(loss, ref_losses[0]) < 1e-5
     assert rel_err(problem.student_input.grad, ref_grads[0]) < 1e-5
     assert rel_err(leaf.grad.t(), ref_grads[1]) < 1e-5
+
+
+@pytest.mark.parametrize("grad_output", [1.0, 2.5])
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_student_input_stored_transposed(impl, loss, grad_output):
+    """A dense student_input in column-major order ([H, T] storage seen as [T, H]), one chunk: backward scales a
+    copy of its rows, which must come out row-major for the scale kernel."""
+    problem = make_problem(tokens=20)
+    with torch.no_grad():
+        problem.student_input = problem.student_input.t().contiguous().t().requires_grad_()
+    assert problem.student_input.stride() == (1, 20)
+    function = fused_linear_jsd if loss == "jsd" else fused_linear_cosine_distill
+    (function(*problem.args(), impl=impl) * grad_output).backward()
+    ref_losses, ref_grads = reference(problem, grad_output, loss=loss)
+    for leaf, want in zip(problem.student_leaves(), ref_grads):
+        assert rel_err(leaf.grad, want) < 1e-5
 
 
 def test_liger_positional_order_and_module(impl):
@@ -297,12 +313,33 @@ def test_teacher_vocab_smaller_than_student():
         call(problem)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.uint16, torch.uint32, torch.uint64])
 def test_non_integer_labels(dtype):
+    """Also wide unsigned labels, which the torch path's comparisons have no kernel for."""
     problem = make_problem()
     problem.labels = problem.labels.to(dtype)
-    with pytest.raises(TypeError, match="true_labels must be an integer tensor"):
+    with pytest.raises(TypeError, match=rf"true_labels must be an integer tensor \(int8 to int64, or uint8\), got {dtype}"):
         call(problem)
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+@pytest.mark.parametrize("shape", ["no student hidden size", "no teacher hidden size", "no vocabulary"])
+def test_empty_heads(loss, shape):
+    """Each raised deep inside (the Gram path's amax over an empty matrix, the JSD spec's over no columns)."""
+    problem = make_problem(bias=False)
+    name, weight, message = {
+        "no student hidden size": ("student", torch.randn(101, 0), r"student_weight must have a hidden size > 0"),
+        "no teacher hidden size": ("teacher", torch.randn(101, 0), r"teacher_weight must have a hidden size > 0"),
+        "no vocabulary": ("teacher", torch.randn(0, 24), r"teacher_weight must have at least one row"),
+    }[shape]
+    setattr(problem, f"{name}_weight", weight)
+    if shape == "no vocabulary":
+        problem.student_weight = torch.randn(0, 16)
+    else:
+        setattr(problem, f"{name}_input", torch.randn(*problem.labels.shape, 0))
+    function = fused_linear_jsd if loss == "jsd" else fused_linear_cosine_distill
+    with pytest.raises(ValueError, match=rf"{message}.* got shape \({weight.shape[0]}, {weight.shape[1]}\)"):
+        function(*problem.args(), impl="torch")
 
 
 @pytest.mark.parametrize("name", ["student_weight", "teacher_weight"])

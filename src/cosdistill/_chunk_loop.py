@@ -146,7 +146,7 @@ class Gradients:
             scale = float(host_grad_output.get())
             alpha, beta = alpha * scale, beta * scale
         elif grad_output is not None:
-            hidden = hidden.clone()
+            hidden = hidden.clone(memory_format=torch.contiguous_format)  # the scale kernel takes dense rows
             self.scale_unless_one((hidden,), grad_output)
         _grad_weight_gemm(self.grad_weight, self.last_grad_logits, hidden, alpha=alpha, beta=beta)
 

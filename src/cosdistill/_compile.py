@@ -21,7 +21,8 @@ What differs from eager:
   roundings are eager's: grad_weight leaves the op in the accum dtype and grad_bias in fp32, and
   both are cast to their leaves' dtypes only after the multiply. Only a bf16/fp16 accumulator
   (accum_dtype = the weight's dtype, the default for such weights) rounds grad_weight once more.
-* backward may run more than once (eager raises): the saved gradients are not consumed. Neither runs with
+* the op's backward may run more than once (eager raises): the saved gradients are not consumed (torch.compile
+  itself refuses a second backward where its donated buffers were freed, e.g. under dynamic=True). Neither runs with
   create_graph=True (their gradients have no gradient of their own): the op raises, torch.compile refuses the
   double backward itself.
 * The op is tagged cudagraph_unsafe: inductor's CUDA graphs (mode="reduce-overhead") leave it out.

@@ -174,6 +174,9 @@ def options_of(**fields) -> Options:
     return _checked(**fields)
 
 
+LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 def check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
                   ignore_index, num_valid_tokens=None):
     """The call's tensors against each other and the options (shapes, dtypes, devices: no host read)."""
@@ -213,6 +216,8 @@ def check_tensors(student_input, student_weight, teacher_input, teacher_weight, 
             raise ValueError(f"{prefix}_weight must be 2-D [vocab, hidden], got shape {tuple(weight.shape)}")
         if hidden.dim() not in (2, 3):
             raise ValueError(f"{prefix}_input must be [T, H] or [B, L, H], got shape {tuple(hidden.shape)}")
+        if weight.shape[1] == 0:
+            raise ValueError(f"{prefix}_weight must have a hidden size > 0, got shape {tuple(weight.shape)}")
         if hidden.shape[-1] != weight.shape[1]:
             raise ValueError(
                 f"{prefix}_input hidden size {hidden.shape[-1]} does not match {prefix}_weight "
@@ -243,12 +248,15 @@ def check_tensors(student_input, student_weight, teacher_input, teacher_weight, 
         raise ValueError(
             f"true_labels shape {tuple(true_labels.shape)} does not match student_input tokens {tuple(student_input.shape[:-1])}"
         )
-    if true_labels.dtype.is_floating_point or true_labels.dtype.is_complex or true_labels.dtype == torch.bool:
-        raise TypeError(f"true_labels must be an integer tensor, got {true_labels.dtype}")
+    if true_labels.dtype not in LABEL_DTYPES:  # torch has no comparisons of uint16 to uint64 on the CPU
+        raise TypeError(f"true_labels must be an integer tensor (int8 to int64, or uint8), got {true_labels.dtype}")
     label_range = torch.iinfo(true_labels.dtype)
     if not label_range.min <= ignore_index <= label_range.max:  # the comparison with it would wrap around
         raise TypeError(f"true_labels of dtype {true_labels.dtype} cannot hold ignore_index={ignore_index}: "
                         f"pass int64 (or int32) labels")
+    if teacher_weight.shape[0] == 0:  # a vocabulary split's shard holds at least one teacher row too
+        raise ValueError(f"teacher_weight must have at least one row (vocabulary entry), got shape "
+                         f"{tuple(teacher_weight.shape)}")
     if teacher_weight.shape[0] < student_weight.shape[0]:
         raise ValueError(
             f"teacher vocab must be >= student vocab: teacher_weight {tuple(teacher_weight.shape)}, "

@@ -82,11 +82,12 @@ def fused_linear_cosine_distill(
     fp32, and for inputs whose products stay in fp32's range; "auto": "gram" where it applies and
     costs fewer FLOPs, about T > 2 * student hidden size, counting the teacher's Gram matrix where the
     teacher changed since the last call, and the logits path for inputs out of the Gram path's range).
-    ``temperature`` changes neither term (cosine is scale-invariant, the hard term uses unscaled logits);
-    it is kept for compatibility with Liger, where it has no effect on this loss either.
+    ``temperature`` changes neither term (cosine is scale-invariant, the hard term uses unscaled logits) but
+    through the eps clamp of norms of the logits over it below 1e-8; it is kept for compatibility with Liger.
     ``compiled`` is accepted for compatibility with Liger and changes nothing.
     The teacher's Gram matrix and FP8 copy are cached while the teacher weight is unchanged: a call gives
-    what a call on a fresh copy of the weight gives, or raises ``StaleWeightError`` (_weight_cache.py).
+    what a call on a fresh copy of the weight gives, or raises ``StaleWeightError`` (_weight_cache.py; on a GPU
+    the stale call's loss and gradients are NaN and the next call with that weight raises).
     ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget (on the seed
     workload, 2048 tokens per chunk with the teacher's logits in halves of 1024).
     """
