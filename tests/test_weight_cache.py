@@ -376,3 +376,34 @@ def test_a_lazily_negated_teacher_is_hashed_by_its_values():
     assert weight.is_neg()
     student = student_and_labels(generator=generator)
     assert_same(call(weight, student, cosine_via="gram"), call(weight.clone(), student, cosine_via="logits"))
+
+
+def test_a_negated_view_of_the_same_storage_is_another_weight():
+    """``z.imag`` and ``z.conj().imag`` share storage, offset, shape, strides, dtype and version: the second was
+    taken for the first changed behind its counter, and raised StaleWeightError with nothing written."""
+    generator = torch.Generator().manual_seed(5)
+    parts = torch.randn(2, VOCAB, HIDDEN_TEACHER, generator=generator) * 0.3
+    complex_weight = torch.complex(parts[0], parts[1])
+    student = student_and_labels(generator=generator)
+    for weight in (complex_weight.imag, complex_weight.conj().imag, complex_weight.imag):
+        assert_same(call(weight, student, cosine_via="gram"), call(weight.clone(), student, cosine_via="logits"))
+
+
+def test_an_fp32_heads_gram_matrix_is_rebuilt_when_tf32_is_switched():
+    """cuBLAS may round an fp32 head to TF32 in W_t^T W_t: a matrix built under one setting is rebuilt under the
+    other."""
+    builds = []
+    cache = weight_cache.WeightCache("sum", lambda weight: builds.append(1) or weight.sum(),
+                                     built_under=gram._fp32_matmul_precision)
+    head = teacher_module()
+    bf16_head = head.weight.bfloat16()  # cuBLAS reads bf16 as it is: one build under every setting
+    saved = torch.backends.cuda.matmul.fp32_precision
+    try:
+        for precision in ("ieee", "ieee", "tf32", "tf32", "ieee"):
+            torch.backends.cuda.matmul.fp32_precision = precision
+            cache.get(head.weight, TORCH)
+            cache.get(bf16_head, TORCH)
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved
+    assert len(builds) == 3 + 1
+    assert gram.teacher_grams.built_under is gram._fp32_matmul_precision

@@ -3,9 +3,10 @@ _teacher_fp8.py), used only while they are provably those of the weight as it is
 
 A value is reused only for the same weight with the same contents, checked two ways:
 
-* Identity, on the host: the same storage, offset, shape, strides, dtype and version counter. Any
-  change rebuilds the value: an in-place op on the weight, ``weight.data = other``,
-  ``load_state_dict``, ``torch.nn.utils.vector_to_parameters``.
+* Identity, on the host: the same storage, offset, shape, strides, dtype, negative bit and version
+  counter, and the same settings the value depends on beside the bits (``built_under``). Any change
+  rebuilds the value: an in-place op on the weight, ``weight.data = other``, ``load_state_dict``,
+  ``torch.nn.utils.vector_to_parameters``, TF32 switched on or off for an fp32 head's Gram matrix.
 * Contents, on the device: writes that keep the identity (in-place ops through ``weight.data``, a
   fused optimizer step, a weight made under ``torch.inference_mode``, which has no version counter)
   change the weight's hash (_fingerprint.py), taken when the value is built and again at every reuse.
@@ -61,7 +62,8 @@ def compared_on_host(weight: torch.Tensor) -> bool:
 
 def _identity(weight: torch.Tensor) -> tuple:
     version = None if weight.is_inference() else weight._version  # inference tensors have no version counter
-    return (weight.storage_offset(), tuple(weight.shape), weight.stride(), weight.dtype, version)
+    # the negative bit: a lazily negated view (z.conj().imag) reads its storage's bits the other way round
+    return (weight.storage_offset(), tuple(weight.shape), weight.stride(), weight.dtype, weight.is_neg(), version)
 
 
 @dataclass
@@ -79,8 +81,9 @@ class WeightCache:
     the storage, held weakly: aliases such as ``weight.detach()`` share the value, and a storage that
     is freed takes its value with it (so its address, reused, never matches)."""
 
-    def __init__(self, what: str, build: Callable[[torch.Tensor], Any]):
-        self.what, self.build = what, build
+    def __init__(self, what: str, build: Callable[[torch.Tensor], Any],
+                 built_under: Callable[[torch.Tensor], Any] = lambda weight: None):
+        self.what, self.build, self.built_under = what, build, built_under
         self.entries = WeakIdKeyDictionary()
         # Whether the last storage freed with a value built for it had been looked up again (True before any):
         # a weight made anew for every call (a cast, a gather) frees each value unused, and so new ones are not held.
@@ -94,8 +97,8 @@ class WeightCache:
         the CPU too, for a caller that shares its poison with other ranks before anyone raises, then reads it
         (``raise_if_stale``)."""
         storage, entry = self._lookup(weight)
-        if entry is None or entry.value is None or entry.identity != _identity(weight):
-            built = _Entry(_identity(weight))
+        if entry is None or entry.value is None or entry.identity != self._identity(weight):
+            built = _Entry(self._identity(weight))
             with torch.no_grad():
                 built.value, built.hash = self.build(weight), backend.fingerprint(weight)
             if entry is None:
@@ -128,6 +131,9 @@ class WeightCache:
         entry.pending = HostCopy(changed)
         return poison
 
+    def _identity(self, weight: torch.Tensor) -> tuple:
+        return (*_identity(weight), self.built_under(weight))
+
     def _freed(self, outlived: list) -> None:
         """A storage with a value built for it was freed (weakref.finalize)."""
         self.values_outlive_calls = outlived[0]
@@ -139,11 +145,11 @@ class WeightCache:
         that stops changing is cached again, and a weight made anew for every call counts as not held from its
         second call on."""
         storage, entry = self._lookup(weight)
-        if entry is not None and entry.identity == _identity(weight):
+        if entry is not None and entry.identity == self._identity(weight):
             return True
         if entry is None and self.values_outlive_calls:
             return True
-        self.entries[storage] = _Entry(_identity(weight), outlived=[False] if entry is None else entry.outlived)
+        self.entries[storage] = _Entry(self._identity(weight), outlived=[False] if entry is None else entry.outlived)
         return False
 
     def raise_if_stale(self, weight: torch.Tensor, when: str = PREVIOUS_CALL) -> None:
