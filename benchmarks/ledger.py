@@ -166,7 +166,8 @@ def plot(rows: list[dict], path: str) -> None:
     axes.set_xlabel("tokens per call (T)")
     axes.set_ylabel("time / floor's time, same run")
     first = next(iter(last.values()))
-    axes.set_title(f"{first['gpu']}, {first['workload'].rsplit(' rounds', 1)[0]}, forward + backward", fontsize=9)
+    shape = re.sub(r" rounds=\d+", "", first["workload"])  # the loss (" loss=jsd") stays in the title
+    axes.set_title(f"{first['gpu']}, {shape}, forward + backward", fontsize=9)
     axes.legend(fontsize=8)
     figure.savefig(path, dpi=120)
 

@@ -13,6 +13,8 @@ Providers interleaved in rounds, medians of CUDA-event times after a warm-up.
 """
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import shlex
 import statistics
@@ -37,6 +39,7 @@ TINY_TEACHER = dict(TINY_STUDENT, hidden_size=64, intermediate_size=128, tie_wor
 TINY_VOCAB = 512
 OPTIONS = dict(weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5)
 PROVIDERS = ("naive", "liger", "ours")
+START_LOSS_TOLERANCE = 2e-3  # relative, between the losses on one batch before any step (bf16 models)
 
 
 def llama(shape, vocab, row_len, device, seed):
@@ -167,7 +170,9 @@ def measure(trainee, functions, tokens, row_len, vocab, device, rounds, reps, wa
     times = {name: dict(step=[], loss=[]) for name in functions}
     peaks = {}
     for round_index in range(rounds):
-        for name, function in functions.items():
+        names = list(functions)[round_index % len(functions):] + list(functions)[:round_index % len(functions)]
+        for name in names:  # each round starts with the next provider
+            function = functions[name]
             step = lambda: trainee.step(function, input_ids, labels)  # noqa: E731
             if round_index == 0:
                 if device.type == "cuda":
@@ -207,10 +212,11 @@ def largest_tokens(trainee, function, row_len, vocab, device, start, limit):
     return fitted
 
 
-def append_to_ledger(path, results, fits, tokens, device, rounds, command):
+def append_to_ledger(path, results, fits, tokens, device, rounds, command, tiny, vocab, row_len):
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    workload = (f"step: Llama-3.2-1B-shaped student, Llama-3.1-8B-shaped teacher, V={VOCAB} bf16 AdamW checkpointing "
-                f"rows=4096 rounds={rounds} peak=whole process")
+    models = "tiny student, tiny teacher" if tiny else "Llama-3.2-1B-shaped student, Llama-3.1-8B-shaped teacher"
+    workload = (f"step: {models}, V={vocab} bf16 AdamW checkpointing rows={row_len} rounds={rounds} "
+                f"peak=whole process {release_versions()}")
     rows = []
     for name, result in results.items():
         peak = "" if result["peak_gb"] is None else f"{result['peak_gb']:.3f}"
@@ -219,6 +225,13 @@ def append_to_ledger(path, results, fits, tokens, device, rounds, command):
         rows.append(("loss-in-step", tokens, name, f"{result['loss_ms']:.4f}", "", "", ""))
     rows += [("max-tokens", fitted, name, "", "", "", "") for name, fitted in fits.items() if fitted is not None]
     append_ledger_rows(path, gpu, workload, rows, command)
+
+
+def release_versions() -> str:
+    """The releases compared beside ours, for the ledger's workload (its columns hold torch's and Triton's)."""
+    names = ("transformers", "liger-kernel", "trl")
+    return " ".join(f"{name}={importlib.metadata.version(name)}" for name in names
+                    if importlib.util.find_spec(name.replace("-", "_")) is not None)
 
 
 def main(argv=None):
@@ -257,13 +270,19 @@ def main(argv=None):
         peak = "-" if result["peak_gb"] is None else f"{result['peak_gb']:.1f}"
         print(f"| {name} | {result['step_ms']:.1f} | {1000 * args.tokens / result['step_ms']:.0f} | {peak} | "
               f"{result['loss_ms']:.1f} | {result['loss_ms'] / result['step_ms']:.0%} | {fits.get(name) or '-'} |")
-    if args.ledger:
-        command = "python benchmarks/step.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-        append_to_ledger(args.ledger, results, fits, args.tokens, device, args.rounds, command)
     if args.json:
         with open(args.json, "w") as file:
             json.dump(dict(tokens=args.tokens, start_losses=start_losses, results=results, largest_tokens=fits), file,
                       indent=1)
+    first_name, first_loss = next(iter(start_losses.items()))
+    apart = [name for name, loss in start_losses.items() if abs(loss - first_loss) > START_LOSS_TOLERANCE * abs(first_loss)]
+    if apart:  # then they time different work
+        print(f"the losses of {apart} are more than {START_LOSS_TOLERANCE:g} from {first_name}'s: no ledger rows")
+        return 1
+    if args.ledger:
+        command = "python benchmarks/step.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+        append_to_ledger(args.ledger, results, fits, args.tokens, device, args.rounds, command, args.tiny, vocab,
+                         args.row_len)
     return 0
 
 

@@ -33,7 +33,17 @@ import tokenizers
 import torch
 import transformers
 import trl
-from step import STUDENT, TEACHER, TINY_STUDENT, TINY_TEACHER, TINY_VOCAB, VOCAB, llama, timed_ms  # benchmarks/step.py
+from step import (  # benchmarks/step.py
+    STUDENT,
+    TEACHER,
+    TINY_STUDENT,
+    TINY_TEACHER,
+    TINY_VOCAB,
+    VOCAB,
+    llama,
+    release_versions,
+    timed_ms,
+)
 
 import cosdistill.trl
 from cosdistill.testing import rel_err
@@ -242,7 +252,7 @@ def main(argv=None):
         trained = "DistillationTrainer" if args.trainer == "distillation" else "GKDTrainer"
         workload = (f"trl-step: {trained}, {models}, V={vocab} bf16 AdamW checkpointing rows={args.rows} "
                     f"prompt={args.prompt_len} completion={args.completion_len} beta={args.beta} "
-                    f"temperature={args.temperature} rounds={args.rounds} peak=above resting")
+                    f"temperature={args.temperature} rounds={args.rounds} peak=above resting {release_versions()}")
         rows = [("trl-step", tokens, name, f"{result['step_ms']:.4f}", "",
                  " ".join(f"{ms:.2f}" for ms in result["step_ms_by_round"]),
                  "" if result["peak_gb"] is None else f"{result['peak_gb']:.3f}") for name, result in results.items()]

@@ -2,6 +2,7 @@
 conftest), and the profiler-trace parsing on traces made up here, so that the tools keep working between GPU runs."""
 
 import csv
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -267,8 +268,24 @@ def test_the_training_step_benchmark_runs_every_loss_and_they_agree(tmp_path):
     for result in report["results"].values():
         assert 0 < result["loss_ms"] < result["step_ms"] and len(result["step_ms_by_round"]) == 2
     assert all(tokens == 128 for tokens in report["largest_tokens"].values())
-    rows = ledger.read_text().splitlines()
-    assert rows[0].startswith("date,commit") and len(rows) == 1 + 3 * 2 + 3
+    with open(ledger, newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == 3 * 2 + 3
+    # the workload it ran, with the releases compared (it said Llama-shaped, V=128256 and rows=4096 whatever ran)
+    transformers_version = importlib.metadata.version("transformers")
+    assert {row["workload"] for row in rows} == {
+        f"step: tiny student, tiny teacher, V=512 bf16 AdamW checkpointing rows=32 rounds=2 peak=whole process "
+        f"transformers={transformers_version} liger-kernel=0.8.5" + (" trl=1.16.0" if importlib.util.find_spec("trl") else "")}
+
+
+def test_the_training_step_benchmark_records_nothing_where_the_losses_disagree(tmp_path, monkeypatch):
+    step = load("step")
+    ours = step.ours_loss
+    monkeypatch.setattr(step, "ours_loss", lambda *args: ours(*args) * 1.01)
+    ledger = tmp_path / "ledger.csv"
+    assert step.main(["--tiny", "--device", "cpu", "--tokens", "64", "--row-len", "32", "--rounds", "2", "--reps", "1",
+                      "--warmup", "1", "--max-tokens", "0", "--providers", "naive,ours", "--ledger", str(ledger)]) == 1
+    assert not ledger.exists()
 
 
 def load_beside_step(name, monkeypatch):
@@ -313,6 +330,7 @@ def test_the_trl_trainer_step_benchmark_runs_both_trainers_and_they_agree(tmp_pa
     rows = ledger.read_text().splitlines()
     assert rows[0].startswith("date,commit") and len(rows) == 1 + 2 and all(",trl-step," in row for row in rows[1:])
     assert all((kind == "gkd") == ("GKDTrainer" in row) for row in rows[1:])
+    assert all(f"trl={importlib.metadata.version('trl')}" in row for row in rows[1:])  # the release compared
 
 
 @pytest.mark.parametrize("kind, ours", [("distillation", "DistillationTrainer"), ("gkd", "DistillationGKDTrainer")])

@@ -2,6 +2,7 @@
 ledger and the plot, on the CPU."""
 
 import json
+import math
 import sys
 import time
 
@@ -114,7 +115,17 @@ def test_failed_check_prints_the_table_and_exits_1(capsys, monkeypatch):
     assert "| ours | 32 | full |" in out and "check: FAILED" in out
 
 
-def test_both_modes_in_one_run_each_against_its_own_floor(capsys, tmp_path):
+def test_both_modes_in_one_run_each_against_its_own_floor(capsys, tmp_path, monkeypatch):
+    """Each mode's rows also carry that mode's error (the forward rows showed the full mode's)."""
+    from cosdistill.tools import bench
+
+    errors_of = bench.bench_size_errors
+
+    def errors_marked_by_mode(*args):
+        errors = errors_of(*args)
+        return {label: 2e-9 if args[4] else 3e-9 for label in errors}  # with_grads: full mode
+
+    monkeypatch.setattr(bench, "bench_size_errors", errors_marked_by_mode)
     json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
     code = main(TINY + ["--tokens", "16,32", "--providers", "ours,floor", "--mode", "full,forward", "--json", str(json_path),
                         "--plot", str(png_path)])
@@ -127,6 +138,8 @@ def test_both_modes_in_one_run_each_against_its_own_floor(capsys, tmp_path):
     for row in rows:
         floor = next(r for r in rows if (r["T"], r["mode"], r["provider"]) == (row["T"], row["mode"], "floor"))
         assert row["ratio_to_floor"] == row["median_ms"] / floor["median_ms"]
+        if row["provider"] == "ours":
+            assert row["loss_rel_err"] == {"full": 2e-9, "forward": 3e-9}[row["mode"]]
     assert png_path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
@@ -232,7 +245,7 @@ def test_the_ledger_gets_one_row_per_timing_appended_and_renders_as_markdown(cap
     monkeypatch.setenv("COSDISTILL_COMMIT", "abc1234")
     ledger = tmp_path / "results.csv"
     for _ in range(2):
-        assert main(TINY + ["--providers", "ours,ours-unchecked,floor", "--ledger", str(ledger)]) == 0
+        assert main(TINY + ["--providers", "ours,ours-unchecked,floor", "--rounds", "2", "--ledger", str(ledger)]) == 0
     capsys.readouterr()
     with open(ledger, newline="") as file:
         rows = list(csv.DictReader(file))
@@ -257,14 +270,17 @@ def test_the_ledger_gets_one_row_per_timing_appended_and_renders_as_markdown(cap
     assert spread.count("| floor | ") == 1 and " ms (median " in spread
     assert rendered("abc", "--gpu", rows[0]["gpu"]) == table and "ours" not in rendered("abc", "--gpu", "no such GPU")
     # one table over runs of other kinds (here a forward-mode run) mixed their ratios under one row: refused
-    assert main(TINY + ["--providers", "ours,floor", "--mode", "forward", "--ledger", str(ledger)]) == 0
+    assert main(TINY + ["--providers", "ours,floor", "--mode", "forward", "--rounds", "2", "--ledger", str(ledger)]) == 0
     mixed = subprocess.run([sys.executable, str(script), "--ledger", str(ledger), "--commit", "abc", "--compact"],
                            capture_output=True, text=True)
     assert mixed.returncode == 2 and "runs of one kind, these rows are of 2" in mixed.stderr
     assert "| ours | " in rendered("abc", "--compact", "--mode", "forward")
     by_run = rendered("abc", "--by-run", "ours", "--mode", "full").splitlines()  # a row per run, in ledger order
     gpu = rows[0]["gpu"].removeprefix("NVIDIA ").split(" ")[0]
-    assert by_run[2:] == [f"| abc1234 | {gpu} | {rows[0]['date']} | {ratio:.2f}x |" for ratio in ratios]
+    by_round = [[float(ratio) for ratio in row["ratio_to_floor_by_round"].split()] for row in rows
+                if row["provider"] == "ours"]
+    assert by_run[2:] == [f"| abc1234 | {gpu} | {rows[0]['date']} | {ratio:.2f}x [{min(rounds):.2f}-{max(rounds):.2f}] |"
+                          for ratio, rounds in zip(ratios, by_round)]
     refused = subprocess.run([sys.executable, str(script), "--ledger", str(ledger), "--by-run", "ours"],
                              capture_output=True, text=True)  # full and forward mode: one ratio would mean two things
     assert refused.returncode == 2 and "--by-run takes runs of one workload and mode" in refused.stderr
@@ -273,7 +289,7 @@ def test_the_ledger_gets_one_row_per_timing_appended_and_renders_as_markdown(cap
 def test_bench_of_the_jsd_checks_ours_against_its_naive_version_and_liger(capsys, tmp_path):
     json_path, ledger = tmp_path / "bench.json", tmp_path / "ledger.csv"
     code = main(TINY + ["--loss", "jsd", "--providers", "ours,naive,liger,floor", "--json", str(json_path),
-                        "--ledger", str(ledger)])
+                        "--rounds", "2", "--ledger", str(ledger)])
     out = capsys.readouterr().out
     assert code == 0 and "check: passed" in out and "loss jsd" in out
     rows = {row["provider"]: row for row in json.loads(json_path.read_text())["rows"]}
@@ -310,24 +326,26 @@ def test_bench_says_where_it_wrote_its_files(capsys, tmp_path):
     assert f"plot: {plot}" in out and f"table: {table}" in out and plot.stat().st_size > 0
 
 
-def test_the_check_runs_the_timed_path_and_a_failed_check_appends_nothing(capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("gradient", ["1% short", "NaN"])
+def test_the_check_runs_the_timed_path_and_a_failed_check_appends_nothing(capsys, tmp_path, monkeypatch, gradient):
     """The check at each T ran under no_grad, so it took another plan than the timed full mode (the Gram path,
     longer teacher sub-chunks, no side stream) and never saw its gradients: a wrong grad_input on the timed path
-    passed. Now the check runs with gradients, and a run that fails it appends no row to the ledger."""
+    passed. Now the check runs with gradients, and a run that fails it appends no row to the ledger. A NaN gradient
+    under a finite loss passed too (max() of the errors kept the loss's over the NaN)."""
     from cosdistill import api
 
     real_distill = api.distill
 
     def distill_with_wrong_gradients_at_the_bench_size(options, student_input, *args, **kwargs):
         if torch.is_grad_enabled() and student_input.shape[0] == 96:  # only the bench's size, not the small problem
-            # the same values, the gradient 1% short
-            student_input = student_input + (student_input * 0.01).detach() - student_input * 0.01
+            student_input = student_input.view_as(student_input)  # the same values, the gradient wrong
+            student_input.register_hook(lambda grad: grad * (0.99 if gradient == "1% short" else math.nan))
         return real_distill(options, student_input, *args, **kwargs)
 
     monkeypatch.setattr(api, "distill", distill_with_wrong_gradients_at_the_bench_size)
     ledger = tmp_path / "results.csv"
     command = ["bench", "--device", "cpu", "--tokens", "96", "--vocab", "300", "--hidden", "32", "--reps", "2",
-               "--warmup", "1", "--providers", "ours,floor", "--ledger", str(ledger)]
+               "--warmup", "1", "--providers", "ours,floor", "--rounds", "2", "--ledger", str(ledger)]
     assert main(command) == EXIT_CHECK_FAILED
     out = capsys.readouterr().out
     assert "CHECK FAILED" in out and "nothing appended" in out
@@ -340,9 +358,10 @@ def test_a_repeated_token_count_is_refused(capsys):
     assert "must not repeat" in capsys.readouterr().err
 
 
-def test_the_commit_recorded_is_head_and_dirty_only_where_the_package_changed(tmp_path, monkeypatch):
+def test_the_commit_recorded_is_head_and_dirty_where_the_repository_but_the_ledger_changed(tmp_path, monkeypatch):
     """git describe --dirty called a run dirty once the ledger it appends to (tracked) had changed, so every run after
-    the first on one tree was recorded as '<commit>-dirty', and a tag turned the commit into 'v0.1-3-g<commit>'."""
+    the first on one tree was recorded as '<commit>-dirty', and a tag turned the commit into 'v0.1-3-g<commit>'. Then
+    only the package's changes counted, so a changed benchmark script (which measures and writes rows too) did not."""
     import shutil
     import subprocess
     from pathlib import Path
@@ -354,6 +373,8 @@ def test_the_commit_recorded_is_head_and_dirty_only_where_the_package_changed(tm
     package = repo / "src" / "cosdistill"
     shutil.copytree(Path(bench.__file__).parents[1], package, ignore=shutil.ignore_patterns("__pycache__"))
     (repo / "results.csv").write_text("date\n")
+    (repo / "benchmarks").mkdir()
+    (repo / "benchmarks" / "step.py").write_text("# a script that measures\n")
 
     def git(*args):
         return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
@@ -365,10 +386,15 @@ def test_the_commit_recorded_is_head_and_dirty_only_where_the_package_changed(tm
     git("-c", "user.name=t", "-c", "user.email=t@t", "tag", "-a", "v0.1", "-m", "v0.1")
     head = git("rev-parse", "--short=7", "HEAD")
     monkeypatch.setattr(bench, "__file__", str(package / "tools" / "bench.py"))
-    (repo / "results.csv").write_text("date\nrow\n")  # the ledger changed: not the package
-    assert bench.source_commit() == head
-    (package / "tools" / "bench.py").write_text((package / "tools" / "bench.py").read_text() + "\n")
-    assert bench.source_commit() == head + "-dirty"
+    (repo / "results.csv").write_text("date\nrow\n")  # the ledger this run appends to changed
+    monkeypatch.chdir(repo)
+    assert bench.source_commit("results.csv") == head
+    assert bench.source_commit() == head + "-dirty"  # no ledger named: any change counts
+    (repo / "benchmarks" / "step.py").write_text("# a script that measures, changed\n")
+    assert bench.source_commit("results.csv") == head + "-dirty"
+    git("checkout", "-q", "--", "benchmarks")
+    (package / "tools" / "new_module.py").write_text("\n")  # untracked source
+    assert bench.source_commit(str(repo / "results.csv")) == head + "-dirty"
 
 
 def test_another_liger_release_is_skipped_with_a_note(monkeypatch):
@@ -407,6 +433,7 @@ def test_an_error_of_the_run_keeps_its_traceback(monkeypatch):
     (["--accum-dtypes", "fp16"], "accum_dtype must be None, torch.float32 or student_weight's dtype"),
     (["--chunk-sizes", ""], "must name at least one value"),
     (["--markdown", "."], "it is a folder"),
+    (["--ledger", "ledger.csv"], "--ledger needs --rounds >= 2, got 1"),
 ])
 def test_bad_sweeps_and_paths_are_usage_errors_before_the_run(capsys, arguments, message):
     """They raised inside the run (a traceback, exit 1: the failed check's status), an empty sweep ran the defaults,

@@ -35,6 +35,7 @@ import importlib.metadata
 import inspect
 import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -508,14 +509,11 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
     with progress_bar(len(workload.tokens) * len(modes) * len(builders) * workload.rounds) as bar:
         for tokens in workload.tokens:
             tensors = make_tensors(tokens, workload.vocab, workload.hidden, workload.student_hidden, workload.dtype, device)
-            # checked as the timed calls run: the plan depends on whether gradients are on (the Gram path, the
-            # teacher's sub-chunks, the JSD's side stream)
-            loss_errors = bench_size_errors(tensors, settings + fp8_settings, liger_loss, loss, "full" in modes,
-                                            trl_divergence)
-            ours_errors += [loss_errors[setting.label] for setting in settings]
-            if "forward" in modes and "full" in modes:
-                forward_errors = bench_size_errors(tensors, settings, None, loss, False)
-                ours_errors += [forward_errors[setting.label] for setting in settings]
+            # checked as each mode's timed calls run: the plan depends on whether gradients are on (the Gram path,
+            # the teacher's sub-chunks, the JSD's side stream)
+            errors_by_mode = {mode: bench_size_errors(tensors, settings + fp8_settings, liger_loss, loss, mode == "full",
+                                                      trl_divergence) for mode in modes}
+            ours_errors += [errors[setting.label] for errors in errors_by_mode.values() for setting in settings]
             for mode in modes:
                 timings = time_providers(builders, tensors, device, mode, workload, notes, bar)
                 for label, (milliseconds, peak_gb, round_ms) in timings.items():
@@ -528,7 +526,7 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
                         "ratio_to_floor": None,
                         "ratio_to_floor_by_round": None,  # with --rounds > 1
                         "peak_gb_above_inputs": peak_gb,
-                        "loss_rel_err": loss_errors.get(label),
+                        "loss_rel_err": errors_by_mode[mode].get(label),
                         **small_errors.get(label, dict.fromkeys(SMALL_ERROR_KEYS)),
                     })
             del tensors
@@ -561,6 +559,11 @@ def progress_bar(total: int):
     return tqdm(total=total, desc="bench", unit="timing", file=sys.stderr)
 
 
+def worst(*errors: float) -> float:
+    """The largest error, NaN where any is (max keeps an earlier finite value over a later NaN)."""
+    return math.nan if any(math.isnan(error) for error in errors) else max(errors)
+
+
 def bench_size_errors(tensors: Tensors, settings, liger_loss, loss: str = "cosine", with_grads: bool = True,
                       trl_divergence=None) -> dict:
     """Each ours setting's relative error against the naive loss on fp32 copies, at this size: its loss's, and
@@ -582,8 +585,8 @@ def bench_size_errors(tensors: Tensors, settings, liger_loss, loss: str = "cosin
             errors[setting.label] = rel_err(got, naive_loss)
             if with_grads:
                 got.backward()
-                errors[setting.label] = max(errors[setting.label], rel_err(tensors.student_input.grad, student_input.grad),
-                                            rel_err(tensors.student_weight.grad, student_weight.grad))
+                errors[setting.label] = worst(errors[setting.label], rel_err(tensors.student_input.grad, student_input.grad),
+                                              rel_err(tensors.student_weight.grad, student_weight.grad))
         tensors.clear_grads()
         if liger_loss is not None:
             with torch.no_grad():
@@ -661,10 +664,11 @@ def markdown_table(result: BenchResult) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        f"check: {'passed' if result.check_passed else 'FAILED'} (err vs naive at each T: the largest of the loss's, "
-        "grad_input's and grad_weight's against the naive version in fp32, run as the timed mode runs; "
-        f"small = T={SMALL_TOKENS}, V={SMALL_VOCAB}, H={SMALL_HIDDEN}, student H={SMALL_HIDDEN // 2} against float64; "
-        "the loss errs of liger and ours-fp8 are for information only)",
+        f"check: {'passed' if result.check_passed else 'FAILED'} (err vs naive at each T and mode, against the naive "
+        "version in fp32, run as the timed mode runs: ours' the largest of the loss's, grad_input's and grad_weight's "
+        "in full mode, the loss's in forward; liger's and trl's their loss's; ours-fp8's, as ours', for information "
+        f"only; small = T={SMALL_TOKENS}, V={SMALL_VOCAB}, H={SMALL_HIDDEN}, student H={SMALL_HIDDEN // 2} against "
+        "float64)",
         *result.notes,
     ]
     return "\n".join(lines) + "\n"
@@ -674,8 +678,10 @@ LEDGER_COLUMNS = ("date", "commit", "gpu", "torch", "triton", "workload", "mode"
                   "ratio_to_floor", "ratio_to_floor_by_round", "peak_gb_above_inputs", "command")
 
 
-def source_commit() -> str:
-    """The commit measured: $COSDISTILL_COMMIT (set where the tree was copied without its .git), else git's."""
+def source_commit(ledger: str | None = None) -> str:
+    """The commit measured: $COSDISTILL_COMMIT (set where the tree was copied without its .git, by whoever copied
+    it), else git's HEAD, "-dirty" where any file of the repository differs from it but ``ledger``, the tracked
+    ledger this run appends to (the benchmark scripts and the build files measure too)."""
     if os.environ.get("COSDISTILL_COMMIT"):
         return os.environ["COSDISTILL_COMMIT"]
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -684,8 +690,9 @@ def source_commit() -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=package, check=True).stdout.strip()
 
     try:
-        # dirty only where the package's source differs: the ledger this run appends to is tracked too
-        changed = git("status", "--porcelain", "--untracked-files=all", "--", ".")
+        top = git("rev-parse", "--show-toplevel")
+        excluded = [] if ledger is None else [f":(top,exclude){os.path.relpath(os.path.realpath(ledger), top)}"]
+        changed = git("status", "--porcelain", "--untracked-files=all", "--", ":(top)", *excluded)
         return git("rev-parse", "--short=7", "HEAD") + ("-dirty" if changed else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -696,7 +703,7 @@ def append_ledger_rows(path: str, gpu: str, workload: str, rows, command: str) -
     ms, ratio to the floor, per-round values, peak GB), between today's date, the commit, the GPU and the
     versions, and the command. Every script that measures writes through here."""
     fresh = not os.path.exists(path) or os.path.getsize(path) == 0
-    prefix = [datetime.now(timezone.utc).strftime("%Y-%m-%d"), source_commit(), gpu, torch.__version__,
+    prefix = [datetime.now(timezone.utc).strftime("%Y-%m-%d"), source_commit(path), gpu, torch.__version__,
               triton_version(), workload]
     with open(path, "a", newline="") as file:
         writer = csv.writer(file)

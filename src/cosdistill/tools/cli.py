@@ -101,7 +101,8 @@ def build_parser():
                                    "to the floor's same round")
     bench_parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     bench_parser.add_argument("--ledger", metavar="PATH.csv",
-                              help="also append the rows to this CSV ledger (benchmarks/results.csv holds the project's)")
+                              help="also append the rows to this CSV ledger (benchmarks/results.csv holds the project's; "
+                                   "needs --rounds >= 2)")
     bench_parser.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
     bench_parser.add_argument("--plot", metavar="PATH",
                               help="also plot time and %% of the floor vs T as a PNG (needs matplotlib)")
@@ -179,6 +180,8 @@ def run_bench_command(args):
         for path in (args.json, args.markdown, args.plot, args.ledger):
             if path:
                 check_folder_exists(path)
+        if args.ledger and args.rounds < 2:  # the ledger's figures are medians over providers timed in turn
+            raise ValueError(f"--ledger needs --rounds >= 2, got {args.rounds}")
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install 'cosdistill[bench]'")
         device = resolve_device(args.device)
