@@ -59,9 +59,15 @@ def lm_head(model, name="model"):
 
 
 def lm_head_linear(head, name):
-    """The head, checked to be a torch.nn.Linear whose forward is its own."""
+    """The head, checked to be a torch.nn.Linear whose forward is its own and Linear's."""
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"{name}.get_output_embeddings() must be a torch.nn.Linear, got {type(head).__name__}")
+    if type(head).forward is not torch.nn.Linear.forward:  # a learned scale, a quantized weight: not h W^T + b
+        raise ValueError(
+            f"{name}'s LM head {type(head).__module__}.{type(head).__name__} has a forward of its own, which the fused "
+            "loss, reading the head's weight and bias, would leave out (e.g. a learned logit scale, which would then "
+            "never train)"
+        )
     if runs_another_modules_forward(head):
         raise ValueError(
             f"{name}'s LM head runs another module's forward (set on it as an attribute): the model's logits come from "
@@ -96,7 +102,8 @@ def head_calls_error(calls: int) -> ValueError:
 def final_hidden_states(model, input_ids, attention_mask=None, head=None, **model_inputs):
     """The input of the model's LM head [B, L, H]: the final hidden states, after the final norm.
 
-    For Llama, Gemma-2, Cohere, Qwen2 and GPT-2 this is the backbone's ``last_hidden_state``. It is
+    For Llama, Gemma-2, Cohere, Qwen2 and GPT-2 this is the backbone's ``last_hidden_state`` (MiniCPM3's is it
+    divided by ``config.logits_scaling``). It is
     taken from the model's own forward (so wrappers such as DDP and accelerate's autocast apply),
     with the head handed zero positions, so no logits are computed. ``head`` is the model's LM head,
     by default ``model.get_output_embeddings()``; pass it when ``model`` is a wrapper without that method.
@@ -349,26 +356,38 @@ def head_inputs(model, hidden, name="model"):
     bias = None if head.bias is None else head.bias.to(dtype)
     # a tensor-parallel head: this rank's rows (their gradients reach the DTensor's shard)
     weight, bias = local_of(weight), None if bias is None else local_of(bias)
-    return hidden, weight, bias, getattr(config, "final_logit_softcapping", None), config_logit_scale(config)
+    return hidden, weight, bias, config_softcap(config), config_logit_scale(config)
+
+
+def config_softcap(config) -> float | None:
+    """The softcap c of logits = c tanh(logits / c): Gemma-2's ``final_logit_softcapping``, xLSTM's
+    ``output_logit_soft_cap``; None where neither is set."""
+    for name in ("final_logit_softcapping", "output_logit_soft_cap"):
+        if getattr(config, name, None) is not None:
+            return getattr(config, name)
+    return None
 
 
 def config_logit_scale(config) -> float:
     """The factor a model's forward applies to its head's output, read as TRL's DistillationTrainer reads it:
     Cohere's ``logit_scale``, else ``output_multiplier``, else Falcon-H1's ``lm_head_multiplier``, else
-    ``logits_scaling``, by which HyperCLOVA X multiplies and the others (Granite) divide; 1 where none is set. The
-    first call's check (check_head_reproduces_logits) holds each model's own logits to it: a family that applies
-    one of these otherwise raises there."""
+    ``logits_scaling``, by which HyperCLOVA X multiplies and the others (Granite) divide, but MiniCPM3, which divides
+    the hidden states by it before the head, where they are captured; 1 where none is set. The first call's check
+    (check_head_reproduces_logits) holds each model's own logits to it: a family that applies one of these otherwise
+    raises there."""
     for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
         if getattr(config, name, None) is not None:
             return getattr(config, name)
     scaling = getattr(config, "logits_scaling", None)
-    if scaling is None:
+    if scaling is None or config.model_type == "minicpm3":
         return 1.0
     return scaling if config.model_type == "hyperclovax" else 1.0 / scaling
 
 
 HEAD_CHECK_TOKENS = 8  # the probe's length: enough positions to compare, too few to cost anything
-HEAD_CHECK_TOLERANCE = 2e-2  # relative, of the logits: a few times bf16's rounding (and TF32's), far under a rescaling
+# Relative, of the logits, by the dtype the head runs in: a few times its rounding (fp32's: TF32's, where one of the
+# two products might take it), far under a rescaling. 16-bit heads cannot see a multiplier within 2% of 1.
+HEAD_CHECK_TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 _heads_checked = weakref.WeakKeyDictionary()  # the models whose logits head_inputs reproduces
 
 
@@ -412,7 +431,7 @@ def check_head_reproduces_logits(model, name="model") -> None:
         raise ValueError(f"{name}'s logits {tuple(logits.shape)} are not its LM head's output {tuple(ours.shape)}: "
                          "the model reshapes them (e.g. cuts a padded vocabulary), which the fused loss does not")
     difference = ((ours - logits.float()).norm() / logits.float().norm().clamp(min=1e-30)).item()
-    if not difference <= HEAD_CHECK_TOLERANCE:
+    if not difference <= HEAD_CHECK_TOLERANCE.get(hidden.dtype, 2e-2):
         raise ValueError(
             f"{name}'s logits differ from its LM head's output scaled and softcapped as its config says (relative "
             f"difference {difference:.1e}): the model applies something to them that the fused loss does not know "
@@ -635,15 +654,27 @@ def check_tensor_parallel(trainer, teacher) -> None:
                          "in the tensor-parallel group, or call cosdistill.hf.distill_loss in a loop of your own")
 
 
+def extra_loss_terms(config) -> list[str]:
+    """The terms, as "name=coefficient", that a model adds to its own loss beside the cross-entropy and the fused loss
+    would leave out: a Mixture-of-Experts router's load-balancing loss where ``output_router_logits`` is on (its
+    coefficient under Mixtral's, JetMoe's or DBRX's name; TRL's SFTTrainer turns it on by default), and Bamba's
+    z-loss on the logits."""
+    coefficients = {"z_loss_coefficient": getattr(config, "z_loss_coefficient", 0.0)}
+    if getattr(config, "output_router_logits", False):
+        coefficients |= {"router_aux_loss_coef": getattr(config, "router_aux_loss_coef", 0.0),
+                         "aux_loss_coef": getattr(config, "aux_loss_coef", 0.0),
+                         "ffn_config.moe_loss_weight": getattr(getattr(config, "ffn_config", None), "moe_loss_weight", 0.0)}
+    return [f"{name}={value}" for name, value in coefficients.items() if value]
+
+
 def check_no_router_aux_loss(trainer) -> None:
-    """Raise for a Mixture-of-Experts student whose router's load-balancing loss is on (config
-    ``output_router_logits`` with a nonzero ``router_aux_loss_coef``, as TRL's SFTTrainer sets by default): the
-    model adds it to its own loss, which this loss replaces, so it would silently be left out."""
-    config = trainer.accelerator.unwrap_model(trainer.model).config.get_text_config()
-    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0.0):
+    """Raise for a student whose own loss adds terms this loss replaces (``extra_loss_terms``), which would silently
+    be left out."""
+    terms = extra_loss_terms(trainer.accelerator.unwrap_model(trainer.model).config.get_text_config())
+    if terms:
         raise ValueError(
-            f"{type(trainer).__name__} does not add the student's router auxiliary loss (router_aux_loss_coef="
-            f"{config.router_aux_loss_coef}): train without it, with router_aux_loss_coef=0.0 (SFTConfig) or "
+            f"{type(trainer).__name__} does not add the student's router auxiliary loss or other terms of its own loss "
+            f"({', '.join(terms)}): train without them, e.g. with router_aux_loss_coef=0.0 (SFTConfig) or "
             "output_router_logits=False (the model's config)"
         )
 
