@@ -47,6 +47,7 @@ from cosdistill.tools.bench import (
     median_ms,
     ours_provider,
     ours_settings,
+    round_order,
 )
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -261,10 +262,9 @@ def layer_parts(tensors, library_kwargs: dict, layouts):
 def time_in_rounds(parts, tensors, device, rounds, reps, settle_s):
     """Each part's median ms per round, the order rotated by one part each round (clocks drift over a run, and no
     part should always run first); and the median over rounds."""
-    times, labels = {label: [] for label in parts}, list(parts)
+    times = {label: [] for label in parts}
     for index in range(rounds):
-        shift = index % len(labels)
-        for label in labels[shift:] + labels[:shift]:
+        for label in round_order(list(parts), index):
             times[label].append(median_ms(parts[label], tensors, device, warmup=3, reps=reps, settle_s=settle_s))
     return {label: statistics.median(values) for label, values in times.items()}, times
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import transformers
 
 from cosdistill.hf import distill_loss, final_hidden_states, next_token_targets
-from cosdistill.tools.bench import append_ledger_rows
+from cosdistill.tools.bench import append_ledger_rows, round_order
 
 STUDENT = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, tie_word_embeddings=True)  # Llama-3.2-1B
@@ -170,8 +170,7 @@ def measure(trainee, functions, tokens, row_len, vocab, device, rounds, reps, wa
     times = {name: dict(step=[], loss=[]) for name in functions}
     peaks = {}
     for round_index in range(rounds):
-        names = list(functions)[round_index % len(functions):] + list(functions)[:round_index % len(functions)]
-        for name in names:  # each round starts with the next provider
+        for name in round_order(list(functions), round_index):
             function = functions[name]
             step = lambda: trainee.step(function, input_ids, labels)  # noqa: E731
             if round_index == 0:

@@ -60,12 +60,6 @@ def compared_on_host(weight: torch.Tensor) -> bool:
     return not weight.is_cuda
 
 
-def _identity(weight: torch.Tensor) -> tuple:
-    version = None if weight.is_inference() else weight._version  # inference tensors have no version counter
-    # the negative bit: a lazily negated view (z.conj().imag) reads its storage's bits the other way round
-    return (weight.storage_offset(), tuple(weight.shape), weight.stride(), weight.dtype, weight.is_neg(), version)
-
-
 @dataclass
 class _Entry:
     identity: tuple
@@ -132,7 +126,10 @@ class WeightCache:
         return poison
 
     def _identity(self, weight: torch.Tensor) -> tuple:
-        return (*_identity(weight), self.built_under(weight))
+        version = None if weight.is_inference() else weight._version  # inference tensors have no version counter
+        # the negative bit: a lazily negated view (z.conj().imag) reads its storage's bits the other way round
+        return (weight.storage_offset(), tuple(weight.shape), weight.stride(), weight.dtype, weight.is_neg(), version,
+                self.built_under(weight))
 
     def _freed(self, outlived: list) -> None:
         """A storage with a value built for it was freed (weakref.finalize)."""

@@ -362,10 +362,12 @@ def head_inputs(model, hidden, name="model"):
 def config_softcap(config) -> float | None:
     """The softcap c of logits = c tanh(logits / c): Gemma-2's ``final_logit_softcapping``, xLSTM's
     ``output_logit_soft_cap``; None where neither is set."""
-    for name in ("final_logit_softcapping", "output_logit_soft_cap"):
-        if getattr(config, name, None) is not None:
-            return getattr(config, name)
-    return None
+    return first_set(config, ("final_logit_softcapping", "output_logit_soft_cap"))
+
+
+def first_set(config, names):
+    """The value of the first of ``names`` the config sets (not None), else None."""
+    return next((getattr(config, name) for name in names if getattr(config, name, None) is not None), None)
 
 
 def config_logit_scale(config) -> float:
@@ -375,9 +377,9 @@ def config_logit_scale(config) -> float:
     the hidden states by it before the head, where they are captured; 1 where none is set. The first call's check
     (check_head_reproduces_logits) holds each model's own logits to it: a family that applies one of these otherwise
     raises there."""
-    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
-        if getattr(config, name, None) is not None:
-            return getattr(config, name)
+    multiplier = first_set(config, ("logit_scale", "output_multiplier", "lm_head_multiplier"))
+    if multiplier is not None:
+        return multiplier
     scaling = getattr(config, "logits_scaling", None)
     if scaling is None or config.model_type == "minicpm3":
         return 1.0
@@ -667,7 +669,7 @@ def extra_loss_terms(config) -> list[str]:
     return [f"{name}={value}" for name, value in coefficients.items() if value]
 
 
-def check_no_router_aux_loss(trainer) -> None:
+def check_no_extra_loss_terms(trainer) -> None:
     """Raise for a student whose own loss adds terms this loss replaces (``extra_loss_terms``), which would silently
     be left out."""
     terms = extra_loss_terms(trainer.accelerator.unwrap_model(trainer.model).config.get_text_config())
@@ -724,7 +726,7 @@ class DistillationMixin:
         super().__init__(*args, **kwargs)
         check_sharding(self)
         check_tensor_parallel(self, teacher_model)
-        check_no_router_aux_loss(self)
+        check_no_extra_loss_terms(self)
         check_unsupported_args(self, self.unsupported_args)
         # Before any call of a model accelerate may compile (torch_compile, or its dynamo plugin from the environment).
         keep_head_hook(self.model, lm_head(self.accelerator.unwrap_model(self.model), "student"))

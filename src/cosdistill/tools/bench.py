@@ -597,6 +597,13 @@ def bench_size_errors(tensors: Tensors, settings, liger_loss, loss: str = "cosin
     return errors
 
 
+def round_order(items: list, round_index: int) -> list:
+    """The items as round ``round_index`` runs them: each round starts one item later, so that none always runs first
+    (the clock drifts over a run)."""
+    shift = round_index % len(items) if items else 0
+    return items[shift:] + items[:shift]
+
+
 def time_providers(builders, tensors: Tensors, device, mode, workload: Workload, notes, bar) -> dict:
     """label -> (median ms, peak GB above inputs, each round's median ms); (None, None, rounds so far) and
     a note for one that runs out of memory.
@@ -609,11 +616,9 @@ def time_providers(builders, tensors: Tensors, device, mode, workload: Workload,
     provider is always the one timed first."""
     steps, times = {}, {label: [] for label in builders}
     timings = {label: (None, None, times[label]) for label in builders}
-    order = list(builders.items())
     for round_index in range(workload.rounds):
         last_round = round_index == workload.rounds - 1
-        shift = round_index % len(order)
-        for label, build in order[shift:] + order[:shift]:
+        for label, build in round_order(list(builders.items()), round_index):
             if bar is not None:
                 bar.update()
             if round_index > 0 and label not in steps:  # it ran out of memory in an earlier round
