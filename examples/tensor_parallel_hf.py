@@ -1,4 +1,4 @@
-"""Distil a Hugging Face student loaded for tensor parallelism (tp_plan="auto") from a teacher loaded alike.
+"""Distil a Hugging Face student loaded for tensor parallelism (tp_plan "auto") from a teacher loaded alike.
 
     torchrun --nproc_per_node 2 examples/tensor_parallel_hf.py [--loss jsd] [--steps 5]
 
@@ -6,10 +6,11 @@ Needs transformers. On GPUs each rank uses the GPU of its LOCAL_RANK and NCCL; w
 Each rank holds its shard of every layer and of both LM heads; cosdistill.hf.distill_loss runs the loss over
 the heads' shards (vocabulary-parallel), never gathering either model's logits. Every rank sees the same batch
 and prints the same loss; rank 0 prints it. Two tiny random models stand in for real checkpoints, which load the
-same way: AutoModelForCausalLM.from_pretrained("org/name", tp_plan="auto").
+same way: AutoModelForCausalLM.from_pretrained("org/name", **tensor_parallel()).
 """
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -31,6 +32,15 @@ def save_tiny_llama(folder, hidden, seed):
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       tie_word_embeddings=False)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def tensor_parallel():
+    """from_pretrained's arguments for transformers' own plan: a DistributedConfig where it takes one (from_pretrained's
+    tp_plan= alone is deprecated there), tp_plan= before."""
+    config = getattr(getattr(transformers, "distributed", None), "DistributedConfig", None)
+    if config is not None and "tp_plan" in {field.name for field in dataclasses.fields(config)}:
+        return dict(distributed_config=config(tp_plan="auto"))
+    return dict(tp_plan="auto")
 
 
 def batch(step, device):
@@ -61,8 +71,8 @@ def main():
         save_tiny_llama(student_folder, hidden=64, seed=0)
         save_tiny_llama(teacher_folder, hidden=128, seed=1)
     dist.barrier()
-    student = transformers.AutoModelForCausalLM.from_pretrained(student_folder, tp_plan="auto")
-    teacher = transformers.AutoModelForCausalLM.from_pretrained(teacher_folder, tp_plan="auto").eval()
+    student = transformers.AutoModelForCausalLM.from_pretrained(student_folder, **tensor_parallel())
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(teacher_folder, **tensor_parallel()).eval()
     teacher.requires_grad_(False)
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-3)
     options = dict(weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5 if args.loss == "jsd" else 1.0)

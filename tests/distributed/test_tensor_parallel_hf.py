@@ -60,12 +60,24 @@ def device():
     return torch.device("cuda", torch.cuda.current_device()) if BACKEND == "nccl" else torch.device("cpu")
 
 
+def tensor_parallel():
+    """from_pretrained's arguments for transformers' own plan, as the example passes them: a DistributedConfig where
+    from_pretrained takes one (tp_plan= alone is deprecated there), tp_plan= before. Built per load: the config reads
+    its size from WORLD_SIZE when made."""
+    config = getattr(getattr(transformers, "distributed", None), "DistributedConfig", None)
+    if config is not None and "tp_plan" in config.__dataclass_fields__:
+        return dict(distributed_config=config(tp_plan="auto"))
+    return dict(tp_plan="auto")
+
+
 def split(folder, name, vocab, seed, how):
     """The model as this rank holds it: transformers' tensor parallelism, torch's ColwiseParallel on its head, or
     whole."""
     if how == "tp_plan":  # on the rank's GPU (LOCAL_RANK) where there is one
-        return transformers.AutoModelForCausalLM.from_pretrained(os.path.join(folder, name), tp_plan="auto",
-                                                                 attn_implementation="eager")
+        model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(folder, name), **tensor_parallel(),
+                                                                  attn_implementation="eager")
+        assert isinstance(model.lm_head.weight, DTensor), "transformers loaded the model whole"
+        return model
     model = tiny_llama(vocab, seed).to(device())
     if how == "colwise":
         mesh = init_device_mesh(device().type, (WORLD,))
