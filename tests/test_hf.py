@@ -19,6 +19,7 @@ from cosdistill.hf import (  # noqa: E402
     loss_labels,
     next_token_targets,
 )
+from cosdistill.reference import cosine_soft_term, generalized_jsd  # noqa: E402
 
 SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=64, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -92,8 +93,7 @@ def naive_loss_of_logits(student_logits, teacher_logits, attention_mask, labels,
     s, t, targets = student_logits[valid], teacher_logits[valid], targets[valid]
     count = max(1, targets.numel())
     hard = F.cross_entropy(s, targets, reduction="sum") / count
-    s = F.pad(s, (0, t.shape[-1] - s.shape[-1]))
-    soft = (beta * (1 - F.cosine_similarity(s / temperature, t / temperature, dim=-1, eps=1e-8))).sum() / count
+    soft = cosine_soft_term(s, t, beta, temperature).sum() / count
     return weight_hard_loss * hard + weight_soft_loss * soft, soft, hard
 
 
@@ -815,10 +815,7 @@ def naive_jsd_loss(student, teacher, batch, beta, temperature, weight_hard=0.5, 
     s, t = logits[valid], teacher_logits[valid].double()
     count = max(1, int(valid.sum()))
     hard = F.cross_entropy(s, targets[valid], reduction="sum") / count
-    a = F.log_softmax(F.pad(s, (0, t.shape[-1] - s.shape[-1])) / temperature, -1)
-    b = F.log_softmax(t / temperature, -1)
-    m = torch.logsumexp(torch.stack([a + torch.log1p(torch.tensor(-beta)), b + torch.log(torch.tensor(beta))]), 0)
-    soft = (beta * (b.exp() * (b - m)).sum(-1) + (1 - beta) * (a.exp() * (a - m)).sum(-1)).sum() / count
+    soft = generalized_jsd(s, t, beta, temperature).sum() / count
     return weight_hard * hard + weight_soft * soft
 
 

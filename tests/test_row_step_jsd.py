@@ -2,14 +2,13 @@
 generalized_jsd_loss and Liger-Kernel's LigerFusedLinearJSDLoss."""
 
 import dataclasses
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import make_problem, rel_err
 from cosdistill import FusedLinearJSDLoss, fused_linear_jsd
+from cosdistill.reference import generalized_jsd, naive_jsd
 from cosdistill.testing import (
     RowStepConstants,
     combine_jsd_stats_torch,
@@ -24,30 +23,12 @@ from cosdistill.testing import (
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
 
 
-def jsd_reference(student_logits, teacher_logits, beta, temperature):
-    """Per-token generalized JSD in float64, written as TRL and Liger write it (kl_div on log-probabilities)."""
-    vocab = teacher_logits.shape[-1]
-    s = F.pad(student_logits, (0, vocab - student_logits.shape[-1])) / temperature
-    a, b = F.log_softmax(s, -1), F.log_softmax(teacher_logits / temperature, -1)
-    if beta == 0:
-        return F.kl_div(a, b, reduction="none", log_target=True).sum(-1)
-    if beta == 1:
-        return F.kl_div(b, a, reduction="none", log_target=True).sum(-1)
-    m = torch.logsumexp(torch.stack([a + math.log(1 - beta), b + math.log(beta)]), 0)
-    return (beta * F.kl_div(m, b, reduction="none", log_target=True)
-            + (1 - beta) * F.kl_div(m, a, reduction="none", log_target=True)).sum(-1)
-
-
-def loss_reference(problem, beta, temperature, weight_hard=0.5, weight_soft=0.5, ignore_index=-100):
+def loss_reference(problem, beta, temperature, weight_hard=0.5, weight_soft=0.5):
     """(loss, soft, hard) and the student's gradients, from full float64 logits."""
     leaves = [t.detach().double().requires_grad_() for t in (problem.student_input, problem.student_weight)]
-    s = leaves[0] @ leaves[1].t()
-    t = problem.teacher_input.double() @ problem.teacher_weight.double().t()
-    valid = problem.labels != ignore_index
-    n = max(1, int(valid.sum()))
-    hard = F.cross_entropy(s[valid], problem.labels[valid], reduction="sum") / n
-    soft = jsd_reference(s[valid], t[valid], beta, temperature).sum() / n
-    loss = weight_hard * hard + weight_soft * soft
+    loss, soft, hard = naive_jsd(*leaves, problem.teacher_input.double(), problem.teacher_weight.double(),
+                                 problem.labels, weight_hard_loss=weight_hard, weight_soft_loss=weight_soft, beta=beta,
+                                 temperature=temperature)
     loss.backward()
     return (loss.detach(), soft.detach(), hard.detach()), [leaf.grad for leaf in leaves]
 
@@ -65,7 +46,7 @@ def test_row_step_matches_autograd_of_the_reference(beta, temperature):
     leaf = s.clone().requires_grad_()
     valid = labels != -100
     hard = torch.where(valid, torch.logsumexp(leaf, 1) - leaf.gather(1, labels.clamp(min=0)[:, None])[:, 0], 0.0)
-    soft = torch.where(valid, jsd_reference(leaf, t, beta, temperature), 0.0)
+    soft = torch.where(valid, generalized_jsd(leaf, t, beta, temperature), 0.0)
     (0.3 * hard.sum() + 1.7 * soft.sum()).backward()
     got, losses = s.float(), torch.full((9, 2), float("nan"))
     row_step_jsd_torch(got, t.float(), labels, constants, losses, True)
@@ -164,7 +145,7 @@ def test_a_one_column_student_gets_the_soft_terms_gradient_alone(vocab_teacher):
     s = torch.randn(5, 1, generator=generator, dtype=torch.float64) * 3
     t = torch.randn(5, vocab_teacher, generator=generator, dtype=torch.float64) * 3
     leaf = s.clone().requires_grad_()
-    soft = jsd_reference(leaf, t, 0.5442, 1.0)
+    soft = generalized_jsd(leaf, t, 0.5442, 1.0)
     (1.2 * (torch.logsumexp(leaf, 1) - leaf[:, 0]).sum() + 0.26 * soft.sum()).backward()
     got, losses = s.float(), torch.empty(5, 2)
     row_step_jsd_torch(got, t.float(), torch.zeros(5, dtype=torch.long), RowStepConstants(1.2, 0.26, 0.5442, 1.0, -1),

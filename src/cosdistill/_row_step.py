@@ -118,6 +118,23 @@ def label_columns(labels: torch.Tensor, vocab_student: int, constants: RowStepCo
     return valid, in_shard, torch.where(in_shard, column, 0)
 
 
+def hard_term_grad(softmax: torch.Tensor, column: torch.Tensor, in_shard: torch.Tensor, weight_hard: float):
+    """weight_hard * (softmax - one_hot(label)): cross-entropy's gradient in the logits, without the one-hot where the
+    label lies in another shard. The one-hot in the softmax's dtype, so that the two cancel where softmax is 1."""
+    grad = weight_hard * softmax
+    if softmax.shape[1]:  # a shard may hold none of the student's columns
+        grad.scatter_add_(1, column[:, None], in_shard.to(grad.dtype)[:, None] * -weight_hard)
+    return grad
+
+
+def through_head(grad: torch.Tensor, s: torch.Tensor, constants: RowStepConstants) -> None:
+    """d L / d s, s the logits the loss sees, into d L / d (the head's output), in place: back through the softcap
+    and the logit scale."""
+    if constants.student_softcap is not None:
+        grad *= 1.0 - (s / constants.student_softcap) ** 2  # d(c tanh(z / c)) / dz
+    grad *= constants.student_logit_scale
+
+
 def as_the_loss_sees_them(student_logits, teacher_logits, constants: RowStepConstants, dtype=torch.float32):
     """s and t as the loss sees them, in ``dtype``: each times its logit scale, then softcapped; t is None without
     teacher logits (the Gram path, _teacher_gram.py)."""
@@ -266,17 +283,13 @@ def row_grad_torch(student_logits, teacher_logits, labels, stats, constants: Row
         return
 
     s, t = as_the_loss_sees_them(student_logits, teacher_logits, constants)
-    grad = torch.exp((s - stats[:, MAX, None]) - log_sum_exp[:, None])
-    if vocab_student:  # a shard may hold none of the student's columns
-        grad.scatter_add_(1, column[:, None], torch.where(in_shard, -1.0, 0.0)[:, None])
-    grad *= constants.weight_hard
+    softmax = torch.exp((s - stats[:, MAX, None]) - log_sum_exp[:, None])
+    grad = hard_term_grad(softmax, column, in_shard, constants.weight_hard)
     soft_scale = constants.weight_soft * constants.beta
     grad += soft_scale * coef_student[:, None] * s
     if t is not None:
         grad -= soft_scale * coef_teacher[:, None] * t[:, :vocab_student]
-    if constants.student_softcap is not None:
-        grad *= 1.0 - (s / constants.student_softcap) ** 2  # d(c tanh(z / c)) / dz
-    grad *= constants.student_logit_scale
+    through_head(grad, s, constants)
     if grad_lifts is not None:
         grad_lifts.copy_(lift_for(row_lift_bound(stats, constants, coef_teacher, coef_student)))
         grad *= grad_lifts[:, None]

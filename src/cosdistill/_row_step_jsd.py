@@ -48,7 +48,7 @@ import math
 
 import torch
 
-from ._row_step import RowStepConstants, RowStepImpl, as_the_loss_sees_them, label_columns, lift_for
+from ._row_step import RowStepConstants, RowStepImpl, as_the_loss_sees_them, hard_term_grad, label_columns, lift_for, through_head
 
 SPEC_DTYPE = torch.float64
 # Per-row statistics of the JSD's row step, along the last dimension of a [n, 6] float64 tensor; over a
@@ -183,11 +183,8 @@ def jsd_shard_grad_torch(student_logits, teacher_logits, labels, stats, sums, co
     if not write_grad:
         return
     s, t = as_the_loss_sees_them(student_logits, teacher_logits, constants, SPEC_DTYPE)
-    grad = constants.weight_hard * torch.exp(s - stats[:, LSE, None])
-    if vocab_student:  # a shard may hold none of the student's columns
-        # The one-hot's weight in SPEC_DTYPE, as the softmax's: rounded to fp32 it would not cancel where
-        # softmax(s) is 1 (a one-column student), whose exact gradient is the soft term's alone.
-        grad.scatter_add_(1, column[:, None], in_shard.to(SPEC_DTYPE)[:, None] * -constants.weight_hard)
+    # In SPEC_DTYPE: where softmax(s) is 1 (a one-column student) the exact gradient is the soft term's alone.
+    grad = hard_term_grad(torch.exp(s - stats[:, LSE, None]), column, in_shard, constants.weight_hard)
     a, b = _log_probs(s, t, stats, constants.temperature)
     a, b = a[:, :vocab_student], b[:, :vocab_student]  # the student has no gradient past its own columns
     if constants.beta == 0.0:
@@ -195,9 +192,7 @@ def jsd_shard_grad_torch(student_logits, teacher_logits, labels, stats, sums, co
     else:  # the bracket before the product: where p sits on one column g and the row sum are large and equal
         soft_grad = a.exp() * (jsd_terms(a, b, constants.beta)[2] - sums[:, 1, None])
     grad += (constants.weight_soft / constants.temperature) * soft_grad
-    if constants.student_softcap is not None:
-        grad *= 1.0 - (s / constants.student_softcap) ** 2  # d(c tanh(z / c)) / dz
-    grad *= constants.student_logit_scale
+    through_head(grad, s, constants)
     if grad_lifts is not None:
         grad_lifts.copy_(torch.where(valid, lift_for(jsd_lift_bound(sums, constants).float()), 1.0))
         grad *= grad_lifts[:, None]

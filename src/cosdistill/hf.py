@@ -19,6 +19,7 @@ except ImportError as error:
     raise ImportError("cosdistill.hf needs transformers: pip install 'cosdistill[hf]'") from error
 
 from ._options import OPTION_NAMES, options_of
+from ._row_step import scale_and_softcap
 from .api import FUSED_LOSSES
 
 # The public names; the others are internal, and trl.py builds its trainers from some of them (lm_head, the check_*
@@ -426,9 +427,8 @@ def check_head_reproduces_logits(model, name="model") -> None:
         rows = tensor_parallel_rows(head.weight)
         if rows is not None and logits.shape[-1] == vocab:  # gathered logits: this rank's rows' columns of them
             logits = logits[..., rows[0] : rows[1]]
-        ours = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float()) * scale
-        if softcap is not None:
-            ours = softcap * torch.tanh(ours / softcap)
+        ours = scale_and_softcap(torch.nn.functional.linear(hidden.float(), weight.float(),
+                                                            None if bias is None else bias.float()), scale, softcap)
     if logits.shape != ours.shape:
         raise ValueError(f"{name}'s logits {tuple(logits.shape)} are not its LM head's output {tuple(ours.shape)}: "
                          "the model reshapes them (e.g. cuts a padded vocabulary), which the fused loss does not")

@@ -9,7 +9,31 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NAIVE_LOSSES", "naive_cosine_distill", "naive_jsd"]
+__all__ = ["NAIVE_LOSSES", "cosine_soft_term", "generalized_jsd", "naive_cosine_distill", "naive_jsd"]
+
+
+def cosine_soft_term(student_logits, teacher_logits, beta, temperature):
+    """Each token's soft cosine term, beta * (1 - cos(s / T, t / T)), the student's logits padded with zeros to the
+    teacher's vocabulary."""
+    padded = F.pad(student_logits, (0, teacher_logits.shape[-1] - student_logits.shape[-1]))
+    return beta * (1 - F.cosine_similarity(padded / temperature, teacher_logits / temperature, dim=-1, eps=1e-8))
+
+
+def generalized_jsd(student_logits, teacher_logits, beta, temperature):
+    """Each token's generalized JSD of GKD on the temperature-scaled softmaxes, as TRL and Liger write it (kl_div on
+    log-probabilities; beta = 0: KL(teacher || student), beta = 1: KL(student || teacher)), the student's logits
+    padded with zeros to the teacher's vocabulary."""
+    a = F.log_softmax(F.pad(student_logits, (0, teacher_logits.shape[-1] - student_logits.shape[-1])) / temperature,
+                      dim=-1)
+    b = F.log_softmax(teacher_logits / temperature, dim=-1)
+    if beta == 0:
+        return F.kl_div(a, b, reduction="none", log_target=True).sum(-1)
+    if beta == 1:
+        return F.kl_div(b, a, reduction="none", log_target=True).sum(-1)
+    # logaddexp, not logsumexp: log1p keeps the small weight's share of the mixture where beta is near 0 or 1
+    mixture = torch.logaddexp(a + math.log1p(-beta), b + math.log(beta))
+    return (beta * F.kl_div(mixture, b, reduction="none", log_target=True)
+            + (1 - beta) * F.kl_div(mixture, a, reduction="none", log_target=True)).sum(-1)
 
 
 def _full_logits(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
@@ -64,9 +88,7 @@ def naive_cosine_distill(
     student, teacher = _scaled_and_capped(student, teacher, student_softcap, teacher_softcap, student_logit_scale,
                                           teacher_logit_scale)
     hard = F.cross_entropy(student, labels.long(), ignore_index=ignore_index, reduction="sum") / normaliser
-    padded = F.pad(student, (0, teacher.shape[1] - student.shape[1]))
-    cos = F.cosine_similarity(padded / temperature, teacher / temperature, dim=-1, eps=1e-8)
-    soft = torch.where(valid, beta * (1 - cos), 0.0).sum() / normaliser
+    soft = torch.where(valid, cosine_soft_term(student, teacher, beta, temperature), 0.0).sum() / normaliser
     loss = weight_hard_loss * hard + weight_soft_loss * soft
     return loss, soft, hard
 
@@ -97,16 +119,7 @@ def naive_jsd(
     student, teacher = _scaled_and_capped(student, teacher, student_softcap, teacher_softcap, student_logit_scale,
                                           teacher_logit_scale)
     hard = F.cross_entropy(student, labels.long(), ignore_index=ignore_index, reduction="sum") / normaliser
-    a = F.log_softmax(F.pad(student, (0, teacher.shape[1] - student.shape[1])) / temperature, dim=-1)
-    b = F.log_softmax(teacher / temperature, dim=-1)
-    if beta == 0:
-        divergence = F.kl_div(a, b, reduction="none", log_target=True).sum(-1)
-    elif beta == 1:
-        divergence = F.kl_div(b, a, reduction="none", log_target=True).sum(-1)
-    else:
-        mixture = torch.logsumexp(torch.stack([a + math.log1p(-beta), b + math.log(beta)]), dim=0)
-        divergence = (beta * F.kl_div(mixture, b, reduction="none", log_target=True)
-                      + (1 - beta) * F.kl_div(mixture, a, reduction="none", log_target=True)).sum(-1)
+    divergence = generalized_jsd(student, teacher, beta, temperature)
     soft = torch.where(valid, divergence, 0.0).sum() / normaliser
     return weight_hard_loss * hard + weight_soft_loss * soft, soft, hard
 

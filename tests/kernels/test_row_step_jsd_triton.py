@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import run_jsd_split_stages
+from cosdistill.reference import generalized_jsd
 from cosdistill.testing import (
     RowStepConstants,
     kernels,
@@ -139,25 +140,11 @@ def test_small_vocabularies(vocab_student, vocab_teacher, beta, temperature):
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-6)
 
 
-def naive_soft_term(student, teacher, constants):
-    """Each row's soft term as the spec's docstring defines it, from log-softmaxes in the logits' own dtype."""
-    vocab_student, vocab_teacher = student.shape[1], teacher.shape[1]
-    a = torch.log_softmax(torch.nn.functional.pad(student, (0, vocab_teacher - vocab_student)) / constants.temperature, 1)
-    b = torch.log_softmax(teacher / constants.temperature, 1)
-    beta = constants.beta
-    if beta == 0:
-        return (b.exp() * (b - a)).sum(1)
-    if beta == 1:
-        return (a.exp() * (a - b)).sum(1)
-    m = torch.logaddexp(a + math.log1p(-beta), b + math.log(beta))
-    return beta * (b.exp() * (b - m)).sum(1) + (1 - beta) * (a.exp() * (a - m)).sum(1)
-
-
-def float64_reference(student, teacher, labels, constants):
+def row_float64_reference(student, teacher, labels, constants):
     """(d L / d s, losses [n, 2]) by autograd through the spec's definition (its docstring) in float64."""
     s = student.double().requires_grad_()
     vocab_student = s.shape[1]
-    soft = naive_soft_term(s, teacher.double(), constants)
+    soft = generalized_jsd(s, teacher.double(), constants.beta, constants.temperature)
     counts = ~ignored(labels, vocab_student)
     hard = torch.logsumexp(s, 1) - s.gather(1, torch.where(counts, labels, 0)[:, None])[:, 0]
     losses = torch.stack([torch.where(counts, hard, 0.0), torch.where(counts, soft, 0.0)], 1)
@@ -166,7 +153,7 @@ def float64_reference(student, teacher, labels, constants):
 
 
 def assert_matches_float64(got, student, teacher, labels, constants, grad_tol=1e-5):
-    expected_grad, expected_losses = float64_reference(student, teacher, labels, constants)
+    expected_grad, expected_losses = row_float64_reference(student, teacher, labels, constants)
     for column in (0, 1):
         assert rel_err(got[1][:, column], expected_losses[:, column]) < 1e-5, column
     assert rel_err(got[0], expected_grad) < grad_tol, rel_err(got[0], expected_grad)
@@ -634,9 +621,9 @@ def test_a_student_near_its_teacher_gets_a_jsd_well_below_naive_fp32s_error(seed
     constants = RowStepConstants(0.0, 1.0, 0.5, 1.0, IGNORE)
     losses = torch.full((4, 2), float("nan"))
     row_step_jsd_triton(student.clone(), teacher, labels, constants, losses, False)
-    want = float64_reference(student, teacher, labels, constants)[1][:, 1]
+    want = row_float64_reference(student, teacher, labels, constants)[1][:, 1]
     ours_error = (losses[:, 1].double() - want).abs().max()
-    naive_error = (naive_soft_term(student, teacher, constants).double() - want).abs().max()
+    naive_error = (generalized_jsd(student, teacher, constants.beta, constants.temperature).double() - want).abs().max()
     assert ours_error * 6 < naive_error, (ours_error, naive_error)
 
 
@@ -677,6 +664,6 @@ def test_fp32_precision_against_float64(case):
     constants = RowStepConstants(weight_hard, 1.0, beta, temperature, IGNORE)
     grad, losses = student.clone(), torch.full((rows, 2), float("nan"))
     row_step_jsd_triton(grad, teacher, labels, constants, losses, True, block_size=128)
-    want_grad, want_losses = float64_reference(student, teacher, labels, constants)
+    want_grad, want_losses = row_float64_reference(student, teacher, labels, constants)
     assert rel_err(losses[:, 1], want_losses[:, 1]) < 1e-5, rel_err(losses[:, 1], want_losses[:, 1])
     assert rel_err(grad, want_grad) < (REVERSE_KL_PEAKED_TOL if beta == 1.0 else 1e-5), rel_err(grad, want_grad)
