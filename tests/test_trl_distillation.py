@@ -58,8 +58,8 @@ def make(trainer_class, tmp_path, student, teacher, peft_config=None, **options)
                              train_dataset=prompts(), processing_class=tokenizer(), peft_config=peft_config)
 
 
-def generated_batch(trainer):
-    torch.manual_seed(0)
+def generated_batch(trainer, seed=0):
+    torch.manual_seed(seed)
     batch = trainer._generate_and_score_completions([trainer.train_dataset[i] for i in range(len(PROMPT_LENGTHS))])
     lengths = batch["completion_mask"].sum(1)
     assert lengths.min() < lengths.max() and lengths.max() > 1  # padding after some completion's end
@@ -70,11 +70,12 @@ def grads(model):
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_loss_and_grads_are_trls(tmp_path, student, teacher, batch_change=None, training=True, **options):
+def assert_loss_and_grads_are_trls(tmp_path, student, teacher, batch_change=None, training=True, generation_seed=0,
+                                   **options):
     ours_student, trl_student = copy.deepcopy(student), copy.deepcopy(student)
     ours = make(DistillationTrainer, tmp_path, ours_student, teacher, **options)
     theirs = make(trl.DistillationTrainer, tmp_path, trl_student, teacher, **options)
-    batch = generated_batch(theirs)
+    batch = generated_batch(theirs, generation_seed)
     if batch_change is not None:
         batch_change(batch)
     ours.model.train(training)
@@ -116,9 +117,17 @@ def test_tool_masked_tokens_are_left_out_as_trls(tmp_path):
     assert_loss_and_grads_are_trls(tmp_path, *models(), batch_change=mask_some_tools, beta=0.5)
 
 
-def test_softcapped_and_scaled_heads(tmp_path):
-    """Gemma-2's final_logit_softcapping and Cohere's logit_scale, applied to each model's logits."""
-    assert_loss_and_grads_are_trls(tmp_path, *models("gemma2", "cohere"), beta=0.3, temperature=0.9)
+@pytest.mark.parametrize("student_kind, teacher_kind, generation_seed", [
+    ("gemma2", "cohere", 0),
+    ("minicpm3", "granite", 3),  # seed 0's completions all run to the length limit (no padding)
+    ("granite", "minicpm3", 3),
+])
+def test_softcapped_and_scaled_heads(tmp_path, student_kind, teacher_kind, generation_seed):
+    """Gemma-2's final_logit_softcapping, Cohere's logit_scale and Granite's logits_scaling applied to each model's
+    logits, and MiniCPM3's logits_scaling to the hidden states before its head (which the backbone's output TRL
+    reads has not had)."""
+    assert_loss_and_grads_are_trls(tmp_path, *models(student_kind, teacher_kind), generation_seed=generation_seed,
+                                   beta=0.3, temperature=0.9)
 
 
 def test_under_bf16_autocast_as_close_to_fp32_as_trls(tmp_path):

@@ -193,15 +193,14 @@ def _define_distillation_trainer():
             mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
             completion_length = inputs["completion_ids"].shape[1]
             model_inputs = {key: inputs[key] for key in self.model_input_names if key in inputs}
-            # TRL's hidden states of the completion positions: position i predicts completion token i
-            student_hidden = self._get_last_hidden_state(student, input_ids, attention_mask, completion_length,
-                                                         **model_inputs)
+            student_hidden = completion_hidden_states(student, input_ids, attention_mask, completion_length,
+                                                      model_inputs)
             self.teacher_model.eval()
             teacher = self.accelerator.unwrap_model(self.teacher_model)
             with torch.no_grad():
-                teacher_hidden = self._forward_redirection(self.teacher_model, teacher, self._get_last_hidden_state,
+                teacher_hidden = self._forward_redirection(self.teacher_model, teacher, completion_hidden_states,
                                                            teacher, input_ids, attention_mask, completion_length,
-                                                           **model_inputs)
+                                                           model_inputs)
             # one device for the loss (a model split over devices may end its backbone on another than its head)
             device = lm_head(student, "student").weight.device
             trained = mask.bool().to(device)
@@ -214,6 +213,15 @@ def _define_distillation_trainer():
 
     DistillationTrainer.__qualname__ = "DistillationTrainer"  # as stored in this module (pickle)
     return DistillationTrainer
+
+
+def completion_hidden_states(model, input_ids, attention_mask, completion_length, model_inputs):
+    """The LM head's input at the positions that predict the completion's tokens (position i predicts completion
+    token i), [B, completion_length, H]: TRL's _get_last_hidden_state's positions, but the head's input rather than
+    the backbone's output, which the first call's head check holds to the model's logits (MiniCPM3 divides the
+    backbone's output by its logits_scaling before the head)."""
+    hidden = final_hidden_states(model, input_ids, attention_mask, **model_inputs)
+    return hidden[:, -completion_length - 1 : -1]
 
 
 def _define_gkd_trainer():
