@@ -700,6 +700,40 @@ def test_a_head_in_modules_to_save_trains_the_active_adapter_s_copy(loss, tie):
         assert rel_err(p.grad, q.grad) < 1e-5, name
 
 
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_self_distillation_through_disable_adapter(loss):
+    """The teacher is the student's own PEFT model with its adapters off (its hidden states taken under
+    disable_adapter()): with LoRA on the layers alone, the loss is that of the two models' own logits; with the head
+    in modules_to_save, the student's trained copy would stand in for the teacher's head, so it raises."""
+    peft = pytest.importorskip("peft")
+    batch = make_batch()
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    for modules_to_save in (None, ["lm_head"]):
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                                 modules_to_save=modules_to_save)
+        student = peft.get_peft_model(tiny_model("llama"), config)
+        with torch.no_grad(), student.disable_adapter():
+            teacher_hidden = hf.final_hidden_states(student, **inputs)
+            teacher_logits = student(**inputs).logits
+        if modules_to_save:
+            with torch.no_grad():
+                student.get_output_embeddings().modules_to_save["default"].weight.mul_(1.5)
+            with pytest.raises(ValueError, match="the teacher's LM head is the student's, which PEFT's modules_to_save"):
+                distill_loss(student, student, **batch, teacher_hidden=teacher_hidden, loss=loss)
+            continue
+        got = distill_loss(student, student, **batch, teacher_hidden=teacher_hidden, loss=loss,
+                           return_soft_hard_loss=True, **OPTIONS)
+        student_logits = student(**inputs).logits
+        if loss == "cosine":
+            want = naive_loss_of_logits(student_logits, teacher_logits, batch["attention_mask"], batch["labels"],
+                                        **OPTIONS)
+            assert all(rel_err(g, w) < 1e-5 for g, w in zip(got, want)), (got, want)
+        else:
+            want = naive_jsd_of_logits(student_logits, teacher_logits, batch, OPTIONS["beta"], OPTIONS["temperature"],
+                                       OPTIONS["weight_hard_loss"], OPTIONS["weight_soft_loss"])
+            assert rel_err(got[0], want) < 1e-5, (got, want)
+
+
 def test_trainable_token_indices_on_the_head_is_a_clear_error():
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 5])
@@ -807,9 +841,14 @@ def test_sharding_the_loss_cannot_read_raises(setting, message):
 
 def naive_jsd_loss(student, teacher, batch, beta, temperature, weight_hard=0.5, weight_soft=0.5):
     """From both models' logits in float64: hard CE plus the generalized JSD (TRL's definition)."""
-    logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].double()
+    logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     with torch.no_grad():
-        teacher_logits = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        teacher_logits = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return naive_jsd_of_logits(logits, teacher_logits, batch, beta, temperature, weight_hard, weight_soft)
+
+
+def naive_jsd_of_logits(logits, teacher_logits, batch, beta, temperature, weight_hard=0.5, weight_soft=0.5):
+    logits, teacher_logits = logits[:, :-1].double(), teacher_logits[:, :-1]
     targets = next_token_targets(batch["labels"], batch["attention_mask"])[:, :-1]
     valid = targets != -100
     s, t = logits[valid], teacher_logits[valid].double()

@@ -59,6 +59,20 @@ def lm_head(model, name="model"):
     return lm_head_linear(head, name)
 
 
+def check_teacher_head_is_not_a_trained_copy(student, teacher) -> None:
+    """Refuses a teacher whose LM head is the student's under PEFT's ``modules_to_save`` with an adapter active
+    (self-distillation through ``disable_adapter()``): the teacher's logits would come from the student's trained
+    copy of the head, whichever way its hidden states were taken."""
+    head = student.get_output_embeddings()
+    if (type(head).__name__ == "ModulesToSaveWrapper" and head is teacher.get_output_embeddings()
+            and lm_head(student) is not head.original_module):
+        raise ValueError(
+            "the teacher's LM head is the student's, which PEFT's modules_to_save trains as a copy: the teacher's "
+            "logits would come from the student's trained copy, not the original head. Use a teacher model of its "
+            "own, or keep the head out of modules_to_save"
+        )
+
+
 def lm_head_linear(head, name):
     """The head, checked to be a torch.nn.Linear whose forward is its own and Linear's."""
     if not isinstance(head, torch.nn.Linear):
@@ -517,6 +531,7 @@ def loss_of_hidden_states(student, teacher, student_hidden, teacher_hidden, targ
     their LM heads, logit scales and softcaps (``head_inputs``) and a tensor-parallel student's split
     (``vocab_split``); the other arguments are ``distill_loss``'s."""
     check_loss_options(loss, loss_options)
+    check_teacher_head_is_not_a_trained_copy(student, teacher)
     check_head_reproduces_logits(student, "student")  # once per model
     check_head_reproduces_logits(teacher, "teacher")
     with torch.no_grad():
