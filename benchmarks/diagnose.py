@@ -687,7 +687,7 @@ def triton_sweep(impls, student, teacher, labels, constants, copy_ms, configs, s
 
 
 def cluster_step(layout):
-    """The cluster kernel at ``layout`` (None: _launch's), then the Triton RESCUE launch, as row_step_cuda runs them."""
+    """The cluster kernel at ``layout`` (None: _fitting_kernel's), then the Triton RESCUE launch, as row_step_cuda runs them."""
     from cosdistill.testing import row_step_triton
 
     row_step_cuda = testing.kernels.row_step_cuda
@@ -743,7 +743,7 @@ def cluster_alone(student, teacher, labels, layouts, copy_ms, old_step) -> list[
                        student.device) - copy_ms
         detail = ""
         if name.startswith("cuda"):
-            layout = layout or row_step_cuda._launch(vocab, labels.dtype, student.device.index)[1]
+            layout = layout or row_step_cuda._fitting_kernel(vocab, labels.dtype, student.device.index)[1]
             kernel = row_step_cuda._kernel(vocab, labels.dtype, student.device.index, layout)
             clusters = row_step_cuda.max_active_clusters(kernel, layout, row_step_cuda._shared_bytes(vocab, *layout))
             detail = (f", {clusters} clusters at once, "
@@ -795,7 +795,7 @@ def row_step(args):
     or --configs) and --stages: losses and gradient checked against the torch spec, then timed with the bytes it
     moves (two reads of each logits buffer and a write of the student's with the gradient, 5 passes; 2 without),
     beside a copy of one buffer. Where the CUDA cluster kernel runs (Hopper): checked against the spec at odd shapes
-    for each layout (_launch's and --launches), timed alone (3 passes), and with --in-step right after a teacher
+    for each layout (_fitting_kernel's and --launches), timed alone (3 passes), and with --in-step right after a teacher
     GEMM, the --ignored fraction of rows ignored."""
     from cosdistill.testing import row_step_triton
 
@@ -971,8 +971,8 @@ def fp8_accuracy(args):
             print(f"teacher logits (first 256 tokens): std {logits.std():.2f}, max {logits.max():.1f}, top1 - top2 median "
                   f"{(top[:, 0] - top[:, 1]).median():.2f}, kurtosis {kurtosis:.1f}")
         exact, bf16 = float64_loss_and_grads(problem), loss_and_grads(problem)
-        on_quantized = float64_loss_and_grads(problem, testing.teacher_fp8.dequantized(problem["teacher_input"]),
-                                              testing.teacher_fp8.dequantized(problem["teacher_weight"]))
+        on_quantized = float64_loss_and_grads(problem, testing.teacher_fp8.fp8_rounded(problem["teacher_input"]),
+                                              testing.teacher_fp8.fp8_rounded(problem["teacher_weight"]))
         try:
             testing.teacher_fp8.check_supported(device)
             with_fp8 = loss_and_grads(problem, teacher_precision="fp8")
@@ -1078,7 +1078,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--softcap", type=float, help="both heads' logit softcap, for the Triton kernel (Gemma-2: 30)")
     sub.add_argument("--configs", nargs="+", help="BLOCK:WARPS settings of the Triton kernel (default: a sweep)")
     sub.add_argument("--stages", type=int, nargs="+", default=[None], help="num_stages settings (default: the kernel's)")
-    sub.add_argument("--launches", nargs="+", help="CLUSTER:THREADS[:REGISTER_COLS] cluster layouts beside _launch's")
+    sub.add_argument("--launches", nargs="+", help="CLUSTER:THREADS[:REGISTER_COLS] cluster layouts beside _fitting_kernel's")
     sub.add_argument("--in-step", action="store_true", help="also time each step right after a teacher GEMM (CUDA)")
     sub.add_argument("--ignored", type=float, default=0.0, help="fraction of ignored rows in step")
     sub.add_argument("--old", help="a src folder whose Triton and CUDA row steps are timed beside these")

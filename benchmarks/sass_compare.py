@@ -10,7 +10,7 @@ must have the kernels (and fp8_triton) that kernel_compile names.
     PYTHONPATH=<tree>/src python benchmarks/sass_compare.py > a.txt
 
 With ``--cuda V``, for each CUDA cluster kernel at vocabulary V, in the first layout that ptxas compiles
-without a spill (the one its _launch picks), the instructions and MUFU operations (the SFU's exponentials
+without a spill (the one its _fitting_kernel picks), the instructions and MUFU operations (the SFU's exponentials
 and logarithms) per logit pair of a thread, with the commonest opcodes. Unrolled whole, the kernel's
 static count is what a thread issues, its per-row set-up and reductions spread over its pairs; against
 the issue rate (four warp instructions per clock per SM) and the SFU's (16 per clock per SM) it says

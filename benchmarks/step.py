@@ -19,14 +19,13 @@ import json
 import shlex
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 import transformers
 
 from cosdistill.hf import distill_loss, final_hidden_states, next_token_targets
-from cosdistill.tools.bench import append_ledger_rows, round_order
+from cosdistill.tools.bench import append_ledger_rows, call_ms, round_order
 
 STUDENT = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, tie_word_embeddings=True)  # Llama-3.2-1B
@@ -49,13 +48,16 @@ def llama(shape, vocab, row_len, device, seed):
         return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
 
 
-def naive_loss(student, teacher, input_ids, labels):
+# Each loss from both models' final hidden states (the student's with autograd on or off, the teacher's without).
+
+
+def naive_loss(student, teacher, hidden, teacher_hidden, labels):
     """From both models' full logits, in fp32, as a Hugging Face user would write it."""
     targets = next_token_targets(labels)
     valid = targets != -100
-    student_logits = student(input_ids=input_ids, use_cache=False).logits[valid].float()
+    student_logits = student.lm_head(hidden)[valid].float()
     with torch.no_grad():
-        teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits[valid].float()
+        teacher_logits = teacher.lm_head(teacher_hidden)[valid].float()
     hard = F.cross_entropy(student_logits, targets[valid])
     soft = OPTIONS["beta"] * (1 - F.cosine_similarity(student_logits, teacher_logits, dim=-1)).mean()
     return OPTIONS["weight_hard_loss"] * hard + OPTIONS["weight_soft_loss"] * soft
@@ -66,19 +68,16 @@ def liger_loss_function():
 
     liger = LigerFusedLinearCosineSimilarityLoss(**OPTIONS)
 
-    def loss(student, teacher, input_ids, labels):
-        targets = next_token_targets(labels).flatten()
-        hidden = final_hidden_states(student, input_ids)
-        with torch.no_grad():
-            teacher_hidden = final_hidden_states(teacher, input_ids)
+    def loss(student, teacher, hidden, teacher_hidden, labels):
         flat = lambda h: h.reshape(-1, h.shape[-1])  # noqa: E731
-        return liger(flat(hidden), student.lm_head.weight, flat(teacher_hidden), teacher.lm_head.weight, targets)
+        return liger(flat(hidden), student.lm_head.weight, flat(teacher_hidden), teacher.lm_head.weight,
+                     next_token_targets(labels).flatten())
 
     return loss
 
 
-def ours_loss(student, teacher, input_ids, labels):
-    return distill_loss(student, teacher, input_ids, labels=labels, **OPTIONS)
+def ours_loss(student, teacher, hidden, teacher_hidden, labels):
+    return distill_loss(student, teacher, labels=labels, student_hidden=hidden, teacher_hidden=teacher_hidden, **OPTIONS)
 
 
 def loss_functions(names):
@@ -100,8 +99,14 @@ class Trainee:
         student.train()
         self.optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5, fused=student.device.type == "cuda")
 
+    def loss(self, loss_function, input_ids, labels) -> torch.Tensor:
+        hidden = final_hidden_states(self.student, input_ids)
+        with torch.no_grad():
+            teacher_hidden = final_hidden_states(self.teacher, input_ids)
+        return loss_function(self.student, self.teacher, hidden, teacher_hidden, labels)
+
     def step(self, loss_function, input_ids, labels) -> None:
-        loss_function(self.student, self.teacher, input_ids, labels).backward()
+        self.loss(loss_function, input_ids, labels).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -113,51 +118,15 @@ def batch(tokens, row_len, vocab, device, seed=0):
     return input_ids, input_ids.clone()
 
 
-def timed_ms(call, device) -> float:
-    if device.type != "cuda":
-        start = time.perf_counter()
-        call()
-        return 1000 * (time.perf_counter() - start)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    call()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end)
-
-
 def loss_alone(loss_function, trainee, input_ids, labels):
     """The loss's part of a step: from the final hidden states (given) to their gradients and the head's."""
     student, teacher = trainee.student, trainee.teacher
     with torch.no_grad():
         hidden = final_hidden_states(student, input_ids).detach().requires_grad_()
         teacher_hidden = final_hidden_states(teacher, input_ids)
-    if loss_function is naive_loss:
-        def run():
-            targets = next_token_targets(labels)
-            valid = targets != -100
-            logits = student.lm_head(hidden)[valid].float()
-            with torch.no_grad():
-                teacher_logits = teacher.lm_head(teacher_hidden)[valid].float()
-            hard = F.cross_entropy(logits, targets[valid])
-            soft = OPTIONS["beta"] * (1 - F.cosine_similarity(logits, teacher_logits, dim=-1)).mean()
-            (OPTIONS["weight_hard_loss"] * hard + OPTIONS["weight_soft_loss"] * soft).backward()
-    elif loss_function is ours_loss:
-        def run():
-            distill_loss(student, teacher, labels=labels, student_hidden=hidden, teacher_hidden=teacher_hidden,
-                                **OPTIONS).backward()
-    else:
-        from liger_kernel.chunked_loss import LigerFusedLinearCosineSimilarityLoss
-
-        liger = LigerFusedLinearCosineSimilarityLoss(**OPTIONS)
-
-        def run():
-            flat = lambda h: h.reshape(-1, h.shape[-1])  # noqa: E731
-            liger(flat(hidden), student.lm_head.weight, flat(teacher_hidden), teacher.lm_head.weight,
-                  next_token_targets(labels).flatten()).backward()
 
     def call():
-        run()
+        loss_function(student, teacher, hidden, teacher_hidden, labels).backward()
         hidden.grad = None
         student.zero_grad(set_to_none=True)
 
@@ -181,10 +150,10 @@ def measure(trainee, functions, tokens, row_len, vocab, device, rounds, reps, wa
                     step()
                 if device.type == "cuda":
                     peaks[name] = torch.cuda.max_memory_allocated() / 2**30
-            times[name]["step"].append(statistics.median(timed_ms(step, device) for _ in range(reps)))
+            times[name]["step"].append(statistics.median(call_ms(step, device) for _ in range(reps)))
             alone = loss_alone(function, trainee, input_ids, labels)
             alone()
-            times[name]["loss"].append(statistics.median(timed_ms(alone, device) for _ in range(reps)))
+            times[name]["loss"].append(statistics.median(call_ms(alone, device) for _ in range(reps)))
     return {name: dict(step_ms=statistics.median(t["step"]), loss_ms=statistics.median(t["loss"]),
                        step_ms_by_round=t["step"], peak_gb=peaks.get(name))
             for name, t in times.items()}
@@ -255,7 +224,7 @@ def main(argv=None):
     functions = loss_functions(args.providers.split(","))
     input_ids, labels = batch(args.tokens, args.row_len, vocab, device)
     with torch.no_grad():  # every loss on the same weights and batch, before any step: they must agree
-        start_losses = {name: float(function(student, teacher, input_ids, labels)) for name, function in functions.items()}
+        start_losses = {name: float(trainee.loss(function, input_ids, labels)) for name, function in functions.items()}
     results = measure(trainee, functions, args.tokens, args.row_len, vocab, device, args.rounds, args.reps, args.warmup)
     fits = {}
     if args.max_tokens:

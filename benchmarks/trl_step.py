@@ -42,12 +42,11 @@ from step import (  # benchmarks/step.py
     VOCAB,
     llama,
     release_versions,
-    timed_ms,
 )
 
 import cosdistill.trl
 from cosdistill.testing import rel_err
-from cosdistill.tools.bench import append_ledger_rows
+from cosdistill.tools.bench import append_ledger_rows, call_ms
 
 PAD = 0
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -180,7 +179,7 @@ def measure(trainers, inputs, device, rounds, reps, warmup):
                     torch.cuda.synchronize()
                     resting = torch.cuda.memory_allocated()
                     torch.cuda.reset_peak_memory_stats()
-            times[name].append(statistics.median(timed_ms(lambda: step(trainer, inputs), device) for _ in range(reps)))
+            times[name].append(statistics.median(call_ms(lambda: step(trainer, inputs), device) for _ in range(reps)))
             if round_index == 0 and device.type == "cuda":
                 peaks[name] = (torch.cuda.max_memory_allocated() - resting) / 2**30
     return {name: dict(step_ms=statistics.median(by_round), step_ms_by_round=by_round, peak_gb=peaks.get(name))

@@ -106,8 +106,7 @@ def time_rounds(steps, device, rounds, reps, rank, settle_s=0.0) -> dict:
     times = {label: [] for label in order}
     peaks = {}
     for round_index in range(rounds):
-        shift = round_index % len(order)
-        for label in order[shift:] + order[:shift]:
+        for label in bench.round_order(order, round_index):
             run, tensors = steps[label]
             ms, peak = 0.0, 0.0
             if rank == 0 or label not in ON_ONE_GPU:

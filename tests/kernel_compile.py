@@ -72,10 +72,10 @@ def spill_bytes(source: str, folder: Path) -> int:
 
 def cuda_variants(vocab: int):
     """(name, layouts, source of a layout) of the CUDA cluster kernels: the cosine step and the JSD's forms
-    (MODE, SHARED: T == 1), each with the layouts its _launch tries in turn."""
-    yield "cosine", row_step_cuda.launch_configs(vocab), lambda layout: row_step_cuda.source(vocab, torch.int64, layout)
+    (MODE, SHARED: T == 1), each with the layouts its _fitting_kernel tries in turn."""
+    yield "cosine", row_step_cuda.candidate_layouts(vocab), lambda layout: row_step_cuda.source(vocab, torch.int64, layout)
     for (mode, name), shared in itertools.product(((0, "forward KL"), (1, "reverse KL"), (2, "mixed")), (True, False)):
-        yield (f"jsd {name}, T {'=' if shared else '!='} 1", row_step_jsd_cuda.launch_configs(vocab, mode),
+        yield (f"jsd {name}, T {'=' if shared else '!='} 1", row_step_jsd_cuda.candidate_layouts(vocab, mode),
                lambda layout, mode=mode, shared=shared: row_step_jsd_cuda.source(vocab, torch.int64, layout, mode, shared))
 
 

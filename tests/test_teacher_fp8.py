@@ -50,8 +50,8 @@ def test_fp8_teacher_equals_the_reference_on_the_quantized_teacher(impl, monkeyp
     losses[0].backward()
     quantized = make_problem(tokens=37, vocab_student=101, vocab_teacher=vocab_teacher, hidden_teacher=hidden_teacher)
     quantized.__dict__.update(problem.__dict__)
-    quantized.teacher_input = fp8.dequantized(problem.teacher_input)
-    quantized.teacher_weight = fp8.dequantized(problem.teacher_weight)
+    quantized.teacher_input = fp8.fp8_rounded(problem.teacher_input)
+    quantized.teacher_weight = fp8.fp8_rounded(problem.teacher_weight)
     ref_losses, ref_grads = reference(quantized, loss=loss)
     for got, want in zip(losses, ref_losses):
         assert rel_err(got, want) < 1e-5
@@ -119,8 +119,8 @@ def test_fp8_sub_chunks_read_their_own_rows_of_the_quantized_chunk(hidden_teache
     grads = result.gradients.finish()
     quantized = make_problem(tokens=37, vocab_student=101, vocab_teacher=131, hidden_teacher=hidden_teacher)
     quantized.__dict__.update(problem.__dict__)
-    quantized.teacher_input = fp8.dequantized(problem.teacher_input)
-    quantized.teacher_weight = fp8.dequantized(problem.teacher_weight)
+    quantized.teacher_input = fp8.fp8_rounded(problem.teacher_input)
+    quantized.teacher_weight = fp8.fp8_rounded(problem.teacher_weight)
     ref_losses, ref_grads = reference(quantized)
     for got, want in zip((result.loss, result.soft_loss, result.hard_loss), ref_losses):
         assert rel_err(got, want) < 1e-5
@@ -136,7 +136,7 @@ def test_a_quantized_head_is_the_cached_copy_bit_for_bit():
     codes, scales = fp8.quantized_weights.get(weight, TORCH).value
     assert torch.equal(quantized.codes.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(quantized.scales, scales)
     assert quantized.shape == (131, 40) and quantized.dtype == torch.bfloat16 and quantized.device == weight.device
-    assert torch.equal(quantized.dequantized(), fp8.dequantized(weight))
+    assert torch.equal(quantized.dequantized(), fp8.fp8_rounded(weight))
     moved = quantized.to("meta")
     assert moved.device.type == "meta" and moved.scales.device.type == "meta" and moved.shape == quantized.shape
     with pytest.raises(TypeError, match=r"weight must be a 2-D .* got shape \(131,\) and dtype torch.bfloat16"):

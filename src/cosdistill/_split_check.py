@@ -224,22 +224,22 @@ class SplitCheckedFirst:
     def __init__(self, split: VocabParallel, queue_check: Callable[[], Callable[[], None]]):
         self.split, self.queue_check, self.check = split, queue_check, None
 
-    def _queued(self) -> None:
+    def _queue_check_once(self) -> None:
         if self.queue_check is not None:
             self.check, self.queue_check = self.queue_check(), None
 
     def finish(self) -> None:
-        self._queued()
+        self._queue_check_once()
         check, self.check = self.check, None
         if check is not None:
             check()
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._queued()
+        self._queue_check_once()
         return self.split.all_gather(tensor)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        self._queued()
+        self._queue_check_once()
         self.split.all_reduce(tensor)
 
 

@@ -54,7 +54,7 @@ def quantize_rows(rows: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -
     torch.div(rows, scales, out=out)  # |rows / scale| <= FP8_MAX, so the cast never saturates
 
 
-def dequantized(rows: torch.Tensor) -> torch.Tensor:
+def fp8_rounded(rows: torch.Tensor) -> torch.Tensor:
     """fp32 rows as the FP8 GEMM sees them: each rounded to e4m3 under its own scale (for checks)."""
     out = torch.empty(rows.shape, dtype=FP8, device=rows.device)
     scales = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=rows.device)

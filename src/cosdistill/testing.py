@@ -1,6 +1,7 @@
-"""What the tests, the benchmarks and ``cosdistill check`` share: a random problem, the float64 reference
-of the loss and its gradients, the relative error between two results, and the error floors that the design's
-roundings alone bring (which the tests' tolerances add to).
+"""What the tests, the benchmarks and ``cosdistill check`` share: the float64 reference of the loss and its
+gradients, the relative error between two results, the tests' and the check's random problem (the benchmarks draw
+theirs in ``tools.bench.make_tensors``), and the error floors that the design's roundings alone bring (which the
+tests' tolerances add to).
 
 Below them, in a section of its own, the internal pieces that the tests hold against their specs (no
 stable API): code outside the package reaches the private modules through here and nowhere else.

@@ -171,7 +171,7 @@ def test_jsd_cluster_row_step_matches_the_spec(rows, vocab, beta, temperature, w
     labels = torch.randint(0, vocab, (rows,), device="cuda", dtype=torch.int32 if vocab % 3 else torch.int64)
     labels[::4] = -100
     assert jsd_cuda.supported(student, teacher, labels, constants, write_grad, None) == write_grad
-    assert jsd_cuda._launch(vocab, labels.dtype, 0, jsd_cuda.mode_of(beta, BF16), temperature == 1.0) is not None
+    assert jsd_cuda._fitting_kernel(vocab, labels.dtype, 0, jsd_cuda.mode_of(beta, BF16), temperature == 1.0) is not None
     results = {}
     for name, step in (("cuda", jsd_cuda.row_step_jsd_cuda), ("triton", kernels.row_step_jsd_triton.row_step_jsd_triton),
                        ("torch", row_step_jsd_torch)):
@@ -475,7 +475,7 @@ def test_a_small_call_s_grad_weight_made_in_forward_matches_float64(teacher_prec
     args = random_problem(case, "cuda")
     reference_args = list(args)
     if teacher_precision:
-        reference_args[2], reference_args[3] = fp8.dequantized(args[2]), fp8.dequantized(args[3])
+        reference_args[2], reference_args[3] = fp8.fp8_rounded(args[2]), fp8.fp8_rounded(args[3])
     want = float64_reference(reference_args, grad_output, **loss)
     losses = FUSED_LOSSES[loss["loss"]](*args, return_soft_hard_loss=True, teacher_precision=teacher_precision,
                                         **{key: value for key, value in loss.items() if key != "loss"})
@@ -528,7 +528,7 @@ def test_fp8_teacher_matches_float64_on_the_dequantized_teacher(device, case, lo
     fp8_or_skip(device, monkeypatch)
     args = random_problem(case, device)
     quantized = list(args)
-    quantized[2], quantized[3] = fp8.dequantized(args[2]), fp8.dequantized(args[3])
+    quantized[2], quantized[3] = fp8.fp8_rounded(args[2]), fp8.fp8_rounded(args[3])
     got = fused_run(args, chunk_size=case.chunk_size, teacher_precision="fp8", **loss)
     want = float64_reference(quantized, **loss)
     assert_passed([compare(f"{loss['loss']} fp8 teacher vs float64", case.describe(), BF16, got, want)])
@@ -625,7 +625,7 @@ def test_the_loss_on_a_second_gpu_while_the_first_is_current(loss, teacher_preci
     options = dict(loss=loss) if loss == "cosine" else dict(loss=loss, beta=0.5, temperature=1.5)
     reference_args = list(args)
     if teacher_precision:
-        reference_args[2], reference_args[3] = fp8.dequantized(args[2]), fp8.dequantized(args[3])
+        reference_args[2], reference_args[3] = fp8.fp8_rounded(args[2]), fp8.fp8_rounded(args[3])
     want = float64_reference(reference_args, **options)
     torch.cuda.set_device(0)
     for call in ("first", "second"):

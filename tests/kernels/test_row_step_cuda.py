@@ -18,7 +18,7 @@ PLAIN = RowStepConstants(weight_hard=0.4, weight_soft=0.6, beta=0.9, temperature
 @pytest.mark.parametrize("vocab", [8, 1000, 32000, 128256, 151936, 262144])
 @pytest.mark.parametrize("label_dtype", [torch.int64, torch.int32])
 def test_source_compiles_for_hopper_without_local_memory(vocab, label_dtype):
-    layout = row_step_cuda.launch_configs(vocab)[0]
+    layout = row_step_cuda.candidate_layouts(vocab)[0]
     ptx = nvrtc_compile(row_step_cuda.source(vocab, label_dtype, layout))
     assert f".reqnctapercluster {layout.cluster}, 1, 1" in ptx
     assert ".local" not in ptx  # g[j] at a run-time index once put the gradient on the stack
@@ -37,7 +37,7 @@ def test_register_layouts_compile_without_local_memory(vocab, layout):
     assert f".maxntid {layout.threads}, 1, 1" in ptx and ".minnctapersm" in ptx
 
 
-# launch_configs' first layout that this ptxas compiles without a spill, as _launch picks on the GPU
+# candidate_layouts' first layout that this ptxas compiles without a spill, as _fitting_kernel picks on the GPU
 LAUNCHED = {1000: (8, 128, 0), 32000: (8, 128, 0), 49152: (8, 128, 0), 65536: (8, 128, 2), 98304: (8, 192, 2),
             100352: (16, 128, 0), 128256: (16, 128, 2), 151936: (16, 160, 2), 200064: (16, 160, 3),
             256000: (16, 224, 3), 262144: (16, 224, 3), 400000: (16, 256, 3), 819200: (16, 256, 0)}
@@ -45,21 +45,21 @@ LAUNCHED = {1000: (8, 128, 0), 32000: (8, 128, 0), 49152: (8, 128, 0), 65536: (8
 
 @pytest.mark.parametrize("vocab", LAUNCHED)
 def test_launch_picks_the_first_layout_without_a_spill(vocab, tmp_path):
-    layouts = row_step_cuda.launch_configs(vocab)
+    layouts = row_step_cuda.candidate_layouts(vocab)
     assert layouts[-1].register_cols == 0  # no __launch_bounds__ minimum: ptxas picks its own registers
     spilled = [spill_bytes(row_step_cuda.source(vocab, torch.int64, layout), tmp_path) for layout in layouts]
     assert spilled[-1] == 0
     assert layouts[spilled.index(0)] == LAUNCHED[vocab], list(zip(layouts, spilled))
 
 
-# The Gram path's one-model kernel (no teacher logits): launch_configs' first layout compiles without a spill
+# The Gram path's one-model kernel (no teacher logits): candidate_layouts' first layout compiles without a spill
 GRAM_LAUNCHED = {1000: (8, 128, 0), 32000: (8, 128, 0), 128256: (8, 160, 3), 151936: (8, 160, 4),
                  262144: (16, 128, 4)}
 
 
 @pytest.mark.parametrize("vocab", GRAM_LAUNCHED)
 def test_one_model_kernel_compiles_without_a_spill(vocab, tmp_path):
-    layout = row_step_cuda.launch_configs(vocab, models=1)[0]
+    layout = row_step_cuda.candidate_layouts(vocab, models=1)[0]
     assert layout == GRAM_LAUNCHED[vocab]
     source = row_step_cuda.source(vocab, torch.int32, layout, models=1)
     assert "#define TEACHER 0" in source
@@ -84,14 +84,14 @@ def test_register_columns_shrink_the_shared_slice():
 def test_launch_configs_follow_the_sweeps():
     # the H200 layout sweeps (docs/design.md): ~32 KB of shared memory per block; where that leaves fewer than
     # 8 blocks per SM, the layouts with the most blocks, then warps, using registers
-    assert row_step_cuda.launch_configs(32000) == [(8, 128, 0)]
-    assert row_step_cuda.launch_configs(49152) == [(8, 128, 0)]  # 9 blocks per SM without registers
-    assert row_step_cuda.launch_configs(65536)[0] == (8, 128, 2)  # 6 -> 9 blocks per SM
-    assert row_step_cuda.launch_configs(128256)[0] == (16, 128, 2)
-    assert row_step_cuda.launch_configs(151936) == [(16, 160, 2), (16, 128, 3), (16, 224, 1), (16, 256, 0)]
-    assert row_step_cuda.launch_configs(262144)[0] == (16, 224, 3)  # 5 blocks of 7 warps: 35 warps per SM
+    assert row_step_cuda.candidate_layouts(32000) == [(8, 128, 0)]
+    assert row_step_cuda.candidate_layouts(49152) == [(8, 128, 0)]  # 9 blocks per SM without registers
+    assert row_step_cuda.candidate_layouts(65536)[0] == (8, 128, 2)  # 6 -> 9 blocks per SM
+    assert row_step_cuda.candidate_layouts(128256)[0] == (16, 128, 2)
+    assert row_step_cuda.candidate_layouts(151936) == [(16, 160, 2), (16, 128, 3), (16, 224, 1), (16, 256, 0)]
+    assert row_step_cuda.candidate_layouts(262144)[0] == (16, 224, 3)  # 5 blocks of 7 warps: 35 warps per SM
     for vocab in (8, 32000, 128256, 262144):
-        for layout in row_step_cuda.launch_configs(vocab):
+        for layout in row_step_cuda.candidate_layouts(vocab):
             # the slices cover the row
             assert 16 * 8 * layout.cluster * row_step_cuda._slice_vecs(vocab, layout.cluster) >= 2 * vocab
             assert row_step_cuda._shared_bytes(vocab, *layout) >= 0
@@ -155,7 +155,7 @@ def test_falls_back_to_triton_where_unsupported():
 
 def test_launch_walks_past_spilling_layouts_and_falls_back_to_8_blocks(monkeypatch):
     """_kernel is None where the kernel spills or no cluster fits (a GPU or MIG slice without 16 free SMs
-    in a GPC): the next of launch_configs' layouts, then 8 blocks of 256 threads, else no kernel."""
+    in a GPC): the next of candidate_layouts' layouts, then 8 blocks of 256 threads, else no kernel."""
     compiled = []
 
     def fake_kernel(vocab, label_dtype, device_index, layout, models=2):
@@ -164,7 +164,7 @@ def test_launch_walks_past_spilling_layouts_and_falls_back_to_8_blocks(monkeypat
         return f"kernel {tuple(layout)}" if fits else None
 
     monkeypatch.setattr(row_step_cuda, "_kernel", fake_kernel)
-    launch = row_step_cuda._launch.__wrapped__
+    launch = row_step_cuda._fitting_kernel.__wrapped__
     fits_up_to, spilling = 16, set()
     assert launch(262144, torch.int64, 0) == ("kernel (16, 224, 3)", (16, 224, 3))
     spilling = {(16, 224, 3), (16, 160, 4)}
@@ -177,4 +177,4 @@ def test_launch_walks_past_spilling_layouts_and_falls_back_to_8_blocks(monkeypat
     fits_up_to = 4
     compiled.clear()
     assert launch(128256, torch.int64, 0) is None
-    assert compiled == row_step_cuda.launch_configs(128256) + [(8, 256, 0)]
+    assert compiled == row_step_cuda.candidate_layouts(128256) + [(8, 256, 0)]

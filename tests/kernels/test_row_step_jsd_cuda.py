@@ -21,7 +21,7 @@ FORMS = list(itertools.product((0, 1, 2), (True, False)))  # MODE (FORWARD, REVE
 
 @pytest.mark.parametrize("mode, shared", FORMS)
 def test_every_form_compiles_for_hopper_without_local_memory(mode, shared):
-    layout = jsd_cuda.launch_configs(128256, mode)[-1]  # no register vectors, so no register cap
+    layout = jsd_cuda.candidate_layouts(128256, mode)[-1]  # no register vectors, so no register cap
     ptx = nvrtc_compile(jsd_cuda.source(128256, torch.int64, layout, mode, shared))
     assert f".reqnctapercluster {layout.cluster}, 1, 1" in ptx and ".local" not in ptx
     assert ptx.count("cp.async.cg.shared.global") >= 2 and ptx.count("ld.shared::cluster") >= 2  # two exchanges
@@ -42,17 +42,17 @@ def test_every_form_compiles_for_hopper_without_local_memory(mode, shared):
 def test_launch_configs_follow_the_sweeps():
     """FORWARD and REVERSE: clusters of 8, longer slices with more threads, register vectors from 3 down to none.
     MIXED: 16 blocks where 8 would leave one per SM, and register vectors only where they add blocks per SM."""
-    assert jsd_cuda.launch_configs(32000, 0) == [(8, 128, 3), (8, 128, 2), (8, 128, 1), (8, 128, 0)]
-    assert jsd_cuda.launch_configs(128256, 1) == [(8, 256, 3), (8, 256, 2), (8, 256, 1), (8, 256, 0)]
-    assert jsd_cuda.launch_configs(262144, 0)[0] == (8, 512, 3)
-    assert jsd_cuda.launch_configs(128256, 2) == [(8, 256, 2), (8, 256, 0)]  # 3 blocks per SM, else 2
-    assert jsd_cuda.launch_configs(151936, 2)[-1] == (8, 512, 0)
-    assert jsd_cuda.launch_configs(262144, 2) == [(16, 256, 2), (16, 256, 0)]
+    assert jsd_cuda.candidate_layouts(32000, 0) == [(8, 128, 3), (8, 128, 2), (8, 128, 1), (8, 128, 0)]
+    assert jsd_cuda.candidate_layouts(128256, 1) == [(8, 256, 3), (8, 256, 2), (8, 256, 1), (8, 256, 0)]
+    assert jsd_cuda.candidate_layouts(262144, 0)[0] == (8, 512, 3)
+    assert jsd_cuda.candidate_layouts(128256, 2) == [(8, 256, 2), (8, 256, 0)]  # 3 blocks per SM, else 2
+    assert jsd_cuda.candidate_layouts(151936, 2)[-1] == (8, 512, 0)
+    assert jsd_cuda.candidate_layouts(262144, 2) == [(16, 256, 2), (16, 256, 0)]
     for mode in (0, 1, 2):
-        assert jsd_cuda.launch_configs(8, mode) == [(8, 128, 0)]  # one vector per block at most
-        assert jsd_cuda.launch_configs(2**19, mode)[0].cluster == 16  # 8 blocks cannot hold the row
+        assert jsd_cuda.candidate_layouts(8, mode) == [(8, 128, 0)]  # one vector per block at most
+        assert jsd_cuda.candidate_layouts(2**19, mode)[0].cluster == 16  # 8 blocks cannot hold the row
         for vocab in (8, 1000, 32000, 128256, 262144, 2**19):
-            for layout in jsd_cuda.launch_configs(vocab, mode):  # the slices cover the row, within shared memory
+            for layout in jsd_cuda.candidate_layouts(vocab, mode):  # the slices cover the row, within shared memory
                 assert 8 * layout.cluster * row_step_cuda._slice_vecs(vocab, layout.cluster) >= vocab
                 assert 0 <= row_step_cuda._shared_bytes(vocab, *layout, jsd_cuda._tiles(mode)) <= row_step_cuda.MAX_SHARED_BYTES
 
@@ -60,9 +60,9 @@ def test_launch_configs_follow_the_sweeps():
 @pytest.mark.parametrize("vocab", [1000, 32000, 65536, 128256, 151936, 262144])
 @pytest.mark.parametrize("mode", [1, 2])
 def test_some_layout_of_every_vocabulary_compiles_without_a_spill(vocab, mode, tmp_path):
-    """_launch walks launch_configs' layouts to the first without a spill; the widest forms (REVERSE and MIXED,
+    """_fitting_kernel walks candidate_layouts' layouts to the first without a spill; the widest forms (REVERSE and MIXED,
     T != 1) must find one among them (the last has no register vectors, so no register cap)."""
-    layouts = jsd_cuda.launch_configs(vocab, mode)
+    layouts = jsd_cuda.candidate_layouts(vocab, mode)
     spilled = [spill_bytes(jsd_cuda.source(vocab, torch.int32, layout, mode, False), tmp_path) for layout in layouts]
     assert 0 in spilled, list(zip(layouts, spilled))
 
@@ -105,7 +105,7 @@ def test_the_mode_follows_beta_and_the_logits_dtype():
     assert [jsd_cuda.mode_of(beta, torch.bfloat16) for beta in betas] == [0, 1, 2, 2, 2, 3, 3, 3, 3]
     for dtype in (torch.float32, torch.float16):
         assert [jsd_cuda.mode_of(beta, dtype) for beta in betas] == [0, 1, 3, 3, 3, 3, 3, 3, 3]
-    layout = jsd_cuda.launch_configs(128256, 2)[-1]
+    layout = jsd_cuda.candidate_layouts(128256, 2)[-1]
     with pytest.raises(ValueError, match="the cluster step has no MIXED_PRECISE form"):  # it would read REVERSE's gaps
         jsd_cuda.source(128256, torch.int64, layout, 3, True)
 
@@ -114,8 +114,8 @@ def test_the_mode_follows_beta_and_the_logits_dtype():
 def test_the_form_that_hashes_a_weight_compiles_to_the_same_layouts(mode, shared, tmp_path):
     """The variant that takes a cached teacher copy's hash along (row_step_jsd_cuda_hashing) streams the weight's
     rows in 16-byte loads beside the step, without local memory, and spills no more than the plain form at the
-    layout the seed's vocabulary launches: _launch picks the same layout for both."""
-    layout = jsd_cuda.launch_configs(128256, mode)[0]
+    layout the seed's vocabulary launches: _fitting_kernel picks the same layout for both."""
+    layout = jsd_cuda.candidate_layouts(128256, mode)[0]
     hashing = jsd_cuda.source(128256, torch.int64, layout, mode, shared, hash_row_vecs=512)
     ptx = nvrtc_compile(hashing)
     assert ".local" not in ptx and "ld.global.cs.v4" in ptx

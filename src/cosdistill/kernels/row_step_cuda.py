@@ -55,12 +55,12 @@ class Layout(NamedTuple):
     register_cols: int = 0
 
 
-def launch_configs(vocab: int, models: int = 2) -> list[Layout]:
-    """The layouts _launch tries in turn, from the H200 layout sweeps (docs/design.md): about 32 KB of
+def candidate_layouts(vocab: int, models: int = 2) -> list[Layout]:
+    """The layouts _fitting_kernel tries in turn, from the H200 layout sweeps (docs/design.md): about 32 KB of
     shared memory per block (several blocks share an SM and cover each other's idle phases), and where
     that leaves fewer than 8 blocks per SM, up to a third of each thread's vectors in registers: the
     layouts with the most blocks per SM first, then the most warps, then the fewest register vectors.
-    Only ptxas knows which of them spill within the registers that __launch_bounds__ leaves, so _launch
+    Only ptxas knows which of them spill within the registers that __launch_bounds__ leaves, so _fitting_kernel
     compiles them in turn; the last has no register vectors, so no bound. 16 blocks is past the
     portable cluster size; Hopper allows it. ``models``: 2, or 1 for the Gram path's student logits alone
     (the same rules, not swept on their own)."""
@@ -198,10 +198,10 @@ def max_active_clusters(kernel, layout: Layout, shared_bytes: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _launch(vocab: int, label_dtype: torch.dtype, device_index: int, models: int = 2):
-    """(kernel, layout) at the first of launch_configs' layouts that fits without a spill; else at 8 blocks
+def _fitting_kernel(vocab: int, label_dtype: torch.dtype, device_index: int, models: int = 2):
+    """(kernel, layout) at the first of candidate_layouts' layouts that fits without a spill; else at 8 blocks
     of 256 threads (where 16 blocks do not fit); None where none does (the Triton step runs instead)."""
-    layouts = launch_configs(vocab, models)
+    layouts = candidate_layouts(vocab, models)
     for layout in layouts + [Layout(8, 256)] if layouts[0].cluster > 8 else layouts:
         if _shared_bytes(vocab, *layout, tiles=models) <= MAX_SHARED_BYTES:
             kernel = _kernel(vocab, label_dtype, device_index, layout, models)
@@ -212,7 +212,7 @@ def _launch(vocab: int, label_dtype: torch.dtype, device_index: int, models: int
 
 def cluster_kernel(student_logits, teacher_logits, labels, constants: RowStepConstants, token_losses,
                    layout: Layout | None = None) -> None:
-    """The kernel alone, for ``supported`` arguments (layout: _launch's unless given): rows whose sums
+    """The kernel alone, for ``supported`` arguments (layout: _fitting_kernel's unless given): rows whose sums
     overflow fp32 are left with NaN losses and their logits."""
     vocab = student_logits.shape[1]
     device = student_logits.device
@@ -221,7 +221,7 @@ def cluster_kernel(student_logits, teacher_logits, labels, constants: RowStepCon
         if kernel is None:
             raise ValueError(f"no cluster of {layout} fits on {device}, or it spills registers")
     else:
-        kernel, layout = _launch(vocab, labels.dtype, device.index)
+        kernel, layout = _fitting_kernel(vocab, labels.dtype, device.index)
     launch(kernel, layout, student_logits, teacher_logits, labels, constants, token_losses)
 
 
@@ -275,7 +275,7 @@ def row_step_cuda(student_logits, teacher_logits, labels, constants: RowStepCons
                   grad_lifts=None) -> None:
     """_row_step.row_step_torch: this kernel and the Triton RESCUE launch where ``supported``, else Triton."""
     if not (supported(student_logits, teacher_logits, labels, constants, write_grad, grad_lifts)
-            and token_losses.is_contiguous() and _launch(student_logits.shape[1], labels.dtype,
+            and token_losses.is_contiguous() and _fitting_kernel(student_logits.shape[1], labels.dtype,
                                                           student_logits.device.index) is not None):
         row_step_triton(student_logits, teacher_logits, labels, constants, token_losses, write_grad, grad_lifts)
         return
@@ -294,9 +294,9 @@ def gram_row_step_cuda(student_logits, labels, constants: RowStepConstants, toke
             and labels.is_contiguous() and token_losses.is_contiguous() and teacher_products.is_contiguous()
             and teacher_coefs.is_contiguous() and student_logits.stride(1) == 1 and student_logits.stride(0) % 8 == 0
             and student_logits.data_ptr() % 16 == 0 and available(student_logits.device)
-            and _launch(vocab, labels.dtype, student_logits.device.index, 1) is not None)
+            and _fitting_kernel(vocab, labels.dtype, student_logits.device.index, 1) is not None)
     if runs:
-        kernel, layout = _launch(vocab, labels.dtype, student_logits.device.index, 1)
+        kernel, layout = _fitting_kernel(vocab, labels.dtype, student_logits.device.index, 1)
         launch(kernel, layout, student_logits, None, labels, constants, token_losses, teacher_products, teacher_coefs)
     return runs
 

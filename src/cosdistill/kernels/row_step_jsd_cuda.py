@@ -39,8 +39,8 @@ def _tiles(mode: int) -> int:
     return 3 if mode == MIXED.value else 2
 
 
-def launch_configs(vocab: int, mode: int) -> list[Layout]:
-    """The layouts _launch tries in turn, from H200 sweeps (docs/design.md, The generalized JSD). Longer slices
+def candidate_layouts(vocab: int, mode: int) -> list[Layout]:
+    """The layouts _fitting_kernel tries in turn, from H200 sweeps (docs/design.md, The generalized JSD). Longer slices
     than the cosine loss's suit this kernel: its three passes and two exchanges cost each block more.
 
     FORWARD and REVERSE: clusters of 8 blocks (16 only where 8 cannot hold the row), 128 to 512 threads as the
@@ -100,10 +100,10 @@ def _kernel(vocab: int, label_dtype: torch.dtype, device_index: int, layout: Lay
 
 
 @functools.lru_cache(maxsize=None)
-def _launch(vocab: int, label_dtype: torch.dtype, device_index: int, mode: int, shared: bool, hash_row_vecs: int = 0):
-    """(kernel, layout) at the first of launch_configs' layouts that fits without a spill; None where none
+def _fitting_kernel(vocab: int, label_dtype: torch.dtype, device_index: int, mode: int, shared: bool, hash_row_vecs: int = 0):
+    """(kernel, layout) at the first of candidate_layouts' layouts that fits without a spill; None where none
     does (the Triton step runs instead)."""
-    for layout in launch_configs(vocab, mode):
+    for layout in candidate_layouts(vocab, mode):
         if _shared_bytes(vocab, *layout, _tiles(mode)) <= MAX_SHARED_BYTES:
             kernel = _kernel(vocab, label_dtype, device_index, layout, mode, shared, hash_row_vecs)
             if kernel is not None:
@@ -126,12 +126,12 @@ def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, const
 
 def _found(student_logits, teacher_logits, labels, constants: RowStepConstants, token_losses, write_grad, grad_lifts,
            hash_row_vecs: int = 0):
-    """_launch's (kernel, layout) for these arguments where this kernel computes the spec for them, else None."""
+    """_fitting_kernel's (kernel, layout) for these arguments where this kernel computes the spec for them, else None."""
     if not (supported(student_logits, teacher_logits, labels, constants, write_grad, grad_lifts)
             and token_losses.is_contiguous()):
         return None
     _check_constants(constants)
-    return _launch(student_logits.shape[1], labels.dtype, student_logits.device.index,
+    return _fitting_kernel(student_logits.shape[1], labels.dtype, student_logits.device.index,
                    mode_of(constants.beta, student_logits.dtype), constants.temperature == 1.0, hash_row_vecs)
 
 

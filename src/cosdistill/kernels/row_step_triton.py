@@ -15,6 +15,7 @@ import triton.language as tl
 from .._row_step import COSINE_EPS, NUM_STATS, RowStepConstants, RowStepImpl
 from . import TRITON_OPTIONS
 from .triton_common import (
+    FLOAT32_MAX,
     INTERPRET,
     LOG2E,
     block_size_for,
@@ -38,7 +39,6 @@ DEFAULT_STAGES = 6  # pipelined loads: faster than plain ones (docs/design.md, T
 LOSS_ONLY_BLOCK = 2048  # the no-grad launch
 LOSS_ONLY_WARPS = 8
 LOSS_ONLY_STAGES = 4
-FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # a jit global must be a constexpr
 
 
 @triton.jit

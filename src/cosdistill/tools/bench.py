@@ -52,7 +52,7 @@ from .._options import check_accum_dtype, options_of
 from .._weight_cache import Cached, WeightCache
 from ..api import fused_linear_cosine_distill, fused_linear_jsd
 from ..reference import NAIVE_LOSSES
-from ..testing import rel_err
+from ..testing import float64_reference, rel_err
 
 PROVIDERS = ("ours", "ours-logits", "ours-gram", "ours-fp8", "ours-fp8-quantized", "ours-unchecked",
              "ours-fp8-unchecked", "ours-changing-teacher", "naive", "liger", "trl", "floor")
@@ -396,17 +396,11 @@ def small_problem_errors(setting: OursSetting, workload: Workload, device: torch
     tensors = make_tensors(SMALL_TOKENS, SMALL_VOCAB, SMALL_HIDDEN, SMALL_HIDDEN // 2, workload.dtype, device)
     loss = ours_loss(setting, tensors)
     loss.backward()
-
-    def float64_copy(tensor):
-        return tensor.detach().double().requires_grad_(tensor.requires_grad)
-
-    student_input, student_weight, teacher_input, teacher_weight = map(float64_copy, tensors.args()[:4])
-    expected = NAIVE_LOSSES[setting.loss](student_input, student_weight, teacher_input, teacher_weight, tensors.labels)[0]
-    expected.backward()
+    (expected, _, _), (grad_input, grad_weight) = float64_reference([*tensors.args(), None, None], loss=setting.loss)
     errors = (
         rel_err(loss, expected),
-        rel_err(tensors.student_input.grad, student_input.grad),
-        rel_err(tensors.student_weight.grad, student_weight.grad),
+        rel_err(tensors.student_input.grad, grad_input),
+        rel_err(tensors.student_weight.grad, grad_weight),
     )
     return dict(zip(SMALL_ERROR_KEYS, errors))
 
