@@ -32,6 +32,14 @@ __all__ = ["CosineDistillationTrainer", "DistillationMixin", "DistillationTraine
 # --- The model's LM head, and the hidden states its forward hands it.
 
 
+def at_least_one(count):
+    """A step's item count, at least 1, so that a step whose labels are all ignored gives loss 0 rather than 0 / 0;
+    None stays None. A tensor stays on its device: no host read."""
+    if torch.is_tensor(count):
+        return count.clamp(min=1)
+    return None if count is None else max(1, count)
+
+
 def lm_head(model, name="model"):
     """The torch.nn.Linear that ``model.get_output_embeddings()`` runs (tied or not, with or without bias): under a
     PEFT ``modules_to_save`` wrapper the active adapter's copy (the original where none is active), under a merged
@@ -786,10 +794,7 @@ class DistillationMixin:
             # processes' batches, the rows accelerate repeats to even out the last ones among them, whose losses
             # gather_for_metrics then drops: the batch that kept its row was divided by targets not its own.
             num_items_in_batch = None
-        if torch.is_tensor(num_items_in_batch):  # a step whose labels are all -100: loss 0, not an error
-            num_items_in_batch = num_items_in_batch.clamp(min=1)
-        elif num_items_in_batch is not None:
-            num_items_in_batch = max(1, num_items_in_batch)
+        num_items_in_batch = at_least_one(num_items_in_batch)
         with self.accelerator.autocast():
             hidden = final_hidden_states(model, input_ids, attention_mask, lm_head(student, "student"), **model_inputs)
             loss, soft, hard = distill_loss(

@@ -124,10 +124,9 @@ def logits_rounding_floors(args, dtype: torch.dtype, grad_output=1.0, loss="cosi
     them with d loss / d logits). The float64 gradients recomputed from d loss / d logits taken at the
     logits rounded to ``dtype`` and stored rounded to it as the chunk loop stores it (unnormalised,
     before grad_output), against the float64 gradients. A low temperature or a large logit scale
-    magnifies the logits' rounding (bf16 at temperature 0.45 and student scale 1.9: 2e-2); cancellation
-    in the sums over tokens or vocabulary magnifies the stored one (grad_bias of a soft term alone in
-    bf16: 1.5e-2). ``args`` as fused_linear_cosine_distill's first seven; ``loss``: "cosine" or "jsd";
-    ``options`` its loss keywords."""
+    magnifies the logits' rounding; cancellation in the sums over tokens or vocabulary magnifies the
+    stored one (grad_bias of a soft term alone in bf16). ``args`` as fused_linear_cosine_distill's first
+    seven; ``loss``: "cosine" or "jsd"; ``options`` its loss keywords."""
     def upcast():
         return [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in args]
 
@@ -147,8 +146,8 @@ def accumulation_floor(dtype: torch.dtype, accum_dtype: torch.dtype | None, chun
     """The relative error that summing grad_weight chunk by chunk in a bf16 or fp16 accumulator brings
     beyond the final rounding, for a call with these arguments (the library's accumulator and chunks):
     one rounding (unit roundoff u) of the growing partial sum per further chunk, a random walk,
-    ~u * sqrt((chunks - 1) / 6); 0 in fp32. The property test that showed it (bf16, 244 one-row
-    chunks) found it; docs/reference.md, accum_dtype, says when it applies."""
+    ~u * sqrt((chunks - 1) / 6); 0 in fp32. A property test found it; docs/reference.md, accum_dtype, says
+    when it applies."""
     accum_dtype = accum_dtype or default_accum_dtype(dtype)
     if accum_dtype == torch.float32 or tokens == 0:
         return 0.0

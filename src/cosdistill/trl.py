@@ -37,6 +37,7 @@ except ImportError as error:
 from .hf import (
     UNSUPPORTED_ARGS,
     DistillationMixin,
+    at_least_one,
     check_loss_options,
     check_loss_values,
     check_sharding,
@@ -299,11 +300,8 @@ def _define_gkd_trainer():
             input_ids, attention_mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
             # No item counted in the step's dataset batches: loss 0 (TRL's x / 0: NaN or inf), also where a
             # generated batch has targets. On the device: no host read.
-            counted = None
-            if torch.is_tensor(num_items_in_batch):
-                counted, num_items_in_batch = num_items_in_batch > 0, num_items_in_batch.clamp(min=1)
-            elif num_items_in_batch is not None:
-                counted, num_items_in_batch = num_items_in_batch > 0, max(1, num_items_in_batch)
+            counted = None if num_items_in_batch is None else num_items_in_batch > 0
+            num_items_in_batch = at_least_one(num_items_in_batch)
             with self.accelerator.autocast():
                 hidden = final_hidden_states(model, input_ids, attention_mask, lm_head(student, "student"))
                 with torch.no_grad(), in_eval_mode(self.teacher_model):  # GKDTrainer's teacher.eval()

@@ -605,8 +605,7 @@ def time_providers(builders, tensors: Tensors, device, mode, workload: Workload,
     Each round times every provider in turn (median of ``reps`` calls, after ``warmup`` calls in the
     first round, one in later rounds, and ``settle_s`` seconds of calls in every round); a provider's
     time is the median over rounds of its round medians. With several rounds, clocks that drift over
-    a run (the floor moved 3.67-3.92 ms at T = 1024 between runs on one H200) drift
-    under every provider alike, and each round starts one provider later in the list, so that no
+    a run (docs/benchmarks.md) drift under every provider alike, and each round starts one provider later in the list, so that no
     provider is always the one timed first."""
     steps, times = {}, {label: [] for label in builders}
     timings = {label: (None, None, times[label]) for label in builders}

@@ -231,7 +231,7 @@ def check_row_step(device, cases=ROW_STEP_CASES) -> list[CheckResult]:
     }
     if _cuda_row_step_available(device):
         runs["row step cuda vs torch"] = row_step_cuda.COSINE_CUDA_ROW_STEP.step
-    # each run again with the soft term alone: beside the hard term's, its gradient is 0.1-2% of the whole, under
+    # each run again with the soft term alone: beside the hard term's, its gradient is small enough to hide under
     # the bf16 tolerance (a step that dropped it passed)
     runs |= {f"{name}, soft term alone": run for name, run in runs.items()}
     results = []
