@@ -12,7 +12,6 @@ from conftest import TOLERANCE, Problem, make_problem, reference, rel_err
 from cosdistill import fused_linear_cosine_distill
 from cosdistill.testing import FUSED_LOSSES
 
-BF16_MAX = torch.finfo(torch.bfloat16).max  # (2 - 2^-7) * 2^127
 FP16_MAX = torch.finfo(torch.float16).max  # 65504 = 32 * 2047
 
 
