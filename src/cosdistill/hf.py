@@ -44,6 +44,11 @@ def lm_head(model, name="model"):
     """The torch.nn.Linear that ``model.get_output_embeddings()`` runs (tied or not, with or without bias): under a
     PEFT ``modules_to_save`` wrapper the active adapter's copy (the original where none is active), under a merged
     adapter its base layer."""
+    config = getattr(model, "config", None)
+    stages = getattr(getattr(config, "distributed_config", None), "pp_size", None) or 1
+    if stages > 1:  # checked on every rank: a rank holding the head would wait in the first forward for the others
+        raise ValueError(f"{name} is loaded for pipeline parallelism (transformers' DistributedConfig pp_size={stages}), "
+                         "which the fused loss does not support: its LM head is on the last stage alone")
     head = model.get_output_embeddings()
     wrapper = type(head).__name__
     if wrapper == "ModulesToSaveWrapper":
@@ -289,16 +294,29 @@ def whole_head_weight(model, head):
     head gathers its parameters again (``unshard``); their gradients go through FSDP's reduction as usual."""
     if not is_dtensor(head.weight):
         return head.weight
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():  # outermost first
-        if isinstance(module, FSDPModule) and any(sub is head for sub in module.modules()):
-            module.unshard()
+    for module in fsdp_modules_holding(model, head):  # outermost first
+        module.unshard()
     if is_dtensor(head.weight) and tensor_parallel_rows(head.weight) is None:
         raise TypeError(f"the LM head's weight is a sharded DTensor that no FSDP2 module above it gathers "
                         f"({type(head).__name__}, placements {head.weight.placements}); the fused loss needs it whole "
                         "or split along the vocabulary over one mesh dimension")
     return head.weight
+
+
+def fsdp_modules_holding(model, head) -> list:
+    """The FSDP2 (``fully_shard``) modules of the model that hold the head, outermost first: between forwards its
+    weight is their shard, a DTensor that is not a split for tensor parallelism."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules()
+            if isinstance(module, FSDPModule) and any(sub is head for sub in module.modules())]
+
+
+def split_head_rows(model, role):
+    """``tensor_parallel_rows`` of the model's LM head, None where FSDP2 holds it (transformers' own FSDP shards a
+    head at loading, as one split for tensor parallelism looks, and gathers it whole for the loss)."""
+    head = lm_head(model, role)
+    return None if fsdp_modules_holding(model, head) else tensor_parallel_rows(head.weight)
 
 
 def tensor_parallel_rows(weight):
@@ -657,9 +675,9 @@ def check_tensor_parallel(trainer, teacher) -> None:
     processes than the tensor-parallel ones (data parallelism or FSDP beside them: not tested); a split teacher
     beside a whole student (the ranks hold other batches: its collectives would not match)."""
     name = type(trainer).__name__
-    rows = tensor_parallel_rows(lm_head(trainer.accelerator.unwrap_model(trainer.model), "student").weight)
+    rows = split_head_rows(trainer.accelerator.unwrap_model(trainer.model), "student")
     if rows is None:
-        if tensor_parallel_rows(lm_head(teacher, "teacher").weight) is not None:
+        if split_head_rows(teacher, "teacher") is not None:
             raise ValueError(f"{name}: the teacher's LM head is split over ranks (tensor parallel) and the student's "
                              "is not: split both the same way (tp_plan='auto'), or load the teacher whole on every rank")
         return

@@ -49,7 +49,7 @@ from .hf import (
     keep_head_hook,
     lm_head,
     loss_of_hidden_states,
-    tensor_parallel_rows,
+    split_head_rows,
 )
 
 # DistillationGKDTrainer and DistillationTrainer are made on first use (__getattr__ below)
@@ -175,7 +175,7 @@ def _define_distillation_trainer():
 
         def _refuse_split_heads(self, *models):
             for role, model in zip(("student", "teacher"), models):
-                if isinstance(model, torch.nn.Module) and tensor_parallel_rows(lm_head(model, role).weight) is not None:
+                if isinstance(model, torch.nn.Module) and split_head_rows(model, role) is not None:
                     raise ValueError(f"{type(self).__name__} does not support a {role} whose LM head is split for "
                                      "tensor parallelism: not tested with TRL's DistillationTrainer")
 

@@ -60,13 +60,17 @@ def device():
     return torch.device("cuda", torch.cuda.current_device()) if BACKEND == "nccl" else torch.device("cpu")
 
 
+def _distributed_config_takes(field):
+    config = getattr(getattr(transformers, "distributed", None), "DistributedConfig", None)
+    return config is not None and field in config.__dataclass_fields__
+
+
 def tensor_parallel():
     """from_pretrained's arguments for transformers' own plan, as the example passes them: a DistributedConfig where
     from_pretrained takes one (tp_plan= alone is deprecated there), tp_plan= before. Built per load: the config reads
     its size from WORLD_SIZE when made."""
-    config = getattr(getattr(transformers, "distributed", None), "DistributedConfig", None)
-    if config is not None and "tp_plan" in config.__dataclass_fields__:
-        return dict(distributed_config=config(tp_plan="auto"))
+    if _distributed_config_takes("tp_plan"):
+        return dict(distributed_config=transformers.distributed.DistributedConfig(tp_plan="auto"))
     return dict(tp_plan="auto")
 
 
@@ -135,6 +139,12 @@ def refusals(folder):
             accelerator=types.SimpleNamespace(num_processes=processes, unwrap_model=lambda model: model))
 
     whole_teacher = tiny_llama(VOCAB_STUDENT, 1)
+    # transformers' pipeline stages: the head on the last rank alone (every rank raises before any forward)
+    if _distributed_config_takes("pp_size"):
+        attempts["pipeline parallelism"] = lambda: distill_loss(
+            transformers.AutoModelForCausalLM.from_pretrained(
+                os.path.join(folder, "student"), distributed_config=transformers.distributed.DistributedConfig(
+                    pp_size=WORLD), attn_implementation="eager"), whole_teacher.to(device()), **batch_on_device())
     attempts["tensor parallelism beside data parallelism"] = lambda: check_tensor_parallel(
         trainer_seen_by_the_check(2 * WORLD), whole_teacher)
     attempts["tokens counted per device"] = lambda: check_tensor_parallel(
@@ -235,6 +245,7 @@ def test_split_heads_give_the_whole_models_loss_and_gradients(results, case, los
     ("teacher split otherwise", r"the splits must agree on the student's vocabulary"),
     ("teacher split, student whole", r"the teacher's LM head is split over ranks \(tensor parallel\) and the student's is not"),
     ("a rank without rows", r"over 2 ranks as torch.chunk does, 1 rows each, which leaves the last rank none"),
+    ("pipeline parallelism", r"student is loaded for pipeline parallelism \(transformers' DistributedConfig pp_size=2\)"),
     ("DistillationTrainer", r"DistillationTrainer: the student's LM head is split over 2 ranks for tensor parallelism but "
                             r"the Trainer's tensor-parallel size is 1"),
     ("DistillationGKDTrainer", r"DistillationGKDTrainer: the student's LM head is split over 2 ranks .* size is 1"),

@@ -87,6 +87,16 @@ def split_model(path):
     return model
 
 
+def natively_sharded(path, **distributed):
+    """The model as transformers' own distributed loading shards it (DistributedConfig: fsdp_size, ...)."""
+    from transformers.distributed import DistributedConfig
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(**distributed), attn_implementation="eager")
+    assert isinstance(model.lm_head.weight, DTensor)
+    return model
+
+
 def whole(tensor):
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
@@ -175,6 +185,20 @@ def tensor_parallel_results(out, folder):
                                          split_model(os.path.join(folder, "gkd student")), **GLOO)
                                 for trainer_class in (DistillationGKDTrainer, gkd.GKDTrainer)]
     results["evaluate"] = evaluate(out, split_model(student), **GLOO)
+    # transformers' own FSDP2 (DistributedConfig(fsdp_size=...)): the head a Shard(0) DTensor from loading on, as
+    # a split for tensor parallelism looks; the ranks hold different batches
+    results["native fsdp2 student"] = distillation_step(
+        out, "jsd", 2, 1, natively_sharded(student, fsdp_size=WORLD), **GLOO)
+    results["native fsdp2 teacher"] = distillation_step(
+        out, "jsd", 2, 1, teacher=natively_sharded(os.path.join(folder, "teacher160"), fsdp_size=WORLD), **GLOO)
+    try:
+        student, teacher = trl_distillation_models()
+        student.save_pretrained(os.path.join(out, "trl student"))
+        make_trl_distillation_trainer(TRLDistillationTrainer, out, natively_sharded(
+            os.path.join(out, "trl student"), fsdp_size=WORLD), teacher, beta=0.5, **GLOO)
+        results["trl's DistillationTrainer, native fsdp2 student"] = "built"
+    except ValueError as error:
+        results["trl's DistillationTrainer, native fsdp2 student"] = str(error)
     return results
 
 
@@ -196,6 +220,7 @@ def ranks_results(tmp_path_factory, sharding):
     if sharding == "tensor parallel":
         tiny_model("llama").save_pretrained(folder / "student")
         tiny_model("llama", seed=1).save_pretrained(folder / "teacher")
+        tiny_model("llama", vocab=160, seed=1).save_pretrained(folder / "teacher160")
         gkd_models()[0].save_pretrained(folder / "gkd student")
     mp.spawn(run_rank, args=(free_port(), str(folder), sharding), nprocs=WORLD)
     return torch.load(folder / "results.pt", weights_only=False)
@@ -235,6 +260,16 @@ def test_a_step_is_one_processs_step_on_the_whole_batch(sharded, loss, split, tm
     per_device, accumulation = SPLITS[split]
     assert_same_step(results["step", loss, split], distillation_step(tmp_path, loss, WORLD * per_device, accumulation),
                      sharding)
+
+
+@pytest.mark.parametrize("side", ["student", "teacher"])
+def test_a_model_sharded_by_transformers_own_fsdp2(tensor_parallel, side, tmp_path):
+    """A student or teacher loaded with DistributedConfig(fsdp_size=2), whose head the Trainer's construction sees as
+    FSDP's shard rather than a split for tensor parallelism: the step is one process's on the whole batch; TRL's
+    DistillationTrainer takes such a student too."""
+    got = tensor_parallel[f"native fsdp2 {side}"]
+    assert_same_step(got, distillation_step(tmp_path, "jsd", WORLD * 2, 1), "fsdp2" if side == "student" else "")
+    assert tensor_parallel["trl's DistillationTrainer, native fsdp2 student"] == "built"
 
 
 @pytest.mark.parametrize("case", ["tied head, not resharded", "head a unit"])
