@@ -606,3 +606,35 @@ def test_every_entry_point_takes_every_option_with_the_options_defaults(entry):
         del fields["cosine_via"]
     parameters = inspect.signature(entry).parameters
     assert {name: parameters[name].default for name in fields if name in parameters} == fields
+
+
+@pytest.mark.parametrize("loss", [fused_linear_cosine_distill, fused_linear_jsd])
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jvp"])
+def test_torch_func_transforms_are_a_clear_error(loss, transform):
+    """The losses differentiate in reverse mode only; under torch.func the kernels and GEMMs into buffers raised
+    internal errors that named no transform. Also after a plan was cached for the same shapes."""
+    p = make_problem(tokens=6, hidden_student=8, hidden_teacher=16, vocab_student=11, vocab_teacher=13)
+    args = (p.student_input, p.student_weight, p.teacher_input, p.teacher_weight, p.labels)
+    loss(*args)
+
+    def of_weight(weight):
+        return loss(args[0], weight, *args[2:])
+
+    calls = {"grad": lambda: torch.func.grad(of_weight)(args[1]),
+             "vmap": lambda: torch.func.vmap(lambda x: loss(x, *args[1:]))(args[0][None].expand(2, -1, -1)),
+             "jvp": lambda: torch.func.jvp(of_weight, (args[1],), (torch.ones_like(args[1]),))}
+    with pytest.raises(TypeError, match="is a tensor of a torch.func transform"):
+        calls[transform]()
+
+
+def test_a_num_valid_tokens_that_requires_grad_is_an_error():
+    """The loss gives N no gradient (it is a count), as it gives its options none: a tensor N that requires grad raises
+    rather than have its gradient silently dropped; detached, or with grad mode off, it runs."""
+    p = make_problem(tokens=6, hidden_student=8, hidden_teacher=16, vocab_student=11, vocab_teacher=13)
+    args = (p.student_input, p.student_weight, p.teacher_input, p.teacher_weight, p.labels)
+    count = torch.tensor(4.0, requires_grad=True)
+    fused_linear_jsd(*args, num_valid_tokens=count.detach())  # a plan cached for a tensor N first
+    with pytest.raises(TypeError, match="num_valid_tokens is a tensor that requires grad"):
+        fused_linear_jsd(*args, num_valid_tokens=count)
+    with torch.no_grad():
+        fused_linear_jsd(*args, num_valid_tokens=count)

@@ -174,6 +174,12 @@ def options_of(**fields) -> Options:
     return _checked(**fields)
 
 
+def is_transformed(tensor: torch.Tensor) -> bool:
+    """Whether a torch.func transform wraps the tensor (its kernels and GEMMs into buffers have no rule for them). Not
+    asked while torch.compile traces, which cannot trace the question (the custom op then has no rule either)."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
 LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -184,6 +190,9 @@ def check_tensors(student_input, student_weight, teacher_input, teacher_weight, 
         if not is_real_scalar_tensor(num_valid_tokens):
             raise TypeError(f"num_valid_tokens must be a number or a one-element real tensor, got a "
                             f"{num_valid_tokens.dtype} tensor of shape {tuple(num_valid_tokens.shape)}")
+        if num_valid_tokens.requires_grad and torch.is_grad_enabled():
+            raise TypeError("num_valid_tokens is a tensor that requires grad, and the loss gives it no gradient: pass "
+                            "num_valid_tokens.detach()")
     elif num_valid_tokens is not None:
         check_finite_real("num_valid_tokens", num_valid_tokens)
         if not num_valid_tokens > 0:
@@ -203,6 +212,9 @@ def check_tensors(student_input, student_weight, teacher_input, teacher_weight, 
     for name, tensor in named.items():
         if torch.is_tensor(tensor) and tensor.layout != torch.strided:
             raise TypeError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}")
+        if torch.is_tensor(tensor) and is_transformed(tensor):
+            raise TypeError(f"{name} is a tensor of a torch.func transform (grad, vjp, jacrev, vmap, jvp): the fused "
+                            "losses take only reverse mode, through backward() or torch.autograd.grad")
     devices = {name: t.device for name, t in named.items() if t is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"all tensors must be on one device, got {devices}")

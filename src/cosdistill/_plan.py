@@ -13,7 +13,7 @@ from . import _split_check, _teacher_fp8, _teacher_gram
 from ._backends import TORCH, Backend, backend_for
 from ._chunk_loop import ChunkResult, ChunkRows, chunked_loss_and_grads, start_student_logits
 from ._labels import LabelCounts
-from ._options import Options, check_accum_dtype, check_tensors, default_accum_dtype
+from ._options import Options, check_accum_dtype, check_tensors, default_accum_dtype, is_transformed
 from ._row_step import RowStepConstants, RowStepImpl
 from ._split_check import VocabParallel
 from ._teacher_logits import LogitsTeacher, SideStream, TeacherHead
@@ -173,7 +173,8 @@ def gradients_needed(student_input, student_weight, student_bias) -> tuple[bool,
 
 def _call_signature(options: Options, tensors, num_valid_tokens, vocab_parallel) -> tuple | None:
     """What check_tensors and make_plan read of a call: the options, whether gradients are on, whether
-    num_valid_tokens passes, each tensor's type, layout, shape, dtype, device and requires_grad. None where they must run:
+    num_valid_tokens passes, each tensor's type, layout, shape, dtype, device, requires_grad and whether a torch.func
+    transform wraps it. None where they must run:
     a vocabulary split (an object the plan holds, which may change), options holding tensors (made for one call),
     an argument that is not a tensor. The
     options go in by identity, cheaper than hashing their fields: the plan holds them, so their id stays theirs
@@ -183,7 +184,7 @@ def _call_signature(options: Options, tensors, num_valid_tokens, vocab_parallel)
     if num_valid_tokens is None:
         count = None
     elif isinstance(num_valid_tokens, torch.Tensor):  # check_tensors reads its shape and dtype, not its value
-        count = ("tensor", num_valid_tokens.shape, num_valid_tokens.dtype)
+        count = ("tensor", num_valid_tokens.shape, num_valid_tokens.dtype, num_valid_tokens.requires_grad)
     elif isinstance(num_valid_tokens, (int, float)) and not isinstance(num_valid_tokens, bool):
         count = float(num_valid_tokens)
     else:
@@ -194,7 +195,7 @@ def _call_signature(options: Options, tensors, num_valid_tokens, vocab_parallel)
             return None
         signature.append(None if tensor is None else
                          (type(tensor), getattr(tensor, "layout", None), tensor.shape, tensor.dtype, tensor.device,
-                          tensor.requires_grad))
+                          tensor.requires_grad, torch.is_tensor(tensor) and is_transformed(tensor)))
     return tuple(signature)
 
 
