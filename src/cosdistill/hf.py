@@ -32,14 +32,6 @@ __all__ = ["CosineDistillationTrainer", "DistillationMixin", "DistillationTraine
 # --- The model's LM head, and the hidden states its forward hands it.
 
 
-def at_least_one(count):
-    """A step's item count, at least 1, so that a step whose labels are all ignored gives loss 0 rather than 0 / 0;
-    None stays None. A tensor stays on its device: no host read."""
-    if torch.is_tensor(count):
-        return count.clamp(min=1)
-    return None if count is None else max(1, count)
-
-
 def lm_head(model, name="model"):
     """The torch.nn.Linear that ``model.get_output_embeddings()`` runs (tied or not, with or without bias): under a
     PEFT ``modules_to_save`` wrapper the active adapter's copy (the original where none is active), under a merged
@@ -316,7 +308,8 @@ def split_head_rows(model, role):
     """``tensor_parallel_rows`` of the model's LM head, None where FSDP2 holds it (transformers' own FSDP shards a
     head at loading, as one split for tensor parallelism looks, and gathers it whole for the loss)."""
     head = lm_head(model, role)
-    return None if fsdp_modules_holding(model, head) else tensor_parallel_rows(head.weight)
+    rows = tensor_parallel_rows(head.weight)
+    return None if rows is None or fsdp_modules_holding(model, head) else rows
 
 
 def tensor_parallel_rows(weight):
@@ -723,6 +716,14 @@ def check_no_extra_loss_terms(trainer) -> None:
 
 
 # --- The Trainer.
+
+
+def at_least_one(count):
+    """A step's item count, at least 1, so that a step whose labels are all ignored gives loss 0 rather than 0 / 0;
+    None stays None. A tensor stays on its device: no host read."""
+    if torch.is_tensor(count):
+        return count.clamp(min=1)
+    return None if count is None else max(1, count)
 
 
 class DistillationMixin:
