@@ -452,6 +452,8 @@ def test_bad_scalars_and_options():
     ("teacher_logit_scale", float("-inf"), ValueError, "teacher_logit_scale must be finite"),
     ("ignore_index", 1.5, TypeError, "ignore_index must be an int, got float"),
     ("ignore_index", True, TypeError, "ignore_index must be an int, got bool"),
+    ("ignore_index", torch.tensor(True), TypeError, "ignore_index must be an int, got Tensor"),
+    ("ignore_index", torch.tensor([True]), TypeError, "ignore_index must be an int, got Tensor"),
     ("num_valid_tokens", float("inf"), ValueError, "num_valid_tokens must be finite"),
     ("num_valid_tokens", "8", TypeError, "num_valid_tokens must be a real number, got str"),
     ("num_valid_tokens", torch.tensor([4, 4]), TypeError, r"one-element real tensor, got a torch.int64 tensor of shape \(2,\)"),
@@ -638,3 +640,24 @@ def test_a_num_valid_tokens_that_requires_grad_is_an_error():
         fused_linear_jsd(*args, num_valid_tokens=count)
     with torch.no_grad():
         fused_linear_jsd(*args, num_valid_tokens=count)
+
+
+@pytest.mark.parametrize("module_class", [FusedLinearCosineDistillLoss, api.FusedLinearJSDLoss])
+def test_a_misspelled_option_on_a_module_raises(module_class):
+    """An assigned name that is no option of the module would be kept as a plain attribute and change nothing: it
+    raises, naming the closest option. An option assigned as a Parameter without grad takes effect (nn.Module would
+    have registered it, clashing with the option); one that requires grad raises as in the constructor."""
+    module = module_class()
+    with pytest.raises(AttributeError, match="has no option 'temprature' \\(did you mean 'temperature'\\?\\)"):
+        module.temprature = 4.0
+    with pytest.raises(AttributeError, match="has no option 'weight_hard'"):
+        module.weight_hard = 0.0
+    module.temperature = torch.nn.Parameter(torch.tensor(2.0), requires_grad=False)
+    problem = make_problem(tokens=9)
+    want = module_class(temperature=2.0)(*problem.args())
+    assert torch.equal(module(*problem.args()), want)
+    with pytest.raises(TypeError, match="temperature is a tensor that requires grad"):
+        module.temperature = torch.nn.Parameter(torch.tensor(3.0))
+    module.compiled, module.return_soft_hard_loss = True, True  # Liger's other attributes stay assignable
+    module.eval()
+    assert len(module(*problem.args())) == 3

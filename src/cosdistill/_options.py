@@ -79,7 +79,8 @@ class Options:
             torch.is_tensor(getattr(self, field.name)) for field in dataclasses.fields(self)))
         for name in REAL_OPTIONS:
             check_finite_real(name, getattr(self, name))
-        if isinstance(self.ignore_index, bool) or not _is_integer(self.ignore_index):
+        if (isinstance(self.ignore_index, bool) or getattr(self.ignore_index, "dtype", None) == torch.bool
+                or not _is_integer(self.ignore_index)):  # a bool would ignore label 1
             raise TypeError(f"ignore_index must be an int, got {type(self.ignore_index).__name__} {self.ignore_index!r}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {float(self.temperature)}")
