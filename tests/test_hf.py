@@ -744,8 +744,9 @@ def test_trainable_token_indices_on_the_head_is_a_clear_error():
 
 @pytest.mark.parametrize("config_name", ["PromptTuningConfig", "PromptEncoderConfig"])
 def test_a_prompt_learning_student_drops_its_virtual_tokens(config_name):
-    """Prompt tuning and P-tuning put num_virtual_tokens positions before the input's: their hidden states have
-    no label and are left out, as PEFT's own loss leaves them out (its labels are -100 there)."""
+    """Prompt tuning and P-tuning put num_virtual_tokens positions before the input's: their hidden states are left
+    out. PEFT's own loss (its labels -100 there) keeps the last one, which predicts the row's first token; the teacher
+    has no position that predicts it, so it is no target here."""
     peft = pytest.importorskip("peft")
     config = getattr(peft, config_name)(task_type="CAUSAL_LM", num_virtual_tokens=4, **(
         dict(encoder_hidden_size=16) if config_name == "PromptEncoderConfig" else {}))

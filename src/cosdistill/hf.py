@@ -129,8 +129,9 @@ def final_hidden_states(model, input_ids, attention_mask=None, head=None, **mode
     by default ``model.get_output_embeddings()``; pass it when ``model`` is a wrapper without that method.
     ``model_inputs``: the batch's other forward inputs (position_ids and the flash-attention sequence
     boundaries of packed batches, token_type_ids, ...), passed on as they are. The virtual tokens a PEFT
-    prompt-learning adapter puts before the input's are left out. The head's hook (``HeadInputHook``) is the one
-    ``keep_head_hook`` left on it, else one added for this call.
+    prompt-learning adapter puts before the input's are left out (the last of them predicts the input's first token,
+    which PEFT's own loss trains on and the fused loss cannot: no teacher position predicts it). The head's hook
+    (``HeadInputHook``) is the one ``keep_head_hook`` left on it, else one added for this call.
     """
     head = lm_head(model) if head is None else head
     kept = _kept_hooks.get(head)
