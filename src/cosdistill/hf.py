@@ -6,6 +6,7 @@ teacher causal LM and a batch (input_ids, attention_mask, labels), computed with
 either model; ``DistillationTrainer`` is a ``transformers.Trainer`` that trains with it.
 """
 
+import collections.abc
 import contextlib
 import inspect
 import weakref
@@ -790,7 +791,9 @@ class DistillationMixin:
     @staticmethod
     def _with_loss_labels(batch):
         """The batch with its labels set to -100 where the loss has no target (in place: the collator's tensors)."""
-        if isinstance(batch, dict) and torch.is_tensor(batch.get("labels")) and batch["labels"].dim() == 2:
+        # a Mapping, not a dict: transformers' collators return BatchEncoding
+        if (isinstance(batch, collections.abc.MutableMapping) and torch.is_tensor(batch.get("labels"))
+                and batch["labels"].dim() == 2):
             batch["labels"] = loss_labels(batch["labels"], batch.get("attention_mask"), batch.get("position_ids"),
                                           cu_seq_lens=batch.get("cu_seq_lens_q"))
         return batch
