@@ -492,6 +492,11 @@ def test_evaluate_logs_soft_and_hard(tmp_path):
         batch = trainer.data_collator(rows[:2])
         _, soft, hard = distill_loss(student, teacher, **batch, return_soft_hard_loss=True, **OPTIONS)
     assert test_metrics["test_soft_loss"] == pytest.approx(soft.item(), rel=1e-5)
+    # Packed batches (one row holding each batch's sequences): weighted as eval_loss weights them, by examples
+    trainer.data_collator = transformers.DataCollatorWithFlattening(return_position_ids=True)
+    packed = trainer.evaluate(eval_dataset=[{"input_ids": row} for row in rows])
+    weighted = OPTIONS["weight_hard_loss"] * packed["eval_hard_loss"] + OPTIONS["weight_soft_loss"] * packed["eval_soft_loss"]
+    assert packed["eval_loss"] == pytest.approx(weighted, rel=1e-5)
 
 
 

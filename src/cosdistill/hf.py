@@ -836,10 +836,10 @@ class DistillationMixin:
                 self._soft_hard_sums, self._soft_hard_since_step = sums, self.state.global_step
             else:
                 self._soft_hard_sums = self._soft_hard_sums + sums
-        else:  # evaluation: the mean over rows, as the Trainer's eval_loss (each batch's loss once per row),
-            # gathered per batch as it gathers its losses, which drops the rows accelerate repeats to even out the
-            # processes' last batches
-            per_row = self.accelerator.gather_for_metrics(sums[None].expand(input_ids.shape[0], 2).contiguous())
+        else:  # evaluation: weighted as the Trainer's eval_loss weights each batch's loss (eval_batch_size times,
+            # also for a packed batch of one row), gathered per batch as it gathers its losses, which drops the
+            # examples past the dataset's end and those accelerate repeats to even out the processes' last batches
+            per_row = self.accelerator.gather_for_metrics(sums[None].expand(self.args.eval_batch_size, 2).contiguous())
             sums = torch.cat([per_row.sum(0), per_row.new_full((1,), per_row.shape[0])])
             self._eval_sums = sums if self._eval_sums is None else self._eval_sums + sums
         # No logits: the fused loss never computes them (soft and hard reach the logs through log below).
