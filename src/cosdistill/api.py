@@ -155,14 +155,17 @@ class _LossModule(torch.nn.Module):
         self.return_soft_hard_loss = return_soft_hard_loss
         self.compiled = compiled  # Liger's attribute, kept for code that reads it; it changes nothing here
         self._options = Options(**given)  # a bad value raises here, when the module is built
-        self._given = given  # the last attribute made: from here on a new public name is refused (__setattr__)
+        self._given = given  # from here on a new public name outside _attributes is refused (__setattr__)
+
+    _attributes = ("return_soft_hard_loss", "compiled")  # its public attributes other than the options
 
     def __setattr__(self, name, value):
         # An option goes to its property even as a Parameter (nn.Module would register it, clashing with the
         # property); a new public name is refused, since a misspelled option would be one, ignored.
         if name in OPTION_NAMES:
             object.__setattr__(self, name, value)
-        elif "_given" in self.__dict__ and not name.startswith("_") and not hasattr(self, name):
+        elif ("_given" in self.__dict__ and not name.startswith("_") and name not in self._attributes
+              and not hasattr(self, name)):
             close = difflib.get_close_matches(name, [option for option in OPTION_NAMES if hasattr(self, option)], 1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise AttributeError(f"{type(self).__name__} has no option {name!r}{hint}: its options are its "

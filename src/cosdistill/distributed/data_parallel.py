@@ -68,6 +68,8 @@ class _GlobalNormaliser:
     Mixed in before the loss module, so that the loss's options and signature stay its own.
     """
 
+    _attributes = ("return_soft_hard_loss", "compiled", "group")
+
     def __init__(self, *args, group=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.group = group
