@@ -945,9 +945,25 @@ def test_metrics_that_would_read_logits_raise_and_predict_gives_the_loss(tmp_pat
         with pytest.raises(ValueError, match=f"does not support {name}: evaluation has no logits"):
             DistillationTrainer(model=student, args=args, teacher_model=teacher, **{name: lambda *a: {}})
     trainer = make_trainer(tmp_path, student, teacher, rows, per_device_eval_batch_size=2)
+    trainer.data_collator = collate_left  # the loss's targets differ from the labels: label_ids stay the labels
     output = trainer.predict(rows)
     assert output.metrics["test_loss"] == pytest.approx(trainer.evaluate(eval_dataset=rows)["eval_loss"], rel=1e-6)
     assert output.predictions is None or len(output.predictions) == 0
+    labels = [collate_left(rows[i:i + 2])["labels"] for i in range(0, len(rows), 2)]
+    width = max(batch.shape[1] for batch in labels)
+    want = torch.cat([F.pad(batch, (0, width - batch.shape[1]), value=-100) for batch in labels])
+    assert torch.equal(torch.as_tensor(output.label_ids), want)
+
+
+def test_a_batch_with_shift_labels_raises(tmp_path):
+    """The Trainer counts a batch's shift_labels and the model's own loss trains on them; the fused loss takes its
+    targets from labels, so such a batch raises rather than divide by another count."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
+    trainer = make_trainer(tmp_path, student, teacher, dataset([9, 4]))
+    batch = collate(dataset([9, 4]))
+    batch["shift_labels"] = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    with pytest.raises(ValueError, match="a batch with shift_labels"):
+        trainer.compute_loss(student, batch)
 
 
 def test_a_resumed_run_logs_the_soft_and_hard_loss_of_its_steps(tmp_path):

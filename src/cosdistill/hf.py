@@ -803,9 +803,16 @@ class DistillationMixin:
         return super().get_batch_samples(map(self._with_loss_labels, epoch_iterator), num_batches, *args, **kwargs)
 
     def prediction_step(self, model, inputs, *args, **kwargs):
-        return super().prediction_step(model, self._with_loss_labels(inputs), *args, **kwargs)
+        """The Trainer's, on a copy of the batch whose labels are the loss's targets; the labels it returns (predict's
+        label_ids) are the batch's own."""
+        loss, logits, labels = super().prediction_step(model, self._with_loss_labels(dict(inputs)), *args, **kwargs)
+        given = inputs.get("labels")
+        return loss, logits, (given.detach() if labels is not None and torch.is_tensor(given) else labels)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if "shift_labels" in inputs:  # the Trainer counts them and the model's own loss trains on them
+            raise ValueError(f"{type(self).__name__} takes its targets from labels, shifted as the model shifts them: "
+                             "a batch with shift_labels (a collator's own targets) is not supported")
         if "labels" not in inputs:
             raise ValueError(f"{type(self).__name__} needs labels in each batch (a causal LM collator's), got the keys "
                              f"{sorted(inputs)}")
