@@ -68,7 +68,7 @@ class _GlobalNormaliser:
     Mixed in before the loss module, so that the loss's options and signature stay its own.
     """
 
-    _attributes = ("return_soft_hard_loss", "compiled", "group")
+    _attributes = (*FusedLinearCosineDistillLoss._attributes, "group")  # the loss modules' public attributes, and its own
 
     def __init__(self, *args, group=None, **kwargs):
         super().__init__(*args, **kwargs)
