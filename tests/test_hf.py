@@ -3,6 +3,8 @@ training makes (left padding, packed sequences, every model input), evaluation l
 options and shardings the loss cannot honour."""
 
 import copy
+import itertools
+import math
 
 import pytest
 import torch
@@ -501,6 +503,36 @@ def test_evaluate_logs_soft_and_hard(tmp_path):
 
 
 
+def add_up(loss, soft, hard):
+    return loss == pytest.approx(OPTIONS["weight_hard_loss"] * hard + OPTIONS["weight_soft_loss"] * soft, rel=1e-5)
+
+
+@pytest.mark.parametrize("nan_inf_filter", [True, False])
+def test_soft_and_hard_logs_filter_non_finite_losses_as_the_trainer_does(tmp_path, nan_inf_filter):
+    """logging_nan_inf_filter (on by default) counts a training step whose loss is NaN as the mean of those since the
+    last log, and leaves evaluation batches whose loss is NaN out of eval_loss: soft_loss and hard_loss logged NaN
+    there, and no longer added up to the loss logged beside them."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
+    rows = dataset([9, 4, 6, 2, 7, 5])
+    trainer = make_trainer(tmp_path, student, teacher, rows, per_device_train_batch_size=2, max_steps=3,
+                           logging_steps=3, per_device_eval_batch_size=2, logging_nan_inf_filter=nan_inf_filter)
+    calls = itertools.count(1)  # the student's forwards: step 1's, the head check's, step 2's, ...
+    hook = student.model.norm.register_forward_hook(
+        lambda module, args, output: output * float("nan") if next(calls) == 3 else output)
+    trainer.train()
+    hook.remove()
+    [log] = [log for log in trainer.state.log_history if "loss" in log]
+    assert add_up(log["loss"], log["soft_loss"], log["hard_loss"]) if nan_inf_filter else (
+        math.isnan(log["loss"]) and math.isnan(log["soft_loss"]) and math.isnan(log["hard_loss"]))
+
+    trainer.model = student = tiny_model("llama")  # the trained one is NaN
+    student.model.norm.register_forward_hook(  # the second of evaluation's three batches, two rows of 6 and 2 tokens
+        lambda module, args, output: output * float("nan") if output.shape[1] == 6 else output)
+    metrics = trainer.evaluate(eval_dataset=rows)
+    assert add_up(metrics["eval_loss"], metrics["eval_soft_loss"], metrics["eval_hard_loss"]) if nan_inf_filter else (
+        math.isnan(metrics["eval_soft_loss"]) and math.isnan(metrics["eval_hard_loss"]))
+
+
 @pytest.mark.parametrize("change", ["a logit multiplier", "a logit multiplier within 2% of 1",
                                     "a logits_scaling the model does not apply", "logits cut to fewer columns"])
 def test_a_model_whose_logits_are_not_its_heads_output_raises(change):
@@ -603,6 +635,26 @@ def test_options_the_loss_cannot_honour_raise(tmp_path):
     # the Trainer's num_items_in_batch counts labels != -100: another ignore_index divided by the wrong count
     with pytest.raises(ValueError, match="loss_options ignore_index=-1"):
         DistillationTrainer(model=student, args=args, teacher_model=teacher, loss_options={"ignore_index": -1})
+
+
+def test_a_model_that_train_makes_again_from_model_init_is_checked(tmp_path):
+    """train() makes the student again from model_init (a hyperparameter search, once per trial): that model was not
+    checked, so a Mixture-of-Experts student whose router loss was on trained without it."""
+    made = []
+
+    def model_init(trial=None):
+        made.append(tiny_model("llama") if not made else transformers.AutoModelForCausalLM.from_config(
+            transformers.MixtralConfig(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=128, num_local_experts=4, output_router_logits=True, router_aux_loss_coef=0.02)))
+        return made[-1]
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1)
+    trainer = DistillationTrainer(model_init=model_init, args=args, train_dataset=dataset([5, 7]),
+                                  data_collator=collate, teacher_model=tiny_model("llama", seed=1))
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.02"):
+        trainer.train()
+    assert len(made) == 2
 
 
 def test_final_hidden_states_passes_model_inputs_on():

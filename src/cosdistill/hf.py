@@ -662,7 +662,7 @@ def tensor_parallel_size(trainer) -> int:
     return trainer.get_tp_size() if hasattr(trainer, "get_tp_size") else 1
 
 
-def check_tensor_parallel(trainer, teacher) -> None:
+def check_tensor_parallel(trainer, student, teacher) -> None:
     """Raise, at construction, for the tensor-parallel heads the Trainers' loss is not right or not tested with: a
     student split over other ranks than the Trainer's tensor-parallel ones (a model split by hand, or a transformers
     without ``Trainer.get_tp_size``: the count of labels would be off by their ratio), or without
@@ -670,7 +670,7 @@ def check_tensor_parallel(trainer, teacher) -> None:
     processes than the tensor-parallel ones (data parallelism or FSDP beside them: not tested); a split teacher
     beside a whole student (the ranks hold other batches: its collectives would not match)."""
     name = type(trainer).__name__
-    rows = split_head_rows(trainer.accelerator.unwrap_model(trainer.model), "student")
+    rows = split_head_rows(student, "student")
     if rows is None:
         if split_head_rows(teacher, "teacher") is not None:
             raise ValueError(f"{name}: the teacher's LM head is split over ranks (tensor parallel) and the student's "
@@ -705,10 +705,10 @@ def extra_loss_terms(config) -> list[str]:
     return [f"{name}={value}" for name, value in coefficients.items() if value]
 
 
-def check_no_extra_loss_terms(trainer) -> None:
+def check_no_extra_loss_terms(trainer, student) -> None:
     """Raise for a student whose own loss adds terms this loss replaces (``extra_loss_terms``), which would silently
     be left out."""
-    terms = extra_loss_terms(trainer.accelerator.unwrap_model(trainer.model).config.get_text_config())
+    terms = extra_loss_terms(student.config.get_text_config())
     if terms:
         raise ValueError(
             f"{type(trainer).__name__} does not add the student's router auxiliary loss or other terms of its own loss "
@@ -768,12 +768,7 @@ class DistillationMixin:
                              f"{loss_options['ignore_index']!r}: the Trainer counts the labels that are not -100 "
                              "(num_items_in_batch), so the loss must ignore -100; set such labels to -100 instead")
         super().__init__(*args, **kwargs)
-        check_sharding(self)
-        check_tensor_parallel(self, teacher_model)
-        check_no_extra_loss_terms(self)
-        check_unsupported_args(self, self.unsupported_args)
-        # Before any call of a model accelerate may compile (torch_compile, or its dynamo plugin from the environment).
-        keep_head_hook(self.model, lm_head(self.accelerator.unwrap_model(self.model), "student"))
+        self._check_student(self.accelerator.unwrap_model(self.model), teacher_model)
         device = next(self.model.parameters()).device
         self.teacher_model = teacher_model.to(device).eval().requires_grad_(False)
         self.loss_options = dict(
@@ -787,6 +782,22 @@ class DistillationMixin:
         self._soft_hard_since_step = None  # the optimizer step at the first of those (a resumed run's too)
         self._eval_sums = None  # evaluation: soft and hard times rows, and the rows
         self._evaluation_prefix = None  # the metrics' prefix while evaluate() runs
+
+    def _check_student(self, student, teacher):
+        """The checks of a student against the Trainer's arguments: at construction, and on each model that train()
+        or a hyperparameter search's trial makes again from ``model_init``."""
+        check_sharding(self)
+        check_tensor_parallel(self, student, teacher)
+        check_no_extra_loss_terms(self, student)
+        check_unsupported_args(self, self.unsupported_args)
+        # Before any call of a model accelerate may compile (torch_compile, or its dynamo plugin from the environment).
+        keep_head_hook(student, lm_head(student, "student"))
+
+    def call_model_init(self, trial=None):
+        model = super().call_model_init(trial)
+        if hasattr(self, "teacher_model"):  # not the call within Trainer.__init__, whose model __init__ checks
+            self._check_student(model, self.teacher_model)
+        return model
 
     @staticmethod
     def _with_loss_labels(batch):
@@ -838,16 +849,23 @@ class DistillationMixin:
             data_parallel = self.accelerator.num_processes // tensor_parallel_size(self)
             loss, soft, hard = (value * data_parallel for value in (loss, soft, hard))
         sums = torch.stack([soft, hard]).detach()
+        finite = torch.isfinite(loss.detach())
         if model.training:
             if self._soft_hard_sums is None:
-                self._soft_hard_sums, self._soft_hard_since_step = sums, self.state.global_step
-            else:
-                self._soft_hard_sums = self._soft_hard_sums + sums
+                self._soft_hard_sums, self._soft_hard_since_step = torch.zeros_like(sums), self.state.global_step
+            if self.args.logging_nan_inf_filter:  # the Trainer's rule for its loss: a step whose loss is not finite
+                # counts as the mean of those since the last log (a tensor test: no host read)
+                mean = self._soft_hard_sums / (1 + self.state.global_step - self._soft_hard_since_step)
+                sums = torch.where(finite, sums, mean)
+            self._soft_hard_sums = self._soft_hard_sums + sums
         else:  # evaluation: weighted as the Trainer's eval_loss weights each batch's loss (eval_batch_size times,
             # also for a packed batch of one row), gathered per batch as it gathers its losses, which drops the
             # examples past the dataset's end and those accelerate repeats to even out the processes' last batches
-            per_row = self.accelerator.gather_for_metrics(sums[None].expand(self.args.eval_batch_size, 2).contiguous())
-            sums = torch.cat([per_row.sum(0), per_row.new_full((1,), per_row.shape[0])])
+            rows = torch.stack([*sums, finite.to(sums.dtype)]).expand(self.args.eval_batch_size, 3).contiguous()
+            soft_hard, finite_rows = self.accelerator.gather_for_metrics(rows).split([2, 1], dim=1)
+            # the sums and count over all rows, and over the rows of finite losses (those logging_nan_inf_filter keeps)
+            sums = torch.cat([soft_hard.sum(0), soft_hard.new_full((1,), soft_hard.shape[0]),
+                              torch.where(finite_rows.bool(), soft_hard, 0).sum(0), finite_rows.sum(0)])
             self._eval_sums = sums if self._eval_sums is None else self._eval_sums + sums
         # No logits: the fused loss never computes them (soft and hard reach the logs through log below).
         return (loss, CausalLMOutputWithPast(loss=loss, logits=None)) if return_outputs else loss
@@ -862,7 +880,9 @@ class DistillationMixin:
             self._soft_hard_sums = None
         prefix = self._evaluation_prefix
         if prefix is not None and f"{prefix}_loss" in logs:  # all processes' rows, gathered batch by batch
-            soft, hard, rows = self._eval_sums.tolist() if self._eval_sums is not None else (0.0, 0.0, 0.0)
+            sums = self._eval_sums.tolist() if self._eval_sums is not None else [0.0] * 6
+            # as the Trainer's eval_loss: the rows of finite losses alone, if filtering and there are any
+            soft, hard, rows = sums[3:] if self.args.logging_nan_inf_filter and sums[5] > 0 else sums[:3]
             logs.update({f"{prefix}_soft_loss": soft / max(1.0, rows), f"{prefix}_hard_loss": hard / max(1.0, rows)})
             self._eval_sums = None
         super().log(logs, *args, **kwargs)

@@ -287,7 +287,8 @@ def _define_gkd_trainer():
                               temperature=1.0)  # GKDConfig's beta in [0, 1]
             check_unsupported_args(self, UNSUPPORTED_GKD_CONFIG)
             check_sharding(self)
-            check_tensor_parallel(self, self.accelerator.unwrap_model(self.teacher_model))
+            check_tensor_parallel(self, self.accelerator.unwrap_model(self.model),
+                                  self.accelerator.unwrap_model(self.teacher_model))
             check_heads(self.accelerator.unwrap_model(self.model),
                             self.accelerator.unwrap_model(self.teacher_model))
             # Before any call of a model accelerate may compile (torch_compile, or its dynamo plugin).

@@ -134,9 +134,9 @@ def refusals(folder):
 
     def trainer_seen_by_the_check(processes, average_tokens_across_devices=True):
         return types.SimpleNamespace(
-            model=student, get_tp_size=lambda: WORLD, args=types.SimpleNamespace(
+            get_tp_size=lambda: WORLD, args=types.SimpleNamespace(
                 average_tokens_across_devices=average_tokens_across_devices),
-            accelerator=types.SimpleNamespace(num_processes=processes, unwrap_model=lambda model: model))
+            accelerator=types.SimpleNamespace(num_processes=processes))
 
     whole_teacher = tiny_llama(VOCAB_STUDENT, 1)
     # transformers' pipeline stages: the head on the last rank alone (every rank raises before any forward)
@@ -146,9 +146,9 @@ def refusals(folder):
                 os.path.join(folder, "student"), distributed_config=transformers.distributed.DistributedConfig(
                     pp_size=WORLD), attn_implementation="eager"), whole_teacher.to(device()), **batch_on_device())
     attempts["tensor parallelism beside data parallelism"] = lambda: check_tensor_parallel(
-        trainer_seen_by_the_check(2 * WORLD), whole_teacher)
+        trainer_seen_by_the_check(2 * WORLD), student, whole_teacher)
     attempts["tokens counted per device"] = lambda: check_tensor_parallel(
-        trainer_seen_by_the_check(WORLD, average_tokens_across_devices=False), whole_teacher)
+        trainer_seen_by_the_check(WORLD, average_tokens_across_devices=False), student, whole_teacher)
     split_teacher = split(folder, f"teacher{VOCAB_STUDENT}", VOCAB_STUDENT, 1, "tp_plan")
     attempts["a split teacher beside a whole student"] = lambda: DistillationTrainer(
         model=tiny_llama(VOCAB_STUDENT, 0), teacher_model=split_teacher,
