@@ -661,3 +661,12 @@ def test_a_misspelled_option_on_a_module_raises(module_class):
     module.compiled, module.return_soft_hard_loss = True, True  # Liger's other attributes stay assignable
     module.eval()
     assert len(module(*problem.args())) == 3
+
+
+def test_a_modules_repr_shows_the_options_it_was_given_and_assigned():
+    module = api.FusedLinearJSDLoss(beta=0.1, temperature=2.0)
+    assert repr(module) == "FusedLinearJSDLoss(beta=0.1, temperature=2.0)"
+    module.beta, module.return_soft_hard_loss = 0.5, True  # back at its default: not shown
+    assert repr(module) == "FusedLinearJSDLoss(temperature=2.0, return_soft_hard_loss=True)"
+    module = FusedLinearCosineDistillLoss(weight_hard_loss=torch.tensor(0.25), impl="torch")
+    assert repr(module) == "FusedLinearCosineDistillLoss(weight_hard_loss=tensor(0.2500), impl='torch')"

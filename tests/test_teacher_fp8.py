@@ -139,6 +139,9 @@ def test_a_quantized_head_is_the_cached_copy_bit_for_bit():
     assert torch.equal(quantized.dequantized(), fp8.fp8_rounded(weight))
     moved = quantized.to("meta")
     assert moved.device.type == "meta" and moved.scales.device.type == "meta" and moved.shape == quantized.shape
+    with pytest.raises(TypeError, match="takes a device, got the dtype torch.float32: its dtype is the head's"):
+        quantized.to(torch.float32)  # the codes cast to float32, which its check then named as malformed codes
+    assert repr(quantized) == "Fp8TeacherWeight(shape=(131, 40), dtype=torch.bfloat16, device=cpu)"
     with pytest.raises(TypeError, match=r"weight must be a 2-D .* got shape \(131,\) and dtype torch.bfloat16"):
         quantize_teacher_weight(weight[:, 0])
     with pytest.raises(TypeError, match="got shape \\(3, 4\\) and dtype torch.int64"):

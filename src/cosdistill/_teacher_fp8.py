@@ -76,7 +76,7 @@ def _quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 quantized_weights = WeightCache("FP8 copy", _quantize_weight)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class Fp8TeacherWeight:
     """A teacher LM head quantized once, by ``quantize_teacher_weight``. Passed as ``teacher_weight``, the
     teacher's logits GEMM runs in FP8 from it, as with teacher_precision="fp8" and the same numbers, but
@@ -114,7 +114,13 @@ class Fp8TeacherWeight:
 
     def to(self, device) -> "Fp8TeacherWeight":
         """The same head on ``device`` (quantize where the weight is, then move the half-size codes)."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"Fp8TeacherWeight.to takes a device, got the dtype {device}: its dtype is the head's, "
+                            f"{self.dtype}; quantize the head in the dtype wanted instead")
         return Fp8TeacherWeight(self.codes.to(device), self.scales.to(device), self.shape, self.dtype)
+
+    def __repr__(self):
+        return f"Fp8TeacherWeight(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 [V, H] weight that the FP8 GEMM sees (for references and checks)."""

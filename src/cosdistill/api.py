@@ -173,6 +173,14 @@ class _LossModule(torch.nn.Module):
         else:
             super().__setattr__(name, value)
 
+    def extra_repr(self):
+        """The options given away from the constructor's defaults, e.g. ``FusedLinearJSDLoss(beta=0.1)``."""
+        defaults = {name: parameter.default for cls in reversed(type(self).__mro__) if issubclass(cls, _LossModule)
+                    for name, parameter in inspect.signature(cls.__init__).parameters.items()}
+        values = {**self._given, "return_soft_hard_loss": self.return_soft_hard_loss}
+        return ", ".join(f"{name}={value!r}" for name, value in values.items()
+                         if name in defaults and (torch.is_tensor(value) or value != defaults[name]))
+
     @property
     def options(self) -> Options:
         """The checked options of the next call."""
