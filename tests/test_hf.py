@@ -32,6 +32,10 @@ CONFIGS = {
     "gemma2": lambda **kw: transformers.Gemma2Config(**SIZES, head_dim=8, final_logit_softcapping=3.0, **kw),
     "cohere": lambda **kw: transformers.CohereConfig(**SIZES, logit_scale=0.5, **kw),
     "granite": lambda **kw: transformers.GraniteConfig(**SIZES, logits_scaling=4.0, **kw),  # divides its logits
+    "recurrent_gemma": lambda **kw: transformers.RecurrentGemmaConfig(  # its softcap under a name of its own
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, lru_width=32, attention_window_size=16, conv1d_width=2, block_types=["recurrent", "attention"],
+        logits_soft_cap=2.0, bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw),
     # Falcon-H1 multiplies its logits by lm_head_multiplier: far from 1, and within the first call's check's
     # tolerance of it (which once trained without it, 3% off)
     "falcon_h1": lambda **kw: falcon_h1_config(lm_head_multiplier=0.25, **kw),
@@ -148,6 +152,7 @@ def test_final_hidden_states_is_the_backbones_last_hidden_state(kind):
                      marks=pytest.mark.skipif(not hasattr(transformers, "FalconH1Config"), reason="no Falcon-H1")),
         ("phi", "gpt2", dict(tie=False), 160, False),  # a head with a bias; GPT-2 teacher
         ("minicpm3", "llama", dict(tie=False), 144, False),
+        ("llama", "recurrent_gemma", dict(tie=False), 144, False),
     ],
 )
 def test_matches_naive_logits_computation(student_kind, teacher_kind, student_kwargs, teacher_vocab, left_pad):
@@ -169,6 +174,7 @@ def test_each_familys_softcap_is_read_under_its_name():
     5.5% off, within the first call's check's tolerance at the logits' size."""
     assert hf.config_softcap(transformers.xLSTMConfig(output_logit_soft_cap=2.0)) == 2.0
     assert hf.config_softcap(CONFIGS["gemma2"]()) == 3.0
+    assert hf.config_softcap(CONFIGS["recurrent_gemma"]()) == 2.0  # its loss 0.8% off in bf16, inside the check
     assert hf.config_softcap(CONFIGS["llama"]()) is None
 
 
@@ -507,6 +513,24 @@ def add_up(loss, soft, hard):
     return loss == pytest.approx(OPTIONS["weight_hard_loss"] * hard + OPTIONS["weight_soft_loss"] * soft, rel=1e-5)
 
 
+def test_train_summary_and_predict_report_soft_and_hard(tmp_path):
+    """train()'s summary has train_loss, over the steps it ran (one past the last log here), and predict() its
+    test_loss: each now with its soft and hard terms (predict summed them for nothing, never reset)."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
+    rows = dataset([9, 4, 6, 2, 7, 5, 8, 3])
+    trainer = make_trainer(tmp_path, student, teacher, rows, per_device_train_batch_size=2, max_steps=4,
+                           logging_steps=3, per_device_eval_batch_size=2)
+    summary = trainer.train().metrics
+    assert add_up(summary["train_loss"], summary["train_soft_loss"], summary["train_hard_loss"])
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 1 and summary["train_soft_loss"] != pytest.approx(logs[0]["soft_loss"], rel=1e-3)
+    predicted = trainer.predict(rows).metrics
+    evaluated = trainer.evaluate(rows, metric_key_prefix="test")
+    for key in ("test_loss", "test_soft_loss", "test_hard_loss"):
+        assert predicted[key] == pytest.approx(evaluated[key], rel=1e-6), key
+    assert trainer._eval_sums is None
+
+
 @pytest.mark.parametrize("nan_inf_filter", [True, False])
 def test_soft_and_hard_logs_filter_non_finite_losses_as_the_trainer_does(tmp_path, nan_inf_filter):
     """logging_nan_inf_filter (on by default) counts a training step whose loss is NaN as the mean of those since the
@@ -542,13 +566,13 @@ def test_a_model_whose_logits_are_not_its_heads_output_raises(change):
     student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
     if change == "a logit multiplier":
         teacher.get_output_embeddings().register_forward_hook(lambda module, args, output: output * 0.25)
-        match = r"teacher's logits differ .* \(relative difference 3.0e\+00\)"
+        match = r"teacher's logits differ .* \(scale 1, no softcap; relative difference 3.0e\+00\)"
     elif change == "a logit multiplier within 2% of 1":  # an fp32 head's check is held to fp32's rounding, not bf16's
         teacher.get_output_embeddings().register_forward_hook(lambda module, args, output: output * 1.015)
-        match = r"teacher's logits differ .* \(relative difference 1.5e-02\)"
+        match = r"teacher's logits differ .* \(scale 1, no softcap; relative difference 1.5e-02\)"
     elif change == "a logits_scaling the model does not apply":
         teacher.config.logits_scaling = 4.0
-        match = r"teacher's logits differ .* \(relative difference 7.5e-01\)"
+        match = r"teacher's logits differ .* \(scale 0.25, no softcap; relative difference 7.5e-01\)"
     else:
         teacher.get_output_embeddings().register_forward_hook(lambda module, args, output: output[..., :140])
         match = r"teacher's logits \(1, 8, 140\) are not its LM head's output \(1, 8, 144\)"
@@ -589,6 +613,28 @@ def test_the_terms_a_students_own_loss_adds_are_found_under_each_familys_name(co
     """The Trainer refuses a student whose own loss adds terms the fused loss leaves out: it knew only Mixtral's
     name, so JetMoe's and DBRX's router losses and Bamba's z-loss were dropped without a word."""
     assert hf.extra_loss_terms(config()) == terms
+
+
+def test_models_that_are_no_causal_lm_raise():
+    """An encoder-decoder's forward makes its decoder inputs from input_ids (BART's): the loss returned a number, of
+    targets shifted twice, and the Trainer trained on it. A model that needs more than token ids for the first call's
+    check (BLIP-2's pixel_values) raised the forward's own TypeError."""
+    sizes = dict(vocab_size=128, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                 pad_token_id=0)
+    teacher = tiny_model("llama", seed=1)
+    for model in (transformers.BartForConditionalGeneration(transformers.BartConfig(**sizes)),
+                  transformers.T5ForConditionalGeneration(transformers.T5Config(
+                      vocab_size=128, d_model=32, d_ff=64, d_kv=8, num_layers=1, num_heads=4, decoder_start_token_id=0))):
+        with pytest.raises(ValueError, match=f"student is an encoder-decoder model \\({type(model).__name__}\\)"):
+            distill_loss(model, teacher, **make_batch())
+
+    class NeedsPixels(type(teacher)):
+        def forward(self, input_ids, pixel_values, **kwargs):
+            return super().forward(input_ids, **kwargs)
+
+    with pytest.raises(ValueError, match="teacher \\(NeedsPixels\\) cannot run on token ids alone .*pixel_values"):
+        distill_loss(tiny_model("llama"), NeedsPixels(teacher.config), **make_batch())
 
 
 def test_a_head_that_runs_another_module_s_forward_raises():

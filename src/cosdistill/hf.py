@@ -38,6 +38,9 @@ def lm_head(model, name="model"):
     PEFT ``modules_to_save`` wrapper the active adapter's copy (the original where none is active), under a merged
     adapter its base layer."""
     config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):  # BART's makes decoder inputs of input_ids: a number, but no loss
+        raise ValueError(f"{name} is an encoder-decoder model ({type(model).__name__}); the fused loss is for causal "
+                         "LMs, whose position i predicts input_ids[i + 1]")
     stages = getattr(getattr(config, "distributed_config", None), "pp_size", None) or 1
     if stages > 1:  # checked on every rank: a rank holding the head would wait in the first forward for the others
         raise ValueError(f"{name} is loaded for pipeline parallelism (transformers' DistributedConfig pp_size={stages}), "
@@ -397,8 +400,8 @@ def head_inputs(model, hidden, name="model"):
 
 def config_softcap(config) -> float | None:
     """The softcap c of logits = c tanh(logits / c): Gemma-2's ``final_logit_softcapping``, xLSTM's
-    ``output_logit_soft_cap``; None where neither is set."""
-    return first_set(config, ("final_logit_softcapping", "output_logit_soft_cap"))
+    ``output_logit_soft_cap``, RecurrentGemma's ``logits_soft_cap``; None where none is set."""
+    return first_set(config, ("final_logit_softcapping", "output_logit_soft_cap", "logits_soft_cap"))
 
 
 def first_set(config, names):
@@ -454,6 +457,9 @@ def check_head_reproduces_logits(model, name="model") -> None:
     with torch.no_grad(), _forked_rngs(probe.device):
         try:
             logits = model(input_ids=probe, use_cache=False).logits
+        except TypeError as error:  # a forward that needs more than token ids (BLIP-2's pixel_values)
+            raise ValueError(f"{name} ({type(model).__name__}) cannot run on token ids alone ({error}), which the "
+                             "first call's check of its LM head needs: not supported") from error
         finally:
             handle.remove()
         if not captured:
@@ -469,10 +475,11 @@ def check_head_reproduces_logits(model, name="model") -> None:
                          "the model reshapes them (e.g. cuts a padded vocabulary), which the fused loss does not")
     difference = ((ours - logits.float()).norm() / logits.float().norm().clamp(min=1e-30)).item()
     if not difference <= HEAD_CHECK_TOLERANCE.get(hidden.dtype, 2e-2):
+        assumed = f"scale {scale:g}, " + ("no softcap" if softcap is None else f"softcap {softcap:g}")
         raise ValueError(
-            f"{name}'s logits differ from its LM head's output scaled and softcapped as its config says (relative "
-            f"difference {difference:.1e}): the model applies something to them that the fused loss does not know "
-            f"(e.g. a logit multiplier under another config name)"
+            f"{name}'s logits differ from its LM head's output scaled and softcapped as its config says ({assumed}; "
+            f"relative difference {difference:.1e}): the model applies something to them that the fused loss does "
+            "not know (e.g. a logit multiplier under another config name), or does not apply what its config sets"
         )
     _heads_checked[model] = True
 
@@ -739,8 +746,9 @@ class DistillationMixin:
     are first set to -100 where the loss has no target (``loss_labels``: left or right padding, the first
     token of each packed sequence), so that the count is exactly the loss's. Every model input the batch
     holds (position_ids and flash-attention boundaries of packed batches, ...) reaches both models.
-    Training logs gain ``soft_loss`` and ``hard_loss`` next to ``loss``, evaluation ``eval_soft_loss`` and
-    ``eval_hard_loss``. The student may be on one device, under DDP or under FSDP2 (the head's weight is
+    Training logs gain ``soft_loss`` and ``hard_loss`` next to ``loss`` (``train_soft_loss`` and ``train_hard_loss``
+    next to train()'s ``train_loss``), evaluation and predict() ``eval_soft_loss`` and ``eval_hard_loss`` (with
+    their prefix). The student may be on one device, under DDP or under FSDP2 (the head's weight is
     gathered whole for the loss, ``whole_head_weight``), or split for tensor parallelism (``tp_plan="auto"``: each
     rank runs the loss on its shard of the head, ``check_tensor_parallel``); DeepSpeed ZeRO-3, FSDP1 and
     torch.nn.DataParallel raise at construction (``check_sharding``). ``loss_options`` (chunk_size, impl, ...)
@@ -780,8 +788,8 @@ class DistillationMixin:
         self.add_callback(_SoftHardLogsPerRun(self))
         self._soft_hard_sums = None  # training: soft and hard summed since the last log
         self._soft_hard_since_step = None  # the optimizer step at the first of those (a resumed run's too)
-        self._eval_sums = None  # evaluation: soft and hard times rows, and the rows
-        self._evaluation_prefix = None  # the metrics' prefix while evaluate() runs
+        self._soft_hard_run_sums, self._soft_hard_run_first_step = [0.0, 0.0], 0  # since train() began (the callback)
+        self._eval_sums = None  # evaluation: soft and hard times rows, and the rows (all, then those of finite losses)
 
     def _check_student(self, student, teacher):
         """The checks of a student against the Trainer's arguments: at construction, and on each model that train()
@@ -871,39 +879,48 @@ class DistillationMixin:
         return (loss, CausalLMOutputWithPast(loss=loss, logits=None)) if return_outputs else loss
 
     def log(self, logs, *args, **kwargs):
-        """Adds the mean soft and hard loss per optimizer step since the last training log, and per row (as
-        eval_loss) to an evaluation's log (``eval_soft_loss``, ``eval_hard_loss``, with the evaluation's prefix)."""
-        if "loss" in logs and self._soft_hard_sums is not None:
-            steps = max(1, self.state.global_step - self._soft_hard_since_step)
-            soft, hard = (self.accelerator.gather(self._soft_hard_sums[None]).mean(0) / steps).tolist()
-            logs.update(soft_loss=soft, hard_loss=hard)
+        """Adds the mean soft and hard loss per optimizer step to a training log (since the last one: ``soft_loss``,
+        ``hard_loss``) and to train()'s summary (over the steps it ran: ``train_soft_loss``, ``train_hard_loss``)."""
+        if ("loss" in logs or "train_loss" in logs) and self._soft_hard_sums is not None:
+            # every process logs: each takes part in the gather (the Trainer's loss is the processes' mean too)
+            window = self.accelerator.gather(self._soft_hard_sums[None]).mean(0).tolist()
+            self._soft_hard_run_sums = [run + new for run, new in zip(self._soft_hard_run_sums, window)]
+            if "loss" in logs:
+                steps = max(1, self.state.global_step - self._soft_hard_since_step)
+                logs.update(soft_loss=window[0] / steps, hard_loss=window[1] / steps)
             self._soft_hard_sums = None
-        prefix = self._evaluation_prefix
-        if prefix is not None and f"{prefix}_loss" in logs:  # all processes' rows, gathered batch by batch
-            sums = self._eval_sums.tolist() if self._eval_sums is not None else [0.0] * 6
-            # as the Trainer's eval_loss: the rows of finite losses alone, if filtering and there are any
-            soft, hard, rows = sums[3:] if self.args.logging_nan_inf_filter and sums[5] > 0 else sums[:3]
-            logs.update({f"{prefix}_soft_loss": soft / max(1.0, rows), f"{prefix}_hard_loss": hard / max(1.0, rows)})
-            self._eval_sums = None
+        if "train_loss" in logs:  # as the Trainer's train_loss, per step of this train() call
+            steps = max(self.state.global_step - self._soft_hard_run_first_step, 0.001)
+            logs.update(train_soft_loss=self._soft_hard_run_sums[0] / steps,
+                        train_hard_loss=self._soft_hard_run_sums[1] / steps)
         super().log(logs, *args, **kwargs)
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
-        self._evaluation_prefix, self._eval_sums = metric_key_prefix, None
-        try:
-            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
-        finally:
-            self._evaluation_prefix = None
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """The Trainer's (evaluate()'s and predict()'s), whose metrics gain the mean soft and hard loss per row as
+        its loss (``eval_soft_loss``, ``eval_hard_loss``, with the prefix given)."""
+        self._eval_sums = None
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        if f"{metric_key_prefix}_loss" in output.metrics:  # all processes' rows, gathered batch by batch
+            sums = self._eval_sums.tolist() if self._eval_sums is not None else [0.0] * 6
+            # as the Trainer's loss: the rows of finite losses alone, if filtering and there are any
+            soft, hard, rows = sums[3:] if self.args.logging_nan_inf_filter and sums[5] > 0 else sums[:3]
+            output.metrics.update({f"{metric_key_prefix}_soft_loss": soft / max(1.0, rows),
+                                   f"{metric_key_prefix}_hard_loss": hard / max(1.0, rows)})
+        self._eval_sums = None
+        return output
 
 
 class _SoftHardLogsPerRun(TrainerCallback):
-    """Drops soft and hard sums that a run left unlogged when the next begins (a second ``train()``, a
-    hyperparameter search's trial, auto_find_batch_size's retry), so that they never reach its first log."""
+    """Starts each run's soft and hard sums afresh (a second ``train()``, a hyperparameter search's trial,
+    auto_find_batch_size's retry), so that what one left unlogged never reaches the next's logs."""
 
     def __init__(self, trainer):
         self.trainer = weakref.proxy(trainer)  # the trainer holds this callback
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._soft_hard_sums = None
+        self.trainer._soft_hard_run_sums, self.trainer._soft_hard_run_first_step = [0.0, 0.0], state.global_step
 
 
 class DistillationTrainer(DistillationMixin, Trainer):

@@ -50,6 +50,7 @@ from .hf import (
     lm_head,
     loss_of_hidden_states,
     split_head_rows,
+    tensor_parallel_size,
 )
 
 # DistillationGKDTrainer and DistillationTrainer are made on first use (__getattr__ below)
@@ -73,6 +74,7 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._tokens_unlogged = None  # this process's tokens trained on since the last log, on the device
+        self._evaluation_prefix = None  # the metrics' prefix while evaluate() runs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if model.training:  # SFTTrainer's num_tokens: the tokens trained on, padding excluded
@@ -86,13 +88,21 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
         rather than at every step."""
         if self._tokens_unlogged is not None:  # every process logs: each takes part in the gather
             tokens = self._tokens_unlogged.to(self.args.device).reshape(1)
-            self._total_train_tokens += int(self.accelerator.gather(tokens).sum())
+            # tensor-parallel ranks hold the same batch: counted once, as SFTTrainer counts it
+            self._total_train_tokens += int(self.accelerator.gather(tokens).sum()) // tensor_parallel_size(self)
             self._tokens_unlogged = None
         # where SFTTrainer's own loss would have set it: a training step's log, an evaluation's
         evaluation = self._evaluation_prefix is not None and f"{self._evaluation_prefix}_loss" in logs
         if "loss" in logs or evaluation:
             self._metrics["eval" if evaluation else "train"]["num_tokens"] = [self._total_train_tokens]
         super().log(logs, *args, **kwargs)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        self._evaluation_prefix = metric_key_prefix  # which log is the evaluation's (log above)
+        try:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        finally:
+            self._evaluation_prefix = None
 
 
 CosineDistillationSFTTrainer = DistillationSFTTrainer  # its name from before loss="jsd"

@@ -288,7 +288,10 @@ def test_a_teacher_split_as_the_student_is(tensor_parallel, loss, tmp_path):
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
 def test_an_sft_step_is_one_processs_step_on_the_whole_batch(sharded, loss, tmp_path):
     sharding, results = sharded
-    assert_same_step(results["sft", loss], sft_step(tmp_path, loss, 2 * WORLD), sharding)
+    want = sft_step(tmp_path, loss, 2 * WORLD)
+    assert_same_step(results["sft", loss], want, sharding)
+    # SFTTrainer's count of the tokens trained on: the batch tensor-parallel ranks share, counted once
+    assert results["sft", loss][1]["num_tokens"] == want[1]["num_tokens"] > 0
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
