@@ -652,6 +652,10 @@ def test_a_misspelled_option_on_a_module_raises(module_class):
         module.temprature = 4.0
     with pytest.raises(AttributeError, match="has no option 'weight_hard'"):
         module.weight_hard = 0.0
+    # the options of another loss were kept, ignored
+    for other_loss_option in ("loss", "cosine_via") if module_class is api.FusedLinearJSDLoss else ("loss",):
+        with pytest.raises(AttributeError, match=f"has no option '{other_loss_option}'"):
+            setattr(module, other_loss_option, "gram")
     module.temperature = torch.nn.Parameter(torch.tensor(2.0), requires_grad=False)
     problem = make_problem(tokens=9)
     want = module_class(temperature=2.0)(*problem.args())

@@ -581,6 +581,20 @@ def test_a_model_whose_logits_are_not_its_heads_output_raises(change):
         distill_loss(student, teacher, **batch)
 
 
+def test_the_head_check_holds_a_head_to_the_dtype_it_ran_in():
+    """accelerate's mixed precision wraps a model's forward in autocast: an fp32 head then runs in bf16 within the
+    probe's forward, and the check, held to fp32's tolerance, raised; a multiplier past bf16's still raises."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
+    for model in (student, teacher):
+        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    distill_loss(student, teacher, **make_batch())
+    student = tiny_model("llama", seed=2)
+    student.forward = torch.autocast("cpu", dtype=torch.bfloat16)(student.forward)
+    student.get_output_embeddings().register_forward_hook(lambda module, args, output: output * 1.1)
+    with pytest.raises(ValueError, match="student's logits differ"):
+        distill_loss(student, teacher, **make_batch())
+
+
 def test_a_head_with_a_forward_of_its_own_raises():
     """An nn.Linear subclass whose forward does more than h W^T + b (Dory's head multiplies by a learned logit
     scale) passed: the fused loss left the scale out, which then never trained, and a scale within the check's

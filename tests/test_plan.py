@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import make_problem, record_write_grad, reference, rel_err
-from cosdistill import api, fused_linear_cosine_distill
+from conftest import make_problem, record_write_grad, reference, rel_err, run_fused
+from cosdistill import FusedLinearCosineDistillLoss, api, fused_linear_cosine_distill
 from cosdistill.testing import FUSED_LOSSES, TORCH, ChunkRows, chunk_rows, options_of, plan
 
 
@@ -210,6 +210,22 @@ def test_the_checks_still_fail_after_a_good_call_of_the_signature():
             fused_linear_cosine_distill(*args)
 
 
+@pytest.mark.parametrize("loss", [fused_linear_cosine_distill, FusedLinearCosineDistillLoss()])
+def test_a_weight_that_is_none_or_sparse_raises_before_auto_weighs_the_gram_path(loss):
+    """Without biases "auto" asks whether the Gram path applies, from the weights, before the checks: a None weight
+    raised an AttributeError there and a sparse teacher weight a NotImplementedError from the Gram cache."""
+    problem = make_problem(tokens=9, bias=False)
+    for index, name in ((1, "student_weight"), (3, "teacher_weight")):
+        args = list(problem.args())
+        args[index] = None
+        with pytest.raises(TypeError, match=f"{name} is required, got None"):
+            loss(*args)
+    args = list(problem.args())
+    args[3] = problem.teacher_weight.detach().to_sparse()
+    with pytest.raises(TypeError, match="teacher_weight must be a dense \\(strided\\) tensor, got layout"):
+        loss(*args)
+
+
 def test_auto_asks_the_gram_cache_at_every_call_and_a_split_is_never_reused(monkeypatch):
     """"auto" on the cosine loss weighs the teacher's cached Gram matrix: a teacher that changes between calls takes
     the logits path, one that stays takes the Gram path again, each with its plan. A vocabulary split's object may
@@ -226,6 +242,29 @@ def test_auto_asks_the_gram_cache_at_every_call_and_a_split_is_never_reused(monk
     for tokens in range(1, plan.MAX_PLANS + 10):
         fused_linear_cosine_distill(*make_problem(tokens=tokens).args())
     assert 0 < len(plan._plans) <= plan.MAX_PLANS
+
+
+def test_under_deterministic_algorithms_auto_does_not_weigh_the_gram_cache(monkeypatch):
+    """The Gram cache's state depends on the process's earlier calls (a run resumed from a checkpoint starts without
+    it), and the two paths round differently: under torch.use_deterministic_algorithms "auto" counts the teacher's
+    Gram matrix as not cached, so that the same call gives the same bits whatever came before."""
+    teachers, run = [], api.run
+    monkeypatch.setattr(api, "run", lambda p, *a, **k: teachers.append(p.teacher) or run(p, *a, **k))
+    problem = make_problem(tokens=200, hidden_student=16, hidden_teacher=64, vocab_student=300, bias=False)
+    results = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for changed in (False, False, True, False):
+            if changed:
+                torch.autograd.graph.increment_version(problem.teacher_weight)
+            for leaf in problem.student_leaves():
+                leaf.grad = None
+            losses, grads = run_fused(problem)
+            results.append([*losses, *grads])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert teachers == ["logits"] * 4
+    assert all(torch.equal(got, want) for result in results[1:] for got, want in zip(result, results[0]))
 
 
 # Each of a call's settings and the values it cycles through; a sequence of calls changes one at a time.

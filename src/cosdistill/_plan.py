@@ -132,7 +132,7 @@ def checked_plan(options: Options, student_input, student_weight, teacher_input,
     gram_cached = None
     if signature is not None and _weighs_gram_cache(options, student_weight, student_bias, teacher_weight,
                                                     teacher_bias, vocab_parallel):
-        gram_cached = _teacher_gram.teacher_grams.will_hold(teacher_weight)
+        gram_cached = _teacher_gram_cached(teacher_weight)
     key = None if signature is None else (*signature, gram_cached)
     plan = _plans.get(key) if key is not None else None
     if plan is not None:
@@ -297,15 +297,24 @@ def gram_applies(options: Options, student_weight, student_bias, teacher_weight,
     if options.cosine_via == "gram":
         return True
     if teacher_gram_cached is None:
-        teacher_gram_cached = _teacher_gram.teacher_grams.will_hold(teacher_weight)
+        teacher_gram_cached = _teacher_gram_cached(teacher_weight)
     return _teacher_gram.gram_is_cheaper(num_tokens, vocab_student, vocab_teacher, hidden_student, hidden_teacher,
                                          write_grad_weight=needs_grad[1], teacher_gram_cached=teacher_gram_cached)
+
+
+def _teacher_gram_cached(teacher_weight) -> bool:
+    """Whether "auto" counts the teacher's Gram matrix as cached (``will_hold``). Under
+    ``torch.use_deterministic_algorithms`` it counts as not: the cache's state depends on the process's earlier
+    calls, and the two paths round differently, so the path must be a function of the call alone."""
+    return not torch.are_deterministic_algorithms_enabled() and _teacher_gram.teacher_grams.will_hold(teacher_weight)
 
 
 def _weighs_gram_cache(options: Options, student_weight, student_bias, teacher_weight, teacher_bias,
                        vocab_parallel) -> bool:
     """Whether ``gram_applies`` weighs the teacher's Gram cache: "auto" on the cosine loss where nothing blocks
-    the Gram path."""
+    the Gram path. Asked before the checks: weights that are no dense tensors are left to them."""
+    if not all(torch.is_tensor(weight) and weight.layout == torch.strided for weight in (student_weight, teacher_weight)):
+        return False
     return options.loss == "cosine" and options.cosine_via == "auto" and not _gram_blockers(
         options, student_weight, student_bias, teacher_weight, teacher_bias, vocab_parallel)
 

@@ -86,9 +86,9 @@ def fused_linear_cosine_distill(
     ``temperature`` changes neither term (cosine is scale-invariant, the hard term uses unscaled logits) but
     through the eps clamp of norms of the logits over it below 1e-8; it is kept for compatibility with Liger.
     ``compiled`` is accepted for compatibility with Liger and changes nothing.
-    The teacher's Gram matrix and FP8 copy are cached while the teacher weight is unchanged: a call gives
-    what a call on a fresh copy of the weight gives, or raises ``StaleWeightError`` (_weight_cache.py; on a GPU
-    the stale call's loss and gradients are NaN and the next call with that weight raises).
+    The teacher's Gram matrix and FP8 copy are cached while the teacher weight is unchanged: a call gives what a
+    call on a fresh copy of the weight gives on the same path, or raises ``StaleWeightError`` (_weight_cache.py; on
+    a GPU the stale call's loss and gradients are NaN and the next call with that weight raises).
     ``chunk_size`` is the number of tokens per chunk; None sizes it from a memory budget (on the seed
     workload, 2048 tokens per chunk with the teacher's logits in halves of 1024).
     """
@@ -160,9 +160,9 @@ class _LossModule(torch.nn.Module):
     _attributes = ("return_soft_hard_loss", "compiled")  # its public attributes other than the options
 
     def __setattr__(self, name, value):
-        # An option goes to its property even as a Parameter (nn.Module would register it, clashing with the
-        # property); a new public name is refused, since a misspelled option would be one, ignored.
-        if name in OPTION_NAMES:
+        # An option of this module goes to its property even as a Parameter (nn.Module would register it, clashing
+        # with the property); a new public name is refused, since a misspelled option would be one, ignored.
+        if isinstance(getattr(type(self), name, None), property):
             object.__setattr__(self, name, value)
         elif ("_given" in self.__dict__ and not name.startswith("_") and name not in self._attributes
               and not hasattr(self, name)):

@@ -449,8 +449,13 @@ def check_head_reproduces_logits(model, name="model") -> None:
     if model in _heads_checked:
         return
     head = lm_head(model, name)
-    captured = []
-    handle = head.register_forward_pre_hook(lambda _module, args: captured.append(args[0]))
+    captured = []  # the head's input, and the dtype the head ran in under autocast (accelerate's wrapped forward)
+
+    def capture(_module, args):
+        device = args[0].device.type
+        captured.append((args[0], torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None))
+
+    handle = head.register_forward_pre_hook(capture)
     vocab = head.weight.shape[0]
     probe = (torch.arange(HEAD_CHECK_TOKENS, device=head.weight.device) * 7919 % vocab)[None]
     # The probe's dropout (NEFTune's noise) draws random numbers: forked, the training run draws as without it.
@@ -464,7 +469,8 @@ def check_head_reproduces_logits(model, name="model") -> None:
             handle.remove()
         if not captured:
             raise head_calls_error(0)
-        hidden, weight, bias, softcap, scale = head_inputs(model, local_of(captured[-1]), name)
+        head_input, autocast_dtype = captured[-1]
+        hidden, weight, bias, softcap, scale = head_inputs(model, local_of(head_input), name)
         rows = tensor_parallel_rows(head.weight)
         if rows is not None and logits.shape[-1] == vocab:  # gathered logits: this rank's rows' columns of them
             logits = logits[..., rows[0] : rows[1]]
@@ -474,7 +480,7 @@ def check_head_reproduces_logits(model, name="model") -> None:
         raise ValueError(f"{name}'s logits {tuple(logits.shape)} are not its LM head's output {tuple(ours.shape)}: "
                          "the model reshapes them (e.g. cuts a padded vocabulary), which the fused loss does not")
     difference = ((ours - logits.float()).norm() / logits.float().norm().clamp(min=1e-30)).item()
-    if not difference <= HEAD_CHECK_TOLERANCE.get(hidden.dtype, 2e-2):
+    if not difference <= HEAD_CHECK_TOLERANCE.get(autocast_dtype or hidden.dtype, 2e-2):
         assumed = f"scale {scale:g}, " + ("no softcap" if softcap is None else f"softcap {softcap:g}")
         raise ValueError(
             f"{name}'s logits differ from its LM head's output scaled and softcapped as its config says ({assumed}; "

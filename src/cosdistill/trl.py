@@ -158,11 +158,13 @@ def _define_distillation_trainer():
         processes (in training), else by this batch's. Only the completion tokens' rows reach the LM heads.
 
         Differences: the student's ``entropy`` is not logged (TRL's kernel computes it beside the divergence; the fused
-        loss does not). DeepSpeed ZeRO-3, FSDP1 and torch.nn.DataParallel raise at construction (FSDP2 works), as
-        do tensor-parallel heads, a missing ``teacher_model`` (a teacher served elsewhere: the
-        fused loss reads its head); at the first step, models whose logits the
-        fused loss does not reproduce (``check_head_reproduces_logits``). ``loss_options``
-        (chunk_size, impl, accum_dtype, teacher_precision) go to ``fused_linear_jsd``.
+        loss does not). Under ``bf16=True`` (DistillationConfig's default) the models run through the forward
+        accelerate wraps in autocast, their backbones in bf16 as mixed precision asks, where TRL's loss runs their
+        backbones around it in fp32: the two losses agree to bf16's rounding, not to the digit. DeepSpeed ZeRO-3,
+        FSDP1 and torch.nn.DataParallel raise at construction (FSDP2 works), as do tensor-parallel heads, a missing
+        ``teacher_model`` (a teacher served elsewhere: the fused loss reads its head); at the first step, models whose
+        logits the fused loss does not reproduce (``check_head_reproduces_logits``). ``loss_options`` (chunk_size,
+        impl, accum_dtype, teacher_precision) go to ``fused_linear_jsd``.
         """
 
         def __init__(self, *args, loss_options=None, **kwargs):
