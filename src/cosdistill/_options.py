@@ -38,7 +38,9 @@ def check_finite_real(name: str, value) -> None:
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     if is_tensor and value.requires_grad:
         raise TypeError(f"{name} is a tensor that requires grad, and the loss gives its options no gradient: pass "
-                        f"{name}.detach(), or weight the soft and hard terms it returns yourself")
+                        f"{name}.detach(); for learned loss weights, call the loss once per term (weight_hard_loss=1, "
+                        "weight_soft_loss=0, then the reverse) and weight the two losses, whose gradients are each "
+                        "term's (the soft and hard terms return_soft_hard_loss gives are for logging: no gradient)")
     number = float(value) if is_tensor else value  # not float() of a number: torch.compile would specialize on it
     if isinstance(number, int) and not -sys.float_info.max <= number <= sys.float_info.max:
         raise ValueError(f"{name} must be finite, got {number}")  # an int past float's range

@@ -10,7 +10,7 @@ import torch
 
 from ._chunk_loop import check_not_creating_graph
 from ._device import as_rows, on_device_of
-from ._options import OPTION_NAMES, Options, options_of
+from ._options import OPTION_NAMES, Options, is_transformed, options_of
 from ._plan import checked_plan, run
 from ._split_check import check_vocab_parallel, gather_device
 
@@ -339,8 +339,11 @@ class _AttachGradients(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loss, gradients, student_input, student_weight, student_bias):
         ctx.gradients = gradients
-        # The last chunk's gradient GEMMs read both in backward: autograd raises if either was modified in place.
+        # The last chunk's gradient GEMMs read both in backward: autograd raises if either was modified in place, but
+        # not where saved-tensor hooks (save_on_cpu, allow_mutation_on_saved_tensors) hand it back what it saved, so
+        # their version counters are read here too.
         ctx.save_for_backward(student_input, student_weight)
+        ctx.versions = [(t, t._version) for t in (student_input, student_weight) if not t.is_inference()]
         ctx.set_materialize_grads(False)
         ctx.grad_dtypes = tuple(None if t is None else t.dtype for t in (student_input, student_weight, student_bias))
         return loss.clone()  # a new tensor: the caller may modify it in place, which an input passed on forbids
@@ -350,8 +353,17 @@ class _AttachGradients(torch.autograd.Function):
         if ctx.gradients is None:
             raise RuntimeError("cosdistill computes gradients in forward and can run backward only once per call")
         check_not_creating_graph()
+        # before the gradients are taken, so that a retry works; is_grads_batched runs torch's legacy vmap
+        if grad_loss is not None and (is_transformed(grad_loss) or torch._C._functorch.is_legacy_batchedtensor(grad_loss)):
+            raise RuntimeError("cosdistill's losses take one grad_output per backward, not a batch of them "
+                               "(torch.autograd.grad's is_grads_batched, a vectorized jacobian): loop over them")
         gradients, ctx.gradients = ctx.gradients, None
         ctx.saved_tensors  # noqa: B018 -- raises if the student's input or weight changed since forward
+        versions, ctx.versions = ctx.versions, None
+        if any(tensor._version != version for tensor, version in versions):
+            raise RuntimeError("the student's input or head weight was modified in place after the loss's forward, and "
+                               "its backward reads them (autograd's own check does not run under saved-tensor hooks): "
+                               "modify them after backward, or a clone of them before")
         if grad_loss is None:  # not materialized: no gradient reached the loss
             return None, None, None, None, None
         with on_device_of(grad_loss):
