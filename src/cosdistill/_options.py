@@ -269,6 +269,10 @@ def check_tensors(student_input, student_weight, teacher_input, teacher_weight, 
     if not label_range.min <= ignore_index <= label_range.max:  # the comparison with it would wrap around
         raise TypeError(f"true_labels of dtype {true_labels.dtype} cannot hold ignore_index={ignore_index}: "
                         f"pass int64 (or int32) labels")
+    vocab_student = student_weight.shape[0]  # a vocabulary split's shard: its labels reach further still
+    if label_range.max < vocab_student - 1:  # labels cast to it from a larger vocabulary have wrapped around
+        raise TypeError(f"true_labels of dtype {true_labels.dtype} cannot hold labels up to {vocab_student - 1} "
+                        f"(student_weight {tuple(student_weight.shape)}): pass int64 (or int32) labels")
     if teacher_weight.shape[0] == 0:  # a vocabulary split's shard holds at least one teacher row too
         raise ValueError(f"teacher_weight must have at least one row (vocabulary entry), got shape "
                          f"{tuple(teacher_weight.shape)}")
