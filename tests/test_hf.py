@@ -595,6 +595,19 @@ def test_the_head_check_holds_a_head_to_the_dtype_it_ran_in():
         distill_loss(student, teacher, **make_batch())
 
 
+def test_a_head_compiled_on_its_own_is_read_through_the_compile():
+    """accelerate's regional compilation replaces the head by torch.compile(head), an OptimizedModule: it raised
+    "must be a torch.nn.Linear" (the Trainer with torch_compile too, on its first step)."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
+    batch = make_batch()
+    want = distill_loss(copy.deepcopy(student), teacher, **batch, return_soft_hard_loss=True)
+    student.set_output_embeddings(torch.compile(student.get_output_embeddings(), backend="eager"))
+    hf.keep_head_hook(student)
+    for _ in range(2):
+        got = distill_loss(student, teacher, **batch, return_soft_hard_loss=True)
+        assert all(rel_err(a, b) < 1e-6 for a, b in zip(got, want))
+
+
 def test_a_head_with_a_forward_of_its_own_raises():
     """An nn.Linear subclass whose forward does more than h W^T + b (Dory's head multiplies by a learned logit
     scale) passed: the fused loss left the scale out, which then never trained, and a scale within the check's

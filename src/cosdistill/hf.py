@@ -82,8 +82,19 @@ def check_teacher_head_is_not_a_trained_copy(student, teacher) -> None:
         )
 
 
+def wrapped_model(model):
+    """The model a DistributedDataParallel-style wrapper holds (``.module``), the model itself otherwise: its head and
+    config are read there, while its forward runs through the wrapper (DDP's gradient sync)."""
+    while not hasattr(model, "get_output_embeddings") and isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
 def lm_head_linear(head, name):
-    """The head, checked to be a torch.nn.Linear whose forward is its own and Linear's."""
+    """The head, checked to be a torch.nn.Linear whose forward is its own and Linear's; under torch.compile (as
+    accelerate's regional compilation compiles each block and the head) the module compiled."""
+    if isinstance(getattr(head, "_orig_mod", None), torch.nn.Module):
+        head = head._orig_mod
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"{name}.get_output_embeddings() must be a torch.nn.Linear, got {type(head).__name__}")
     if type(head).forward is not torch.nn.Linear.forward:  # a learned scale, a quantized weight: not h W^T + b
@@ -217,7 +228,7 @@ def virtual_tokens(model) -> int:
     """The num_virtual_tokens of a PEFT prompt-learning adapter, 0 for other models: prompt tuning and P-tuning
     put that many positions before the input's (prefix tuning adds keys and values, no position)."""
     while not hasattr(model, "active_peft_config") and isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module  # DDP and other wrappers
+        model = model.module  # DDP and other wrappers (a PEFT model has get_output_embeddings: not wrapped_model)
     config = getattr(model, "active_peft_config", None)
     return config.num_virtual_tokens if getattr(config, "is_prompt_learning", False) else 0
 
@@ -517,8 +528,10 @@ def distill_loss(
     ``fused_linear_cosine_distill`` (``loss="cosine"``) or ``fused_linear_jsd`` (``loss="jsd"``, the
     generalized JSD; ``beta`` is then its mixing weight).
 
-    student, teacher: causal LMs exposing their LM head through ``get_output_embeddings()``; the
-    teacher runs under torch.no_grad and must have a vocabulary at least as large as the student's.
+    student, teacher: causal LMs exposing their LM head through ``get_output_embeddings()``, or such a model
+    wrapped by DistributedDataParallel (``accelerator.prepare``: its forward runs through the wrapper, which syncs
+    the gradients; the unwrapped model's would not); the teacher runs under torch.no_grad and must have a vocabulary
+    at least as large as the student's.
     input_ids, attention_mask, labels: [B, L], as for the models' forward;
     targets are the labels shifted by one (``next_token_targets``), padding and ignore_index skipped.
     student_hidden / teacher_hidden: precomputed ``final_hidden_states`` [B, L, H], used instead of
@@ -538,22 +551,25 @@ def distill_loss(
         raise TypeError("labels is required, got None")
     if input_ids is None and (student_hidden is None or teacher_hidden is None):
         raise TypeError("input_ids is required unless both student_hidden and teacher_hidden are given")
-    check_head_reproduces_logits(student, "student")  # before the models run (once per model)
-    check_head_reproduces_logits(teacher, "teacher")
+    # A DDP-wrapped model runs its forward through the wrapper (its gradient sync) and is read inside it.
+    student_model, teacher_model = wrapped_model(student), wrapped_model(teacher)
+    check_head_reproduces_logits(student_model, "student")  # before the models run (once per model)
+    check_head_reproduces_logits(teacher_model, "teacher")
     model_inputs = model_inputs or {}
     targets = next_token_targets(labels, attention_mask, ignore_index, model_inputs.get("position_ids"),
                                  model_inputs.get("cu_seq_lens_q"))
     if student_hidden is None:
-        student_hidden = final_hidden_states(student, input_ids, attention_mask, lm_head(student, "student"),
+        student_hidden = final_hidden_states(student, input_ids, attention_mask, lm_head(student_model, "student"),
                                              **model_inputs)
     if teacher_hidden is None:
         with torch.no_grad(), in_eval_mode(teacher):
-            teacher_hidden = final_hidden_states(teacher, input_ids, attention_mask, lm_head(teacher, "teacher"),
+            teacher_hidden = final_hidden_states(teacher, input_ids, attention_mask, lm_head(teacher_model, "teacher"),
                                                  **model_inputs)
     return loss_of_hidden_states(
-        student, teacher, student_hidden, teacher_hidden, targets, loss=loss, weight_hard_loss=weight_hard_loss,
-        weight_soft_loss=weight_soft_loss, beta=beta, temperature=temperature, ignore_index=ignore_index,
-        num_valid_tokens=num_valid_tokens, return_soft_hard_loss=return_soft_hard_loss, **loss_options,
+        student_model, teacher_model, student_hidden, teacher_hidden, targets, loss=loss,
+        weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, temperature=temperature,
+        ignore_index=ignore_index, num_valid_tokens=num_valid_tokens, return_soft_hard_loss=return_soft_hard_loss,
+        **loss_options,
     )
 
 

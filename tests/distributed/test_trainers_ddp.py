@@ -42,6 +42,22 @@ def evaluate(folder, teacher, **args):
     return trainer.evaluate(dataset(EVAL_ROWS, seed=3))
 
 
+def own_loop_gradients(teacher, rank=0, world=1):
+    """The student's gradients of distill_loss in a loop of one's own, each rank on its rows of a batch with the
+    step's normaliser (data_parallel_num_valid_tokens), the student wrapped by DDP over more than one rank."""
+    from cosdistill.distributed import data_parallel_num_valid_tokens
+    from cosdistill.hf import distill_loss, next_token_targets
+    from test_hf import make_batch
+
+    student = tiny_model("llama")
+    model = student if world == 1 else torch.nn.parallel.DistributedDataParallel(student)
+    batch = {key: value[rank::world] for key, value in make_batch(lengths=(9, 6, 3, 7)).items()}
+    targets = next_token_targets(batch["labels"], batch["attention_mask"])
+    count = data_parallel_num_valid_tokens(targets) if world > 1 else None
+    distill_loss(model, teacher, **batch, num_valid_tokens=count).backward()
+    return {name: p.grad for name, p in student.named_parameters()}
+
+
 def train_rank(rank, port, folder):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD))
@@ -53,6 +69,7 @@ def train_rank(rank, port, folder):
             results[loss, name] = one_step(os.path.join(folder, "out"), teacher, per_device, accumulation, loss,
                                               ddp_backend="gloo", average_tokens_across_devices=True)
     results["evaluate"] = evaluate(os.path.join(folder, "out"), teacher, ddp_backend="gloo")
+    results["own loop"] = own_loop_gradients(teacher, rank, WORLD)
     if rank == 0:
         torch.save(results, os.path.join(folder, "steps.pt"))
     torch.distributed.barrier()
@@ -95,3 +112,12 @@ def test_evaluate_under_ddp_is_one_processs_evaluation(steps, tmp_path):
     weights = make_trainer(tmp_path, tiny_model("llama"), tiny_model("llama"), dataset(ROWS)).loss_options
     total = weights["weight_hard_loss"] * got["eval_hard_loss"] + weights["weight_soft_loss"] * got["eval_soft_loss"]
     assert total == pytest.approx(got["eval_loss"], rel=1e-5), got
+
+
+def test_distill_loss_takes_a_ddp_wrapped_student_in_a_loop_of_ones_own(steps):
+    """A student wrapped by DDP (accelerator.prepare) raised an AttributeError (DDP has no get_output_embeddings); the
+    loss now reads the head inside the wrapper and runs the forward through it, whose gradient sync makes the step one
+    process's on the whole batch."""
+    want = own_loop_gradients(tiny_model("llama", vocab=160, seed=1))
+    for name, grad in steps["own loop"].items():
+        assert rel_err(grad, want[name]) < 1e-5, name
