@@ -581,18 +581,23 @@ def test_a_model_whose_logits_are_not_its_heads_output_raises(change):
         distill_loss(student, teacher, **batch)
 
 
-def test_the_head_check_holds_a_head_to_the_dtype_it_ran_in():
-    """accelerate's mixed precision wraps a model's forward in autocast: an fp32 head then runs in bf16 within the
-    probe's forward, and the check, held to fp32's tolerance, raised; a multiplier past bf16's still raises."""
-    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
-    for model in (student, teacher):
-        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
-    distill_loss(student, teacher, **make_batch())
-    student = tiny_model("llama", seed=2)
-    student.forward = torch.autocast("cpu", dtype=torch.bfloat16)(student.forward)
-    student.get_output_embeddings().register_forward_hook(lambda module, args, output: output * 1.1)
-    with pytest.raises(ValueError, match="student's logits differ"):
-        distill_loss(student, teacher, **make_batch())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_head_check_reproduces_a_head_run_under_autocast(dtype):
+    """accelerate's mixed precision wraps a model's forward in autocast: an fp32 head then runs in 16 bits within the
+    probe's forward. Held to fp32's tolerance against an fp32 product, the check raised for right heads; held to the
+    16-bit dtype's, it let a multiplier of 1.015 through. The check now forms the product in the dtype the head ran
+    in, and holds it to the head's own dtype's tolerance."""
+    teacher = tiny_model("llama", vocab=144, seed=1)
+    teacher.forward = torch.autocast("cpu", dtype=dtype)(teacher.forward)
+    for multiplier in (None, 1.015):
+        student = tiny_model("llama")
+        student.forward = torch.autocast("cpu", dtype=dtype)(student.forward)
+        if multiplier is None:
+            distill_loss(student, teacher, **make_batch())
+            continue
+        student.get_output_embeddings().register_forward_hook(lambda module, args, output: output * multiplier)
+        with pytest.raises(ValueError, match="student's logits differ"):
+            distill_loss(student, teacher, **make_batch())
 
 
 def test_a_head_compiled_on_its_own_is_read_through_the_compile():
@@ -662,6 +667,12 @@ def test_models_that_are_no_causal_lm_raise():
 
     with pytest.raises(ValueError, match="teacher \\(NeedsPixels\\) cannot run on token ids alone .*pixel_values"):
         distill_loss(tiny_model("llama"), NeedsPixels(teacher.config), **make_batch())
+    hooked = tiny_model("llama")  # a TypeError within the forward is the forward's own, not taken for that
+    hooked.model.layers[0].register_forward_pre_hook(lambda *args: (_ for _ in ()).throw(TypeError("a hook's bug")))
+    with pytest.raises(TypeError, match="a hook's bug"):
+        distill_loss(hooked, teacher, **make_batch())
+    with pytest.raises(TypeError, match="torch.nn.DataParallel is not supported"):  # its replicas each call the head
+        distill_loss(torch.nn.DataParallel(tiny_model("llama")), teacher, **make_batch())
 
 
 def test_a_head_that_runs_another_module_s_forward_raises():

@@ -187,8 +187,9 @@ LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
-                  ignore_index, num_valid_tokens=None):
-    """The call's tensors against each other and the options (shapes, dtypes, devices: no host read)."""
+                  ignore_index, num_valid_tokens=None, vocab_student=None):
+    """The call's tensors against each other and the options (shapes, dtypes, devices: no host read).
+    ``vocab_student``: the student's whole vocabulary where ``student_weight`` is a vocabulary split's shard."""
     if torch.is_tensor(num_valid_tokens):  # its value is read after the loss is queued (_labels.LabelCounts.wait)
         if not is_real_scalar_tensor(num_valid_tokens):
             raise TypeError(f"num_valid_tokens must be a number or a one-element real tensor, got a "
@@ -269,10 +270,11 @@ def check_tensors(student_input, student_weight, teacher_input, teacher_weight, 
     if not label_range.min <= ignore_index <= label_range.max:  # the comparison with it would wrap around
         raise TypeError(f"true_labels of dtype {true_labels.dtype} cannot hold ignore_index={ignore_index}: "
                         f"pass int64 (or int32) labels")
-    vocab_student = student_weight.shape[0]  # a vocabulary split's shard: its labels reach further still
-    if label_range.max < vocab_student - 1:  # labels cast to it from a larger vocabulary have wrapped around
-        raise TypeError(f"true_labels of dtype {true_labels.dtype} cannot hold labels up to {vocab_student - 1} "
-                        f"(student_weight {tuple(student_weight.shape)}): pass int64 (or int32) labels")
+    vocab_student = student_weight.shape[0] if vocab_student is None else vocab_student
+    # labels cast to it from a larger vocabulary have wrapped around; V itself too: the labels are compared with it
+    if label_range.max < vocab_student:
+        raise TypeError(f"true_labels of dtype {true_labels.dtype} cannot hold the student's vocabulary size "
+                        f"{vocab_student}: pass int64 (or int32) labels")
     if teacher_weight.shape[0] == 0:  # a vocabulary split's shard holds at least one teacher row too
         raise ValueError(f"teacher_weight must have at least one row (vocabulary entry), got shape "
                          f"{tuple(teacher_weight.shape)}")

@@ -160,7 +160,8 @@ def checked_plan(options: Options, student_input, student_weight, teacher_input,
 
 def _checked_new_plan(options: Options, tensors, num_valid_tokens, vocab_parallel, gram_cached) -> Plan:
     student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias = tensors
-    check_tensors(*tensors, options.ignore_index, num_valid_tokens)
+    check_tensors(*tensors, options.ignore_index, num_valid_tokens,
+                  None if vocab_parallel is None else vocab_parallel.vocab_student)
     return make_plan(options, student_weight, student_bias, teacher_weight, teacher_bias, true_labels.numel(),
                      gradients_needed(student_input, student_weight, student_bias), vocab_parallel, gram_cached)
 
@@ -306,7 +307,8 @@ def _teacher_gram_cached(teacher_weight) -> bool:
     """Whether "auto" counts the teacher's Gram matrix as cached (``will_hold``). Under
     ``torch.use_deterministic_algorithms`` it counts as not: the cache's state depends on the process's earlier
     calls, and the two paths round differently, so the path must be a function of the call alone."""
-    return not torch.are_deterministic_algorithms_enabled() and _teacher_gram.teacher_grams.will_hold(teacher_weight)
+    cached = _teacher_gram.teacher_grams.will_hold(teacher_weight)  # asked anyway: it raises for a stale last reuse
+    return cached and not torch.are_deterministic_algorithms_enabled()
 
 
 def _weighs_gram_cache(options: Options, student_weight, student_bias, teacher_weight, teacher_bias,

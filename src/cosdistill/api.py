@@ -5,6 +5,7 @@ to the custom op of _compile.py. The other names here are the package's own (hf.
 
 import difflib
 import inspect
+import weakref
 
 import torch
 
@@ -343,7 +344,7 @@ class _AttachGradients(torch.autograd.Function):
         # not where saved-tensor hooks (save_on_cpu, allow_mutation_on_saved_tensors) hand it back what it saved, so
         # their version counters are read here too.
         ctx.save_for_backward(student_input, student_weight)
-        ctx.versions = [(t, t._version) for t in (student_input, student_weight) if not t.is_inference()]
+        ctx.versions = [(weakref.ref(t), t._version) for t in (student_input, student_weight) if not t.is_inference()]
         ctx.set_materialize_grads(False)
         ctx.grad_dtypes = tuple(None if t is None else t.dtype for t in (student_input, student_weight, student_bias))
         return loss.clone()  # a new tensor: the caller may modify it in place, which an input passed on forbids
@@ -360,7 +361,7 @@ class _AttachGradients(torch.autograd.Function):
         gradients, ctx.gradients = ctx.gradients, None
         ctx.saved_tensors  # noqa: B018 -- raises if the student's input or weight changed since forward
         versions, ctx.versions = ctx.versions, None
-        if any(tensor._version != version for tensor, version in versions):
+        if any(tensor() is not None and tensor()._version != version for tensor, version in versions):
             raise RuntimeError("the student's input or head weight was modified in place after the loss's forward, and "
                                "its backward reads them (autograd's own check does not run under saved-tensor hooks): "
                                "modify them after backward, or a clone of them before")

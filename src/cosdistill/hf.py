@@ -85,6 +85,9 @@ def check_teacher_head_is_not_a_trained_copy(student, teacher) -> None:
 def wrapped_model(model):
     """The model a DistributedDataParallel-style wrapper holds (``.module``), the model itself otherwise: its head and
     config are read there, while its forward runs through the wrapper (DDP's gradient sync)."""
+    if isinstance(model, torch.nn.DataParallel):  # its replicas would each call the head hook
+        raise TypeError("torch.nn.DataParallel is not supported: run one process per GPU under "
+                        "DistributedDataParallel (torchrun, accelerate launch)")
     while not hasattr(model, "get_output_embeddings") and isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     return model
@@ -469,13 +472,16 @@ def check_head_reproduces_logits(model, name="model") -> None:
     handle = head.register_forward_pre_hook(capture)
     vocab = head.weight.shape[0]
     probe = (torch.arange(HEAD_CHECK_TOKENS, device=head.weight.device) * 7919 % vocab)[None]
+    try:  # a forward that needs more than token ids (BLIP-2's pixel_values)
+        inspect.signature(model.forward).bind(input_ids=probe, use_cache=False)
+    except TypeError as error:
+        handle.remove()
+        raise ValueError(f"{name} ({type(model).__name__}) cannot run on token ids alone ({error}), which the first "
+                         "call's check of its LM head needs: not supported") from error
     # The probe's dropout (NEFTune's noise) draws random numbers: forked, the training run draws as without it.
     with torch.no_grad(), _forked_rngs(probe.device):
         try:
             logits = model(input_ids=probe, use_cache=False).logits
-        except TypeError as error:  # a forward that needs more than token ids (BLIP-2's pixel_values)
-            raise ValueError(f"{name} ({type(model).__name__}) cannot run on token ids alone ({error}), which the "
-                             "first call's check of its LM head needs: not supported") from error
         finally:
             handle.remove()
         if not captured:
@@ -485,13 +491,17 @@ def check_head_reproduces_logits(model, name="model") -> None:
         rows = tensor_parallel_rows(head.weight)
         if rows is not None and logits.shape[-1] == vocab:  # gathered logits: this rank's rows' columns of them
             logits = logits[..., rows[0] : rows[1]]
-        ours = scale_and_softcap(torch.nn.functional.linear(hidden.float(), weight.float(),
-                                                            None if bias is None else bias.float()), scale, softcap)
+        # the product in the dtype the head ran in (autocast's, as in accelerate's wrapped forward; else fp32)
+        dtype = autocast_dtype or torch.float32
+        product = torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+        ours = scale_and_softcap(product.float(), scale, softcap)
     if logits.shape != ours.shape:
         raise ValueError(f"{name}'s logits {tuple(logits.shape)} are not its LM head's output {tuple(ours.shape)}: "
                          "the model reshapes them (e.g. cuts a padded vocabulary), which the fused loss does not")
     difference = ((ours - logits.float()).norm() / logits.float().norm().clamp(min=1e-30)).item()
-    if not difference <= HEAD_CHECK_TOLERANCE.get(autocast_dtype or hidden.dtype, 2e-2):
+    # the product is the model's own; a scale or softcap the model applies in the autocast dtype rounds once more
+    rounded_after = autocast_dtype is not None and (scale != 1 or softcap is not None)
+    if not difference <= HEAD_CHECK_TOLERANCE.get(autocast_dtype if rounded_after else hidden.dtype, 2e-2):
         assumed = f"scale {scale:g}, " + ("no softcap" if softcap is None else f"softcap {softcap:g}")
         raise ValueError(
             f"{name}'s logits differ from its LM head's output scaled and softcapped as its config says ({assumed}; "

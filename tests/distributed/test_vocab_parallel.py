@@ -338,6 +338,17 @@ def test_one_byte_labels_hash_under_a_split(loss):
     assert rel_err(got, want) < 1e-6
 
 
+def test_labels_whose_dtype_cannot_hold_the_whole_vocabulary_raise_under_a_split():
+    """A shard holds fewer rows than the vocabulary the labels index: the label dtype's check took the shard's (100)
+    for the whole vocabulary (200), and int8 labels went on to an error naming valid labels as out of range."""
+    problem = make_problem(tokens=19, vocab_student=200)
+    args = list(problem.args()[:5])
+    args[1], args[3] = args[1][:100], args[3][:100]
+    args[4] = args[4].clamp(max=127).to(torch.int8)
+    with pytest.raises(TypeError, match="true_labels of dtype torch.int8 cannot hold the student's vocabulary size 200"):
+        fused_linear_cosine_distill(*args, vocab_parallel=FakeSplit(0, 100, 200))
+
+
 def test_shards_that_do_not_match_the_split_are_refused():
     problem = make_problem(vocab_student=20, vocab_teacher=20)
     with pytest.raises(ValueError, match=r"need a teacher_weight shard of 10 rows and a student_weight shard of 10 rows"):
