@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import POISON, random_chunk
+from conftest import POISON, TOLERANCE, random_chunk, rel_err
 from cosdistill.testing import (
     COSINE_TORCH_ROW_STEP,
     COSINE_TRITON_ROW_STEP,
@@ -52,7 +52,10 @@ def test_statistics_of_vocabulary_shards_combine_to_the_whole_row_step(impl_name
 @pytest.mark.parametrize("impl_name", ["torch", "triton"])
 def test_shards_whose_sums_fit_fp32_where_their_total_does_not_combine_to_the_whole_row_step(impl_name):
     """Student logits ~9e18 over three shards of four columns: each shard's |s|^2 (~3.3e38) is in fp32's range, so
-    the Triton statistics keep it unscaled, and the total is past it (it came out inf: cos 0, no soft gradient)."""
+    the Triton statistics keep it unscaled, and the total is past it (it came out inf: cos 0, no soft gradient).
+    The gradient is held to the whole row step's by each row's relative error: with logits equal to 1%, single
+    entries are differences of near-equal terms (1e-4 of the row's size), which fp32 rounds at 1e-5 of themselves
+    in about one random draw in ten."""
     impl = {"torch": COSINE_TORCH_ROW_STEP, "triton": COSINE_TRITON_ROW_STEP}[impl_name]
     rows, vocab = 5, 12
     student = 9e18 * (1 + 0.01 * torch.rand(rows, vocab))
@@ -69,7 +72,8 @@ def test_shards_whose_sums_fit_fp32_where_their_total_does_not_combine_to_the_wh
         losses = torch.full((rows, 2), POISON)
         impl.grad(s, t, labels, stats, sc, losses, True)
         torch.testing.assert_close(losses, whole_losses, rtol=1e-5, atol=0)
-    torch.testing.assert_close(torch.cat([s for s, _, _ in pieces], 1), whole_grad, rtol=1e-5, atol=0)
+    combined = torch.cat([s for s, _, _ in pieces], 1)
+    assert max(rel_err(got, want) for got, want in zip(combined, whole_grad)) < TOLERANCE[torch.float32][1]
 
 
 @pytest.mark.parametrize("weights", [(0.0, 0.05), (0.5, 0.5), (0.0, 0.0)])
