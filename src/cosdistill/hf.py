@@ -231,7 +231,7 @@ def virtual_tokens(model) -> int:
     """The num_virtual_tokens of a PEFT prompt-learning adapter, 0 for other models: prompt tuning and P-tuning
     put that many positions before the input's (prefix tuning adds keys and values, no position)."""
     while not hasattr(model, "active_peft_config") and isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module  # DDP and other wrappers (a PEFT model has get_output_embeddings: not wrapped_model)
+        model = model.module  # DDP and other wrappers (wrapped_model's loop, which refuses DataParallel)
     config = getattr(model, "active_peft_config", None)
     return config.num_virtual_tokens if getattr(config, "is_prompt_learning", False) else 0
 
