@@ -47,15 +47,22 @@ def random_student_teacher(labels, hidden_student, hidden_teacher, vocab_student
     ]
 
 
-REFERENCE_ROWS = 1024  # tokens per float64 pass: the seed workload's float64 logits at once outgrow an 80 GB GPU
+REFERENCE_ROWS = 1024  # tokens per reference pass: the seed workload's float64 logits at once outgrow an 80 GB GPU
 
 
 def float64_reference(args, grad_output=1.0, loss="cosine", **options):
     """(loss, soft, hard) and the gradients of the student's input, weight and bias (where given; None
     where it does not require grad), from the naive version (``loss``: "cosine" or "jsd") on float64 copies
-    of args (the seven of random_student_teacher), for this grad_output. The naive version runs on
-    REFERENCE_ROWS tokens at a time with the whole batch's N, the passes' losses and gradients summed."""
-    upcast = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in args]
+    of args (the seven of random_student_teacher), for this grad_output: naive_in_row_blocks in float64."""
+    return naive_in_row_blocks(args, torch.float64, grad_output, loss, **options)
+
+
+def naive_in_row_blocks(args, dtype, grad_output=1.0, loss="cosine", **options):
+    """float64_reference's (loss, soft, hard) and gradients on ``dtype`` copies of args. The naive version runs
+    on REFERENCE_ROWS tokens at a time with the whole batch's N, the passes' losses and gradients summed, so
+    that its logits fit in memory at any number of tokens."""
+    upcast = [t if t is None or not t.is_floating_point() else t.detach().to(dtype).requires_grad_(t.requires_grad)
+              for t in args]
     student_input, student_weight, teacher_input, teacher_weight, labels, student_bias, teacher_bias = upcast
     if options.get("num_valid_tokens") is None:
         options = {**options, "num_valid_tokens": max(1, int((labels != options.get("ignore_index", -100)).sum()))}
@@ -242,7 +249,7 @@ def __getattr__(name):
 
 __all__ = [
     # shared by the tests, the benchmarks and cosdistill check
-    "float64_reference", "random_student_teacher", "rel_err",
+    "float64_reference", "naive_in_row_blocks", "random_student_teacher", "rel_err",
     # the error floors the tests' tolerances add to
     "accumulation_floor", "ignore_some_labels", "logits_rounding_floors",
     # internals: modules

@@ -441,3 +441,26 @@ def test_bad_sweeps_and_paths_are_usage_errors_before_the_run(capsys, arguments,
     with pytest.raises(SystemExit) as exit_info:
         main(TINY + ["--providers", "ours"] + arguments)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_the_error_at_each_size_runs_the_naive_version_in_row_blocks(loss, monkeypatch):
+    """At V = 262144, T = 8192 the naive version's fp32 logits at once did not fit an 80 GB GPU and the bench died
+    before timing: its error check now takes REFERENCE_ROWS tokens at a time, with the same errors."""
+    from dataclasses import replace
+
+    from cosdistill import reference, testing
+    from cosdistill.tools import bench
+
+    tensors = bench.make_tensors(40, 300, 32, 16, torch.float32, torch.device("cpu"))
+    settings = [replace(bench.ours_settings()[0], loss=loss)]
+    whole = bench.bench_size_errors(tensors, settings, None, loss)
+    rows_seen = []
+    naive = reference.NAIVE_LOSSES[loss]
+    monkeypatch.setitem(reference.NAIVE_LOSSES, loss, lambda *args, **kwargs: rows_seen.append(
+        args[0].shape[0]) or naive(*args, **kwargs))
+    monkeypatch.setattr(testing, "REFERENCE_ROWS", 16)
+    blocked = bench.bench_size_errors(tensors, settings, None, loss)
+    assert rows_seen == [16, 16, 8]
+    assert blocked.keys() == whole.keys(), (blocked, whole)
+    assert all(blocked[key] < 1e-5 and whole[key] < 1e-5 for key in blocked), (blocked, whole)

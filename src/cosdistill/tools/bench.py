@@ -52,7 +52,7 @@ from .._options import check_accum_dtype, options_of
 from .._weight_cache import Cached, WeightCache
 from ..api import fused_linear_cosine_distill, fused_linear_jsd
 from ..reference import NAIVE_LOSSES
-from ..testing import float64_reference, rel_err
+from ..testing import float64_reference, naive_in_row_blocks, rel_err
 
 PROVIDERS = ("ours", "ours-logits", "ours-gram", "ours-fp8", "ours-fp8-quantized", "ours-unchecked",
              "ours-fp8-unchecked", "ours-changing-teacher", "naive", "liger", "trl", "floor")
@@ -560,18 +560,13 @@ def worst(*errors: float) -> float:
 
 def bench_size_errors(tensors: Tensors, settings, liger_loss, loss: str = "cosine", with_grads: bool = True,
                       trl_divergence=None) -> dict:
-    """Each ours setting's relative error against the naive loss on fp32 copies, at this size: its loss's, and
-    ``with_grads`` the largest of its loss's, grad_input's and grad_weight's, run with gradients on as the timed
-    full mode runs it; Liger's loss error beside them, and TRL's against the naive soft term."""
-    def fp32_copy(tensor):
-        return tensor.detach().float().requires_grad_(with_grads and tensor.requires_grad)
-
-    student_input, student_weight, teacher_input, teacher_weight = map(fp32_copy, tensors.args()[:4])
+    """Each ours setting's relative error against the naive loss on fp32 copies at this size (run in row blocks, so
+    that it fits wherever ours does): its loss's, and ``with_grads`` the largest of its loss's, grad_input's and
+    grad_weight's, run with gradients on as the timed full mode runs it; Liger's loss error beside them, and TRL's
+    against the naive soft term."""
     with torch.set_grad_enabled(with_grads):
-        naive_loss, naive_soft, _ = NAIVE_LOSSES[loss](student_input, student_weight, teacher_input, teacher_weight,
-                                                       tensors.labels)
-        if with_grads:
-            naive_loss.backward()
+        (naive_loss, naive_soft, _), naive_grads = naive_in_row_blocks([*tensors.args(), None, None], torch.float32,
+                                                                       loss=loss)
         errors = {}
         for setting in settings:
             tensors.clear_grads()
@@ -579,8 +574,8 @@ def bench_size_errors(tensors: Tensors, settings, liger_loss, loss: str = "cosin
             errors[setting.label] = rel_err(got, naive_loss)
             if with_grads:
                 got.backward()
-                errors[setting.label] = worst(errors[setting.label], rel_err(tensors.student_input.grad, student_input.grad),
-                                              rel_err(tensors.student_weight.grad, student_weight.grad))
+                errors[setting.label] = worst(errors[setting.label], rel_err(tensors.student_input.grad, naive_grads[0]),
+                                              rel_err(tensors.student_weight.grad, naive_grads[1]))
         tensors.clear_grads()
         if liger_loss is not None:
             with torch.no_grad():
