@@ -909,6 +909,26 @@ def test_a_prompt_learning_student_drops_its_virtual_tokens(config_name):
     assert trained and all(rel_err(p.grad, q.grad) < 1e-5 for p, q in trained)
 
 
+def test_a_wrapped_prompt_learning_student_drops_its_virtual_tokens():
+    """Inside a DistributedDataParallel-style wrapper (``.module``) the adapter's virtual tokens are found too."""
+    peft = pytest.importorskip("peft")
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    student, batch = peft.get_peft_model(tiny_model("llama"), config), make_batch()
+    want = hf.final_hidden_states(student, batch["input_ids"], attention_mask=batch["attention_mask"])
+    got = hf.final_hidden_states(Wrapper(student), batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 head=student.get_output_embeddings())
+    assert got.shape[:2] == batch["input_ids"].shape and torch.equal(got, want)
+
+
 def test_a_prompt_learning_model_refuses_a_packed_batch():
     """PEFT drops position_ids under prompt learning: packed sequences would attend to each other, unseen."""
     peft = pytest.importorskip("peft")

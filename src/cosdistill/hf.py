@@ -88,6 +88,11 @@ def wrapped_model(model):
     if isinstance(model, torch.nn.DataParallel):  # its replicas would each call the head hook
         raise TypeError("torch.nn.DataParallel is not supported: run one process per GPU under "
                         "DistributedDataParallel (torchrun, accelerate launch)")
+    return unwrapped(model)
+
+
+def unwrapped(model):
+    """The model inside any ``.module`` wrappers: the first that has a head of its own."""
     while not hasattr(model, "get_output_embeddings") and isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     return model
@@ -230,9 +235,7 @@ def keep_head_hook(model, head=None) -> None:
 def virtual_tokens(model) -> int:
     """The num_virtual_tokens of a PEFT prompt-learning adapter, 0 for other models: prompt tuning and P-tuning
     put that many positions before the input's (prefix tuning adds keys and values, no position)."""
-    while not hasattr(model, "active_peft_config") and isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module  # DDP and other wrappers (wrapped_model's loop, which refuses DataParallel)
-    config = getattr(model, "active_peft_config", None)
+    config = getattr(unwrapped(model), "active_peft_config", None)
     return config.num_virtual_tokens if getattr(config, "is_prompt_learning", False) else 0
 
 
