@@ -5,7 +5,7 @@ For each variant of this repository's tests/kernel_compile.py, compiled from the
 PYTHONPATH, prints its name, a hash of its SASS (cuobjdump --dump-sass, addresses dropped) and its
 instruction count. Run it once per tree and diff the outputs: a change that is pure code motion
 leaves the hashes alone, so timings taken before it still describe the code after it. An older tree
-must have the kernels (and fp8_triton) that kernel_compile names.
+must have the kernels (and fp8_quantize) that kernel_compile names.
 
     PYTHONPATH=<tree>/src python benchmarks/sass_compare.py > a.txt
 

@@ -664,7 +664,7 @@ def test_every_entry_point_takes_every_option_with_the_options_defaults(entry):
 
 
 @pytest.mark.parametrize("loss", [fused_linear_cosine_distill, fused_linear_jsd])
-@pytest.mark.parametrize("transform", ["grad", "vmap", "jvp"])
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jvp", "grad, teacher weight made inside"])
 def test_torch_func_transforms_are_a_clear_error(loss, transform):
     """The losses differentiate in reverse mode only; under torch.func the kernels and GEMMs into buffers raised
     internal errors that named no transform. Also after a plan was cached for the same shapes."""
@@ -675,9 +675,14 @@ def test_torch_func_transforms_are_a_clear_error(loss, transform):
     def of_weight(weight):
         return loss(args[0], weight, *args[2:])
 
+    def of_input_with_a_teacher_weight_made_inside(student_input):  # a cast, say: the Gram cache's choice asked it
+        return loss(student_input, args[1], args[2], args[3] * 1.0, *args[4:])
+
     calls = {"grad": lambda: torch.func.grad(of_weight)(args[1]),
              "vmap": lambda: torch.func.vmap(lambda x: loss(x, *args[1:]))(args[0][None].expand(2, -1, -1)),
-             "jvp": lambda: torch.func.jvp(of_weight, (args[1],), (torch.ones_like(args[1]),))}
+             "jvp": lambda: torch.func.jvp(of_weight, (args[1],), (torch.ones_like(args[1]),)),
+             "grad, teacher weight made inside": lambda: torch.func.grad(of_input_with_a_teacher_weight_made_inside)(
+                 args[0])}
     with pytest.raises(TypeError, match="is a tensor of a torch.func transform"):
         calls[transform]()
 

@@ -173,8 +173,9 @@ def train(trainer_class, tmp_path, student, teacher, **options):
     return trainer, step, trainer.state.log_history[0]
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_a_training_step_is_trls(tmp_path, bf16):
+@pytest.mark.parametrize("bf16, compiled", [(False, False), (True, False), (False, True)],
+                         ids=["fp32", "bf16", "torch_compile"])
+def test_a_training_step_is_trls(tmp_path, bf16, compiled):
     """train(): the same completions generated, then the same step and logged loss as TRL's trainer (two
     accumulated micro-batches); TRL also logs the student's entropy, which the fused loss does not compute.
 
@@ -182,10 +183,13 @@ def test_a_training_step_is_trls(tmp_path, bf16):
     the models through it (their backbones in bf16, as mixed precision asks), TRL's runs their backbones around it
     (in fp32): the loss agrees to bf16's rounding, the step (the tiny model's backward in bf16) to a few percent. The
     first call's check of the heads, whose probe runs through the wrapped forward, took the fp32 heads' bf16 logits
-    for another head's and raised."""
+    for another head's and raised. With torch_compile the compiled student's head input is captured as eager's."""
     student, teacher = models()
-    options = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, beta=0.5, bf16=bf16)
+    options = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, beta=0.5, bf16=bf16,
+                   **(dict(torch_compile=True, torch_compile_backend="aot_eager") if compiled else {}))
+    torch._dynamo.utils.counters.clear()
     _, ours, ours_log = train(DistillationTrainer, tmp_path, copy.deepcopy(student), teacher, **options)
+    assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0) == compiled
     _, theirs, trl_log = train(trl.DistillationTrainer, tmp_path, copy.deepcopy(student), teacher, **options)
     assert trl_log["loss"] > 1e-3 and ours_log["loss"] == pytest.approx(trl_log["loss"], rel=5e-3 if bf16 else 1e-5)
     assert "entropy" in trl_log and "entropy" not in ours_log

@@ -47,9 +47,9 @@ class TeacherSide(Protocol):
         """Queued once the first chunk's student GEMM is: buffers, cached matrices."""
 
     def row_step(self, student_logits, student_hidden, teacher_hidden, labels, token_losses, write_grad,
-                 lifts=None) -> None:
+                 grad_lifts=None) -> None:
         """One chunk's losses into token_losses and (write_grad) d loss / d s into student_logits, in place;
-        lifts: fp16's powers of two per row (the row step's grad_lifts)."""
+        grad_lifts: fp16's powers of two per row, as the row step takes them."""
 
     def check_range(self) -> None:
         """Raise if this call's inputs were out of the side's range (read once N is read)."""

@@ -1,5 +1,5 @@
 """The plan of one call, made from its checked options (_options.py): which backend (_backends.py), which teacher
-side (its bf16 logits, its FP8 logits or the Gram matrices), how many rows per chunk (``chunk_rows``). The eager
+side (its logits in the weight's dtype, its FP8 logits or the Gram matrices), how many rows per chunk (``chunk_rows``). The eager
 function and module (api.py) and the torch.compile op (_compile.py) all build the plan here and run it with ``run``,
 which makes the call's normaliser (_labels.py) and runs the chunk loop.
 """
@@ -314,8 +314,10 @@ def _teacher_gram_cached(teacher_weight) -> bool:
 def _weighs_gram_cache(options: Options, student_weight, student_bias, teacher_weight, teacher_bias,
                        vocab_parallel) -> bool:
     """Whether ``gram_applies`` weighs the teacher's Gram cache: "auto" on the cosine loss where nothing blocks
-    the Gram path. Asked before the checks: weights that are no dense tensors are left to them."""
-    if not all(torch.is_tensor(weight) and weight.layout == torch.strided for weight in (student_weight, teacher_weight)):
+    the Gram path. Asked before the checks: weights that are no dense tensors, or tensors of a torch.func transform
+    (which have no storage to fingerprint), are left to them."""
+    if not all(torch.is_tensor(weight) and weight.layout == torch.strided and not is_transformed(weight)
+               for weight in (student_weight, teacher_weight)):
         return False
     return options.loss == "cosine" and options.cosine_via == "auto" and not _gram_blockers(
         options, student_weight, student_bias, teacher_weight, teacher_bias, vocab_parallel)

@@ -35,7 +35,8 @@ the dtype's largest value do not overflow |s|^2 in fp32; the Triton twin uses sc
 only the rows whose sums overflowed.
 
 Labels outside [0, Vs) that are not ignore_index are treated as ignored here (the API raises on them).
-``row_step_triton.py`` is the same step in Triton; tests hold the two equal.
+``kernels/row_step_triton.py`` and ``kernels/row_step_cuda.py`` are the same step in Triton and CUDA; tests hold
+them equal to this one.
 """
 
 from dataclasses import dataclass

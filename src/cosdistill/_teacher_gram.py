@@ -157,7 +157,7 @@ class GramTeacher:
         if self.in_range is not None and not self.in_range.get().item():
             raise GramOutOfRange
 
-    def row_step(self, student_logits, student_hidden, teacher_hidden, labels, token_losses, write_grad, lifts=None):
+    def row_step(self, student_logits, student_hidden, teacher_hidden, labels, token_losses, write_grad, grad_lifts=None):
         """The row step of one chunk: the statistics of the student logits, completed with s . t and
         |t|^2, then the losses and (write_grad) the gradient without its teacher term, in place."""
         constants = self.constants

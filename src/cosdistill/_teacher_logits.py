@@ -107,7 +107,7 @@ class LogitsTeacher:
         self.head.logits_into(self.buffers[buffer], start - chunk_start, stop - chunk_start)
         return stop
 
-    def row_step(self, student_logits, student_hidden, teacher_hidden, labels, token_losses, write_grad, lifts=None):
+    def row_step(self, student_logits, student_hidden, teacher_hidden, labels, token_losses, write_grad, grad_lifts=None):
         """The chunk's row steps, one per sub-chunk of teacher logits; student_logits becomes d loss / d s."""
         chunk_start = start = self.next_row
         if len(labels) and teacher_hidden.data_ptr() != self.teacher_input[chunk_start].data_ptr():
@@ -120,7 +120,7 @@ class LogitsTeacher:
                 buffer, stop = self.ahead
             rows = slice(start - chunk_start, stop - chunk_start)
             args = (student_logits[rows], self.buffers[buffer][: stop - start, : self.head.vocab], labels[rows], self.constants,
-                    token_losses[rows], write_grad, *(() if lifts is None else (lifts[rows],)))
+                    token_losses[rows], write_grad, *(() if grad_lifts is None else (grad_lifts[rows],)))
             step = self.step if self.later is None else self._step_and_check
             if self.side is None:
                 step(*args)

@@ -51,16 +51,16 @@ REFERENCE_ROWS = 1024  # tokens per reference pass: the seed workload's float64 
 
 
 def float64_reference(args, grad_output=1.0, loss="cosine", **options):
-    """(loss, soft, hard) and the gradients of the student's input, weight and bias (where given; None
-    where it does not require grad), from the naive version (``loss``: "cosine" or "jsd") on float64 copies
-    of args (the seven of random_student_teacher), for this grad_output: naive_in_row_blocks in float64."""
+    """``naive_in_row_blocks(args, torch.float64, grad_output, loss, **options)``: the tests' oracle."""
     return naive_in_row_blocks(args, torch.float64, grad_output, loss, **options)
 
 
 def naive_in_row_blocks(args, dtype, grad_output=1.0, loss="cosine", **options):
-    """float64_reference's (loss, soft, hard) and gradients on ``dtype`` copies of args. The naive version runs
-    on REFERENCE_ROWS tokens at a time with the whole batch's N, the passes' losses and gradients summed, so
-    that its logits fit in memory at any number of tokens."""
+    """(loss, soft, hard) and the gradients of the student's input, weight and bias (where given; None
+    where it does not require grad), from the naive version (``loss``: "cosine" or "jsd") on ``dtype`` copies
+    of args (the seven of random_student_teacher), for this grad_output. The naive version runs on
+    REFERENCE_ROWS tokens at a time with the whole batch's N, the passes' losses and gradients summed, so that
+    its logits fit in memory at any number of tokens."""
     upcast = [t if t is None or not t.is_floating_point() else t.detach().to(dtype).requires_grad_(t.requires_grad)
               for t in args]
     student_input, student_weight, teacher_input, teacher_weight, labels, student_bias, teacher_bias = upcast
@@ -82,9 +82,6 @@ def naive_in_row_blocks(args, dtype, grad_output=1.0, loss="cosine", **options):
     return totals, grads
 
 
-# Error floors: what the design's roundings alone bring, which the tests' tolerances add to.
-
-
 def ignore_some_labels(labels, pattern: str, ignore_index: int, generator=None) -> None:
     """Sets labels to ignore_index in place: "none", "some" (30% at random), "alternating" or "all"."""
     flat = labels.view(-1)
@@ -94,6 +91,9 @@ def ignore_some_labels(labels, pattern: str, ignore_index: int, generator=None) 
         flat[::2] = ignore_index
     elif pattern == "all":
         flat.fill_(ignore_index)
+
+
+# Error floors: what the design's roundings alone bring, which the tests' tolerances add to.
 
 
 class _LogitsInDtype(TorchFunctionMode):

@@ -7,7 +7,7 @@ completion-only and assistant-only labels, packing, padding-free batches, PEFT) 
 is the class and a teacher::
 
     trainer = DistillationSFTTrainer(model=student, teacher_model=teacher, args=SFTConfig(...),
-                                           train_dataset=dataset, weight_hard_loss=0.5, weight_soft_loss=0.5)
+                                     train_dataset=dataset, weight_hard_loss=0.5, weight_soft_loss=0.5)
 
 ``DistillationGKDTrainer`` is TRL's ``GKDTrainer`` (on-policy distillation: student-generated, teacher-generated
 or dataset sequences) whose generalized JSD is computed by ``fused_linear_jsd`` from the last hidden states,
