@@ -800,10 +800,6 @@ class DistillationMixin:
     ):
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError(f"{type(self).__name__} computes its own loss: compute_loss_func cannot be used with it")
-        for name in ("compute_metrics", "preprocess_logits_for_metrics"):
-            if kwargs.get(name) is not None:
-                raise ValueError(f"{type(self).__name__} does not support {name}: evaluation has no logits (the fused "
-                                 "loss never computes them); it reports eval_loss, eval_soft_loss and eval_hard_loss")
         check_loss_values(loss, loss_options or {}, weight_hard_loss=weight_hard_loss,
                           weight_soft_loss=weight_soft_loss, beta=beta, temperature=temperature)
         if (loss_options or {}).get("ignore_index", -100) != -100:
@@ -811,6 +807,7 @@ class DistillationMixin:
                              f"{loss_options['ignore_index']!r}: the Trainer counts the labels that are not -100 "
                              "(num_items_in_batch), so the loss must ignore -100; set such labels to -100 instead")
         super().__init__(*args, **kwargs)
+        self._refuse_metrics()  # given by name, by position, or (at evaluation) set afterwards
         self._check_student(self.accelerator.unwrap_model(self.model), teacher_model)
         device = next(self.model.parameters()).device
         self.teacher_model = teacher_model.to(device).eval().requires_grad_(False)
@@ -836,6 +833,12 @@ class DistillationMixin:
         # Before any call of a model accelerate may compile (torch_compile, or its dynamo plugin from the environment).
         keep_head_hook(student, lm_head(student, "student"))
 
+    def _refuse_metrics(self):
+        for name in ("compute_metrics", "preprocess_logits_for_metrics"):
+            if getattr(self, name, None) is not None:
+                raise ValueError(f"{type(self).__name__} does not support {name}: evaluation has no logits (the fused "
+                                 "loss never computes them); it reports eval_loss, eval_soft_loss and eval_hard_loss")
+
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
         if hasattr(self, "teacher_model"):  # not the call within Trainer.__init__, whose model __init__ checks
@@ -858,10 +861,12 @@ class DistillationMixin:
 
     def prediction_step(self, model, inputs, *args, **kwargs):
         """The Trainer's, on a copy of the batch whose labels are the loss's targets; the labels it returns (predict's
-        label_ids) are the batch's own."""
+        label_ids) are the batch's own, its predictions None where the loss ran (no logits: the Trainer's empty
+        tuple would pass its ``is not None`` tests)."""
         loss, logits, labels = super().prediction_step(model, self._with_loss_labels(dict(inputs)), *args, **kwargs)
         given = inputs.get("labels")
-        return loss, logits, (given.detach() if labels is not None and torch.is_tensor(given) else labels)
+        return (loss, None if isinstance(logits, tuple) and not logits else logits,
+                given.detach() if labels is not None and torch.is_tensor(given) else labels)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if "shift_labels" in inputs:  # the Trainer counts them and the model's own loss trains on them
@@ -886,6 +891,11 @@ class DistillationMixin:
                 num_valid_tokens=num_items_in_batch, return_soft_hard_loss=True, model_inputs=model_inputs,
                 **self.loss_options,
             )
+        if not model.training:  # a batch without a target is 0 / 0, as the Trainer's own loss: not finite, so that
+            # logging_nan_inf_filter leaves it out of eval_loss rather than count a 0
+            has_target = (next_token_targets(inputs["labels"], attention_mask, -100, model_inputs.get("position_ids"),
+                                             model_inputs.get("cu_seq_lens_q")) != -100).any()
+            loss, soft, hard = (torch.where(has_target, value, torch.nan) for value in (loss, soft, hard))
         if num_items_in_batch is not None and getattr(self.args, "average_tokens_across_devices", False):
             # num_items_in_batch counts all processes' tokens and DDP averages the gradients: undo the average, over
             # the processes that hold different batches (as Trainer.compute_loss does)
@@ -934,6 +944,7 @@ class DistillationMixin:
                         metric_key_prefix="eval"):
         """The Trainer's (evaluate()'s and predict()'s), whose metrics gain the mean soft and hard loss per row as
         its loss (``eval_soft_loss``, ``eval_hard_loss``, with the prefix given)."""
+        self._refuse_metrics()
         self._eval_sums = None
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         if f"{metric_key_prefix}_loss" in output.metrics:  # all processes' rows, gathered batch by batch
