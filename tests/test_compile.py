@@ -268,6 +268,34 @@ def test_options_on_a_schedule_compile_the_step_once_more_not_each_time(loss):
         compiled(*problem.args(), weight=0.5, beta=0.5, temperature=-1.0, scale=1.0)
 
 
+def test_a_module_s_options_on_a_schedule_compile_once_per_option_whatever_their_type():
+    """A loss module's options set between steps to a schedule's values, ints at its ends (``min(1, step / 4)``): each
+    flip between int and float compiled the step again, so that eight changes of three options reached Dynamo's
+    recompile limit (fullgraph=True raised; without it the model ran eagerly from then on). The module keeps ints as
+    floats: one compile more per option changed."""
+    import torch._dynamo.testing
+
+    from cosdistill import FusedLinearJSDLoss
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    problem = make_problem(tokens=16, bias=True, ignore_every=3)
+    module = FusedLinearJSDLoss()
+    compiled = torch.compile(lambda *args: module(*args), backend=counter, fullgraph=True)
+    schedule = [dict(beta=0.5), dict(beta=0), dict(beta=1), dict(beta=0.25), dict(weight_hard_loss=0, weight_soft_loss=1),
+                dict(weight_hard_loss=1, weight_soft_loss=0), dict(weight_hard_loss=0.3, weight_soft_loss=0.7),
+                dict(temperature=2), dict(temperature=0.5), dict(temperature=1), dict(beta=0)]
+    for values in schedule:
+        for name, value in values.items():
+            setattr(module, name, value)
+        got = compiled(*problem.args())
+        want = module(*problem.args())
+        assert rel_err(got, want) < TOL
+        assert all(rel_err(a, b) < TOL for a, b in zip(torch.autograd.grad(got, problem.student_leaves()),
+                                                      torch.autograd.grad(want, problem.student_leaves())))
+    assert counter.frame_count <= 4  # the first, then beta, the weights, temperature
+    assert module.beta == 0 and type(module.beta) is float
+
+
 def test_a_compiled_loss_refuses_double_backward():
     """Differentiating the compiled loss's gradients again raises (torch's own refusal), as eager's create_graph
     does: their gradients would otherwise miss the loss's second-order part."""

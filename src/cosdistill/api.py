@@ -5,13 +5,14 @@ to the custom op of _compile.py. The other names here are the package's own (hf.
 
 import difflib
 import inspect
+import sys
 import weakref
 
 import torch
 
 from ._chunk_loop import check_not_creating_graph
 from ._device import as_rows, on_device_of
-from ._options import OPTION_NAMES, Options, is_transformed, options_of
+from ._options import OPTION_NAMES, REAL_OPTIONS, Options, is_transformed, options_of
 from ._plan import checked_plan, run
 from ._split_check import check_vocab_parallel, gather_device
 
@@ -155,6 +156,7 @@ class _LossModule(torch.nn.Module):
         super().__init__()
         self.return_soft_hard_loss = return_soft_hard_loss
         self.compiled = compiled  # Liger's attribute, kept for code that reads it; it changes nothing here
+        given = _ints_as_floats(given)
         self._options = Options(**given)  # a bad value raises here, when the module is built
         self._given = given  # from here on a new public name outside _attributes is refused (__setattr__)
 
@@ -203,11 +205,18 @@ def _option_attribute(name: str) -> property:
         return module._given[name]
 
     def assign(module, value):
-        given = {**module._given, name: value}
+        given = _ints_as_floats({**module._given, name: value})
         module._options = Options(**given)  # checked before the module changes
         module._given = given
 
     return property(read, assign, doc=f"The loss's {name}: assigning it checks it, and the next call uses it.")
+
+
+def _ints_as_floats(given: dict) -> dict:
+    """The real options given as Python ints, as floats: under torch.compile an attribute that turns from one type to
+    the other (a schedule's ``min(1, step / 4)``) compiles the step again, and Dynamo's recompile limit is near."""
+    return {name: float(value) if name in REAL_OPTIONS and type(value) is int and abs(value) <= sys.float_info.max
+            else value for name, value in given.items()}  # an int past float's range is left to Options' error
 
 
 def _options_as_attributes(module_class):
