@@ -213,6 +213,40 @@ def test_overflowing_products_raise_for_gram_and_auto_takes_the_logits_path():
     assert rel_err(loss, want[0]) < 5e-3 and rel_err(soft, want[1]) < 5e-3
 
 
+def test_the_logits_path_after_the_range_check_runs_with_the_gram_attempt_s_buffers_freed(monkeypatch):
+    """"auto" falling back from the Gram path (a diverged step's NaN): the logits path ran inside the except block,
+    where the exception's frames and the first attempt's names kept its logits buffer, gradients and Gram matrices,
+    so the fallback's peak held two calls' buffers (about 1 GB more at the seed workload)."""
+    import gc
+    import weakref
+
+    from cosdistill import _plan
+
+    first_attempt, alive_at_the_second = [], []
+    chunk_loop = _plan.chunked_loss_and_grads
+
+    def spy(*args, **kwargs):
+        student_logits = args[12]
+        if first_attempt:
+            alive_at_the_second.append([ref() is not None for ref in first_attempt])
+        first_attempt.extend([weakref.ref(student_logits), weakref.ref(args[4])])  # the buffer, the teacher side
+        return chunk_loop(*args, **kwargs)
+
+    monkeypatch.setattr(_plan, "chunked_loss_and_grads", spy)
+    generator = torch.Generator().manual_seed(8)
+    student_input, student_weight, teacher_input, labels = student_and_labels(generator=generator)
+    teacher_weight = teacher_module(generator=generator).weight
+    teacher_input = teacher_input.clone()
+    teacher_input[3, 1] = float("nan")
+    gc.disable()  # freed by reference counting, as a GPU's memory must be
+    try:
+        loss = fused_linear_cosine_distill(student_input, student_weight, teacher_input, teacher_weight, labels,
+                                           cosine_via="auto")
+    finally:
+        gc.enable()
+    assert torch.isnan(loss) and alive_at_the_second == [[False, False]]
+
+
 def test_a_one_kernel_gram_step_is_used_where_the_impl_has_one(monkeypatch):
     """GramTeacher.row_step hands the row step to the implementation's gram_step (the CUDA one-model kernel)
     with each row's raw s.t and |t|^2, and keeps the coefficients it writes; where gram_step declines, the

@@ -274,12 +274,16 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
         if not plan.fall_back:
             raise ValueError(
                 "cosine_via='gram': this call's hidden states and heads are too large for the Gram path's fp32 "
-                f"products (their bound passes {_teacher_gram.RANGE_LIMIT:.3g}); use cosine_via='logits' or 'auto'"
+                f"products, or not finite (their bound is not under {_teacher_gram.RANGE_LIMIT:.3g}); use "
+                "cosine_via='logits' or 'auto'"
             ) from None
-        logits_plan = make_plan(dataclasses.replace(plan.options, cosine_via="logits"), student_weight, student_bias,
-                                teacher_weight, teacher_bias, len(labels), plan.needs_grad, plan.vocab_parallel)
-        return run(logits_plan, student_input, student_weight, student_bias, teacher_input, teacher_weight,
-                   teacher_bias, labels, num_valid_tokens)
+    # The logits path, after the except block: the failed attempt's buffers, held by the exception's frames and by
+    # these names, are freed before it allocates its own.
+    del student_logits, teacher, normaliser, split
+    logits_plan = make_plan(dataclasses.replace(plan.options, cosine_via="logits"), student_weight, student_bias,
+                            teacher_weight, teacher_bias, len(labels), plan.needs_grad, plan.vocab_parallel)
+    return run(logits_plan, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias,
+               labels, num_valid_tokens)
 
 
 def gram_applies(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens,

@@ -367,13 +367,13 @@ class _AttachGradients(torch.autograd.Function):
         if grad_loss is not None and (is_transformed(grad_loss) or torch._C._functorch.is_legacy_batchedtensor(grad_loss)):
             raise RuntimeError("cosdistill's losses take one grad_output per backward, not a batch of them "
                                "(torch.autograd.grad's is_grads_batched, a vectorized jacobian): loop over them")
-        gradients, ctx.gradients = ctx.gradients, None
+        # before the gradients are taken too, so that a retry raises the same
         ctx.saved_tensors  # noqa: B018 -- raises if the student's input or weight changed since forward
-        versions, ctx.versions = ctx.versions, None
-        if any(tensor() is not None and tensor()._version != version for tensor, version in versions):
+        if any(tensor() is not None and tensor()._version != version for tensor, version in ctx.versions):
             raise RuntimeError("the student's input or head weight was modified in place after the loss's forward, and "
                                "its backward reads them (autograd's own check does not run under saved-tensor hooks): "
                                "modify them after backward, or a clone of them before")
+        gradients, ctx.gradients, ctx.versions = ctx.gradients, None, None
         if grad_loss is None:  # not materialized: no gradient reached the loss
             return None, None, None, None, None
         with on_device_of(grad_loss):
