@@ -1095,21 +1095,24 @@ def test_an_unknown_loss_or_option_raises_before_any_model_runs(tmp_path, monkey
 def test_metrics_that_would_read_logits_raise_and_predict_gives_the_loss(tmp_path):
     """The loss never computes logits: compute_metrics would have been handed an empty tuple as "predictions" (a
     metric of nothing, or a crash), so it raises, given by name or by position at construction, or set afterwards
-    at evaluation; predict() returns the loss and no predictions."""
+    at the next loss; so does a compute_loss_func, which was stored and never called. predict() returns the loss and
+    no predictions."""
     student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
     rows = dataset([9, 4, 6, 2, 7])
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     parameters = list(inspect.signature(transformers.Trainer.__init__).parameters.values())[1:]
-    for name in ("compute_metrics", "preprocess_logits_for_metrics"):
-        with pytest.raises(ValueError, match=f"does not support {name}: evaluation has no logits"):
+    for name, message in [("compute_metrics", "does not support compute_metrics: evaluation has no logits"),
+                          ("preprocess_logits_for_metrics", "does not support preprocess_logits_for_metrics"),
+                          ("compute_loss_func", "computes its own loss: compute_loss_func cannot be used")]:
+        with pytest.raises(ValueError, match=message):
             DistillationTrainer(model=student, args=args, teacher_model=teacher, **{name: lambda *a: {}})
         position = [parameter.name for parameter in parameters].index(name)
         by_position = [student, args, *(parameter.default for parameter in parameters[2:position]), lambda *a: {}]
-        with pytest.raises(ValueError, match=f"does not support {name}: evaluation has no logits"):
+        with pytest.raises(ValueError, match=message):
             DistillationTrainer(*by_position, teacher_model=teacher)
         trainer = make_trainer(tmp_path, student, teacher, rows)
         setattr(trainer, name, lambda *a: {})
-        with pytest.raises(ValueError, match=f"does not support {name}: evaluation has no logits"):
+        with pytest.raises(ValueError, match=message):
             trainer.evaluate(eval_dataset=rows)
     trainer = make_trainer(tmp_path, student, teacher, rows, per_device_eval_batch_size=2)
     trainer.data_collator = collate_left  # the loss's targets differ from the labels: label_ids stay the labels
@@ -1126,28 +1129,28 @@ def test_metrics_that_would_read_logits_raise_and_predict_gives_the_loss(tmp_pat
 def test_an_evaluation_batch_without_targets_is_left_out_as_the_trainer_leaves_it(tmp_path, eval_batch_size):
     """A batch whose labels are all -100 (a completion truncated away) is 0 / 0: the Trainer's own loss is NaN there,
     which logging_nan_inf_filter leaves out of eval_loss. The fused loss's count is at least 1, so the batch counted
-    as a loss of 0 and pulled eval_loss down (by half with two such rows of four, one row a batch)."""
+    as a loss of 0 and pulled eval_loss down (to a third with three such rows of four, one row a batch)."""
     student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
     rows = dataset([9, 6, 7, 8])
 
-    def collate_without_targets_in_odd_rows(batch):
+    def collate_with_targets_in_the_first_row_only(batch):  # rows 2 and 3: a batch of two without targets
         collated = collate(batch)
         for i, row in enumerate(batch):
-            if rows.index(row) % 2:
+            if rows.index(row) > 0:
                 collated["labels"][i] = -100
         return collated
 
     trainer = make_trainer(tmp_path, student, teacher, rows, per_device_eval_batch_size=eval_batch_size)
-    trainer.data_collator = collate_without_targets_in_odd_rows
+    trainer.data_collator = collate_with_targets_in_the_first_row_only
     metrics = trainer.evaluate(eval_dataset=rows)
-    plain = transformers.Trainer(model=student, data_collator=collate_without_targets_in_odd_rows,
+    plain = transformers.Trainer(model=student, data_collator=collate_with_targets_in_the_first_row_only,
                                  args=transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
                                                                      report_to="none", per_device_eval_batch_size=2))
     hard = plain.evaluate(eval_dataset=rows)["eval_loss"]  # the student's cross-entropy over the rows with targets
     assert metrics["eval_hard_loss"] == pytest.approx(hard, rel=1e-5)
     alone = make_trainer(tmp_path, student, teacher, rows, per_device_eval_batch_size=1)
-    alone.data_collator = collate_without_targets_in_odd_rows
-    want = alone.evaluate(eval_dataset=rows[::2])  # the rows with targets, each its own batch
+    alone.data_collator = collate_with_targets_in_the_first_row_only
+    want = alone.evaluate(eval_dataset=rows[:1])  # the row with targets
     assert all(metrics[key] == pytest.approx(want[key], rel=1e-6) for key in ("eval_loss", "eval_soft_loss"))
 
 

@@ -798,8 +798,6 @@ class DistillationMixin:
         self, *args, teacher_model, loss="cosine", weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5,
         temperature=1.0, loss_options=None, **kwargs,
     ):
-        if kwargs.get("compute_loss_func") is not None:
-            raise ValueError(f"{type(self).__name__} computes its own loss: compute_loss_func cannot be used with it")
         check_loss_values(loss, loss_options or {}, weight_hard_loss=weight_hard_loss,
                           weight_soft_loss=weight_soft_loss, beta=beta, temperature=temperature)
         if (loss_options or {}).get("ignore_index", -100) != -100:
@@ -807,7 +805,7 @@ class DistillationMixin:
                              f"{loss_options['ignore_index']!r}: the Trainer counts the labels that are not -100 "
                              "(num_items_in_batch), so the loss must ignore -100; set such labels to -100 instead")
         super().__init__(*args, **kwargs)
-        self._refuse_metrics()  # given by name, by position, or (at evaluation) set afterwards
+        self._refuse_functions_of_logits()  # given by name or by position; set afterwards, at the next loss
         self._check_student(self.accelerator.unwrap_model(self.model), teacher_model)
         device = next(self.model.parameters()).device
         self.teacher_model = teacher_model.to(device).eval().requires_grad_(False)
@@ -833,7 +831,9 @@ class DistillationMixin:
         # Before any call of a model accelerate may compile (torch_compile, or its dynamo plugin from the environment).
         keep_head_hook(student, lm_head(student, "student"))
 
-    def _refuse_metrics(self):
+    def _refuse_functions_of_logits(self):
+        if getattr(self, "compute_loss_func", None) is not None:
+            raise ValueError(f"{type(self).__name__} computes its own loss: compute_loss_func cannot be used with it")
         for name in ("compute_metrics", "preprocess_logits_for_metrics"):
             if getattr(self, name, None) is not None:
                 raise ValueError(f"{type(self).__name__} does not support {name}: evaluation has no logits (the fused "
@@ -875,6 +875,7 @@ class DistillationMixin:
         if "labels" not in inputs:
             raise ValueError(f"{type(self).__name__} needs labels in each batch (a causal LM collator's), got the keys "
                              f"{sorted(inputs)}")
+        self._refuse_functions_of_logits()
         student = self.accelerator.unwrap_model(model)
         model_inputs = {key: value for key, value in inputs.items() if key not in NOT_MODEL_INPUTS}
         input_ids, attention_mask = inputs["input_ids"], inputs.get("attention_mask")
@@ -915,13 +916,26 @@ class DistillationMixin:
             # also for a packed batch of one row), gathered per batch as it gathers its losses, which drops the
             # examples past the dataset's end and those accelerate repeats to even out the processes' last batches
             rows = torch.stack([*sums, finite.to(sums.dtype)]).expand(self.args.eval_batch_size, 3).contiguous()
-            soft_hard, finite_rows = self.accelerator.gather_for_metrics(rows).split([2, 1], dim=1)
+            soft_hard, finite_rows = self._gather_for_metrics(rows).split([2, 1], dim=1)
             # the sums and count over all rows, and over the rows of finite losses (those logging_nan_inf_filter keeps)
             sums = torch.cat([soft_hard.sum(0), soft_hard.new_full((1,), soft_hard.shape[0]),
                               torch.where(finite_rows.bool(), soft_hard, 0).sum(0), finite_rows.sum(0)])
             self._eval_sums = sums if self._eval_sums is None else self._eval_sums + sums
         # No logits: the fused loss never computes them (soft and hard reach the logs through log below).
         return (loss, CausalLMOutputWithPast(loss=loss, logits=None)) if return_outputs else loss
+
+    def _gather_for_metrics(self, tensors):
+        """accelerate's gather_for_metrics, but for a tensor-parallel student, whose processes are all ranks of the
+        split (``check_tensor_parallel``) and evaluate the same batches: gathered, each batch would count once per
+        rank. Not gathered then, the last batch's (its loss repeated eval_batch_size times) cut to the remainder."""
+        if tensor_parallel_size(self) == 1:
+            return self.accelerator.gather_for_metrics(tensors)
+        state = self.accelerator.gradient_state
+        if not (state.end_of_dataloader and state.remainder > 0):
+            return tensors
+        from accelerate.utils import recursively_apply  # the Trainer's dependency: predictions may be nested
+
+        return recursively_apply(lambda tensor: tensor[: state.remainder], tensors)
 
     def log(self, logs, *args, **kwargs):
         """Adds the mean soft and hard loss per optimizer step to a training log (since the last one: ``soft_loss``,
@@ -944,8 +958,9 @@ class DistillationMixin:
                         metric_key_prefix="eval"):
         """The Trainer's (evaluate()'s and predict()'s), whose metrics gain the mean soft and hard loss per row as
         its loss (``eval_soft_loss``, ``eval_hard_loss``, with the prefix given)."""
-        self._refuse_metrics()
         self._eval_sums = None
+        if tensor_parallel_size(self) > 1:  # the Trainer's loss, labels and predictions too (it resets this after)
+            self.gather_function = self._gather_for_metrics
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         if f"{metric_key_prefix}_loss" in output.metrics:  # all processes' rows, gathered batch by batch
             sums = self._eval_sums.tolist() if self._eval_sums is not None else [0.0] * 6

@@ -139,10 +139,17 @@ def trl_distillation_step(folder, trainer_class, **args):
                                                         per_device_train_batch_size=2, **args))
 
 
-def evaluate(folder, student, trainer_class=DistillationTrainer, **args):
+def evaluate(folder, student, trainer_class=DistillationTrainer, per_device=1, **args):
     trainer = make_trainer(folder, student, tiny_model("llama", vocab=160, seed=1), dataset(ROWS),
-                           trainer_class=trainer_class, per_device_eval_batch_size=1, **args)
+                           trainer_class=trainer_class, per_device_eval_batch_size=per_device, **args)
     return trainer.evaluate(dataset(EVAL_ROWS, seed=3)), isinstance(trainer.model, FSDPModule)
+
+
+def evaluate_and_predict(folder, student, per_device, **args):
+    """evaluate()'s metrics, and the rows of predict()'s label_ids."""
+    trainer = make_trainer(folder, student, tiny_model("llama", vocab=160, seed=1), dataset(ROWS),
+                           per_device_eval_batch_size=per_device, **args)
+    return trainer.evaluate(dataset(EVAL_ROWS, seed=3)), len(trainer.predict(dataset(EVAL_ROWS, seed=3)).label_ids)
 
 
 def fsdp2_results(out):
@@ -185,6 +192,7 @@ def tensor_parallel_results(out, folder):
                                          split_model(os.path.join(folder, "gkd student")), **GLOO)
                                 for trainer_class in (DistillationGKDTrainer, gkd.GKDTrainer)]
     results["evaluate"] = evaluate(out, split_model(student), **GLOO)
+    results["evaluate and predict, batches of 2"] = evaluate_and_predict(out, split_model(student), 2, **GLOO)
     # transformers' own FSDP2 (DistributedConfig(fsdp_size=...)): the head a Shard(0) DTensor from loading on, as
     # a split for tensor parallelism looks; the ranks hold different batches
     results["native fsdp2 student"] = distillation_step(
@@ -322,6 +330,17 @@ def test_evaluate_logs_the_soft_and_hard_loss_that_make_eval_loss(sharded, tmp_p
     total = weights["weight_hard_loss"] * got["eval_hard_loss"] + weights["weight_soft_loss"] * got["eval_soft_loss"]
     assert total == pytest.approx(got["eval_loss"], rel=1e-5), got
     want, _ = evaluate(tmp_path, tiny_model("llama"))
+    for key in ("eval_loss", "eval_soft_loss", "eval_hard_loss"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), (key, got, want)
+
+
+def test_a_tensor_parallel_student_evaluates_batches_of_two_as_one_process(tensor_parallel, tmp_path):
+    """The ranks of the split evaluate the same batches, and gather_for_metrics gathered them: each full batch
+    counted once per rank and the last once (eval_loss and its terms 0.6-0.8% off one process's at 7 rows in
+    batches of 2, transformers' own eval_loss too), and predict() returned every label row once per rank."""
+    got, label_rows = tensor_parallel["evaluate and predict, batches of 2"]
+    want, want_rows = evaluate_and_predict(tmp_path, tiny_model("llama"), 2)
+    assert label_rows == want_rows == len(EVAL_ROWS)
     for key in ("eval_loss", "eval_soft_loss", "eval_hard_loss"):
         assert got[key] == pytest.approx(want[key], rel=1e-5), (key, got, want)
 
