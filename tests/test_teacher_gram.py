@@ -220,10 +220,10 @@ def test_the_logits_path_after_the_range_check_runs_with_the_gram_attempt_s_buff
     import gc
     import weakref
 
-    from cosdistill import _plan
+    from cosdistill.testing import plan
 
     first_attempt, alive_at_the_second = [], []
-    chunk_loop = _plan.chunked_loss_and_grads
+    chunk_loop = plan.chunked_loss_and_grads
 
     def spy(*args, **kwargs):
         student_logits = args[12]
@@ -232,7 +232,7 @@ def test_the_logits_path_after_the_range_check_runs_with_the_gram_attempt_s_buff
         first_attempt.extend([weakref.ref(student_logits), weakref.ref(args[4])])  # the buffer, the teacher side
         return chunk_loop(*args, **kwargs)
 
-    monkeypatch.setattr(_plan, "chunked_loss_and_grads", spy)
+    monkeypatch.setattr(plan, "chunked_loss_and_grads", spy)
     generator = torch.Generator().manual_seed(8)
     student_input, student_weight, teacher_input, labels = student_and_labels(generator=generator)
     teacher_weight = teacher_module(generator=generator).weight

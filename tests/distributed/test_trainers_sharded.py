@@ -201,9 +201,10 @@ def tensor_parallel_results(out, folder):
         out, "jsd", 2, 1, teacher=natively_sharded(os.path.join(folder, "teacher160"), fsdp_size=WORLD), **GLOO)
     try:
         student, teacher = trl_distillation_models()
-        student.save_pretrained(os.path.join(out, "trl student"))
-        make_trl_distillation_trainer(TRLDistillationTrainer, out, natively_sharded(
-            os.path.join(out, "trl student"), fsdp_size=WORLD), teacher, beta=0.5, **GLOO)
+        saved = os.path.join(out, f"trl student {torch.distributed.get_rank()}")  # each rank its own: one would read
+        student.save_pretrained(saved)  # the other's config.json half written
+        make_trl_distillation_trainer(TRLDistillationTrainer, out, natively_sharded(saved, fsdp_size=WORLD), teacher,
+                                      beta=0.5, **GLOO)
         results["trl's DistillationTrainer, native fsdp2 student"] = "built"
     except ValueError as error:
         results["trl's DistillationTrainer, native fsdp2 student"] = str(error)
