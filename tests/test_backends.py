@@ -39,6 +39,17 @@ def test_not_available_on_the_cpu():
     assert backend_for("auto", torch.device("cpu")) is TORCH
 
 
+def test_the_cluster_step_needs_a_torch_whose_nvrtc_kernels_take_large_shared_memory(monkeypatch):
+    """A torch with _compile_kernel but no set_shared_memory_config (before it came) chose the cluster step on a
+    Hopper GPU and raised AttributeError at its first compile; such a torch runs the Triton step."""
+    hopper = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *args, **kwargs: None, raising=False)
+    assert row_step_cuda.available.__wrapped__(hopper)
+    monkeypatch.setattr(torch.cuda._utils, "_CudaKernel", type("OlderKernel", (), {}))
+    assert not row_step_cuda.available.__wrapped__(hopper)
+
+
 def test_auto_picks_the_cluster_step_where_available(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(row_step_cuda, "available", lambda device: True)

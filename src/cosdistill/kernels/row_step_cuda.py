@@ -124,8 +124,11 @@ def source(vocab: int, label_dtype: torch.dtype, layout: Layout, models: int = 2
 
 @functools.lru_cache(maxsize=None)  # asked every call; a device's capability never changes
 def available(device: torch.device) -> bool:
-    """NVRTC through torch, and a GPU with thread block clusters (Hopper or newer)."""
-    return (device.type == "cuda" and hasattr(torch.cuda, "_compile_kernel") and torch.version.hip is None
+    """NVRTC through torch, whose kernels take more than the default shared memory (not in every release that has
+    ``_compile_kernel``), and a GPU with thread block clusters (Hopper or newer)."""
+    kernel_class = getattr(getattr(torch.cuda, "_utils", None), "_CudaKernel", None)
+    return (device.type == "cuda" and hasattr(torch.cuda, "_compile_kernel")
+            and hasattr(kernel_class, "set_shared_memory_config") and torch.version.hip is None
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
