@@ -49,6 +49,7 @@ from cosdistill.tools.bench import (
     ours_settings,
     round_order,
 )
+from cosdistill.tools.cli import positive_int
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # cuBLAS and Triton launch some kernels through the driver
@@ -1007,9 +1008,9 @@ def add_device_arguments(parser, device_help="cpu: a smoke run at small sizes"):
 
 
 def add_workload_arguments(parser, tokens):
-    parser.add_argument("--tokens", type=int, nargs="+", default=tokens, help="tokens per call, one run each")
-    parser.add_argument("--vocab", type=int, help="both heads' vocabulary (default: the seed's on CUDA)")
-    parser.add_argument("--hidden", type=int, help="the teacher's hidden size, the student's half (default: the seed's)")
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=tokens, help="tokens per call, one run each")
+    parser.add_argument("--vocab", type=positive_int, help="both heads' vocabulary (default: the seed's on CUDA)")
+    parser.add_argument("--hidden", type=positive_int, help="the teacher's hidden size, the student's half (default: the seed's)")
     add_device_arguments(parser)
 
 
@@ -1038,18 +1039,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(sub, [1024, 8192])
     add_settle_argument(sub)
     add_library_arguments(sub)
-    sub.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048], help="rows per chunked GEMM")
+    sub.add_argument("--chunks", type=positive_int, nargs="+", default=[1024, 2048], help="rows per chunked GEMM")
     sub.add_argument("--layouts", nargs="+", default=["1024/1024", "2048/2048", "2048/1024"],
                      help="student/teacher rows of the bare chunk loop, beside the library's own")
-    sub.add_argument("--rounds", type=int, default=3)
-    sub.add_argument("--reps", type=int, default=15)
+    sub.add_argument("--rounds", type=positive_int, default=3)
+    sub.add_argument("--reps", type=positive_int, default=15)
 
     sub = add("kernels", kernels,
               "the library's full step and the floor, kernel by kernel")
     add_workload_arguments(sub, [1024])
     add_settle_argument(sub)
     add_library_arguments(sub)
-    sub.add_argument("--steps", type=int, default=7, help="profiled calls of each")
+    sub.add_argument("--steps", type=positive_int, default=7, help="profiled calls of each")
 
     sub = add("idle", idle,
               "where the device idles inside one call, and what the host launched next")
@@ -1066,15 +1067,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--providers", nargs="+", choices=sorted(lead_providers()), default=["ours", "ours-fp8", "floor"],
                      help="the bench's providers whose lead is measured (CUDA)")
     sub.add_argument("--modes", nargs="+", choices=("full", "forward"), default=["full"])
-    sub.add_argument("--calls", type=int, default=40)
+    sub.add_argument("--calls", type=positive_int, default=40)
     sub.add_argument("--busy-ms", type=float, default=1.0, help="the sleep kernel queued before a busy start")
     sub.add_argument("--cprofile-lines", type=int, default=30, help="functions printed per cProfile (0: no cProfile)")
 
     sub = add("row-step", row_step,
               "the row step alone: Triton by block, warps, stages; the CUDA cluster kernel")
     add_device_arguments(sub, "cpu: the Triton kernel in its interpreter, at small sizes")
-    sub.add_argument("--rows", type=int, nargs="+", default=[1024])
-    sub.add_argument("--vocabs", type=int, nargs="+", default=[128256])
+    sub.add_argument("--rows", type=positive_int, nargs="+", default=[1024])
+    sub.add_argument("--vocabs", type=positive_int, nargs="+", default=[128256])
     sub.add_argument("--softcap", type=float, help="both heads' logit softcap, for the Triton kernel (Gemma-2: 30)")
     sub.add_argument("--configs", nargs="+", help="BLOCK:WARPS settings of the Triton kernel (default: a sweep)")
     sub.add_argument("--stages", type=int, nargs="+", default=[None], help="num_stages settings (default: the kernel's)")
@@ -1089,7 +1090,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_settle_argument(sub)
     sub.add_argument("--old", required=True, help="a src folder holding the other version's cosdistill package")
     sub.add_argument("--modes", nargs="+", choices=("full", "forward"), default=["full", "forward"])
-    sub.add_argument("--pairs", type=int, default=200)
+    sub.add_argument("--pairs", type=positive_int, default=200)
     sub.add_argument("--fp8", action="store_true", help="both versions with teacher_precision='fp8'")
     sub.add_argument("--loss", choices=("cosine", "jsd"), default="cosine", help="both versions' soft term")
 

@@ -8,6 +8,7 @@ Trainer (accelerate's ``fsdp_version: 2``); and each GPU's peak memory.
 
 The student is Llama-3.2-1B-shaped (``--shape 1b``), the teacher a 4-layer Llama with the 8B's head (hidden 4096,
 V = 128256): the heads are what the loss reads. Each rank also runs the whole batch unsharded for the reference.
+A gradient further off it than the single-GPU bench's tolerance for the dtype fails the run: exit 1, no ledger rows.
 """
 
 import argparse
@@ -27,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from cosdistill.distributed import data_parallel_num_valid_tokens
 from cosdistill.hf import DistillationTrainer, distill_loss, next_token_targets
 from cosdistill.testing import rel_err
-from cosdistill.tools.bench import append_ledger_rows
+from cosdistill.tools.bench import TOLERANCE, append_ledger_rows
 
 SHAPES = {  # (student, teacher, vocab)
     "1b": (dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -143,13 +144,17 @@ def main(argv=None):
     peaks = {name: [None] * world for name in results}
     for name, (_, peak) in results.items():
         dist.all_gather_object(peaks[name], peak)
+    tolerance = TOLERANCE[dtype]
+    passed = all(error <= tolerance for error, _ in results.values())  # False for a NaN too
     if rank == 0:
         print(f"{world} ranks, {args.shape} student, {args.tokens} tokens, {dtype}")
         for name, (error, _) in results.items():
             per_gpu = " / ".join("-" if p is None else f"{p:.2f}" for p in peaks[name])
             print(f"{name}: worst relative error of a parameter's gradient against one process {error:.2e}; "
                   f"peak GB per GPU {per_gpu}")
-        if args.ledger:
+        if not passed:
+            print(f"check FAILED: a gradient is more than {tolerance:g} off one process's: no ledger rows")
+        elif args.ledger:
             command = "torchrun benchmarks/fsdp2_parity.py " + shlex.join(argv if argv is not None else sys.argv[1:])
             gpu = f"{world} x {torch.cuda.get_device_name(device) if on_cuda else 'cpu'}"
             for name, (error, _) in results.items():  # one workload per check: its error is part of the record
@@ -161,7 +166,7 @@ def main(argv=None):
         dist.barrier()  # rank 0 may still be writing: a rank that leaves first can abort in gloo's teardown
         gc.collect()  # FSDP2's modules, in reference cycles, hold the group
         dist.destroy_process_group()
-    return 0
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from the selected rows; where a (provider, T) was measured in several runs, the 
 
 import argparse
 import csv
+import os
 import re
 import statistics
 from collections import defaultdict
@@ -176,7 +177,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ledger", default=LEDGER)
     parser.add_argument("--commit", nargs="*", help="only these commits, each a hash or its start (default: all)")
-    parser.add_argument("--mode", help="only this mode (full or forward)")
+    parser.add_argument("--mode", help="only this mode (full, forward, or a script's: step, trl-step, ...)")
     parser.add_argument("--providers", help="only these providers, comma separated")
     parser.add_argument("--workload", help="only rows whose workload contains this text (e.g. 'V=128256 ', 'loss=jsd')")
     parser.add_argument("--loss", choices=("cosine", "jsd"), help="only this soft term's rows (jsd: 'loss=jsd' in the workload)")
@@ -186,6 +187,8 @@ def main():
     parser.add_argument("--by-run", metavar="PROVIDER", help="one provider's ratios, a row per selected run")
     parser.add_argument("--plot", metavar="PATH.png", help="plot the selected rows (mode full) instead of printing tables")
     args = parser.parse_args()
+    if not os.path.isfile(args.ledger):
+        parser.error(f"--ledger {args.ledger}: no such file")
     providers = args.providers.split(",") if args.providers else None
     rows = [row for row in read(args.ledger) if (not args.commit or row["commit"].startswith(tuple(args.commit)))
             and (not args.mode or row["mode"] == args.mode) and (not providers or row["provider"] in providers)
@@ -193,6 +196,12 @@ def main():
             and (not args.loss or ("loss=jsd" in row["workload"]) == (args.loss == "jsd"))]
     if args.plot:
         rows = [row for row in rows if row["mode"] == "full"]
+    if not rows:  # a misspelt selection printed nothing and passed
+        parser.exit(2, "ledger.py: no rows of the ledger match the selection\n")
+    if (args.spread or args.by_run) and not any(row["ratio_to_floor"] for row in rows
+                                                 if row["provider"] == (args.by_run or row["provider"])):
+        parser.exit(2, "ledger.py: --spread and --by-run show ratios to the floor, which these rows (of a script "
+                       "with no floor, or of another provider) do not hold\n")
     if args.by_run and len(kinds := {kind[3:] for kind in kinds_of_run(rows)}) != 1:  # GPUs and versions may differ
         shown = "; ".join(" ".join(kind) for kind in sorted(kinds)) or "no rows"
         parser.exit(2, f"ledger.py: --by-run takes runs of one workload and mode, these rows are of {len(kinds)} "

@@ -34,6 +34,7 @@ import torch
 
 from cosdistill import fused_linear_cosine_distill
 from cosdistill.tools.bench import CUDA_WORKLOAD, DTYPE_NAMES, Workload, make_tensors, peak_gb_above_inputs
+from cosdistill.tools.cli import positive_int
 
 PER_TOKEN_SLACK = 64  # bytes per token beside grad_input, for per-token scalars: fp32 losses (8 B), label masks
 RESULT_NAMES = ("loss", "soft", "hard", "grad_input", "grad_weight")
@@ -160,8 +161,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--impl", default="auto", choices=("auto", "torch", "triton"))
     parser.add_argument("--tiny", action="store_true", help="small shapes and 3 calls, for the CPU")
-    parser.add_argument("--calls", type=int, help="default 1000 (3 with --tiny)")
-    parser.add_argument("--tokens", type=int, help="soak T; default 4096 (24 with --tiny)")
+    parser.add_argument("--calls", type=positive_int, help="default 1000 (3 with --tiny)")
+    parser.add_argument("--tokens", type=positive_int, help="soak T; default 4096 (24 with --tiny)")
     parser.add_argument("--peak-tokens", help="small,large; default 8192,131072 (16,64 with --tiny)")
     parser.add_argument("--out", required=True, help="folder for soak.json and soak.md")
     args = parser.parse_args(argv)
@@ -169,8 +170,8 @@ def main(argv=None) -> int:
     if device.type == "cpu" and args.impl == "triton":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run on the CPU only in the interpreter
     workload = TINY_WORKLOAD if args.tiny else CUDA_WORKLOAD
-    calls = args.calls or (3 if args.tiny else 1000)
-    tokens = args.tokens or (24 if args.tiny else 4096)
+    calls = args.calls if args.calls is not None else 3 if args.tiny else 1000
+    tokens = args.tokens if args.tokens is not None else 24 if args.tiny else 4096
     small, large = map(int, (args.peak_tokens or ("16,64" if args.tiny else "8192,131072")).split(","))
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

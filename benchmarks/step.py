@@ -210,13 +210,18 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=131072, help="the largest step tried (0: skip the search)")
+    parser.add_argument("--max-tokens", type=int, help="the largest step tried (0: skip the search; default 131072 on "
+                        "CUDA, 0 elsewhere: a CPU's steps do not run out of memory)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny models (a smoke run)")
     parser.add_argument("--ledger")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.ledger and args.rounds < 2:  # the ledger's figures are medians over providers timed in turn
+        parser.error(f"--ledger needs --rounds >= 2, got {args.rounds}")
     device = torch.device(args.device)
+    if args.max_tokens is None:
+        args.max_tokens = 131072 if device.type == "cuda" else 0
     student_shape, teacher_shape, vocab = (TINY_STUDENT, TINY_TEACHER, TINY_VOCAB) if args.tiny else (STUDENT, TEACHER, VOCAB)
     student = llama(student_shape, vocab, args.row_len, device, seed=0)
     teacher = llama(teacher_shape, vocab, args.row_len, device, seed=1).eval().requires_grad_(False)

@@ -205,6 +205,8 @@ def main(argv=None):
     parser.add_argument("--ledger")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.ledger and args.rounds < 2:  # the ledger's figures are medians over providers timed in turn
+        parser.error(f"--ledger needs --rounds >= 2, got {args.rounds}")
     if args.warmup < 1:
         parser.error("--warmup must be at least 1: the first step makes the optimizer's state")
     names = args.trainers.split(",")

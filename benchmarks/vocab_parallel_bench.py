@@ -9,7 +9,8 @@ each provider after --settle-s seconds of its calls): the unsplit loss and its f
 the others waiting), and on all ranks the split loss, the split loss with its per-call check skipped (the
 check's cost), and each rank's shard's four GEMMs (a split's time is its slowest rank's). Scaling efficiency =
 t(1 GPU) / (ranks * t(split)). Rank 0 writes vocab_parallel.json and .md to DIR and, with --ledger, appends the
-rows (ratios to the unsplit floor). Without GPUs (a smoke run at small --sizes) the ranks run on the CPU over gloo.
+rows (ratios to the unsplit floor) where the split matched the unsplit loss; where it did not, every rank exits 1
+and nothing is appended. Without GPUs (a smoke run at small --sizes) the ranks run on the CPU over gloo.
 """
 
 import argparse
@@ -37,6 +38,7 @@ def shard_tensors(tensors, options):
 
 
 LOSSES = {"cosine": fused_linear_cosine_distill, "jsd": fused_linear_jsd}
+LOSS_TOLERANCE = 1e-5  # the split's loss differs from the unsplit one's by the order of its fp32 sums
 
 
 def step(loss, args, **kwargs):
@@ -135,6 +137,8 @@ def main():
     parser.add_argument("--loss", choices=sorted(LOSSES), default="cosine",
                         help="the soft term (the JSD gathers two per-token tensors per chunk, the cosine one)")
     args = parser.parse_args()
+    if args.ledger and args.rounds < 2:  # the ledger's figures are medians over providers timed in turn
+        parser.error(f"--ledger needs --rounds >= 2, got {args.rounds}")
     loss = LOSSES[args.loss]
 
     rank = int(os.environ["LOCAL_RANK"])
@@ -166,6 +170,9 @@ def main():
     gathered = [None] * ranks
     dist.all_gather_object(gathered, errors)
     report["errors"] = {f"rank {r}": e for r, e in enumerate(gathered)}
+    worst_loss = max(max(e["loss"], e["soft"], e["hard"]) for e in gathered)  # the same on every rank
+    worst_grad = max(max(e["grad_input"], e["grad_weight_shard"]) for e in gathered)
+    report["check_passed"] = worst_loss <= LOSS_TOLERANCE and worst_grad <= bench.TOLERANCE[torch.bfloat16]
     del tensors, split_args, want, got, want_grads
 
     ledger_rows = []
@@ -203,14 +210,18 @@ def main():
         print(text)
         with open(os.path.join(args.out, "vocab_parallel.md"), "w") as file:
             file.write(text + "\n")
-        if args.ledger:
+        if not report["check_passed"]:
+            print(f"check FAILED: the split's losses {worst_loss:.1e} (at most {LOSS_TOLERANCE:g}) or gradients "
+                  f"{worst_grad:.1e} (at most {bench.TOLERANCE[torch.bfloat16]:g}) off the unsplit ones: no ledger rows")
+        elif args.ledger:
             workload = (f"V={vocab} H={hidden} Hs={student_hidden} bf16 rounds={args.rounds}"
                         + ("" if args.loss == "cosine" else f" loss={args.loss}") + f" vocab-parallel ranks={ranks}")
             command = "torchrun --nproc_per_node " + str(ranks) + " " + shlex.join(
                 ["benchmarks/vocab_parallel_bench.py", *sys.argv[1:]])
             bench.append_ledger_rows(args.ledger, report["gpu"], workload, ledger_rows, command)
     dist.destroy_process_group()
+    return 0 if report["check_passed"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -351,8 +351,9 @@ def test_the_trl_trainer_step_benchmark_refuses_trainers_whose_losses_differ(mon
             trl_step.main(tiny + ["--trainers", trainers])
 
 
-def parity_rank(rank, folder):
-    """One gloo rank of fsdp2_parity.main, in a group made here (torchrun's store can abort at exit on the CPU)."""
+def parity_rank(rank, folder, tolerance=None):
+    """One gloo rank of fsdp2_parity.main, in a group made here (torchrun's store can abort at exit on the CPU); its
+    exit status to the folder's code{rank}.txt. ``tolerance`` replaces the script's for fp32."""
     import contextlib
     import datetime
     import gc
@@ -362,8 +363,14 @@ def parity_rank(rank, folder):
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
+    parity = load("fsdp2_parity")
+    if tolerance is not None:
+        parity.TOLERANCE = {torch.float32: tolerance}
     with open(os.path.join(folder, f"out{rank}.txt"), "w") as out, contextlib.redirect_stdout(out):
-        load("fsdp2_parity").main(["--shape", "tiny", "--device", "cpu", "--tokens", "256", "--row-len", "32"])
+        code = parity.main(["--shape", "tiny", "--device", "cpu", "--tokens", "256", "--row-len", "32", "--ledger",
+                            os.path.join(folder, "ledger.csv")])
+    with open(os.path.join(folder, f"code{rank}.txt"), "w") as out:
+        out.write(str(code))
     dist.barrier()  # a rank that exits while the other still writes its report can abort in gloo's teardown
     gc.collect()  # FSDP2's modules, in reference cycles, hold the group
     dist.destroy_process_group()
@@ -375,6 +382,17 @@ def test_the_fsdp2_parity_script_runs_its_loop_on_gloo(tmp_path):
     torch.multiprocessing.spawn(parity_rank, args=(str(tmp_path),), nprocs=2)
     [line] = [line for line in (tmp_path / "out0.txt").read_text().splitlines() if line.startswith("fsdp2-loop:")]
     assert float(line.split("against one process ")[1].split(";")[0]) < 1e-5
+    assert [(tmp_path / f"code{rank}.txt").read_text() for rank in (0, 1)] == ["0", "0"]
+    assert len((tmp_path / "ledger.csv").read_text().splitlines()) == 2  # the header and the loop's row
+
+
+def test_the_fsdp2_parity_script_fails_where_a_gradient_is_off(tmp_path):
+    """The same run held to a tolerance under its fp32 rounding: each rank exits 1 and no row is recorded."""
+    pytest.importorskip("transformers")
+    torch.multiprocessing.spawn(parity_rank, args=(str(tmp_path), 1e-12), nprocs=2)
+    assert [(tmp_path / f"code{rank}.txt").read_text() for rank in (0, 1)] == ["1", "1"]
+    assert "check FAILED" in (tmp_path / "out0.txt").read_text()
+    assert not (tmp_path / "ledger.csv").exists()
 
 
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
@@ -402,3 +420,33 @@ def test_the_vocab_parallel_bench_runs_two_ranks_on_the_cpu(tmp_path, loss):
     for errors in report["errors"].values():  # bf16: the split sums grad_input's shares in another order
         assert max(errors["loss"], errors["soft"], errors["hard"]) < 1e-5
         assert max(errors["grad_input"], errors["grad_weight_shard"]) < 1e-2
+
+
+def test_the_vocab_parallel_bench_fails_where_the_split_is_off(tmp_path):
+    """The same run held to a gradient tolerance under bf16's rounding: every rank exits 1, no row is recorded."""
+    wrapper = tmp_path / "held_to_zero.py"
+    wrapper.write_text("import sys, torch\nimport vocab_parallel_bench as script\n"
+                       "script.bench.TOLERANCE = {torch.bfloat16: 0.0}\nsys.exit(script.main())\n")
+    env = os.environ | {"PYTHONPATH": f"{SRC}{os.pathsep}{BENCHMARKS}", "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(wrapper), "--sizes", "520", "64", "32", "--tokens", "48", "--check-tokens", "40",
+                             "--reps", "1", "--rounds", "2", "--settle-s", "0", "--out", str(tmp_path),
+                             "--ledger", str(tmp_path / "ledger.csv")],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode != 0 and "check FAILED" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    assert not (tmp_path / "ledger.csv").exists()
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("soak", ["--device", "cpu", "--tiny", "--calls", "0", "--out", "."], "argument --calls: must be > 0, got 0"),
+    ("soak", ["--device", "cpu", "--tiny", "--tokens", "-2", "--out", "."], "argument --tokens: must be > 0, got -2"),
+    ("diagnose", ["gaps", "--device", "cpu", "--tokens", "0"], "argument --tokens: must be > 0, got 0"),
+    ("diagnose", ["gaps", "--device", "cpu", "--vocab", "0"], "argument --vocab: must be > 0, got 0"),
+    ("step", ["--tiny", "--device", "cpu", "--rounds", "1", "--ledger", "x.csv"], "--ledger needs --rounds >= 2"),
+])
+def test_the_scripts_refuse_counts_that_ran_something_else(capsys, script, argv, message):
+    """0 calls became 3 and -2 calls passed the soak; a vocabulary of 0 ran the seed's; one round went to the ledger."""
+    module = {"soak": soak, "diagnose": diagnose}.get(script) or load(script)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

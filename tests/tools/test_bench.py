@@ -263,12 +263,16 @@ def test_the_ledger_gets_one_row_per_timing_appended_and_renders_as_markdown(cap
     table = rendered("abc1234")
     assert "| provider | T = 32 | peak GB above inputs |" in table
     assert table.count("| ours-unchecked | ") == 2 and "| floor | 1.000x" in table  # the same command twice: two runs
-    assert rendered("abc") == table and "ours" not in rendered("abd")  # a hash's start selects its rows
+    assert rendered("abc") == table  # a hash's start selects its rows
+    for selection in (["--commit", "abd"], ["--gpu", "no such GPU"], ["--mode", "bogus"]):  # printed nothing, exit 0
+        nothing = subprocess.run([sys.executable, str(script), "--ledger", str(ledger), *selection],
+                                 capture_output=True, text=True)
+        assert nothing.returncode == 2 and "no rows of the ledger match the selection" in nothing.stderr
     ratios = [float(row["ratio_to_floor"]) for row in rows if row["provider"] == "ours"]
     spread = rendered("abc", "--spread")  # both runs side by side, and their median
     assert f"| ours | {ratios[0]:.3f} / {ratios[1]:.3f} (median {sum(ratios) / 2:.3f}) |" in spread
     assert spread.count("| floor | ") == 1 and " ms (median " in spread
-    assert rendered("abc", "--gpu", rows[0]["gpu"]) == table and "ours" not in rendered("abc", "--gpu", "no such GPU")
+    assert rendered("abc", "--gpu", rows[0]["gpu"]) == table
     # one table over runs of other kinds (here a forward-mode run) mixed their ratios under one row: refused
     assert main(TINY + ["--providers", "ours,floor", "--mode", "forward", "--rounds", "2", "--ledger", str(ledger)]) == 0
     mixed = subprocess.run([sys.executable, str(script), "--ledger", str(ledger), "--commit", "abc", "--compact"],
@@ -434,6 +438,11 @@ def test_an_error_of_the_run_keeps_its_traceback(monkeypatch):
     (["--chunk-sizes", ""], "must name at least one value"),
     (["--markdown", "."], "it is a folder"),
     (["--ledger", "ledger.csv"], "--ledger needs --rounds >= 2, got 1"),
+    (["--json", "/proc/bench.json"], "cannot write /proc/bench.json"),  # an existing folder not writable
+    (["--providers", "ours,ours"], "providers must not repeat a name"),
+    (["--chunk-sizes", "8,8"], "--chunk-sizes must not repeat a value, got [8, 8]"),
+    (["--hidden", "1"], "--hidden must be at least 2 where --student-hidden is not given"),
+    (["--dtype", "fp16", "--providers", "ours-gram"], "provider 'ours-gram' runs in bf16 or fp32, not fp16"),
 ])
 def test_bad_sweeps_and_paths_are_usage_errors_before_the_run(capsys, arguments, message):
     """They raised inside the run (a traceback, exit 1: the failed check's status), an empty sweep ran the defaults,
@@ -464,3 +473,57 @@ def test_the_error_at_each_size_runs_the_naive_version_in_row_blocks(loss, monke
     assert rows_seen == [16, 16, 8]
     assert blocked.keys() == whole.keys(), (blocked, whole)
     assert all(blocked[key] < 1e-5 and whole[key] < 1e-5 for key in blocked), (blocked, whole)
+
+
+def test_a_cpu_run_writes_no_rows_to_the_projects_ledger(capsys, tmp_path, monkeypatch):
+    """The project's ledger holds GPU timings: a CPU run's rows went in beside them and into its tables."""
+    from cosdistill.tools import bench
+
+    project_ledger = tmp_path / "results.csv"
+    project_ledger.write_text("date\n")
+    monkeypatch.setattr(bench, "PROJECT_LEDGER", project_ledger)
+    with pytest.raises(SystemExit) as exit_info:
+        main(TINY + ["--providers", "ours,floor", "--rounds", "2", "--ledger", str(project_ledger)])
+    assert exit_info.value.code == 2 and "the project's ledger of GPU timings" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="the project's ledger of GPU timings"):  # every script writes through it
+        bench.append_ledger_rows(str(project_ledger), "2 x cpu", "workload", [("full",)], "command")
+    assert project_ledger.read_text() == "date\n"
+    other = tmp_path / "cpu.csv"
+    bench.append_ledger_rows(str(other), "cpu", "workload", [("full",)], "command")
+    assert len(other.read_text().splitlines()) == 2
+
+
+def test_a_run_that_checks_nothing_says_so_and_records_nothing(capsys, tmp_path):
+    """Without a provider of ours the check said FAILED (and blamed the FP8 providers that had not run)."""
+    ledger = tmp_path / "ledger.csv"
+    code = main(TINY + ["--providers", "naive,floor", "--rounds", "2", "--ledger", str(ledger)])
+    out = capsys.readouterr().out
+    assert code == EXIT_CHECK_FAILED and "check: NOT RUN" in out and "add provider 'ours'" in out, out
+    assert "ledger: nothing appended (the check did not run)" in out and not ledger.exists()
+
+
+def test_an_output_path_checked_before_the_run_is_left_as_it_was(tmp_path):
+    from cosdistill.tools.cli import check_writable
+
+    check_writable(str(tmp_path / "new.json"))
+    assert not (tmp_path / "new.json").exists()
+    (tmp_path / "old.csv").write_text("kept\n")
+    check_writable(str(tmp_path / "old.csv"))
+    assert (tmp_path / "old.csv").read_text() == "kept\n"
+
+
+def test_an_installed_package_records_its_version_not_the_commit_of_a_repository_around_it(tmp_path, monkeypatch):
+    """Installed into a project's folder under git, the ledger recorded that project's commit as the one measured."""
+    import importlib.metadata
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from cosdistill.tools import bench
+
+    monkeypatch.delenv("COSDISTILL_COMMIT", raising=False)
+    package = tmp_path / "project" / "lib" / "cosdistill"
+    shutil.copytree(Path(bench.__file__).parents[1], package, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["git", "-C", str(tmp_path / "project"), "init", "-q"], check=True)
+    monkeypatch.setattr(bench, "__file__", str(package / "tools" / "bench.py"))
+    assert bench.source_commit() == f"cosdistill {importlib.metadata.version('cosdistill')}"

@@ -47,6 +47,20 @@ def test_check_without_the_interpreter_checks_the_torch_path_only(capsys, monkey
     assert "triton vs" not in out
 
 
+def test_check_of_one_soft_term_runs_that_terms_checks_alone(capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(["check", "--device", "cpu", "--loss", "jsd"]) == 0
+    out = capsys.readouterr().out
+    names = [line.split("|")[1].strip() for line in out.splitlines()[3:] if line.startswith("| ")]
+    assert "soft terms jsd;" in out.splitlines()[0]
+    assert names and all(name.startswith("jsd") for name in names)
+    for beta in selfcheck.JSD_BETAS:
+        assert names.count(f"jsd torch beta={beta:g} vs float64") == len(selfcheck.LOSS_CASES)
+    assert main(["check", "--device", "cpu", "--loss", "cosine"]) == 0
+    out = capsys.readouterr().out
+    assert "| loss torch vs float64 |" in out and "| jsd " not in out
+
+
 def test_failed_check_exits_1_and_marks_the_row(capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(selfcheck, "LOSS_TOLERANCE", dict.fromkeys(selfcheck.LOSS_TOLERANCE, (-1.0, -1.0)))

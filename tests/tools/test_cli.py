@@ -18,7 +18,10 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine 
     (["demo", "--loss", "jsd", "--beta", "2"], "beta must be in [0, 1] for the generalized JSD, got 2.0"),
     (["demo", "--weight-soft", "nan"], "weight_soft_loss must be finite, got nan"),
     pytest.param(["demo", "--device", "cuda"], "--device cuda asked for, but torch sees no CUDA device", marks=NO_CUDA),
+    (["demo", "--beta", "-1"], "--beta must be >= 0 in the demo"),  # the plot's log scale dropped the curve
+    (["demo", "--weight-hard", "-1", "--weight-soft", "-0.5"], "--weight-hard, --weight-soft must be >= 0 in the demo"),
     (["check", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["check", "--loss", "kl"], "argument --loss: invalid choice: 'kl'"),
     (["distill"], "argument command: invalid choice: 'distill'"),
 ])
 def test_bad_argument_exits_2_with_one_line(capsys, bad, message):

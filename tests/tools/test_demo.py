@@ -32,4 +32,4 @@ def test_demo_without_matplotlib_exits_2_before_the_run(capsys, monkeypatch, tmp
     with pytest.raises(SystemExit) as exit_info:
         main(TINY_DEMO + ["--out", str(tmp_path / "demo.png")])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == "cosdistill: error: demo needs matplotlib: pip install 'cosdistill[bench]'\n"
+    assert capsys.readouterr().err == "cosdistill: error: demo needs matplotlib: pip install 'cosdistill[demo]'\n"

@@ -44,6 +44,7 @@ import textwrap
 import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 
@@ -183,8 +184,11 @@ def ours_settings(chunk_sizes=None, accum_dtypes=None) -> list[OursSetting]:
 class BenchResult:
     header: str
     rows: list[dict]
-    check_passed: bool
+    check_passed: bool | None  # None: no provider of ours ran whose errors are checked
     notes: list[str] = field(default_factory=list)
+
+
+CHECK_VERDICTS = {True: "passed", False: "FAILED", None: "NOT RUN"}
 
 
 @dataclass
@@ -438,6 +442,10 @@ def check_arguments(workload: Workload, providers, modes, settings) -> None:
     unknown = set(providers) - set(PROVIDERS)
     if unknown:
         raise ValueError(f"unknown providers {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
+    if len(set(providers)) < len(providers):
+        raise ValueError(f"providers must not repeat a name, got {list(providers)}")
+    if "ours-gram" in providers and workload.dtype == torch.float16:  # the Gram path refuses fp16 heads
+        raise ValueError("provider 'ours-gram' runs in bf16 or fp32, not fp16")
     if workload.loss != "jsd" and "trl" in providers:
         raise ValueError("provider 'trl' (TRL's chunked divergence) is the generalized JSD: time it with loss 'jsd'")
     if workload.loss == "jsd" and set(providers) - set(JSD_PROVIDERS):
@@ -536,9 +544,10 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
                 row["ratio_to_floor_by_round"] = [mine / theirs for mine, theirs in zip(row["round_ms"], floor["round_ms"])]
 
     tolerance = TOLERANCE[workload.dtype]
-    check_passed = bool(ours_errors) and all(error <= tolerance for error in ours_errors)  # False for a NaN too
+    check_passed = all(error <= tolerance for error in ours_errors) if ours_errors else None  # False for a NaN too
     if not ours_errors:
-        notes.append("NOT CHECKED: no provider of ours but the FP8 ones ran, whose errors are reported, not checked")
+        notes.append("NOT CHECKED: no provider of ours ran whose errors are checked (the FP8 ones' are reported "
+                     "only): add provider 'ours'")
     elif not check_passed:
         notes.append(f"CHECK FAILED: an error of ours exceeds {tolerance:g} ({DTYPE_NAMES[workload.dtype]})")
     return BenchResult(environment_header(device, workload, ", ".join(modes)), rows, check_passed, notes)
@@ -657,7 +666,7 @@ def markdown_table(result: BenchResult) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        f"check: {'passed' if result.check_passed else 'FAILED'} (err vs naive at each T and mode, against the naive "
+        f"check: {CHECK_VERDICTS[result.check_passed]} (err vs naive at each T and mode, against the naive "
         "version in fp32, run as the timed mode runs: ours' the largest of the loss's, grad_input's and grad_weight's "
         "in full mode, the loss's in forward; liger's and trl's their loss's; ours-fp8's, as ours', for information "
         f"only; small = T={SMALL_TOKENS}, V={SMALL_VOCAB}, H={SMALL_HIDDEN}, student H={SMALL_HIDDEN // 2} against "
@@ -674,7 +683,9 @@ LEDGER_COLUMNS = ("date", "commit", "gpu", "torch", "triton", "workload", "mode"
 def source_commit(ledger: str | None = None) -> str:
     """The commit measured: $COSDISTILL_COMMIT (set where the tree was copied without its .git, by whoever copied
     it), else git's HEAD, "-dirty" where any file of the repository differs from it but ``ledger``, the tracked
-    ledger this run appends to (the benchmark scripts and the build files measure too)."""
+    ledger this run appends to (the benchmark scripts and the build files measure too). An installed package (no
+    source checkout of its own around it) records its version instead: a repository around site-packages is
+    someone else's."""
     if os.environ.get("COSDISTILL_COMMIT"):
         return os.environ["COSDISTILL_COMMIT"]
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -684,17 +695,39 @@ def source_commit(ledger: str | None = None) -> str:
 
     try:
         top = git("rev-parse", "--show-toplevel")
+        if os.path.realpath(os.path.join(top, "src", "cosdistill")) != os.path.realpath(package):
+            return installed_version()
         excluded = [] if ledger is None else [f":(top,exclude){os.path.relpath(os.path.realpath(ledger), top)}"]
         changed = git("status", "--porcelain", "--untracked-files=all", "--", ":(top)", *excluded)
         return git("rev-parse", "--short=7", "HEAD") + ("-dirty" if changed else "")
     except (OSError, subprocess.CalledProcessError):
+        return installed_version()
+
+
+def installed_version() -> str:
+    try:
+        return f"cosdistill {importlib.metadata.version('cosdistill')}"
+    except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+PROJECT_LEDGER = Path(__file__).resolve().parents[3] / "benchmarks" / "results.csv"  # in a source checkout
+
+
+def check_ledger_path(path: str, on_gpu: bool) -> None:
+    """ValueError where path is the project's ledger and the run is not on a GPU: the ledger holds GPU timings,
+    and a CPU run's rows in it would show in its tables beside them."""
+    if not on_gpu and PROJECT_LEDGER.exists() and os.path.exists(path) and os.path.samefile(path, PROJECT_LEDGER):
+        raise ValueError(f"--ledger {path} is the project's ledger of GPU timings: a run off the GPU writes its rows "
+                         "to another file")
 
 
 def append_ledger_rows(path: str, gpu: str, workload: str, rows, command: str) -> None:
     """Appends rows to the ledger at path, its header first if the file is new: each row's (mode, T, provider,
     ms, ratio to the floor, per-round values, peak GB), between today's date, the commit, the GPU and the
-    versions, and the command. Every script that measures writes through here."""
+    versions, and the command. Every script that measures writes through here; a CPU run's ``gpu`` ends in
+    "cpu"."""
+    check_ledger_path(path, on_gpu=not gpu.endswith("cpu"))
     fresh = not os.path.exists(path) or os.path.getsize(path) == 0
     prefix = [datetime.now(timezone.utc).strftime("%Y-%m-%d"), source_commit(path), gpu, torch.__version__,
               triton_version(), workload]

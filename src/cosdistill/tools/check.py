@@ -355,7 +355,7 @@ def mutation_outcome(run, head, mutate, generator, tolerance=1e-5) -> tuple[str,
     return ("rebuilt" if error <= tolerance else "WRONG"), error
 
 
-def check_teacher_caches(device, vocab=1000, hidden_teacher=64, tokens=512) -> list[CheckResult]:
+def check_teacher_caches(device, losses=("cosine", "jsd"), vocab=1000, hidden_teacher=64, tokens=512) -> list[CheckResult]:
     """The teacher's cached copies (its Gram matrix; on FP8 GPUs its FP8 copy, under the cosine loss and the JSD)
     against every mutation in TEACHER_MUTATIONS: each call gives a fresh copy's answer or raises, never a stale
     number (_weight_cache.py)."""
@@ -369,6 +369,7 @@ def check_teacher_caches(device, vocab=1000, hidden_teacher=64, tokens=512) -> l
         options["FP8 copy, JSD"] = dict(teacher_precision="fp8", loss="jsd")
     except ValueError:
         pass
+    options = {what: extra for what, extra in options.items() if extra.get("loss", "cosine") in losses}
     results = []
     for (what, extra), (name, mutate) in itertools.product(options.items(), TEACHER_MUTATIONS.items()):
         generator = torch.Generator().manual_seed(0)
@@ -407,14 +408,19 @@ def _cuda_row_step_available(device) -> bool:
     return row_step_cuda.available(torch.device(device))
 
 
-def run_selfcheck(device) -> tuple[str, list[CheckResult]]:
-    """(a header naming the device and the paths checked, the results) with a fixed seed."""
+def run_selfcheck(device, losses=("cosine", "jsd")) -> tuple[str, list[CheckResult]]:
+    """(a header naming the device and the paths checked, the results) with a fixed seed, for the soft terms in
+    ``losses``."""
     torch.manual_seed(0)
     triton_too = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     from_cuda = ("cuda",) if device.type == "cuda" and _cuda_row_step_available(device) else ()
     impls = ("torch", "triton", *from_cuda) if triton_too else ("torch",)
-    results = (check_loss(impls, device) + check_jsd(impls, device) + (check_row_step(device) if triton_too else [])
-               + check_teacher_caches(device))
+    results = []
+    if "cosine" in losses:
+        results += check_loss(impls, device) + (check_row_step(device) if triton_too else [])
+    if "jsd" in losses:
+        results += check_jsd(impls, device)
+    results += check_teacher_caches(device, losses)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if device.type == "cuda":
         paths = f"torch, triton{' and the CUDA cluster row step' if from_cuda else ''}"
@@ -422,7 +428,8 @@ def run_selfcheck(device) -> tuple[str, list[CheckResult]]:
         paths = "torch and triton (in Triton's interpreter, TRITON_INTERPRET=1)"
     else:
         paths = "torch only (set TRITON_INTERPRET=1 to run the Triton kernel in Triton's interpreter too)"
-    return f"cosdistill check on {name}, torch {torch.__version__}; paths checked: {paths}", results
+    return (f"cosdistill check on {name}, torch {torch.__version__}; soft terms {' and '.join(losses)}; paths checked: "
+            f"{paths}", results)
 
 
 def results_table(results) -> str:

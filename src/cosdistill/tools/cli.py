@@ -53,6 +53,14 @@ def comma_list(parse_item):
     return parse
 
 
+def positive_int(text):
+    """An argparse type: an int above 0 (0 tokens, or a count of -2 calls, silently ran something else)."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def chunk_size(text):
     return None if text == "auto" else int(text)
 
@@ -74,7 +82,7 @@ def build_parser():
             "naive version, Liger-Kernel and the bare GEMMs, after checking its loss and gradients. "
             "Defaults: on CUDA V=128256, H=4096, bf16, T=1024,2048,4096,8192, warm-up 3, "
             "10 reps; on CPU a small fp32 workload (V=8192, H=512, T=256,512, warm-up 1, 5 reps). "
-            "Exit status 1 if the check fails, 2 on a usage error."
+            "Exit status 1 if the check fails or checks nothing, 2 on a usage error."
         ),
     )
     bench_parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
@@ -155,6 +163,7 @@ def build_parser():
         ),
     )
     check_parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
+    check_parser.add_argument("--loss", choices=bench.LOSSES, help="check this soft term only (default: both)")
     check_parser.set_defaults(run=run_check_command)
     return parser
 
@@ -167,26 +176,39 @@ def resolve_device(name):
     return torch.device(name)
 
 
-def check_folder_exists(path):
-    """Fail before a long run, not after it."""
+def check_writable(path):
+    """Fail before a long run, not after it: open the file for appending once (and remove it if that made it)."""
     if os.path.isdir(path):
         raise ValueError(f"cannot write {path}: it is a folder")
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise ValueError(f"cannot write {path}: its folder does not exist")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        raise ValueError(f"cannot write {path}: {error.strerror}") from None
+    if not existed:
+        os.remove(path)
 
 
 def run_bench_command(args):
     with arguments_checked():
         for path in (args.json, args.markdown, args.plot, args.ledger):
             if path:
-                check_folder_exists(path)
+                check_writable(path)
         if args.ledger and args.rounds < 2:  # the ledger's figures are medians over providers timed in turn
             raise ValueError(f"--ledger needs --rounds >= 2, got {args.rounds}")
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install 'cosdistill[bench]'")
         device = resolve_device(args.device)
+        if args.ledger:
+            bench.check_ledger_path(args.ledger, on_gpu=device.type == "cuda")
         default = bench.CUDA_WORKLOAD if device.type == "cuda" else bench.CPU_WORKLOAD
         hidden = args.hidden if args.hidden is not None else default.hidden
+        if args.student_hidden is None and hidden < 2:
+            raise ValueError(f"--hidden must be at least 2 where --student-hidden is not given (the student's is "
+                             f"half the teacher's), got {hidden}")
         workload = dataclasses.replace(
             default,
             tokens=tuple(args.tokens) if args.tokens is not None else default.tokens,
@@ -202,6 +224,9 @@ def run_bench_command(args):
         )
         if [] in (args.chunk_sizes, args.accum_dtypes):  # "--chunk-sizes ''" ran the defaults
             raise ValueError("--chunk-sizes and --accum-dtypes, where given, must name at least one value")
+        for name, values in (("--chunk-sizes", args.chunk_sizes), ("--accum-dtypes", args.accum_dtypes)):
+            if values and len(set(values)) < len(values):
+                raise ValueError(f"{name} must not repeat a value, got {values}")
         settings = bench.ours_settings(args.chunk_sizes, args.accum_dtypes) if args.chunk_sizes or args.accum_dtypes else None
         bench.check_arguments(workload, args.providers, args.mode, settings)
     result = bench.run_bench(workload, device, providers=args.providers, modes=args.mode, settings=settings)
@@ -215,7 +240,7 @@ def run_bench_command(args):
     if args.ledger and result.check_passed:  # a run whose numbers are wrong, or unchecked, has no time to record
         bench.append_to_ledger(result, workload, device, args.ledger, args.command_line)
     elif args.ledger:
-        print("ledger: nothing appended (the check did not pass)")
+        print(f"ledger: nothing appended (the check {'did not pass' if result.check_passed is False else 'did not run'})")
     if args.plot:
         bench.write_plot(result, args.plot)
     ledger = args.ledger if result.check_passed else None
@@ -229,15 +254,19 @@ def run_demo_command(args):
     with arguments_checked():
         if not args.out.endswith(".png"):
             raise ValueError(f"--out must be a .png path, got {args.out}")
-        check_folder_exists(args.out)
+        check_writable(args.out)
         missing = [name for name in ("matplotlib", "tqdm") if importlib.util.find_spec(name) is None]
         if missing:
-            raise ValueError(f"demo needs {' and '.join(missing)}: pip install 'cosdistill[bench]'")
+            raise ValueError(f"demo needs {' and '.join(missing)}: pip install 'cosdistill[demo]'")
         config = demo.DemoConfig(
             steps=args.steps, teacher_steps=args.teacher_steps, vocab=args.vocab, hidden=args.hidden,
             batch_size=args.batch_size, seq_len=args.seq_len, weight_hard=args.weight_hard,
             weight_soft=args.weight_soft, beta=args.beta, seed=args.seed, loss=args.loss,
         )
+        negative = [name for name, value in (("--weight-hard", args.weight_hard), ("--weight-soft", args.weight_soft),
+                                             ("--beta", args.beta)) if value is not None and value < 0]
+        if negative:  # the plot's log scale drops a curve that goes below 0
+            raise ValueError(f"{', '.join(negative)} must be >= 0 in the demo")
         # the loss's options, checked before the teacher trains (a bad beta raised only after it)
         device = resolve_device(args.device)
         options_of(loss=config.loss, weight_hard_loss=config.weight_hard, weight_soft_loss=config.weight_soft,
@@ -251,7 +280,7 @@ def run_demo_command(args):
 def run_check_command(args):
     with arguments_checked():
         device = resolve_device(args.device)
-    header, results = check.run_selfcheck(device)
+    header, results = check.run_selfcheck(device, (args.loss,) if args.loss else bench.LOSSES)
     print(header)
     print(check.results_table(results), end="")
     return 0 if all(result.passed for result in results) else EXIT_CHECK_FAILED
