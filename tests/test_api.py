@@ -252,16 +252,23 @@ def copied_on_save():
 @pytest.mark.parametrize("hooks", [None, "allow_mutation_on_saved_tensors", "copied on save"])
 @pytest.mark.parametrize("chunk_size", [None, 16])
 @pytest.mark.parametrize("changed", ["student_input", "student_weight"])
-def test_the_student_changed_in_place_before_backward_raises(changed, chunk_size, hooks):
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_student_changed_in_place_before_backward_raises(changed, chunk_size, hooks, batched):
     """The last chunk's gradient GEMMs read the live student tensors in backward; as plain torch does, an
     in-place change after the forward raises instead of a gradient that mixes both versions. Under saved-tensor
     hooks autograd does not check (torch's own ops read what the hooks kept): the gradients mixed both versions
-    (grad_weight 0.14-0.45 off). A retry raises the same (it said the loss had run backward once already)."""
+    (grad_weight 0.14-0.45 off), and then, for hidden states of shape (batch, length, H) (``batched``: the call
+    flattens them to rows, a view no one else held), 2.0 off. A retry raises the same (it said the loss had run
+    backward once already)."""
     problem = make_problem(tokens=40)
+    args = list(problem.args())
+    if batched:
+        args[0], args[2], args[4] = args[0].view(4, 10, -1), args[2].view(4, 10, -1), args[4].view(4, 10)
     context = {None: contextlib.nullcontext, "copied on save": copied_on_save,
                "allow_mutation_on_saved_tensors": torch.autograd.graph.allow_mutation_on_saved_tensors}[hooks]
     with context():
-        loss = fused_linear_cosine_distill(*problem.args(), chunk_size=chunk_size)
+        loss = fused_linear_cosine_distill(*args, chunk_size=chunk_size)
+        del args
         with torch.no_grad():
             getattr(problem, changed).mul_(3.0)
         for _ in range(2):

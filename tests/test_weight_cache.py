@@ -8,6 +8,7 @@ that path on the CPU.
 """
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -407,3 +408,49 @@ def test_an_fp32_heads_gram_matrix_is_rebuilt_when_tf32_is_switched():
         torch.backends.cuda.matmul.fp32_precision = saved
     assert len(builds) == 3 + 1
     assert gram.teacher_grams.built_under is gram._fp32_matmul_precision
+
+
+@pytest.mark.parametrize("teacher_precision, cosine_via", [(None, "gram"), (None, "auto"), ("fp8", "logits")])
+@pytest.mark.parametrize("teacher_of", ["the parameter", "a detached alias"])
+def test_a_teacher_head_trained_beside_the_student_is_never_cached(teacher_precision, cosine_via, teacher_of, monkeypatch,
+                                                                 on_device_comparison):
+    """Self-distillation through the student's own head under a fused optimizer, whose step moves no version
+    counter: the cached Gram matrix or FP8 copy was stale at the next call (StaleWeightError on the CPU; on a GPU a
+    NaN step the optimizer applied, then the error). Such a teacher is built afresh at every call: each step's
+    numbers are those of a loss that keeps no copy (the logits path; an FP8 copy quantized for the call)."""
+    monkeypatch.setattr(fp8, "check_supported", lambda *args: None)
+    loss = fused_linear_jsd if teacher_precision else fused_linear_cosine_distill
+    tokens, hidden, vocab = 300, 16, 1024  # where "auto" takes the Gram path
+    generator = torch.Generator().manual_seed(3)
+    student_input, teacher_input = (torch.randn(tokens, hidden, generator=generator) for _ in range(2))
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+
+    def steps(uncached: bool) -> list[float]:
+        head = torch.nn.Linear(hidden, vocab, bias=False)
+        head.weight.data = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(4)) / 4
+        optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2, fused=True)
+        values = []
+        for _ in range(3):
+            teacher = head.weight if teacher_of == "the parameter" else head.weight.detach()
+            if uncached:
+                options = {"teacher_precision": None, "impl": "torch"}
+                if teacher_precision:  # the same FP8 numbers, through a copy the caller quantizes for this call
+                    teacher = fp8.quantize_teacher_weight(head.weight)
+                else:
+                    options["cosine_via"] = "logits"
+            else:
+                options = {"teacher_precision": teacher_precision, "impl": "torch"}
+                if not teacher_precision:
+                    options["cosine_via"] = cosine_via
+            value = loss(student_input, head.weight, teacher_input, teacher, labels, **options)
+            value.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            values.append(value.item())
+        return values
+
+    calls = gram_calls(monkeypatch)
+    got, want = steps(uncached=False), steps(uncached=True)
+    assert calls[:3] == [cosine_via != "logits"] * 3
+    assert all(math.isfinite(value) for value in got)
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-6)

@@ -17,6 +17,7 @@ from ._options import Options, check_accum_dtype, check_tensors, default_accum_d
 from ._row_step import RowStepConstants, RowStepImpl
 from ._split_check import VocabParallel
 from ._teacher_logits import LogitsTeacher, SideStream, TeacherHead
+from ._weight_cache import kept_across_calls
 
 # At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole grad_weight, and with
 # fewer rows that traffic shows. More rows while the two logits buffers stay small (small vocabularies), and
@@ -132,7 +133,7 @@ def checked_plan(options: Options, student_input, student_weight, teacher_input,
     gram_cached = None
     if signature is not None and _weighs_gram_cache(options, student_weight, student_bias, teacher_weight,
                                                     teacher_bias, vocab_parallel):
-        gram_cached = _teacher_gram_cached(teacher_weight)
+        gram_cached = _teacher_gram_cached(teacher_weight, student_weight)
     key = None if signature is None else (*signature, gram_cached)
     plan = _plans.get(key) if key is not None else None
     if plan is not None:
@@ -246,7 +247,9 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
         hashing_step = plan.row_step.hashing_step if plan.vocab_parallel is None else None
         fp8_head = _teacher_fp8.Fp8TeacherHead(teacher_weight, teacher_bias, plan.rows.student, backend,
                                                hash_later=hashing_step is not None,
-                                               compare_later=plan.vocab_parallel is not None)
+                                               compare_later=plan.vocab_parallel is not None,
+                                               keep=isinstance(teacher_weight, _teacher_fp8.Fp8TeacherWeight)
+                                               or kept_across_calls(teacher_weight, student_weight))
     if plan.vocab_parallel is not None:
         split = _split_check.SplitCheckedFirst(plan.vocab_parallel, functools.partial(
             _split_check.queue_hash_check, plan.vocab_parallel, student_input, teacher_input, labels, fp8_head,
@@ -302,17 +305,19 @@ def gram_applies(options: Options, student_weight, student_bias, teacher_weight,
     if options.cosine_via == "gram":
         return True
     if teacher_gram_cached is None:
-        teacher_gram_cached = _teacher_gram_cached(teacher_weight)
+        teacher_gram_cached = _teacher_gram_cached(teacher_weight, student_weight)
     return _teacher_gram.gram_is_cheaper(num_tokens, vocab_student, vocab_teacher, hidden_student, hidden_teacher,
                                          write_grad_weight=needs_grad[1], teacher_gram_cached=teacher_gram_cached)
 
 
-def _teacher_gram_cached(teacher_weight) -> bool:
+def _teacher_gram_cached(teacher_weight, student_weight) -> bool:
     """Whether "auto" counts the teacher's Gram matrix as cached (``will_hold``). Under
     ``torch.use_deterministic_algorithms`` it counts as not: the cache's state depends on the process's earlier
-    calls, and the two paths round differently, so the path must be a function of the call alone."""
+    calls, and the two paths round differently, so the path must be a function of the call alone. Nor does a
+    teacher weight trained beside the student (``kept_across_calls``)."""
     cached = _teacher_gram.teacher_grams.will_hold(teacher_weight)  # asked anyway: it raises for a stale last reuse
-    return cached and not torch.are_deterministic_algorithms_enabled()
+    return (cached and not torch.are_deterministic_algorithms_enabled()
+            and kept_across_calls(teacher_weight, student_weight))
 
 
 def _weighs_gram_cache(options: Options, student_weight, student_bias, teacher_weight, teacher_bias,

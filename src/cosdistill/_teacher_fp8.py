@@ -145,18 +145,19 @@ class Fp8TeacherHead:
     """Teacher logits through the FP8 GEMM; the same interface as _teacher_logits.TeacherHead."""
 
     def __init__(self, weight: torch.Tensor | Fp8TeacherWeight, bias: torch.Tensor | None, max_rows: int, backend,
-                 hash_later: bool = False, compare_later: bool = False):
+                 hash_later: bool = False, compare_later: bool = False, keep: bool = True):
         """weight: the head's, quantized and cached here, or the caller's Fp8TeacherWeight. max_rows: the most
         rows a chunk has (``start_chunk``). backend: whose quantize_rows and hash (_backends.Backend).
         hash_later: the cached copy's content check left to the caller (``later``, _weight_cache.LaterCheck),
         which takes its hash with the row step. compare_later: its comparison kept on the device on the CPU too,
-        read by ``raise_if_stale`` (a vocabulary split first shares every rank's ``poison``)."""
+        read by ``raise_if_stale`` (a vocabulary split first shares every rank's ``poison``). keep: whether the
+        copy is cached (_weight_cache.kept_across_calls), else quantized for this call alone."""
         self.quantize = backend.quantize_rows
         self.weight = weight
         if isinstance(weight, Fp8TeacherWeight):  # the caller's: nothing cached, nothing to check
             self.weight_fp8, self.weight_scales, self.poison, self.later = weight.codes, weight.scales, None, None
         else:
-            cached = quantized_weights.get(weight, backend, hash_later, compare_later)
+            cached = quantized_weights.get(weight, backend, hash_later, compare_later, keep)
             (self.weight_fp8, self.weight_scales), self.poison, self.later = cached.value, cached.poison, cached.later
         self.bias, self.logits_dtype = None if bias is None else bias.detach(), weight.dtype
         self.hidden = weight.shape[1]

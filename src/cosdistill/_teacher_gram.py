@@ -35,7 +35,7 @@ import torch
 
 from ._device import HostCopy, addmm_into
 from ._row_step import RowStepConstants, teacher_grad_coefficient, with_teacher_products
-from ._weight_cache import WeightCache
+from ._weight_cache import WeightCache, kept_across_calls
 
 # The largest bound on the Gram path's fp32 products (s.t and |t|^2, after the logit scales and the
 # temperature) for which it runs: far below fp32's 3.4e38, far above any LM head's.
@@ -125,7 +125,8 @@ class GramTeacher:
     def start(self, student_input: torch.Tensor, teacher_input: torch.Tensor) -> None:
         """The Gram matrices (the teacher's from the cache), A's buffer, and the range bound, queued once the
         first student GEMM is."""
-        cached = teacher_grams.get(self.full_teacher_weight, self.backend)
+        cached = teacher_grams.get(self.full_teacher_weight, self.backend,
+                                   keep=kept_across_calls(self.full_teacher_weight, self.student_weight))
         (self.teacher_gram, self.teacher_gram_max), self.poison = cached.value, cached.poison
         with torch.no_grad():
             cross_gram = _mm_fp32(self.teacher_weight.t(), self.student_weight.detach())

@@ -31,6 +31,15 @@ from ._fingerprint import hash_differs
 PREVIOUS_CALL = "the previous call with it (whose loss and gradients are NaN)"  # where a pending comparison is read
 
 
+def kept_across_calls(teacher_weight: torch.Tensor, student_weight: torch.Tensor) -> bool:
+    """Whether a value derived from the teacher weight may be cached: not for a weight trained beside the student
+    (one that requires grad, or the student's own head's storage, as in self-distillation), which its optimizer
+    changes at every step, a fused one without moving its version counter: a cached value would be stale at every
+    reuse and save nothing."""
+    return not teacher_weight.requires_grad and (
+        teacher_weight.untyped_storage().data_ptr() != student_weight.untyped_storage().data_ptr())
+
+
 class StaleWeightError(ValueError):
     """teacher_weight's contents changed behind its version counter while a value derived from it was cached."""
 
@@ -83,13 +92,17 @@ class WeightCache:
         # a weight made anew for every call (a cast, a gather) frees each value unused, and so new ones are not held.
         self.values_outlive_calls = True
 
-    def get(self, weight: torch.Tensor, backend, hash_later: bool = False, compare_later: bool = False) -> Cached:
+    def get(self, weight: torch.Tensor, backend, hash_later: bool = False, compare_later: bool = False,
+            keep: bool = True) -> Cached:
         """The value for the weight as it is now, rebuilt where its identity changed. ``backend``: its
         ``fingerprint`` hashes the weight (every backend's gives the same numbers), its ``stale_check``
         compares on the device (_backends.Backend). ``hash_later``: a reuse on a GPU leaves the hash and
         comparison to the caller (``Cached.later``). ``compare_later``: the comparison stays on the device on
         the CPU too, for a caller that shares its poison with other ranks before anyone raises, then reads it
-        (``raise_if_stale``)."""
+        (``raise_if_stale``). ``keep=False`` (``kept_across_calls``): a value built for this call alone."""
+        if not keep:
+            with torch.no_grad():
+                return Cached(self.build(weight), None)
         storage, entry = self._lookup(weight)
         if entry is None or entry.value is None or entry.identity != self._identity(weight):
             built = _Entry(self._identity(weight))
