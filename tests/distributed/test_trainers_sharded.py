@@ -252,10 +252,16 @@ def sharded(request):
 
 
 def assert_same_step(got, want, sharded):
+    """The step as a whole (every parameter's change as one vector) within fp32's 1e-5, and each parameter within
+    1e-4: a layer norm's weight sums its products over every token, whose cancellation turns the two losses'
+    fp32 rounding (~1e-6 in their gradients) into 1.3e-5 of its own (ours against GKDTrainer under one split);
+    a wrong count or share is off by far more."""
     (got_step, got_log, fully_sharded), (want_step, want_log, _) = got, want
     assert fully_sharded == (sharded == "fsdp2")
     errors = [rel_err(a, b) for a, b in zip(got_step, want_step)]
-    assert len(got_step) == len(want_step) and max(errors) < 1e-5, errors
+    assert len(got_step) == len(want_step) and max(errors) < 1e-4, errors
+    whole = rel_err(torch.cat([a.flatten() for a in got_step]), torch.cat([b.flatten() for b in want_step]))
+    assert whole < 1e-5, (whole, errors)
     for key in LOGGED:
         if key in want_log:
             assert got_log[key] == pytest.approx(want_log[key], rel=1e-4), (key, got_log, want_log)
