@@ -168,7 +168,10 @@ def test_on_a_gpu_a_stale_no_grad_call_and_the_compiled_op_are_nan_too(on_device
         assert torch.isnan(fused_linear_cosine_distill(*args, cosine_via="gram"))
     with pytest.raises(StaleWeightError):
         fused_linear_cosine_distill(*args, cosine_via="gram")
-    compiled_distill(Options(cosine_via="gram"), *args).backward()  # rebuilt, then changed behind the version counter
+    # a weight once found stale is built for each call since (kept_across_calls): the compiled op on another head
+    head = teacher_module(generator=generator)
+    args = (student_input, student_weight, teacher_input, head.weight, labels)
+    compiled_distill(Options(cosine_via="gram"), *args).backward()  # cached, then changed behind the version counter
     copy_through_data(head, generator)
     student_input.grad = student_weight.grad = None
     loss = compiled_distill(Options(cosine_via="gram"), *args)
@@ -308,6 +311,60 @@ def test_auto_counts_the_teacher_gram_matrix_where_the_teacher_is_made_anew_for_
     step(head.weight.clone())
     assert calls == [True, False, False, False, True, True, True]
     assert not gram.teacher_grams.values_outlive_calls  # that last head's Gram matrix, freed unused
+
+
+def test_a_teacher_made_anew_for_every_call_is_seen_so_beside_a_kept_one(monkeypatch):
+    """Multi-teacher distillation: a teacher cast anew at every call beside one that stays. Each lookup of the kept
+    teacher told the cache that values outlive their calls, so the cast teacher counted as held at every call and
+    "auto" paid its W_t^T W_t every time (its path then depended on the other teacher's calls)."""
+    tokens, vocab, hidden_teacher = 200, 300, 64
+    calls = gram_calls(monkeypatch)
+    generator = torch.Generator().manual_seed(8)
+    head, kept = (teacher_module(vocab=vocab, hidden=hidden_teacher, generator=generator) for _ in range(2))
+    student_input, student_weight, _, labels = student_and_labels(vocab=vocab, tokens=tokens, generator=generator)
+    teacher_input = torch.randn(tokens, hidden_teacher, generator=generator)
+    for _ in range(4):
+        for teacher_weight in (kept.weight, head.weight.clone()):
+            fused_linear_cosine_distill(student_input, student_weight, teacher_input, teacher_weight, labels).backward()
+    # the cast teacher's calls: as alone, but for its second, after the kept teacher's first reuse said once that
+    # values outlive their calls
+    assert calls[1::2] == [True, True, False, False]
+    assert calls[0::2] == [True, True, True, True]
+
+
+def test_mutual_distillation_through_detached_heads_keeps_no_copy(monkeypatch, on_device_comparison):
+    """Two students, each the other's teacher through its detached head, under one fused optimizer: the teacher's
+    Gram matrix was cached by the other call and stale at every later step (StaleWeightError on the CPU, a NaN step
+    on a GPU). A head some call trains is never cached, nor one once found stale."""
+    tokens, hidden, vocab = 256, 16, 512
+    generator = torch.Generator().manual_seed(9)
+    first, second = (torch.nn.Parameter(torch.randn(vocab, hidden, generator=generator) * 0.3) for _ in range(2))
+    batches = [(torch.randn(tokens, hidden, generator=generator), torch.randint(0, vocab, (tokens,), generator=generator))
+               for _ in range(3)]
+
+    def steps(cosine_via):
+        heads = [first.detach().clone().requires_grad_(), second.detach().clone().requires_grad_()]
+        optimizer = torch.optim.Adam(heads, lr=1e-2, fused=True)
+        losses = []
+        for hidden_states, labels in batches:
+            loss = sum(fused_linear_cosine_distill(hidden_states, student, hidden_states, teacher.detach(), labels,
+                                                   cosine_via=cosine_via)
+                       for student, teacher in (heads, heads[::-1]))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    assert steps("auto") == pytest.approx(steps("logits"), rel=1e-6)
+    weight = torch.randn(vocab, hidden, generator=generator)
+    gram.teacher_grams.get(weight, TORCH)
+    weight.data.add_(1.0)  # behind the counter: a NaN call, an error, then the weight is built for each call
+    student = torch.randn(vocab, hidden, generator=generator)
+    assert gram.teacher_grams.get(weight, TORCH).poison.isnan()
+    with pytest.raises(StaleWeightError):
+        gram.teacher_grams.get(weight, TORCH)
+    assert not weight_cache.kept_across_calls(weight, student)
 
 
 @pytest.mark.parametrize("takes_hash", [True, False])

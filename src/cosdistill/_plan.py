@@ -17,7 +17,7 @@ from ._options import Options, check_accum_dtype, check_tensors, default_accum_d
 from ._row_step import RowStepConstants, RowStepImpl
 from ._split_check import VocabParallel
 from ._teacher_logits import LogitsTeacher, SideStream, TeacherHead
-from ._weight_cache import kept_across_calls
+from ._weight_cache import kept_across_calls, note_trained
 
 # At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole grad_weight, and with
 # fewer rows that traffic shows. More rows while the two logits buffers stay small (small vocabularies), and
@@ -239,6 +239,8 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
     # The GPU starts on the first chunk's student GEMM before the teacher side's set-up, whose host time
     # (and any cached teacher copy's check) it then covers.
     student_logits = start_student_logits(student_input, student_weight, student_bias, plan.rows)
+    if plan.needs_grad[1]:
+        note_trained(student_weight)
     backend, constants = plan.backend, plan.constants
     row_step, reduce_grad_input, split, fp8_head = plan.row_step.step, None, None, None
     if plan.teacher == "fp8":

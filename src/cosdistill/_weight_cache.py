@@ -31,13 +31,25 @@ from ._fingerprint import hash_differs
 PREVIOUS_CALL = "the previous call with it (whose loss and gradients are NaN)"  # where a pending comparison is read
 
 
+# Storages whose values are never cached: student heads some call trained (its student weight required grad) and
+# teacher weights once found changed behind their version counter. Held weakly, as the caches' entries.
+_changing_storages = WeakIdKeyDictionary()
+
+
+def note_trained(student_weight: torch.Tensor) -> None:
+    """Records a student head this call trains: another call's teacher it may be (mutual distillation)."""
+    _changing_storages[student_weight.untyped_storage()] = True
+
+
 def kept_across_calls(teacher_weight: torch.Tensor, student_weight: torch.Tensor) -> bool:
-    """Whether a value derived from the teacher weight may be cached: not for a weight trained beside the student
-    (one that requires grad, or the student's own head's storage, as in self-distillation), which its optimizer
-    changes at every step, a fused one without moving its version counter: a cached value would be stale at every
-    reuse and save nothing."""
-    return not teacher_weight.requires_grad and (
-        teacher_weight.untyped_storage().data_ptr() != student_weight.untyped_storage().data_ptr())
+    """Whether a value derived from the teacher weight may be cached: not for a weight that is trained (one that
+    requires grad, this call's student head, as in self-distillation, or one another call trained, as in mutual
+    distillation through a detached head), which its optimizer changes at every step, a fused one without moving
+    its version counter, nor for one found changed that way before: a cached value would be stale at every reuse
+    and save nothing."""
+    storage = teacher_weight.untyped_storage()
+    return (not teacher_weight.requires_grad and storage.data_ptr() != student_weight.untyped_storage().data_ptr()
+            and storage not in _changing_storages)
 
 
 class StaleWeightError(ValueError):
@@ -132,6 +144,7 @@ class WeightCache:
         if compared_on_host(weight) and not compare_later:
             if hash_differs(partials, entry.hash):
                 del self.entries[storage]
+                _changing_storages[storage] = True
                 raise StaleWeightError(self._message(weight, "this call"))
             return None
         changed, poison = stale_check(partials, entry.hash)
@@ -171,12 +184,14 @@ class WeightCache:
         """(storage, its entry or None); raises if the last reuse of the entry found the weight changed."""
         storage = weight.untyped_storage()
         entry = self.entries.get(storage)
-        if entry is not None:
-            entry.outlived[0] = self.values_outlive_calls = True  # looked up again: not made for one call
+        if entry is not None and not entry.outlived[0]:  # looked up again: not made for one call
+            # once per entry: a long-lived teacher's every call reset what another teacher, made anew per call, showed
+            entry.outlived[0] = self.values_outlive_calls = True
         if entry is not None and entry.pending is not None:
             pending, entry.pending = entry.pending, None
             if pending.get().item():
                 del self.entries[storage]
+                _changing_storages[storage] = True
                 raise StaleWeightError(self._message(weight, when))
         return storage, entry
 
