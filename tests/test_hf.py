@@ -204,6 +204,21 @@ def test_precomputed_hidden_states_and_num_valid_tokens():
     assert_grads_match(student, {name: grad * num_valid / 40 for name, grad in ref_grads.items()}, 1e-4)
 
 
+def test_a_config_scale_or_softcap_changed_after_the_first_call_is_checked_again():
+    """Cohere multiplies its logits by a copy of config.logit_scale made with the model; the loss reads the config
+    at every call, and the check ran once: a config changed afterwards gave a loss of logits the model does not make
+    (4.19 against its own 2.83). Gemma-2 reads its softcap from the config at every call: a change is followed."""
+    cohere, gemma2, teacher, batch = tiny_model("cohere"), tiny_model("gemma2"), tiny_model("llama", seed=1), make_batch()
+    distill_loss(cohere, teacher, **batch)
+    cohere.config.logit_scale = 2.0
+    with pytest.raises(ValueError, match="student's logits differ from its LM head's output .*scale 2"):
+        distill_loss(cohere, teacher, **batch)
+    distill_loss(gemma2, teacher, **batch)
+    gemma2.config.final_logit_softcapping = 3.0
+    (want, _, _), _ = reference(gemma2, teacher, batch)
+    assert rel_err(distill_loss(gemma2, teacher, **batch), want) < 1e-5
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     teacher, batch = tiny_model("llama", seed=1).eval(), make_batch()
     grads = []
@@ -1090,6 +1105,36 @@ def test_an_unknown_loss_or_option_raises_before_any_model_runs(tmp_path, monkey
     with pytest.raises(TypeError, match=r"loss_options \['chunks', 'cosine_via'\] are not options of fused_linear_jsd"):
         DistillationTrainer(model=teacher, args=args, teacher_model=teacher, loss="jsd",
                             loss_options={"cosine_via": "gram", "chunks": 4})
+    # set by the Trainer at each step (its first step failed with "multiple values for keyword argument"), and Liger's
+    # flag, which changed nothing
+    for options, match in (({"return_soft_hard_loss": True, "num_valid_tokens": 3},
+                            r"\['num_valid_tokens', 'return_soft_hard_loss'\] cannot be given: they are distill_loss's"),
+                           ({"compiled": False}, "'compiled' is Liger-Kernel's flag")):
+        with pytest.raises(TypeError, match=match):
+            DistillationTrainer(model=teacher, args=args, teacher_model=teacher, loss_options=options)
+    with pytest.raises(TypeError, match="'compiled' is Liger-Kernel's flag"):
+        hf.distill_loss(teacher, teacher, **batch, compiled=True)
+
+
+def test_the_trainers_loss_options_are_its_attributes_too(tmp_path):
+    """trainer.beta = 0.9 (a schedule's callback, as TRL's trainers take it) set an attribute the loss never read."""
+    from cosdistill.hf import DistillationTrainer
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    trainer = DistillationTrainer(model=tiny_model("llama"), args=args, teacher_model=tiny_model("llama", seed=1),
+                                  loss="jsd")
+    batch = make_batch()
+    with torch.no_grad():
+        before = trainer.compute_loss(trainer.model, dict(batch))
+    trainer.beta, trainer.temperature, trainer.weight_hard_loss = 0.9, 2.0, 0.0
+    assert trainer.loss_options | {"beta": 0.9, "temperature": 2.0, "weight_hard_loss": 0.0} == trainer.loss_options
+    with torch.no_grad():
+        want = naive_jsd_loss(trainer.model, trainer.teacher_model, batch, beta=0.9, temperature=2.0, weight_hard=0.0)
+        got = trainer.compute_loss(trainer.model, dict(batch))
+    assert rel_err(got, want) < 1e-5 and rel_err(got, before) > 1e-2
+    with pytest.raises(ValueError, match="beta must be in"):
+        trainer.beta = 2.0
+    assert trainer.beta == 0.9
 
 
 def test_metrics_that_would_read_logits_raise_and_predict_gives_the_loss(tmp_path):

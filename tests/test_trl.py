@@ -160,6 +160,25 @@ def test_a_moe_students_router_loss_is_refused_not_dropped(tmp_path):
     make_sft_trainer(tmp_path, tiny_mixtral(), tiny_model("llama", seed=1), router_aux_loss_coef=0.0).train()
 
 
+def test_a_moe_student_whose_config_has_no_coefficient_is_refused_too(tmp_path):
+    """Families whose config has output_router_logits but no router_aux_loss_coef (sarvam_moe): SFTTrainer adds the
+    router loss by its own switch (aux_loss_enabled) and leaves the config as it was, so the check of the config
+    passed and the term was dropped (14.87 against 4.87 at router_aux_loss_coef=5)."""
+    if "sarvam_moe" not in transformers.CONFIG_MAPPING:
+        pytest.skip("a transformers release without sarvam_moe")
+    torch.manual_seed(0)
+    config = transformers.CONFIG_MAPPING["sarvam_moe"](
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts_per_tok=2, n_routed_experts=4,
+        n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+    student = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    assert not hasattr(config, "router_aux_loss_coef")
+    with pytest.raises(ValueError, match=r"does not add the student's router auxiliary loss .*router_aux_loss_coef=5.0"):
+        make_sft_trainer(tmp_path, copy.deepcopy(student), tiny_model("llama", seed=1), router_aux_loss_coef=5.0)
+    make_sft_trainer(tmp_path, student, tiny_model("llama", seed=1), router_aux_loss_coef=0.0)
+
+
 def test_sft_predict_and_evaluate_give_the_loss_without_logits(tmp_path):
     """SFTTrainer's prediction step reads outputs.logits: the loss's outputs carry none (predict crashed on a dict)."""
     trainer = make_sft_trainer(tmp_path, tiny_model("llama"), tiny_model("llama", vocab=144, seed=1))

@@ -446,7 +446,7 @@ HEAD_CHECK_TOKENS = 8  # the probe's length: enough positions to compare, too fe
 # Relative, of the logits, by the dtype the head runs in: a few times its rounding (fp32's: TF32's, where one of the
 # two products might take it), far under a rescaling. 16-bit heads cannot see a multiplier within 2% of 1.
 HEAD_CHECK_TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 2e-2}
-_heads_checked = weakref.WeakKeyDictionary()  # the models whose logits head_inputs reproduces
+_heads_checked = weakref.WeakKeyDictionary()  # model -> the (softcap, scale) of its config its check held
 
 
 def _forked_rngs(device):
@@ -462,8 +462,12 @@ def check_head_reproduces_logits(model, name="model") -> None:
     """Raise unless ``head_inputs`` reproduces the model's own logits: on a probe of a few token ids, once per
     model, the head's output scaled and softcapped as its config says must equal ``model(...).logits``. A family
     that treats its logits otherwise (a multiplier under another config name, logits cut to an unpadded
-    vocabulary, ...) would otherwise get a wrong loss without a word."""
-    if model in _heads_checked:
+    vocabulary, ...) would otherwise get a wrong loss without a word. Checked again where the config's scale or softcap
+    has changed since (a family's own copy of them, made when the model was, cannot be seen: change neither after the
+    first call)."""
+    config = model.config.get_text_config()
+    read = (config_softcap(config), config_logit_scale(config))
+    if _heads_checked.get(model) == read:
         return
     head = lm_head(model, name)
     captured = []  # the head's input, and the dtype the head ran in under autocast (accelerate's wrapped forward)
@@ -511,7 +515,7 @@ def check_head_reproduces_logits(model, name="model") -> None:
             f"relative difference {difference:.1e}): the model applies something to them that the fused loss does "
             "not know (e.g. a logit multiplier under another config name), or does not apply what its config sets"
         )
-    _heads_checked[model] = True
+    _heads_checked[model] = read
 
 
 # --- The loss of two models and a batch.
@@ -634,8 +638,8 @@ _FROM_THE_MODELS = frozenset({"student_input", "student_weight", "teacher_input"
 
 
 def check_loss_options(loss: str, loss_options: dict) -> None:
-    """Raises for an unknown ``loss``, an option its fused function does not take, or one that distill_loss takes
-    from the models, before any model runs."""
+    """Raises for an unknown ``loss``, an option its fused function does not take, one that distill_loss takes
+    from the models or sets per call, or Liger's ``compiled``, which changes nothing here, before any model runs."""
     if loss not in FUSED_LOSSES:
         raise ValueError(f"loss must be one of {tuple(FUSED_LOSSES)}, got {loss!r}")
     unknown = sorted(set(loss_options) - _FUSED_OPTIONS[loss])
@@ -645,6 +649,13 @@ def check_loss_options(loss: str, loss_options: dict) -> None:
     if from_the_models:
         raise TypeError(f"loss_options {from_the_models} cannot be given: distill_loss takes them from the models "
                         "(their LM heads and configs) and the batch")
+    per_call = sorted(set(loss_options) & {"num_valid_tokens", "return_soft_hard_loss"})
+    if per_call:
+        raise TypeError(f"loss_options {per_call} cannot be given: they are distill_loss's own arguments, which the "
+                        "trainers set at each step")
+    if "compiled" in loss_options:
+        raise TypeError("loss_options 'compiled' is Liger-Kernel's flag, kept in the fused functions' signatures for "
+                        "drop-in calls and without effect: leave it out")
 
 
 def check_loss_values(loss: str, loss_options: dict, **values) -> None:
@@ -751,6 +762,9 @@ def check_no_extra_loss_terms(trainer, student) -> None:
     """Raise for a student whose own loss adds terms this loss replaces (``extra_loss_terms``), which would silently
     be left out."""
     terms = extra_loss_terms(student.config.get_text_config())
+    if not terms and getattr(trainer, "aux_loss_enabled", False):  # TRL's SFTTrainer's own switch, which it keeps
+        # off the config of families without a coefficient of their own (sarvam_moe, zaya)
+        terms = [f"router_aux_loss_coef={trainer.router_aux_loss_coef}"]
     if terms:
         raise ValueError(
             f"{type(trainer).__name__} does not add the student's router auxiliary loss or other terms of its own loss "
@@ -768,6 +782,19 @@ def at_least_one(count):
     if torch.is_tensor(count):
         return count.clamp(min=1)
     return None if count is None else max(1, count)
+
+
+def _loss_option(name: str) -> property:
+    """A Trainer's loss option as its attribute: read from and written to its ``loss_options``, checked when set."""
+
+    def get(self):
+        return self.loss_options[name]
+
+    def set(self, value):
+        options_of(loss=self.loss_options["loss"], **{name: value})
+        self.loss_options[name] = value
+
+    return property(get, set)
 
 
 class DistillationMixin:
@@ -793,6 +820,12 @@ class DistillationMixin:
     """
 
     unsupported_args = UNSUPPORTED_ARGS
+    # The loss's weights, beta and temperature as attributes too, read at each step (a schedule's callback may set
+    # trainer.beta, as TRL's trainers take it), checked where set; kept in ``loss_options``.
+    weight_hard_loss = _loss_option("weight_hard_loss")
+    weight_soft_loss = _loss_option("weight_soft_loss")
+    beta = _loss_option("beta")
+    temperature = _loss_option("temperature")
 
     def __init__(
         self, *args, teacher_model, loss="cosine", weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5,
