@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from cosdistill.distributed import data_parallel_num_valid_tokens
 from cosdistill.hf import DistillationTrainer, distill_loss, next_token_targets
 from cosdistill.testing import rel_err
-from cosdistill.tools.bench import TOLERANCE, append_ledger_rows
+from cosdistill.tools.bench import TOLERANCE, append_ledger_rows, check_ledger_path
 
 SHAPES = {  # (student, teacher, vocab)
     "1b": (dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -120,6 +120,11 @@ def main(argv=None):
     parser.add_argument("--ledger")
     args = parser.parse_args(argv)
     on_cuda = args.device == "cuda"
+    if args.ledger:
+        try:
+            check_ledger_path(args.ledger, on_gpu=on_cuda)
+        except ValueError as error:
+            parser.error(str(error))
     owns_group = not dist.is_initialized()  # torchrun's environment; a caller may have made the group
     if owns_group:
         dist.init_process_group("nccl" if on_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
@@ -145,7 +150,9 @@ def main(argv=None):
     for name, (_, peak) in results.items():
         dist.all_gather_object(peaks[name], peak)
     tolerance = TOLERANCE[dtype]
-    passed = all(error <= tolerance for error, _ in results.values())  # False for a NaN too
+    passed = torch.tensor(int(all(error <= tolerance for error, _ in results.values())), device=device)  # 0 for NaN
+    dist.all_reduce(passed, dist.ReduceOp.MIN)  # every rank exits alike
+    passed = bool(passed)
     if rank == 0:
         print(f"{world} ranks, {args.shape} student, {args.tokens} tokens, {dtype}")
         for name, (error, _) in results.items():

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import transformers
 
 from cosdistill.hf import distill_loss, final_hidden_states, next_token_targets
-from cosdistill.tools.bench import append_ledger_rows, call_ms, round_order
+from cosdistill.tools.bench import append_ledger_rows, call_ms, check_ledger_path, round_order
 
 STUDENT = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, tie_word_embeddings=True)  # Llama-3.2-1B
@@ -220,6 +220,11 @@ def main(argv=None):
     if args.ledger and args.rounds < 2:  # the ledger's figures are medians over providers timed in turn
         parser.error(f"--ledger needs --rounds >= 2, got {args.rounds}")
     device = torch.device(args.device)
+    if args.ledger:
+        try:
+            check_ledger_path(args.ledger, on_gpu=device.type == "cuda")
+        except ValueError as error:
+            parser.error(str(error))
     if args.max_tokens is None:
         args.max_tokens = 131072 if device.type == "cuda" else 0
     student_shape, teacher_shape, vocab = (TINY_STUDENT, TINY_TEACHER, TINY_VOCAB) if args.tiny else (STUDENT, TEACHER, VOCAB)

@@ -46,7 +46,7 @@ from step import (  # benchmarks/step.py
 
 import cosdistill.trl
 from cosdistill.testing import rel_err
-from cosdistill.tools.bench import append_ledger_rows, call_ms
+from cosdistill.tools.bench import append_ledger_rows, call_ms, check_ledger_path
 
 PAD = 0
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -215,6 +215,11 @@ def main(argv=None):
     if args.trainer == "distillation" and "trl" not in names:
         parser.error("--trainer distillation needs trl in --trainers: TRL's loss is the reference ours is held to")
     device = torch.device(args.device)
+    if args.ledger:
+        try:
+            check_ledger_path(args.ledger, on_gpu=device.type == "cuda")
+        except ValueError as error:
+            parser.error(str(error))
     student_shape, teacher_shape, vocab = (TINY_STUDENT, TINY_TEACHER, TINY_VOCAB) if args.tiny else (STUDENT, TEACHER, VOCAB)
     max_len = args.prompt_len + args.completion_len
     student = llama(student_shape, vocab, max_len, device, seed=0)

@@ -139,6 +139,11 @@ def main():
     args = parser.parse_args()
     if args.ledger and args.rounds < 2:  # the ledger's figures are medians over providers timed in turn
         parser.error(f"--ledger needs --rounds >= 2, got {args.rounds}")
+    if args.ledger:
+        try:
+            bench.check_ledger_path(args.ledger, on_gpu=torch.cuda.is_available())
+        except ValueError as error:
+            parser.error(str(error))
     loss = LOSSES[args.loss]
 
     rank = int(os.environ["LOCAL_RANK"])

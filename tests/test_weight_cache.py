@@ -511,3 +511,36 @@ def test_a_teacher_head_trained_beside_the_student_is_never_cached(teacher_preci
     assert calls[:3] == [cosine_via != "logits"] * 3
     assert all(math.isfinite(value) for value in got)
     assert got == pytest.approx(want, rel=1e-6, abs=1e-6)
+
+
+def test_a_teacher_that_is_not_trained_stays_cached(monkeypatch):
+    """The rule against trained teachers kept no copy for: a teacher left requiring grad (never frozen, as TRL leaves
+    it; under torch.compile the op sees the parameter even where a detached alias was passed), a frozen student head
+    shared with the teacher (a LoRA student whose base is the teacher), a head trained by an earlier stage and frozen
+    since. Each built its Gram matrix at every call."""
+    builds, build = [], gram.teacher_grams.build
+    monkeypatch.setattr(gram.teacher_grams, "build", lambda weight: builds.append(1) or build(weight))
+    tokens, hidden, vocab = 64, 16, 96
+    generator = torch.Generator().manual_seed(10)
+    student_input, teacher_input = (torch.randn(tokens, hidden, generator=generator) for _ in range(2))
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    student = torch.nn.Parameter(torch.randn(vocab, hidden, generator=generator) / 4)
+
+    def calls(student_weight, teacher_weight, count=3):
+        builds.clear()
+        for _ in range(count):
+            loss = fused_linear_cosine_distill(student_input, student_weight, teacher_input, teacher_weight, labels,
+                                               cosine_via="gram")
+            if loss.requires_grad:
+                loss.backward()
+        return len(builds)
+
+    unfrozen = torch.nn.Parameter(torch.randn(vocab, hidden, generator=generator) / 4)
+    assert calls(student, unfrozen) == 1
+    shared = torch.randn(vocab, hidden, generator=generator) / 4
+    assert calls(shared, shared) == 1  # frozen: nothing trains it
+    earlier = torch.nn.Parameter(torch.randn(vocab, hidden, generator=generator) / 4)
+    assert calls(earlier, unfrozen.detach(), count=1) == 0  # a stage that trains it
+    assert calls(student, earlier.detach()) == 3  # trained, and still requiring grad: built for each call
+    earlier.requires_grad_(False)
+    assert calls(student, earlier) == 1  # frozen since: the next stage's teacher, cached

@@ -31,25 +31,32 @@ from ._fingerprint import hash_differs
 PREVIOUS_CALL = "the previous call with it (whose loss and gradients are NaN)"  # where a pending comparison is read
 
 
-# Storages whose values are never cached: student heads some call trained (its student weight required grad) and
-# teacher weights once found changed behind their version counter. Held weakly, as the caches' entries.
+# Storages whose values are not cached: those of student heads some call trained, while the head still requires grad
+# (a weak reference to it), and those of teacher weights once found changed behind their version counter (None).
+# Held weakly, as the caches' entries.
 _changing_storages = WeakIdKeyDictionary()
 
 
 def note_trained(student_weight: torch.Tensor) -> None:
     """Records a student head this call trains: another call's teacher it may be (mutual distillation)."""
-    _changing_storages[student_weight.untyped_storage()] = True
+    _changing_storages[student_weight.untyped_storage()] = weakref.ref(student_weight)
 
 
 def kept_across_calls(teacher_weight: torch.Tensor, student_weight: torch.Tensor) -> bool:
-    """Whether a value derived from the teacher weight may be cached: not for a weight that is trained (one that
-    requires grad, this call's student head, as in self-distillation, or one another call trained, as in mutual
-    distillation through a detached head), which its optimizer changes at every step, a fused one without moving
-    its version counter, nor for one found changed that way before: a cached value would be stale at every reuse
-    and save nothing."""
+    """Whether a value derived from the teacher weight may be cached: not for a head that is being trained, which its
+    optimizer changes at every step, a fused one without moving its version counter, so that a cached value would
+    be stale at every reuse and save nothing: this call's student head where it requires grad (self-distillation
+    through the student's own head), or a head another call trains while it still requires grad (mutual
+    distillation through each other's detached heads; frozen since, as a stage's student becomes the next stage's
+    teacher, it is cached again); nor for a weight once found changed that way."""
     storage = teacher_weight.untyped_storage()
-    return (not teacher_weight.requires_grad and storage.data_ptr() != student_weight.untyped_storage().data_ptr()
-            and storage not in _changing_storages)
+    if student_weight.requires_grad and storage.data_ptr() == student_weight.untyped_storage().data_ptr():
+        return False
+    if storage not in _changing_storages:
+        return True
+    trained = _changing_storages[storage]
+    head = None if trained is None else trained()
+    return trained is not None and (head is None or not head.requires_grad)
 
 
 class StaleWeightError(ValueError):
@@ -112,7 +119,9 @@ class WeightCache:
         comparison to the caller (``Cached.later``). ``compare_later``: the comparison stays on the device on
         the CPU too, for a caller that shares its poison with other ranks before anyone raises, then reads it
         (``raise_if_stale``). ``keep=False`` (``kept_across_calls``): a value built for this call alone."""
-        if not keep:
+        if not keep:  # a value kept before is dropped, after its last reuse's pending check is read
+            storage, _ = self._lookup(weight)
+            self.entries.pop(storage, None)
             with torch.no_grad():
                 return Cached(self.build(weight), None)
         storage, entry = self._lookup(weight)
@@ -144,7 +153,7 @@ class WeightCache:
         if compared_on_host(weight) and not compare_later:
             if hash_differs(partials, entry.hash):
                 del self.entries[storage]
-                _changing_storages[storage] = True
+                _changing_storages[storage] = None
                 raise StaleWeightError(self._message(weight, "this call"))
             return None
         changed, poison = stale_check(partials, entry.hash)
@@ -191,7 +200,7 @@ class WeightCache:
             pending, entry.pending = entry.pending, None
             if pending.get().item():
                 del self.entries[storage]
-                _changing_storages[storage] = True
+                _changing_storages[storage] = None
                 raise StaleWeightError(self._message(weight, when))
         return storage, entry
 
@@ -203,5 +212,6 @@ class WeightCache:
             f"loss: each `.data` is a new tensor with a counter of its own, which changes made on the parameter do "
             f"not move. Pass the parameter itself (or `weight.detach()`, which shares its counter) and change it in "
             f"place under torch.no_grad() (its version then moves and the copy is rebuilt), or pass "
-            f"cosine_via='logits' and teacher_precision=None, which keep no copy."
+            f"cosine_via='logits' and teacher_precision=None, which keep no copy. This process builds the copy of "
+            f"this weight afresh at each call from now on."
         )

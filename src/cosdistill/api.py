@@ -6,6 +6,7 @@ to the custom op of _compile.py. The other names here are the package's own (hf.
 import difflib
 import inspect
 import sys
+import weakref
 
 import torch
 
@@ -350,10 +351,11 @@ class _AttachGradients(torch.autograd.Function):
         ctx.gradients = gradients
         # The last chunk's gradient GEMMs read both in backward: autograd raises if either was modified in place, but
         # not where saved-tensor hooks (save_on_cpu, allow_mutation_on_saved_tensors) hand it back what it saved, so
-        # their version counters are read here too, through aliases that share them (the input is often a view made
-        # in the call, which a weak reference lost, with the change unseen); the last chunk's views hold the storage.
+        # their version counters are read here too, through the tensor a view was made of (the input is often a view
+        # made in the call, gone by backward), held weakly: offloading hooks are there to free the device's copy.
         ctx.save_for_backward(student_input, student_weight)
-        ctx.versions = [(t.detach(), t._version) for t in (student_input, student_weight) if not t.is_inference()]
+        ctx.versions = [(weakref.ref(t if t._base is None else t._base), t._version)
+                        for t in (student_input, student_weight) if not t.is_inference()]
         ctx.set_materialize_grads(False)
         ctx.grad_dtypes = tuple(None if t is None else t.dtype for t in (student_input, student_weight, student_bias))
         return loss.clone()  # a new tensor: the caller may modify it in place, which an input passed on forbids
@@ -369,7 +371,7 @@ class _AttachGradients(torch.autograd.Function):
                                "(torch.autograd.grad's is_grads_batched, a vectorized jacobian): loop over them")
         # before the gradients are taken too, so that a retry raises the same
         ctx.saved_tensors  # noqa: B018 -- raises if the student's input or weight changed since forward
-        if any(tensor._version != version for tensor, version in ctx.versions):
+        if any(tensor() is not None and tensor()._version != version for tensor, version in ctx.versions):
             raise RuntimeError("the student's input or head weight was modified in place after the loss's forward, and "
                                "its backward reads them (autograd's own check does not run under saved-tensor hooks): "
                                "modify them after backward, or a clone of them before")

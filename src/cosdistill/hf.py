@@ -764,7 +764,7 @@ def check_no_extra_loss_terms(trainer, student) -> None:
     terms = extra_loss_terms(student.config.get_text_config())
     if not terms and getattr(trainer, "aux_loss_enabled", False):  # TRL's SFTTrainer's own switch, which it keeps
         # off the config of families without a coefficient of their own (sarvam_moe, zaya)
-        terms = [f"router_aux_loss_coef={trainer.router_aux_loss_coef}"]
+        terms = [f"router_aux_loss_coef={getattr(trainer, 'router_aux_loss_coef', '?')}"]
     if terms:
         raise ValueError(
             f"{type(trainer).__name__} does not add the student's router auxiliary loss or other terms of its own loss "
@@ -791,7 +791,8 @@ def _loss_option(name: str) -> property:
         return self.loss_options[name]
 
     def set(self, value):
-        options_of(loss=self.loss_options["loss"], **{name: value})
+        options = {**self.loss_options, name: value}  # checked beside the others, as at construction
+        options_of(**{key: option for key, option in options.items() if key in OPTION_NAMES})
         self.loss_options[name] = value
 
     return property(get, set)

@@ -3,6 +3,7 @@ ledger and the plot, on the CPU."""
 
 import json
 import math
+import os
 import sys
 import time
 
@@ -510,6 +511,13 @@ def test_an_output_path_checked_before_the_run_is_left_as_it_was(tmp_path):
     (tmp_path / "old.csv").write_text("kept\n")
     check_writable(str(tmp_path / "old.csv"))
     assert (tmp_path / "old.csv").read_text() == "kept\n"
+    (tmp_path / "link.json").symlink_to(tmp_path / "missing" / "results.json")  # dangling: the link was replaced
+    with pytest.raises(ValueError, match="not a regular file"):
+        check_writable(str(tmp_path / "link.json"))
+    assert (tmp_path / "link.json").is_symlink() and not (tmp_path / "missing").exists()
+    os.mkfifo(tmp_path / "fifo")  # opening it for writing waited for a reader forever
+    with pytest.raises(ValueError, match="not a regular file"):
+        check_writable(str(tmp_path / "fifo"))
 
 
 def test_an_installed_package_records_its_version_not_the_commit_of_a_repository_around_it(tmp_path, monkeypatch):
@@ -526,4 +534,4 @@ def test_an_installed_package_records_its_version_not_the_commit_of_a_repository
     shutil.copytree(Path(bench.__file__).parents[1], package, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(["git", "-C", str(tmp_path / "project"), "init", "-q"], check=True)
     monkeypatch.setattr(bench, "__file__", str(package / "tools" / "bench.py"))
-    assert bench.source_commit() == f"cosdistill {importlib.metadata.version('cosdistill')}"
+    assert bench.source_commit() == f"v{importlib.metadata.version('cosdistill')}"

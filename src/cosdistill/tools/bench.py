@@ -706,7 +706,7 @@ def source_commit(ledger: str | None = None) -> str:
 
 def installed_version() -> str:
     try:
-        return f"cosdistill {importlib.metadata.version('cosdistill')}"
+        return f"v{importlib.metadata.version('cosdistill')}"
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 

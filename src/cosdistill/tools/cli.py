@@ -177,19 +177,21 @@ def resolve_device(name):
 
 
 def check_writable(path):
-    """Fail before a long run, not after it: open the file for appending once (and remove it if that made it)."""
+    """Fail before a long run, not after it. An existing path must be a regular file one may write; a new one is
+    made once, exclusively, and removed (nothing else is created, followed through a link, or truncated)."""
     if os.path.isdir(path):
         raise ValueError(f"cannot write {path}: it is a folder")
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise ValueError(f"cannot write {path}: its folder does not exist")
-    existed = os.path.exists(path)
+    if os.path.lexists(path):
+        if not os.path.isfile(path) or not os.access(path, os.W_OK):
+            raise ValueError(f"cannot write {path}: not a regular file this process may write")
+        return
     try:
-        with open(path, "a"):
-            pass
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
     except OSError as error:
         raise ValueError(f"cannot write {path}: {error.strerror}") from None
-    if not existed:
-        os.remove(path)
+    os.remove(path)
 
 
 def run_bench_command(args):
