@@ -241,7 +241,8 @@ def test_auto_asks_the_gram_cache_at_every_call_and_a_split_is_never_reused(monk
     assert plan._call_signature(plan.Options(), problem.args(), None, vocab_parallel=object()) is None
     for tokens in range(1, plan.MAX_PLANS + 10):
         fused_linear_cosine_distill(*make_problem(tokens=tokens).args())
-    assert 0 < len(plan._plans) <= plan.MAX_PLANS
+    assert len(plan._plans) == plan.MAX_PLANS  # the oldest went (all went at once before: every shape missed again)
+    assert list(plan._plans.values()) == made[-plan.MAX_PLANS:]
 
 
 def test_under_deterministic_algorithms_auto_does_not_weigh_the_gram_cache(monkeypatch):

@@ -113,8 +113,9 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
                 grad_weight_in_forward=small_call(rows, num_tokens, student_weight.shape, teacher_weight.shape))
 
 
-# Plans of earlier calls by signature (``checked_plan``); cleared when full, so a process that keeps changing
-# shapes holds a bounded number.
+# Plans of earlier calls by signature (``checked_plan``); when full, the oldest goes, so a process that keeps
+# changing shapes holds a bounded number and the shapes it keeps using come back after one miss (clearing all at
+# once made every shape miss after each burst of new ones).
 _plans: dict[tuple, Plan] = {}
 MAX_PLANS = 64
 
@@ -154,7 +155,7 @@ def checked_plan(options: Options, student_input, student_weight, teacher_input,
                                           error, num_valid_tokens, (student_bias is not None, teacher_bias is not None))
     if key is not None:
         if len(_plans) >= MAX_PLANS:
-            _plans.clear()
+            del _plans[next(iter(_plans))]  # insertion order: the oldest
         _plans[key] = plan
     return plan
 
