@@ -217,12 +217,10 @@ def main(argv=None):
     parser.add_argument("--ledger")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    if args.ledger and args.rounds < 2:  # the ledger's figures are medians over providers timed in turn
-        parser.error(f"--ledger needs --rounds >= 2, got {args.rounds}")
     device = torch.device(args.device)
     if args.ledger:
         try:
-            check_ledger_path(args.ledger, on_gpu=device.type == "cuda")
+            check_ledger_path(args.ledger, on_gpu=device.type == "cuda", rounds=args.rounds)
         except ValueError as error:
             parser.error(str(error))
     if args.max_tokens is None:

@@ -792,7 +792,7 @@ def _loss_option(name: str) -> property:
 
     def set(self, value):
         options = {**self.loss_options, name: value}  # checked beside the others, as at construction
-        options_of(**{key: option for key, option in options.items() if key in OPTION_NAMES})
+        check_loss_values(options.pop("loss"), {}, **options)
         self.loss_options[name] = value
 
     return property(get, set)

@@ -714,9 +714,12 @@ def installed_version() -> str:
 PROJECT_LEDGER = Path(__file__).resolve().parents[3] / "benchmarks" / "results.csv"  # in a source checkout
 
 
-def check_ledger_path(path: str, on_gpu: bool) -> None:
-    """ValueError where path is the project's ledger and the run is not on a GPU: the ledger holds GPU timings,
-    and a CPU run's rows in it would show in its tables beside them."""
+def check_ledger_path(path: str, on_gpu: bool, rounds: int | None = None) -> None:
+    """ValueError where a run's rows must not go to the ledger at path: under two ``rounds`` (the ledger's figures
+    are medians over providers timed in turn; None: a script that times no rounds), or the project's ledger off a
+    GPU (it holds GPU timings, and a CPU run's rows would show in its tables beside them)."""
+    if rounds is not None and rounds < 2:
+        raise ValueError(f"--ledger needs --rounds >= 2, got {rounds}")
     if not on_gpu and PROJECT_LEDGER.exists() and os.path.exists(path) and os.path.samefile(path, PROJECT_LEDGER):
         raise ValueError(f"--ledger {path} is the project's ledger of GPU timings: a run off the GPU writes its rows "
                          "to another file")
