@@ -226,6 +226,34 @@ def test_fp16_weights_match_float64(beta, weight_hard, impl):
         assert got.dtype == torch.float16 and rel_err(got, want) < 3e-3
 
 
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_fp16_gradients_below_the_smallest_temperature_raise(beta, impl):
+    """fp16 heads below SMALLEST_FP16_JSD_TEMPERATURE: the lift's bound, which grows as the teacher's gap over T^2,
+    scaled reverse KL's rows into fp16's subnormals (the gradient up to 9e-2 further off float64 than the logits' own
+    rounding at T = 1e-3, wholly off at 1e-6, with no error). With gradients the function and the module raise there;
+    the loss alone runs; at the smallest temperature taken the gradients stay within 2e-3 of the fp16 logits' own
+    rounding floor (logits_rounding_floors) against float64."""
+    from cosdistill.testing import SMALLEST_FP16_JSD_TEMPERATURE, float64_reference, logits_rounding_floors
+
+    problem = make_problem(tokens=29, vocab_student=2000, vocab_teacher=2013, ignore_every=4, dtype=torch.float16)
+    args = problem.args()
+    with pytest.raises(ValueError, match=r"temperature=0.009 is below 0.01 with a float16 student_weight"):
+        fused_linear_jsd(*args, beta=beta, temperature=9e-3, impl=impl)
+    with pytest.raises(ValueError, match=r"temperature=0.009 is below 0.01"):
+        FusedLinearJSDLoss(beta=beta, temperature=9e-3, impl=impl)(*args)
+    with torch.no_grad():  # the logits' fp16 rounding over T moves it by a few 1e-3 of float64's at T = 1e-6
+        got = [fused_linear_jsd(*args, beta=beta, temperature=1e-6, impl=way) for way in (impl, "torch")]
+    assert rel_err(got[0], got[1]) < 1e-5
+    assert rel_err(got[0], float64_reference(args, loss="jsd", beta=beta, temperature=1e-6)[0][0]) < 2e-2
+
+    options = dict(beta=beta, temperature=SMALLEST_FP16_JSD_TEMPERATURE)
+    loss = fused_linear_jsd(*args, chunk_size=8, impl=impl, **options)
+    grads = torch.autograd.grad(loss, (problem.student_input, problem.student_weight, problem.student_bias))
+    want_grads = float64_reference(args, loss="jsd", **options)[1]
+    for got, want, floor in zip(grads, want_grads, logits_rounding_floors(args, torch.float16, loss="jsd", **options)):
+        assert rel_err(got, want) < floor + 2e-3
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
 @pytest.mark.parametrize("temperature", [1.0, 1.8])
 def test_softcaps_and_logit_scales_match_the_naive_version(beta, temperature):

@@ -144,6 +144,24 @@ def _is_integer(value) -> bool:
     return True
 
 
+# Below it an fp16 head's JSD gradient loses more than the fp16 logits' own rounding does: the lift (a power of two
+# per row that keeps the stored gradient in fp16's range) is set from a bound that grows as 1 / T^2, which scales
+# the row's smaller entries into fp16's subnormals (docs/design.md, The generalized JSD, Precision).
+SMALLEST_FP16_JSD_TEMPERATURE = 1e-2
+
+
+def check_fp16_jsd_temperature(options: Options, weight_dtype: torch.dtype, write_grad: bool) -> None:
+    """ValueError for the JSD's gradient on fp16 heads below SMALLEST_FP16_JSD_TEMPERATURE; the loss alone (no
+    gradient stored) runs."""
+    if options.loss == "jsd" and weight_dtype == torch.float16 and write_grad and (
+            options.temperature < SMALLEST_FP16_JSD_TEMPERATURE):
+        raise ValueError(
+            f"temperature={float(options.temperature)!r} is below {SMALLEST_FP16_JSD_TEMPERATURE:g} with a float16 "
+            "student_weight: the JSD's gradient, stored in float16 rows scaled by a bound that grows as 1 / "
+            "temperature^2, loses its small entries there (at 1e-6 all of them). Pass bfloat16 or float32 weights, "
+            f"or a temperature of at least {SMALLEST_FP16_JSD_TEMPERATURE:g}")
+
+
 def check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> None:
     """The accumulator against the student weight's dtype (the options alone check the rest)."""
     if accum_dtype not in (None, torch.float32, weight_dtype):
