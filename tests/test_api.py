@@ -535,6 +535,7 @@ def test_bad_scalars_and_options():
     ("num_valid_tokens", torch.tensor([4, 4]), TypeError, r"one-element real tensor, got a torch.int64 tensor of shape \(2,\)"),
     ("num_valid_tokens", torch.tensor(True), TypeError, "one-element real tensor, got a torch.bool tensor"),
     ("weight_hard_loss", 10**400, ValueError, "weight_hard_loss must be finite, got 1000"),  # OverflowError before
+    ("num_valid_tokens", 10**400, ValueError, "num_valid_tokens must be finite, got 1000"),  # the plan's key overflowed
     # a learnable weight or beta got no gradient, with only torch's warning
     ("weight_soft_loss", torch.tensor(0.5, requires_grad=True), TypeError, "weight_soft_loss is a tensor that requires grad"),
     ("beta", torch.tensor(0.5, requires_grad=True), TypeError, r"pass beta.detach\(\)"),

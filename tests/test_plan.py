@@ -2,6 +2,7 @@
 
 import dataclasses
 import gc
+import math
 import weakref
 
 import pytest
@@ -119,6 +120,9 @@ def test_the_function_api_checks_each_set_of_options_once():
     for wrong in (1024.0, True):
         with pytest.raises(TypeError, match=f"chunk_size must be an int or None, got {type(wrong).__name__} {wrong}"):
             options_of(chunk_size=wrong)
+    # -0.0 == 0.0 with one hash: each zero keeps its sign (the other's options once gave the losses theirs)
+    for zero in (0.0, -0.0, 0.0):
+        assert math.copysign(1.0, options_of(weight_hard_loss=zero).constants.weight_hard) == math.copysign(1.0, zero)
 
 
 def test_a_tensor_valued_option_is_read_at_every_call_and_never_cached():

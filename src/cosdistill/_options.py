@@ -136,6 +136,10 @@ class Options:
 OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(Options))
 
 
+def _is_negative_zero(value) -> bool:
+    return isinstance(value, numbers.Real) and value == 0 and math.copysign(1.0, value) < 0
+
+
 def _is_integer(value) -> bool:
     try:
         operator.index(value)  # ints, NumPy's and one-element integer tensors; not floats
@@ -187,6 +191,9 @@ def options_of(**fields) -> Options:
     builds them once per trace and would trace through the cache (and warn), nor where a value is a tensor."""
     # A tensor hashes by its identity, and its value may change in place between calls: never cached.
     if torch.compiler.is_compiling() or any(torch.is_tensor(value) for value in fields.values()):
+        return Options(**fields)
+    # -0.0 == 0.0 with one hash: the cache would hand a call the other zero's options, whose sign reaches the losses
+    if any(_is_negative_zero(value) for value in fields.values()):
         return Options(**fields)
     try:
         hash(tuple(fields.values()))

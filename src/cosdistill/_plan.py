@@ -190,7 +190,7 @@ def _call_signature(options: Options, tensors, num_valid_tokens, vocab_parallel)
     elif isinstance(num_valid_tokens, torch.Tensor):  # check_tensors reads its shape and dtype, not its value
         count = ("tensor", num_valid_tokens.shape, num_valid_tokens.dtype, num_valid_tokens.requires_grad)
     elif isinstance(num_valid_tokens, (int, float)) and not isinstance(num_valid_tokens, bool):
-        count = float(num_valid_tokens)
+        count = num_valid_tokens  # not float(): an int past its range must reach check_tensors' ValueError
     else:
         return None
     signature = [id(options), torch.is_grad_enabled(), count]
