@@ -19,8 +19,8 @@ What differs from eager:
 * grad_output scales the gradients with a plain multiply in backward (an extra pass over each
   gradient; inductor fuses it with the cast) instead of riding on the last GEMM's alpha/beta. The
   roundings are eager's: grad_weight leaves the op in the accum dtype and grad_bias in fp32, and
-  both are cast to their leaves' dtypes only after the multiply. Only a bf16/fp16 accumulator
-  (accum_dtype = the weight's dtype, the default for such weights) rounds grad_weight once more.
+  both are cast to their leaves' dtypes only after the multiply. Only a bf16 accumulator
+  (accum_dtype = the weight's dtype, the default for bf16 weights) rounds grad_weight once more.
 * the op's backward may run more than once (eager raises): the saved gradients are not consumed (torch.compile
   itself refuses a second backward where its donated buffers were freed, e.g. under dynamic=True). Neither runs with
   create_graph=True (their gradients have no gradient of their own): the op raises, torch.compile refuses the

@@ -171,12 +171,16 @@ def check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> None:
     if accum_dtype not in (None, torch.float32, weight_dtype):
         raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {weight_dtype}, "
                         f"got {accum_dtype}")
+    if accum_dtype == torch.float16:  # every chunk but the last adds into it before grad_output is known
+        raise TypeError("accum_dtype=torch.float16 is not taken: grad_weight's partial sums are added up before "
+                        "grad_output (a loss scale) is known, and in fp16 they sink into its subnormals. Pass None "
+                        "(fp32 for fp16 weights) or torch.float32")
 
 
 def default_accum_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     """grad_weight's accumulator when accum_dtype is None: the weight's dtype, except fp16, whose
     partial sums (d loss / d logits times hidden, over N, before grad_output -- a loss scale -- can
-    lift them) fall into its subnormals; bf16 has fp32's exponent range."""
+    lift them) fall into its subnormals (check_accum_dtype refuses it); bf16 has fp32's exponent range."""
     return torch.float32 if weight_dtype == torch.float16 else weight_dtype
 
 

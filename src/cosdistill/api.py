@@ -67,7 +67,7 @@ def fused_linear_cosine_distill(
 
     Extra keywords: ``num_valid_tokens`` (a positive number or 0-d tensor, e.g. a count all-reduced
     across ranks), ``accum_dtype`` (dtype of the grad_weight accumulator: None, the weight's dtype
-    but fp32 for fp16 weights; the weight's dtype; or torch.float32), ``impl`` ("auto": on Hopper or
+    but fp32 for fp16 weights; bf16 for bf16 weights; or torch.float32), ``impl`` ("auto": on Hopper or
     newer the CUDA cluster row step (kernels/row_step_cuda.py) where it applies and Triton elsewhere, Triton
     on older GPUs, torch on the CPU; "torch"; "triton": the Triton kernels only; "cuda": as "auto",
     but an error where clusters are unavailable),

@@ -150,7 +150,7 @@ def logits_rounding_floors(args, dtype: torch.dtype, grad_output=1.0, loss="cosi
 
 def accumulation_floor(dtype: torch.dtype, accum_dtype: torch.dtype | None, chunk_size: int | None, tokens: int,
                        vocab_student: int, vocab_teacher: int) -> float:
-    """The relative error that summing grad_weight chunk by chunk in a bf16 or fp16 accumulator brings
+    """The relative error that summing grad_weight chunk by chunk in a bf16 accumulator brings
     beyond the final rounding, for a call with these arguments (the library's accumulator and chunks):
     one rounding (unit roundoff u) of the growing partial sum per further chunk, a random walk,
     ~u * sqrt((chunks - 1) / 6); 0 in fp32. A property test found it; docs/reference.md, accum_dtype, says

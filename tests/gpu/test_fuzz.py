@@ -161,7 +161,7 @@ def draw_weights(rng: random.Random) -> dict:
 
 def draw_chunk_size(rng: random.Random, tokens: int) -> int | None:
     """None (the automatic size), or a size giving at most 32 chunks, or a tiny one at small T. More chunks
-    would measure the bf16/fp16 grad_weight accumulator (accum_dtype), a documented trade-off, not a bug."""
+    would measure the bf16 grad_weight accumulator (accum_dtype), a documented trade-off, not a bug."""
     fewest = max(1, -(-tokens // 32))
     kind = rng.choice(["auto", "auto", "random", "random", "tiny"])
     if kind == "auto":
