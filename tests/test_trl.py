@@ -214,6 +214,31 @@ def test_num_tokens_is_logged_as_sfttrainer_logs_it(tmp_path, config):
         [], ["eval_num_tokens"]]
 
 
+def test_a_step_that_raised_counts_no_tokens(tmp_path):
+    """auto_find_batch_size retries a step whose forward ran out of memory with a smaller batch: the failed step's
+    tokens were counted before its loss ran, and num_tokens logged 57 where SFTTrainer logs 24."""
+    logged = {}
+    for name in ("ours", "sft"):
+        student, raised = tiny_model("llama"), []
+
+        def out_of_memory_once(module, args, kwargs):
+            if module.training and not raised:
+                raised.append(True)
+                raise RuntimeError("CUDA out of memory. (a test's)")
+
+        student.model.register_forward_pre_hook(out_of_memory_once, with_kwargs=True)
+        if name == "ours":
+            trainer = make_sft_trainer(tmp_path, student, tiny_model("llama", vocab=144, seed=1),
+                                       auto_find_batch_size=True)
+        else:
+            trainer = trl.SFTTrainer(model=student, args=copy.deepcopy(trainer.args),
+                                     train_dataset=prompt_completion_dataset(), processing_class=word_tokenizer())
+        trainer.train()
+        assert raised and trainer._train_batch_size < 4
+        logged[name] = [entry["num_tokens"] for entry in trainer.state.log_history if "num_tokens" in entry]
+    assert logged["ours"] == logged["sft"] and logged["ours"][0] > 0
+
+
 @pytest.mark.parametrize("values, message", [
     (dict(loss="jsd", temperature=-1.0), "temperature must be > 0, got -1.0"),
     (dict(loss="jsd", beta=1.5), "beta must be in [0, 1] for the generalized JSD, got 1.5"),

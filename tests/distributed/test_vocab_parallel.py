@@ -210,6 +210,9 @@ WRONG_SETUPS = {
                                                     r"agree on num_valid_tokens, got \[10.0, 20.0\]"),
     "a zero num_valid_tokens tensor on one rank": ([(0, 16, 23), (16, 31, 23)], {"num_valid_tokens": ("10", "0")},
                                                    r"agree on num_valid_tokens, got \[10.0, 0.0\]"),
+    # shared by the ranks, as data_parallel_num_valid_tokens hands it to all where one rank's labels were refused
+    "a NaN num_valid_tokens tensor on every rank": ([(0, 16, 23), (16, 31, 23)], {"num_valid_tokens": ("nan", "nan")},
+                                                    r"num_valid_tokens must be finite, got nan \(data_parallel"),
 }
 
 
