@@ -120,9 +120,11 @@ def test_the_function_api_checks_each_set_of_options_once():
     for wrong in (1024.0, True):
         with pytest.raises(TypeError, match=f"chunk_size must be an int or None, got {type(wrong).__name__} {wrong}"):
             options_of(chunk_size=wrong)
-    # -0.0 == 0.0 with one hash: each zero keeps its sign (the other's options once gave the losses theirs)
+    # -0.0 == 0.0 with one hash: each zero keeps its sign (the other's options once gave the losses theirs) and
+    # its own cached options (made anew at every call, they filled the plan cache)
     for zero in (0.0, -0.0, 0.0):
         assert math.copysign(1.0, options_of(weight_hard_loss=zero).constants.weight_hard) == math.copysign(1.0, zero)
+    assert options_of(weight_hard_loss=-0.0) is options_of(weight_hard_loss=-0.0)
 
 
 def test_a_tensor_valued_option_is_read_at_every_call_and_never_cached():

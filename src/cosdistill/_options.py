@@ -148,33 +148,43 @@ def _is_integer(value) -> bool:
     return True
 
 
-# Below it an fp16 head's JSD gradient loses more than the fp16 logits' own rounding does: the lift (a power of two
-# per row that keeps the stored gradient in fp16's range) is set from a bound that grows as 1 / T^2, which scales
-# the row's smaller entries into fp16's subnormals (docs/design.md, The generalized JSD, Precision).
-SMALLEST_FP16_JSD_TEMPERATURE = 1e-2
+# The JSD's gradient at low temperatures (docs/design.md, The generalized JSD, Precision). Reverse KL's in the fast
+# row steps: below it rows whose probability sits on one column lose their gradient to fp32's cancellation of terms
+# of order 1 / T. fp16 heads': below it the lift's bound, which grows as the teacher's gap over T^2, scales the rows'
+# smaller entries into fp16's subnormals (the spec's too).
+SMALLEST_FAST_REVERSE_KL_TEMPERATURE = 0.05
+SMALLEST_FP16_JSD_TEMPERATURE = 1e-3
 
 
-def check_fp16_jsd_temperature(options: Options, weight_dtype: torch.dtype, write_grad: bool) -> None:
-    """ValueError for the JSD's gradient on fp16 heads below SMALLEST_FP16_JSD_TEMPERATURE; the loss alone (no
-    gradient stored) runs."""
-    if options.loss == "jsd" and weight_dtype == torch.float16 and write_grad and (
-            options.temperature < SMALLEST_FP16_JSD_TEMPERATURE):
+def check_jsd_temperature(options: Options, weight_dtype: torch.dtype, write_grad: bool, fast: bool) -> None:
+    """ValueError for the JSD's gradient below the temperatures above (``fast``: a fast row step runs, not the torch
+    spec); the loss alone runs at any temperature."""
+    if options.loss != "jsd" or not write_grad:
+        return
+    temperature = options.temperature  # not float(): torch.compile would specialize on it
+    if weight_dtype == torch.float16 and temperature < SMALLEST_FP16_JSD_TEMPERATURE:
         raise ValueError(
-            f"temperature={float(options.temperature)!r} is below {SMALLEST_FP16_JSD_TEMPERATURE:g} with a float16 "
-            "student_weight: the JSD's gradient, stored in float16 rows scaled by a bound that grows as 1 / "
-            "temperature^2, loses its small entries there (at 1e-6 all of them). Pass bfloat16 or float32 weights, "
-            f"or a temperature of at least {SMALLEST_FP16_JSD_TEMPERATURE:g}")
+            f"temperature={float(temperature)} is below {SMALLEST_FP16_JSD_TEMPERATURE:g} with a float16 student_weight: "
+            "the JSD's gradient, stored in float16 rows scaled by a bound that grows as 1 / temperature^2, loses its "
+            f"small entries there. Pass float32 weights, or a temperature of at least {SMALLEST_FP16_JSD_TEMPERATURE:g}")
+    if fast and options.beta == 1.0 and temperature < SMALLEST_FAST_REVERSE_KL_TEMPERATURE:
+        raise ValueError(
+            f"temperature={float(temperature)} is below {SMALLEST_FAST_REVERSE_KL_TEMPERATURE:g} with beta=1 (reverse KL) "
+            f"in the fast row steps (impl={options.impl!r}): their fp32 gradient loses the rows whose probability sits "
+            "on one column there. Pass impl='torch' (the float64 spec, slower), or a temperature of at least "
+            f"{SMALLEST_FAST_REVERSE_KL_TEMPERATURE:g}")
 
 
 def check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> None:
     """The accumulator against the student weight's dtype (the options alone check the rest)."""
-    if accum_dtype not in (None, torch.float32, weight_dtype):
-        raise TypeError(f"accum_dtype must be None, torch.float32 or student_weight's dtype {weight_dtype}, "
-                        f"got {accum_dtype}")
     if accum_dtype == torch.float16:  # every chunk but the last adds into it before grad_output is known
         raise TypeError("accum_dtype=torch.float16 is not taken: grad_weight's partial sums are added up before "
                         "grad_output (a loss scale) is known, and in fp16 they sink into its subnormals. Pass None "
                         "(fp32 for fp16 weights) or torch.float32")
+    if accum_dtype not in (None, torch.float32, weight_dtype):
+        allowed = ("None or torch.float32" if weight_dtype == torch.float16 else
+                   f"None, torch.float32 or student_weight's dtype {weight_dtype}")
+        raise TypeError(f"accum_dtype must be {allowed}, got {accum_dtype}")
 
 
 def default_accum_dtype(weight_dtype: torch.dtype) -> torch.dtype:
@@ -185,7 +195,8 @@ def default_accum_dtype(weight_dtype: torch.dtype) -> torch.dtype:
 
 
 @functools.lru_cache(maxsize=64, typed=True)  # typed: 1024.0 == 1024, but only the int is a chunk_size
-def _checked(**fields) -> Options:
+def _checked(negative_zeros: tuple, **fields) -> Options:
+    """``negative_zeros``: the fields that are -0.0, which equals 0.0 with one hash but reaches the losses' sign."""
     return Options(**fields)
 
 
@@ -196,14 +207,11 @@ def options_of(**fields) -> Options:
     # A tensor hashes by its identity, and its value may change in place between calls: never cached.
     if torch.compiler.is_compiling() or any(torch.is_tensor(value) for value in fields.values()):
         return Options(**fields)
-    # -0.0 == 0.0 with one hash: the cache would hand a call the other zero's options, whose sign reaches the losses
-    if any(_is_negative_zero(value) for value in fields.values()):
-        return Options(**fields)
     try:
         hash(tuple(fields.values()))
     except TypeError:  # an unhashable value: Options names the argument
         return Options(**fields)
-    return _checked(**fields)
+    return _checked(tuple(name for name, value in fields.items() if _is_negative_zero(value)), **fields)
 
 
 def is_transformed(tensor: torch.Tensor) -> bool:

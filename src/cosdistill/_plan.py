@@ -13,7 +13,7 @@ from . import _split_check, _teacher_fp8, _teacher_gram
 from ._backends import TORCH, Backend, backend_for
 from ._chunk_loop import ChunkResult, ChunkRows, chunked_loss_and_grads, start_student_logits
 from ._labels import LabelCounts
-from ._options import Options, check_accum_dtype, check_fp16_jsd_temperature, check_tensors, default_accum_dtype, is_transformed
+from ._options import Options, check_accum_dtype, check_jsd_temperature, check_tensors, default_accum_dtype, is_transformed
 from ._row_step import RowStepConstants, RowStepImpl
 from ._split_check import VocabParallel
 from ._teacher_logits import LogitsTeacher, SideStream, TeacherHead
@@ -88,8 +88,8 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
               needs_grad, vocab_parallel: VocabParallel | None = None, teacher_gram_cached: bool | None = None) -> Plan:
     """The plan for checked tensors. ``teacher_gram_cached``: see ``gram_applies``."""
     check_accum_dtype(options.accum_dtype, student_weight.dtype)
-    check_fp16_jsd_temperature(options, student_weight.dtype, any(needs_grad))
     backend = backend_for(options.impl, student_weight.device)
+    check_jsd_temperature(options, student_weight.dtype, any(needs_grad), fast=backend is not TORCH)
     row_step = backend.jsd_row_step if options.loss == "jsd" else backend.cosine_row_step
     quantized = isinstance(teacher_weight, _teacher_fp8.Fp8TeacherWeight)
     fp8 = options.teacher_precision == "fp8" or quantized

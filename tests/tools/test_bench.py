@@ -435,7 +435,8 @@ def test_an_error_of_the_run_keeps_its_traceback(monkeypatch):
 
 @pytest.mark.parametrize("arguments, message", [
     (["--chunk-sizes", "0"], "chunk_size must be > 0"),
-    (["--accum-dtypes", "fp16"], "accum_dtype must be None, torch.float32 or student_weight's dtype"),
+    (["--accum-dtypes", "fp16"], "accum_dtype=torch.float16 is not taken"),
+    (["--accum-dtypes", "bf16"], "accum_dtype must be None, torch.float32 or student_weight's dtype torch.float32"),
     (["--chunk-sizes", ""], "must name at least one value"),
     (["--markdown", "."], "it is a folder"),
     (["--ledger", "ledger.csv"], "--ledger needs --rounds >= 2, got 1"),
