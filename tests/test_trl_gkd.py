@@ -262,7 +262,7 @@ def test_evaluation_and_prediction_losses_are_gkds(tmp_path):
 
 
 @pytest.mark.parametrize("option", ["compute_metrics", "preprocess_logits_for_metrics", "loss_options beta",
-                                    "loss_options chunks", "loss_type", "label_smoothing_factor"])
+                                    "loss_options chunks", "loss_options value", "loss_type", "label_smoothing_factor"])
 def test_options_the_fused_loss_cannot_honour_raise(tmp_path, option):
     student, teacher = models()
     kwargs, config = {}, {}
@@ -271,6 +271,11 @@ def test_options_the_fused_loss_cannot_honour_raise(tmp_path, option):
         match = f"does not support {option}="
     elif option == "compute_metrics":
         kwargs, match = dict(compute_metrics=lambda prediction: {}), "does not support compute_metrics"
+    elif option == "loss_options value":  # checked before GKDTrainer's construction put the adapters into the student
+        import peft
+
+        lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        kwargs, match = dict(loss_options=dict(chunk_size=0), peft_config=lora), "chunk_size must be > 0, got 0"
     elif option == "preprocess_logits_for_metrics":
         kwargs = dict(preprocess_logits_for_metrics=lambda logits, labels: logits)
         match = "does not support preprocess_logits_for_metrics"
@@ -281,6 +286,7 @@ def test_options_the_fused_loss_cannot_honour_raise(tmp_path, option):
     with pytest.raises(TypeError if option == "loss_options chunks" else ValueError, match=match):
         DistillationGKDTrainer(model=student, teacher_model=teacher, args=gkd_config(tmp_path, **config),
                                train_dataset=chat_dataset(), processing_class=chat_tokenizer(), **kwargs)
+    assert not any("lora" in name for name, _ in student.named_modules())
 
 
 def test_defined_on_first_use():

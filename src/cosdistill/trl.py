@@ -38,7 +38,6 @@ from .hf import (
     UNSUPPORTED_ARGS,
     DistillationMixin,
     at_least_one,
-    check_loss_options,
     check_loss_values,
     check_sharding,
     check_tensor_parallel,
@@ -139,7 +138,9 @@ def check_jsd_alone_options(config_name, loss_options) -> None:
     if reserved:
         raise ValueError(f"loss_options cannot set {sorted(reserved)}: {config_name} sets beta, and the loss is the "
                          "generalized JSD alone")
-    check_loss_options("jsd", loss_options)
+    # their values too, before TRL's __init__ touches the models (a peft_config's adapters go into the caller's
+    # student); the config's beta and temperature are checked with them once it is read
+    check_loss_values("jsd", loss_options, beta=0.5, weight_hard_loss=0.0, weight_soft_loss=1.0)
 
 
 def _define_distillation_trainer():
