@@ -149,7 +149,8 @@ def test_under_bf16_autocast_as_close_to_fp32_as_trls(tmp_path):
         want = grads(fp32_student)
         ours_error = max(rel_err(grad, want[name]) for name, grad in grads(ours_student).items())
         trl_error = max(rel_err(grad, want[name]) for name, grad in grads(trl_student).items())
-        assert 0 < ours_error <= 1.25 * trl_error, (beta, ours_error, trl_error)
+        # both ways: a step that ran in fp32 (autocast left out) is 1e5 times closer to fp32's than TRL's
+        assert 0.1 * trl_error < ours_error <= 1.25 * trl_error, (beta, ours_error, trl_error)
 
 
 def test_a_batch_without_completion_tokens_gives_loss_0(tmp_path):
