@@ -100,6 +100,10 @@ class Options:
                 raise ValueError(f"chunk_size must be > 0, got {self.chunk_size}")
         if self.accum_dtype not in (None, *FLOAT_DTYPES):
             raise TypeError(f"accum_dtype must be None, torch.float32 or the student weight's dtype, got {self.accum_dtype}")
+        if self.accum_dtype == torch.float16:  # every chunk but the last adds into it before grad_output is known
+            raise TypeError("accum_dtype=torch.float16 is not taken: grad_weight's partial sums are added up before "
+                            "grad_output (a loss scale) is known, and in fp16 they sink into its subnormals. Pass None "
+                            "(fp32 for fp16 weights) or torch.float32")
         if self.teacher_precision not in (None, "fp8"):
             raise ValueError(f"teacher_precision must be None or 'fp8', got {self.teacher_precision!r}")
         if self.impl not in IMPLS:
@@ -176,11 +180,7 @@ def check_jsd_temperature(options: Options, weight_dtype: torch.dtype, write_gra
 
 
 def check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> None:
-    """The accumulator against the student weight's dtype (the options alone check the rest)."""
-    if accum_dtype == torch.float16:  # every chunk but the last adds into it before grad_output is known
-        raise TypeError("accum_dtype=torch.float16 is not taken: grad_weight's partial sums are added up before "
-                        "grad_output (a loss scale) is known, and in fp16 they sink into its subnormals. Pass None "
-                        "(fp32 for fp16 weights) or torch.float32")
+    """The accumulator against the student weight's dtype (the options alone check the rest, fp16 among it)."""
     if accum_dtype not in (None, torch.float32, weight_dtype):
         allowed = ("None or torch.float32" if weight_dtype == torch.float16 else
                    f"None, torch.float32 or student_weight's dtype {weight_dtype}")
