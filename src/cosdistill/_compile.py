@@ -38,11 +38,10 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ._backends import TORCH, backend_for
 from ._chunk_loop import check_not_creating_graph
 from ._device import on_device_of
-from ._options import REAL_OPTIONS, Options, check_accum_dtype, check_jsd_temperature, check_tensors, default_accum_dtype
-from ._plan import gradients_needed, make_plan, run
+from ._options import REAL_OPTIONS, Options, check_tensors, default_accum_dtype
+from ._plan import checked_backend, gradients_needed, make_plan, run
 from ._teacher_fp8 import Fp8TeacherWeight
 
 # The body reads label counts on the host, which a CUDA graph cannot capture ("reduce-overhead" mode).
@@ -176,10 +175,8 @@ def compiled_distill(options: Options, student_input, student_weight, teacher_in
                          "region (torch.compiler.disable) or without vocab_parallel")
     check_tensors(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
                   teacher_bias, options.ignore_index, num_valid_tokens)
-    check_accum_dtype(options.accum_dtype, student_weight.dtype)  # make_plan's rules, at trace time
     needs_grad = list(gradients_needed(student_input, student_weight, student_bias))
-    check_jsd_temperature(options, student_weight.dtype, any(needs_grad),
-                          fast=backend_for(options.impl, student_weight.device) is not TORCH)
+    checked_backend(options, student_weight, needs_grad)  # make_plan's rules, at trace time
     given_tensor = torch.is_tensor(num_valid_tokens)
     count = None if given_tensor or num_valid_tokens is None else _cpu_float64(num_valid_tokens)
     quantized = isinstance(teacher_weight, Fp8TeacherWeight)

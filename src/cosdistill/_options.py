@@ -211,7 +211,9 @@ def options_of(**fields) -> Options:
         hash(tuple(fields.values()))
     except TypeError:  # an unhashable value: Options names the argument
         return Options(**fields)
-    return _checked(tuple(name for name, value in fields.items() if _is_negative_zero(value)), **fields)
+    negative_zeros = () if 0 not in fields.values() else tuple(  # a scan in C first: zeros are rare
+        name for name, value in fields.items() if _is_negative_zero(value))
+    return _checked(negative_zeros, **fields)
 
 
 def is_transformed(tensor: torch.Tensor) -> bool:

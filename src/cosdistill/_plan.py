@@ -84,12 +84,19 @@ class Plan:
     grad_weight_in_forward: bool = False  # the last chunk's grad_weight GEMM in forward (``small_call``)
 
 
-def make_plan(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens: int,
-              needs_grad, vocab_parallel: VocabParallel | None = None, teacher_gram_cached: bool | None = None) -> Plan:
-    """The plan for checked tensors. ``teacher_gram_cached``: see ``gram_applies``."""
+def checked_backend(options: Options, student_weight, needs_grad) -> Backend:
+    """The row step's backend, after the options' rules that depend on the student head and the backend (make_plan's,
+    and the compiled op's at trace time)."""
     check_accum_dtype(options.accum_dtype, student_weight.dtype)
     backend = backend_for(options.impl, student_weight.device)
     check_jsd_temperature(options, student_weight.dtype, any(needs_grad), fast=backend is not TORCH)
+    return backend
+
+
+def make_plan(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens: int,
+              needs_grad, vocab_parallel: VocabParallel | None = None, teacher_gram_cached: bool | None = None) -> Plan:
+    """The plan for checked tensors. ``teacher_gram_cached``: see ``gram_applies``."""
+    backend = checked_backend(options, student_weight, needs_grad)
     row_step = backend.jsd_row_step if options.loss == "jsd" else backend.cosine_row_step
     quantized = isinstance(teacher_weight, _teacher_fp8.Fp8TeacherWeight)
     fp8 = options.teacher_precision == "fp8" or quantized

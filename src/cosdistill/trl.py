@@ -76,10 +76,12 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
         self._evaluation_prefix = None  # the metrics' prefix while evaluate() runs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        mask = inputs.get("attention_mask")
-        tokens = mask.sum() if mask is not None else torch.tensor(inputs["input_ids"].numel())
-        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        tokens = None
         if model.training:  # SFTTrainer's num_tokens, padding excluded, counted once the loss is (as SFTTrainer's)
+            mask = inputs.get("attention_mask")
+            tokens = mask.sum() if mask is not None else torch.tensor(inputs["input_ids"].numel())
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if tokens is not None:
             self._tokens_unlogged = tokens if self._tokens_unlogged is None else self._tokens_unlogged + tokens
         return result
 
