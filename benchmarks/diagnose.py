@@ -883,6 +883,8 @@ def ab(args):
     settle_s = settle_seconds(args, 3.0, device)
     old = load_old(args.old)
     options = dict(teacher_precision="fp8" if args.fp8 else None, loss=args.loss)
+    if args.beta is not None:
+        options["beta"] = args.beta
     report = []
     print(f"new: {Path(cosdistill.__file__).parent}, old: {args.old}; {args.pairs} pairs, settle {settle_s} s")
     for tokens in args.tokens:
@@ -1093,6 +1095,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--pairs", type=positive_int, default=200)
     sub.add_argument("--fp8", action="store_true", help="both versions with teacher_precision='fp8'")
     sub.add_argument("--loss", choices=("cosine", "jsd"), default="cosine", help="both versions' soft term")
+    sub.add_argument("--beta", type=float, help="the JSD's beta (default: fused_linear_jsd's)")
 
     sub = add("fp8-accuracy", fp8_accuracy,
               "the FP8 teacher's error on real-looking data against float64 and the bf16 path")

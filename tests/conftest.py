@@ -196,3 +196,52 @@ def run_jsd_split_stages(student, teacher, labels, constants, bounds, write_grad
         shard_lifts.append(poisoned((len(labels),)) if lifts else None)
         jsd.jsd_shard_grad_triton(s, t, labels, stats, sums, shard_constants, losses[-1], write_grad, shard_lifts[-1])
     return torch.cat([shard[0] for shard in shards], dim=1), losses, shard_lifts
+
+
+def peaked_reverse_kl_rows(temperature, ignore_index, vocab_student=70, vocab_teacher=77, dtype=torch.float32):
+    """(student, teacher, labels) of 8 rows, most of whose student probability sits on one column: over T, gaps of
+    20 to 1000 nats (that row's gradient underflows to 0), the top in either half of the columns, teachers spread
+    or peaked elsewhere (in the padding too), a tie of the student's top across the halves with two teacher logits
+    there, a row not peaked and an ignored one. Reverse KL's gradient there is the difference of two terms of the
+    gap's order."""
+    generator = torch.Generator().manual_seed(11)
+    student = torch.randn(8, vocab_student, generator=generator, dtype=torch.float64) * 3
+    teacher = torch.randn(8, vocab_teacher, generator=generator, dtype=torch.float64) * 3
+    for row, (top, gap, teacher_peak) in enumerate([(5, 20, None), (50, 60, None), (65, 30, 10), (3, 1000, 40),
+                                                    (8, 40, None), (vocab_student - 1, 25, vocab_teacher - 3)]):
+        student[row, top] += gap
+        if teacher_peak is not None:
+            teacher[row, teacher_peak] += gap / 2
+    student[4, 60] = student[4, 8]
+    labels = torch.randint(0, vocab_student, (8,), generator=generator)
+    labels[7] = ignore_index
+    return (student * temperature).to(dtype), (teacher * temperature).to(dtype), labels
+
+
+def exact_reverse_kl_grad(student, teacher, temperature, digits=60):
+    """[n, Vs] float64: d KL(p || q) / d s of each row (s zero-padded to the teacher's columns) on the logits'
+    exact values, in the textbook form (1 / T) p (g - sum_j p_j g_j), g = a - b, through mpmath at ``digits``
+    digits, far past the cancellation that form meets where p sits on one column."""
+    import mpmath
+
+    rows = []
+    with mpmath.workdps(digits):
+        for s, t in zip(student.double().tolist(), teacher.double().tolist()):
+            s_over_t = [mpmath.mpf(x) / temperature for x in s] + [mpmath.mpf(0)] * (len(t) - len(s))
+            t_over_t = [mpmath.mpf(x) / temperature for x in t]
+            log_z_s = mpmath.log(mpmath.fsum(mpmath.exp(x) for x in s_over_t))
+            log_z_t = mpmath.log(mpmath.fsum(mpmath.exp(x) for x in t_over_t))
+            p = [mpmath.exp(x - log_z_s) for x in s_over_t]
+            g = [(x - log_z_s) - (y - log_z_t) for x, y in zip(s_over_t, t_over_t)]
+            row_sum = mpmath.fsum(p_j * g_j for p_j, g_j in zip(p, g))
+            rows.append([float(p[k] * (g[k] - row_sum) / temperature) for k in range(len(s))])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def assert_rows_match(got, want, tolerance):
+    """Each row of ``got`` within ``tolerance`` of ``want``'s by relative error, and exactly 0 where ``want``'s is."""
+    for row, (got_row, want_row) in enumerate(zip(got.double().cpu(), want)):
+        if not want_row.any():
+            assert not got_row.any(), row
+        else:
+            assert rel_err(got_row, want_row) < tolerance, (row, rel_err(got_row, want_row))

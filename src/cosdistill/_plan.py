@@ -85,12 +85,11 @@ class Plan:
 
 
 def checked_backend(options: Options, student_weight, needs_grad) -> Backend:
-    """The row step's backend, after the options' rules that depend on the student head and the backend (make_plan's,
-    and the compiled op's at trace time)."""
+    """The row step's backend, after the options' rules that depend on the student head (make_plan's, and the
+    compiled op's at trace time)."""
     check_accum_dtype(options.accum_dtype, student_weight.dtype)
-    backend = backend_for(options.impl, student_weight.device)
-    check_jsd_temperature(options, student_weight.dtype, any(needs_grad), fast=backend is not TORCH)
-    return backend
+    check_jsd_temperature(options, student_weight.dtype, any(needs_grad))
+    return backend_for(options.impl, student_weight.device)
 
 
 def make_plan(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens: int,

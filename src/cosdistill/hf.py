@@ -661,7 +661,7 @@ def check_loss_options(loss: str, loss_options: dict) -> None:
 def check_loss_values(loss: str, loss_options: dict, **values) -> None:
     """Raises, when a Trainer is made, for a bad value among its loss options and ``values`` (weights, beta,
     temperature), which its first step would raise (distill_loss's own call checks them once per call); not the
-    JSD's low-temperature refusals, which need the heads' dtype and row step."""
+    JSD's low-temperature refusal, which needs the student head's dtype."""
     check_loss_options(loss, loss_options)
     options_of(loss=loss, **{name: value for name, value in {**loss_options, **values}.items() if name in OPTION_NAMES})
 
@@ -816,8 +816,8 @@ class DistillationMixin:
     gathered whole for the loss, ``whole_head_weight``), or split for tensor parallelism (``tp_plan="auto"``: each
     rank runs the loss on its shard of the head, ``check_tensor_parallel``); DeepSpeed ZeRO-3, FSDP1 and
     torch.nn.DataParallel raise at construction (``check_sharding``). ``loss_options`` (chunk_size, impl, ...)
-    go to the fused function of ``loss``, checked at construction (but for the JSD's low-temperature refusals, which
-    depend on the heads' dtype and device: at the first step). Trainer options the loss cannot honour
+    go to the fused function of ``loss``, checked at construction (but for the JSD's low-temperature refusal, which
+    depends on the student head's dtype: at the first step). Trainer options the loss cannot honour
     (``UNSUPPORTED_ARGS``, a ``compute_loss_func``, ``compute_metrics`` and ``preprocess_logits_for_metrics``: there
     are no logits) raise a ValueError. With ``loss="cosine"`` ``temperature`` changes nothing, as in Liger's.
     """

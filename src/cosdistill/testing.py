@@ -182,7 +182,6 @@ from ._fingerprint import as_words, fingerprint_torch, lanes_of, stale_check_tor
 from ._labels import LabelCounts, count_labels_torch, mean_losses_torch  # noqa: E402
 from ._options import (  # noqa: E402
     REAL_OPTIONS,
-    SMALLEST_FAST_REVERSE_KL_TEMPERATURE,
     SMALLEST_FP16_JSD_TEMPERATURE,
     Options,
     options_of,
@@ -263,7 +262,7 @@ __all__ = [
     # internals: the torch specs and the chunk loop's pieces
     "TORCH", "backend_for", "scale_unless_one_torch", "ChunkRows", "chunked_loss_and_grads", "fingerprint_torch",
     "as_words", "lanes_of", "stale_check_torch", "LabelCounts", "count_labels_torch", "mean_losses_torch", "Options",
-    "REAL_OPTIONS", "SMALLEST_FP16_JSD_TEMPERATURE", "SMALLEST_FAST_REVERSE_KL_TEMPERATURE",
+    "REAL_OPTIONS", "SMALLEST_FP16_JSD_TEMPERATURE",
     "options_of", "chunk_rows", "COSINE_TORCH_ROW_STEP", "RowStepImpl",
     "RowStepConstants", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
     "with_teacher_products", "LogitsTeacher", "TeacherHead", "AttachGradients", "FUSED_LOSSES",

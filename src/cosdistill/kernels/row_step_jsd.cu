@@ -4,8 +4,12 @@
 // (whose helpers say why each is formed as it is). A cluster holds one row in its blocks' shared memory (and
 // registers); they reduce the row's statistics, then its soft sums, exchanging each through distributed shared
 // memory, and write their slice's d L / d s from what they hold.
-#define NUM_STATS 5  // the student's max and sums of 2^((s - max) scale) at T and unscaled; the teacher's max and sum
-#define NUM_SUMS 2  // the soft term's student sum (also the gradient's row sum) and teacher sum
+// The student's max and sums of 2^((s - max) scale) at T and unscaled; the teacher's max and sum; REVERSE's sixth,
+// the teacher's largest logit among the student's max columns (its reference column, row_step_jsd_triton._referenced_gap).
+#define NUM_STATS (MODE == REVERSE ? 6 : 5)
+// The soft term's student sum (also the gradient's row sum) and teacher sum; REVERSE's second, which it has no
+// teacher sum for, its row sum against the reference column (pass 3 takes the smaller of the two).
+#define NUM_SUMS 2
 #define FORWARD 0  // MODE: beta == 0, KL(q || p)
 #define REVERSE 1  // beta == 1, KL(p || q)
 #define MIXED 2  // 0 < beta < 1, against the mixture m = (1 - beta) p + beta q
@@ -29,8 +33,10 @@ __device__ __forceinline__ float merged_sum(float sum, float max, float other_su
   return (max >= other_max ? sum : sum * factor) + (other_max >= max ? other_sum : other_sum * factor);
 }
 
-// Merges `other` into `stats` (NUM_STATS each; one that has seen nothing is -inf, 0, 0, -inf, 0).
+// Merges `other` into `stats` (NUM_STATS each; one that has seen nothing is -inf, 0, 0, -inf, 0, -inf).
 __device__ __forceinline__ void merge_stats(float* stats, const float* other, float x_scale) {
+  if (MODE == REVERSE)  // the teacher at the larger student max, the larger of the two at a tie
+    stats[5] = other[0] > stats[0] ? other[5] : other[0] == stats[0] ? fmaxf(stats[5], other[5]) : stats[5];
   stats[1] = merged_sum(stats[1], stats[0], other[1], other[0], x_scale);
   if (!SHARED) stats[2] = merged_sum(stats[2], stats[0], other[2], other[0], LOG2E);
   stats[0] = fmaxf(stats[0], other[0]);
@@ -161,7 +167,9 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
   extern __shared__ uint4 tiles[];  // this block's slice but its register vectors: the student's, the teacher's, gaps
   __shared__ float warp_stats[NUM_WARPS][NUM_STATS], warp_sums[NUM_WARPS][NUM_SUMS];
   __shared__ float block_stats[NUM_STATS], block_sums[NUM_SUMS];  // read by the cluster's other blocks
-  __shared__ float row_consts[6];  // top_s, norm_x, norm_z, top_t, norm_y; then the gradient's row sum
+  // top_s, norm_x, norm_z, top_t, norm_y; the gradient's row sum; REVERSE's teacher at the student's top, then the
+  // teacher logit and normaliser gap its pass 3 forms its g against (row_step_jsd_triton._row_reference's choice)
+  __shared__ float row_consts[9];
 #if HASH_ROW_VECS
   hash_share(hash_words, hash_rows, hash_stride, hash_partials, reinterpret_cast<unsigned (*)[2]>(warp_sums));
 #endif
@@ -202,7 +210,7 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
 
   // Pass 1: each thread's statistics of the vectors it copied itself (no block barrier before), per vector
   // one max and then one exponential per logit and stream.
-  float stats[NUM_STATS] = {NEG_INF, 0.f, 0.f, NEG_INF, 0.f};
+  float stats[6] = {NEG_INF, 0.f, 0.f, NEG_INF, 0.f, NEG_INF};  // the first NUM_STATS
   #pragma unroll
   for (int k = 0; k < ITERS; ++k) {
     if (k >= REGISTER_COLS) wait_copies(ITERS - 1 - k);
@@ -211,12 +219,16 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
       float s[8], t[8];
       unpack(VECTOR(student, k, i), s);
       unpack(VECTOR(teacher, k, i), t);
-      float vec[NUM_STATS] = {s[0], 0.f, 0.f, t[0], 0.f};
+      float vec[6] = {s[0], 0.f, 0.f, t[0], 0.f, NEG_INF};
       #pragma unroll
       for (int j = 1; j < 8; ++j) {
         vec[0] = fmaxf(vec[0], s[j]);
         vec[3] = fmaxf(vec[3], t[j]);
       }
+      if (MODE == REVERSE)
+        #pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (s[j] == vec[0]) vec[5] = fmaxf(vec[5], t[j]);
       #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float student_distance = s[j] - vec[0];
@@ -227,7 +239,7 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
       merge_stats(stats, vec, x_scale);
     }
   }
-  const float empty_stats[NUM_STATS] = {NEG_INF, 0.f, 0.f, NEG_INF, 0.f};
+  const float empty_stats[6] = {NEG_INF, 0.f, 0.f, NEG_INF, 0.f, NEG_INF};
   reduce_row<NUM_STATS>(stats, empty_stats, warp_stats, block_stats,
                         [&](float* mine, const float* other) { merge_stats(mine, other, x_scale); });
   if (tid == 0) {  // log2 p = (s - top_s) x_scale - norm_x, log2 softmax(s) = (s - top_s) log2(e) - norm_z, ...
@@ -236,10 +248,12 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
     row_consts[2] = SHARED ? row_consts[1] : log2f(stats[2]);
     row_consts[3] = stats[3];
     row_consts[4] = log2f(stats[4]);
+    if (MODE == REVERSE) row_consts[6] = stats[5];
   }
   __syncthreads();
   const float top_s = row_consts[0], norm_x = row_consts[1], norm_z = row_consts[2];
   const float top_t = row_consts[3], norm_y = row_consts[4];
+  const float teacher_at_top = MODE == REVERSE ? row_consts[6] : 0.f;
   const float norm_gap = norm_x - norm_y;
   const long long label_vec = slice.label / 8 - slice.first_vec;
   const int label_lane = slice.label % 8;
@@ -265,8 +279,10 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
           const float p = exp2_fast(a);
           const float hard_prob = SHARED ? p : exp2_fast(student_distance * LOG2E - norm_z);
           g[j] = weight_hard * hard_prob + soft_coef * (p - q);
-        } else if (MODE == REVERSE) {
-          sums[0] -= exp2_fast(a) * d;
+        } else if (MODE == REVERSE) {  // the loss's sum (also the unreferenced row sum), and the referenced one
+          const float p = exp2_fast(a);
+          sums[0] -= p * d;
+          sums[1] -= p * (((t[j] - teacher_at_top) - student_distance) * x_scale);
         } else {  // p and q from one exponential of the larger and the ratio 2^-|d| that the mixture needs anyway
           const float smaller = exp2_fast(-fabsf(d));
           const float larger_prob = exp2_fast(fmaxf(a, b)), smaller_prob = larger_prob * smaller;
@@ -295,6 +311,14 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
   });
   if (tid == 0) {
     row_consts[5] = sums[0];  // sum_j p_j (log2 p_j - x_j): the gradient's row sum
+    if (MODE == REVERSE && fabsf(sums[1]) < fabsf(sums[0])) {  // the row's form: the smaller row sum
+      row_consts[5] = sums[1];
+      row_consts[7] = teacher_at_top;
+      row_consts[8] = 0.f;
+    } else if (MODE == REVERSE) {
+      row_consts[7] = top_t;
+      row_consts[8] = norm_gap;
+    }
     if (slice.rank == 0) {
       losses[2 * slice.row] = (top_s - target) + LN2 * norm_z;  // logsumexp(s) - s[label]
       losses[2 * slice.row + 1] = LN2 * (MODE == FORWARD ? sums[1] : MODE == REVERSE ? sums[0] : keep * sums[0] + sums[1]);
@@ -307,6 +331,7 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
   if (MODE != FORWARD) {
     __syncthreads();
     const float row_sum = row_consts[5];
+    const float gap_teacher = MODE == REVERSE ? row_consts[7] : 0.f, gap_norm = MODE == REVERSE ? row_consts[8] : 0.f;
     const float log_coef = soft_coef * LN2 * (MODE == MIXED ? keep : 1.f);
     #pragma unroll
     for (int k = 0; k < ITERS; ++k) {
@@ -331,8 +356,8 @@ cluster_jsd_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labe
           const float a = student_distance * x_scale - norm_x;
           const float p = exp2_fast(a);
           const float hard_prob = SHARED ? p : exp2_fast(student_distance * LOG2E - norm_z);
-          const float student_gap =  // log2 p - log2 m, or REVERSE's log2 p - log2 q
-              KEEP_GAP ? other[j] : -(((other[j] - top_t) - student_distance) * x_scale + norm_gap);
+          const float student_gap =  // log2 p - log2 m, or REVERSE's log2 p - log2 q (less its value at the reference)
+              KEEP_GAP ? other[j] : -(((other[j] - gap_teacher) - student_distance) * x_scale + gap_norm);
           // p first: log_coef times the bracket can pass fp32's range near T = 0, where p is 0
           g[j] = weight_hard * hard_prob + (p * log_coef) * (student_gap - row_sum);
         }

@@ -203,17 +203,18 @@ def _minus_mixture(d, keep, beta, MODE: tl.constexpr):
 
 
 @triton.jit
-def _soft_terms(a, b, d, keep, beta, MODE: tl.constexpr):
+def _soft_terms(a, b, d, referenced_d, keep, beta, MODE: tl.constexpr):
     """The soft loss's summands in base-2 units, (the student's, the teacher's, the student's shifted), from
-    log2 p = a, log2 q = b and d = log2 q - log2 p. FORWARD: (0, q d); REVERSE: (-p d, 0); MIXED:
-    (p (a - log2 m), beta q (b - log2 m)). The student's sum is also the gradient's row sum sum_j p_j g_j (up to
-    the factor _grad's log_coef carries); MIXED_PRECISE's third, p times its gap shifted by log2(1 - beta), the
-    same row sum in the shifted form (the other forms repeat the student's)."""
+    log2 p = a, log2 q = b and d = log2 q - log2 p. FORWARD: (0, q d); REVERSE: (-p d, 0, -p (d - d*)) with
+    ``referenced_d`` = d - d* (_referenced_gap); MIXED: (p (a - log2 m), beta q (b - log2 m)). The student's sum is
+    also the gradient's row sum sum_j p_j g_j (up to the factor _grad's log_coef carries); the third, the same row
+    sum in the shifted form: REVERSE's against the reference column, MIXED_PRECISE's p times its gap shifted by
+    log2(1 - beta) (MIXED repeats the student's)."""
     if MODE == FORWARD:
         return tl.zeros_like(a), _exp2(b) * d, tl.zeros_like(a)
     elif MODE == REVERSE:
-        student_term = -_exp2(a) * d
-        return student_term, tl.zeros_like(a), student_term
+        p = _exp2(a)
+        return -p * d, tl.zeros_like(a), -p * referenced_d
     else:
         p = _exp2(a)
         student_gap, teacher_gap, shifted_gap = _minus_mixture(d, keep, beta, MODE)
@@ -240,6 +241,14 @@ def _grad(s, a, b, d, cols, label_col, z_scale, shift_z, norm_z, inv_ratio, weig
         student_gap, _, shifted_gap = _minus_mixture(d, keep, beta, MODE)
         gap = tl.where(shifted, shifted_gap, student_gap)
         return grad + (p * log_coef) * (gap - row_sum), tl.zeros_like(a)
+
+
+@triton.jit
+def _referenced_gap(s, t, top_s, teacher_at_top, x_scale):
+    """REVERSE's d - d*, d* = d at the row's reference column (the student's largest logit top_s, the teacher's
+    there teacher_at_top; _row_step_jsd._referenced_gaps), from the logits' distances to that column: 0 there, so
+    that where p sits on it the gradient's bracket -(d - d*) - row sum keeps fp32's relative precision."""
+    return ((t - teacher_at_top) - (s - top_s)) * x_scale
 
 
 @triton.jit
@@ -279,12 +288,22 @@ def _row_lift(lift_row, weight_hard, soft_coef, largest_bracket, largest_p, row_
 
 
 @triton.jit
+def _at_top(at_top, max_s, s, t):
+    """Each lane's teacher logit at its largest student logit so far, the largest among ties (before max_s takes
+    s in)."""
+    return tl.where(s > max_s, t, tl.where(s == max_s, tl.maximum(at_top, t), at_top))
+
+
+@triton.jit
 def _row_sums_of_exps(student_row, teacher_row, vocab_student, vocab_teacher, x_scale, z_scale, student_cap,
-                      teacher_cap, student_scale, teacher_scale, SHARED: tl.constexpr, STUDENT_CAP: tl.constexpr,
-                      TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """Pass 1: (top_s, total_x, total_z, top_t, total_y), each model's row max and sum of exponentials over the
-    given columns: the student's at T (x) and, unless T == 1 where it is the same stream, unscaled (z); the
-    teacher's at T (y). A student with no columns here gives (-inf, 0). The hot loop runs without masks."""
+                      teacher_cap, student_scale, teacher_scale, SHARED: tl.constexpr, REFERENCE: tl.constexpr,
+                      STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr,
+                      STAGES: tl.constexpr):
+    """Pass 1: (top_s, total_x, total_z, top_t, total_y, teacher_at_top), each model's row max and sum of
+    exponentials over the given columns: the student's at T (x) and, unless T == 1 where it is the same stream,
+    unscaled (z); the teacher's at T (y); with REFERENCE, the teacher's largest logit among the student's top_s
+    columns (REVERSE's reference column; else 0). A student with no columns here gives (-inf, 0) and -inf. The hot
+    loop runs without masks."""
     offsets = tl.arange(0, BLOCK)
     whole_blocks_stop = vocab_student - vocab_student % BLOCK
     max_s = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -292,10 +311,13 @@ def _row_sums_of_exps(student_row, teacher_row, vocab_student, vocab_teacher, x_
     sum_z = tl.zeros([BLOCK], tl.float32)
     max_t = tl.full([BLOCK], float("-inf"), tl.float32)
     sum_y = tl.zeros([BLOCK], tl.float32)
+    at_top = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
         cols = start + offsets
         s = load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
         t = load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
+        if REFERENCE:
+            at_top = _at_top(at_top, max_s, s, t)
         if SHARED:
             max_s, sum_x = _online(max_s, sum_x, s, x_scale)
         else:
@@ -308,6 +330,8 @@ def _row_sums_of_exps(student_row, teacher_row, vocab_student, vocab_teacher, x_
         s = load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
         t = load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
         # A lane past a vocabulary keeps its state (its 0s computed nothing NaN).
+        if REFERENCE:
+            at_top = tl.where(in_student, _at_top(at_top, max_s, s, t), at_top)
         if SHARED:
             new_max, new_sum_x = _online(max_s, sum_x, s, x_scale)
         else:
@@ -324,7 +348,10 @@ def _row_sums_of_exps(student_row, teacher_row, vocab_student, vocab_teacher, x_
         total_z = total_x
     else:
         total_z = _row_total(max_s, sum_z, z_scale)[1]
-    return top_s, total_x, total_z, top_t, total_y
+    teacher_at_top = 0.0
+    if REFERENCE:
+        teacher_at_top = tl.max(tl.where(max_s == top_s, at_top, float("-inf")), axis=0)
+    return top_s, total_x, total_z, top_t, total_y, teacher_at_top
 
 
 @triton.jit
@@ -349,11 +376,12 @@ def _inv_ratio(top_s, shift_x, x_scale, norm_x, norm_z, SHARED: tl.constexpr):
 
 @triton.jit
 def _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale, z_scale, shift_x, norm_x, top_t,
-                    norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum, shifted, keep, beta,
-                    lift, student_cap, teacher_cap, student_scale, teacher_scale, MODE: tl.constexpr, SHARED: tl.constexpr,
-                    LIFT: tl.constexpr, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr,
-                    STAGES: tl.constexpr):
-    """Pass 3: the row's gradient over the student's columns, over its logits (_grad; times ``lift`` with LIFT)."""
+                    norm_y, top_s, teacher_at_top, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum, shifted,
+                    keep, beta, lift, student_cap, teacher_cap, student_scale, teacher_scale, MODE: tl.constexpr,
+                    SHARED: tl.constexpr, LIFT: tl.constexpr, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr,
+                    BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Pass 3: the row's gradient over the student's columns, over its logits (_grad, REVERSE's with d - d* where
+    the row is ``shifted``, as its row sum then is; times ``lift`` with LIFT)."""
     offsets = tl.arange(0, BLOCK)
     whole_blocks_stop = vocab_student - vocab_student % BLOCK
     for start in tl.range(0, whole_blocks_stop, BLOCK, num_stages=STAGES):
@@ -361,6 +389,8 @@ def _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale,
         s = load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
         t = load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
         a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
+        if MODE == REVERSE:
+            d = tl.where(shifted, _referenced_gap(s, t, top_s, teacher_at_top, x_scale), d)
         grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
                         row_sum, shifted, keep, beta, MODE, SHARED, MASKED=False)
         grad = _lifted(_through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP), lift, LIFT)
@@ -371,6 +401,8 @@ def _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale,
         s = load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
         t = load_logits(teacher_row, cols, in_student, teacher_scale, teacher_cap, TEACHER_CAP)
         a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
+        if MODE == REVERSE:
+            d = tl.where(shifted, _referenced_gap(s, t, top_s, teacher_at_top, x_scale), d)
         grad, _ = _grad(s, a, b, d, cols, label_col, z_scale, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef,
                         row_sum, shifted, keep, beta, MODE, SHARED, MASKED=True)
         grad = _lifted(_through_the_head(grad, s, student_scale, student_cap, STUDENT_CAP), lift, LIFT)
@@ -378,13 +410,15 @@ def _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale,
 
 
 @triton.jit
-def _soft_sums(student_row, teacher_row, vocab_student, vocab_teacher, x_scale, shift_x, norm_x, top_t, norm_y, keep,
-               beta, student_cap, teacher_cap, student_scale, teacher_scale, MODE: tl.constexpr, LIFT: tl.constexpr,
-               STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+def _soft_sums(student_row, teacher_row, vocab_student, vocab_teacher, x_scale, shift_x, norm_x, top_t, norm_y, top_s,
+               teacher_at_top, keep, beta, student_cap, teacher_cap, student_scale, teacher_scale, MODE: tl.constexpr,
+               REFERENCE: tl.constexpr, LIFT: tl.constexpr, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr,
+               BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Pass 2 without the gradient: (student_sum, teacher_sum, shifted_sum, largest_bracket) over the given
     columns, the sums of _soft_terms (the student's, sum p (a - x) with x = b or log2 m, is also the gradient's row
-    sum; shifted_sum, MIXED_PRECISE's in the shifted form, the student's in the others) and with LIFT the largest
-    |_soft_bracket| over the student's columns (0 without). The student's zero padding counts."""
+    sum; shifted_sum the row sum in the gradient's shifted form: MIXED_PRECISE's, and with REFERENCE REVERSE's
+    against its reference column (top_s, teacher_at_top), else the student's) and with LIFT the largest
+    |_soft_bracket| over the student's columns (0 without), unshifted. The student's zero padding counts."""
     offsets = tl.arange(0, BLOCK)
     whole_blocks_stop = vocab_student - vocab_student % BLOCK
     largest_bracket = tl.zeros([BLOCK], tl.float32)
@@ -396,10 +430,13 @@ def _soft_sums(student_row, teacher_row, vocab_student, vocab_teacher, x_scale, 
         s = load_logits(student_row, cols, None, student_scale, student_cap, STUDENT_CAP, MASKED=False)
         t = load_logits(teacher_row, cols, None, teacher_scale, teacher_cap, TEACHER_CAP, MASKED=False)
         a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=False)
-        student_term, teacher_term, shifted_term = _soft_terms(a, b, d, keep, beta, MODE)
+        referenced_d = d
+        if REFERENCE:
+            referenced_d = _referenced_gap(s, t, top_s, teacher_at_top, x_scale)
+        student_term, teacher_term, shifted_term = _soft_terms(a, b, d, referenced_d, keep, beta, MODE)
         student_part += student_term
         teacher_part += teacher_term
-        if MODE == MIXED_PRECISE:
+        if MODE == MIXED_PRECISE or REFERENCE:
             shifted_part += shifted_term
         if LIFT:
             largest_bracket = tl.maximum(largest_bracket, tl.abs(_soft_bracket(a, b, student_term, MODE)))
@@ -410,17 +447,20 @@ def _soft_sums(student_row, teacher_row, vocab_student, vocab_teacher, x_scale, 
         s = load_logits(student_row, cols, in_student, student_scale, student_cap, STUDENT_CAP)
         t = load_logits(teacher_row, cols, in_teacher, teacher_scale, teacher_cap, TEACHER_CAP)
         a, b, d = _log_probs(s, t, x_scale, shift_x, norm_x, top_t, norm_y, MASKED=True)
-        student_term, teacher_term, shifted_term = _soft_terms(a, b, d, keep, beta, MODE)
+        referenced_d = d
+        if REFERENCE:
+            referenced_d = _referenced_gap(s, t, top_s, teacher_at_top, x_scale)
+        student_term, teacher_term, shifted_term = _soft_terms(a, b, d, referenced_d, keep, beta, MODE)
         student_part += tl.where(in_teacher, student_term, 0.0)
         teacher_part += tl.where(in_teacher, teacher_term, 0.0)
-        if MODE == MIXED_PRECISE:
+        if MODE == MIXED_PRECISE or REFERENCE:
             shifted_part += tl.where(in_teacher, shifted_term, 0.0)
         if LIFT:  # over the student's columns: the padding has no gradient
             bracket = tl.abs(_soft_bracket(a, b, student_term, MODE))
             largest_bracket = tl.where(in_student, tl.maximum(largest_bracket, bracket), largest_bracket)
     student_sum = tl.sum(student_part, axis=0)
     shifted_sum = student_sum
-    if MODE == MIXED_PRECISE:
+    if MODE == MIXED_PRECISE or REFERENCE:
         shifted_sum = tl.sum(shifted_part, axis=0)
     return student_sum, tl.sum(teacher_part, axis=0), shifted_sum, tl.max(largest_bracket, axis=0)
 
@@ -445,8 +485,11 @@ def _row_reference(student_sum, shifted_sum, MODE: tl.constexpr):
     peaked far from the student, at betas from ~0.3 up at temperature 0.5): there the gap shifted by
     log2(1 - beta) holds only the small term, elsewhere the unshifted one is small. Of the two forms, the one
     whose row sum is smaller in size, the same on every rank of a split (the sums are combined before this
-    pass); the other forms, unshifted."""
-    if MODE == MIXED_PRECISE:
+    pass). REVERSE's g = -d grows as the gap over T, and where p sits on one column g there and the row sum are
+    large and nearly equal: against its reference column (_referenced_gap) g is 0 there; but where p is spread and
+    the teacher's logit at that column is far from its others, g - g* is large everywhere and -d small. Again the
+    form whose row sum is the smaller (_row_step_jsd._reverse_kl_form). FORWARD and MIXED, unshifted."""
+    if MODE == MIXED_PRECISE or MODE == REVERSE:
         shifted = tl.abs(shifted_sum) < tl.abs(student_sum)
         return tl.where(shifted, shifted_sum, student_sum), shifted
     else:
@@ -455,9 +498,9 @@ def _row_reference(student_sum, shifted_sum, MODE: tl.constexpr):
 
 @triton.jit
 def _lift_and_write_row_grad(student_row, teacher_row, lift_row, vocab_student, label_col, x_scale, z_scale, shift_x,
-                             norm_x, top_t, norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, student_sum,
-                             shifted_sum, largest_bracket, keep, beta, student_cap, teacher_cap, student_scale,
-                             teacher_scale,
+                             norm_x, top_t, norm_y, top_s, teacher_at_top, norm_z, inv_ratio, weight_hard, soft_coef,
+                             student_sum, shifted_sum, largest_bracket, keep, beta, student_cap, teacher_cap,
+                             student_scale, teacher_scale,
                              MODE: tl.constexpr, SHARED: tl.constexpr, LIFT: tl.constexpr, STUDENT_CAP: tl.constexpr,
                              TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Pass 3 from the row's whole sums: with LIFT its power of two (stored at ``lift_row``), then the gradient in
@@ -477,8 +520,8 @@ def _lift_and_write_row_grad(student_row, teacher_row, lift_row, vocab_student, 
                          student_scale)
     row_sum, shifted = _row_reference(student_sum, shifted_sum, MODE)
     _write_row_grad(student_row, teacher_row, vocab_student, label_col, x_scale, z_scale, shift_x, norm_x, top_t,
-                    norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum, shifted, keep, beta, lift,
-                    student_cap, teacher_cap, student_scale, teacher_scale, MODE, SHARED, LIFT, STUDENT_CAP,
+                    norm_y, top_s, teacher_at_top, norm_z, inv_ratio, weight_hard, soft_coef, log_coef, row_sum, shifted,
+                    keep, beta, lift, student_cap, teacher_cap, student_scale, teacher_scale, MODE, SHARED, LIFT, STUDENT_CAP,
                     TEACHER_CAP, BLOCK, STAGES)
 
 
@@ -500,7 +543,9 @@ def _jsd_row_step_kernel(
     STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     """With LIFT (fp16 logits, WRITE_GRAD) each row's gradient is written times its power of two, stored at
-    lifts_ptr (1 for an ignored row), as the spec's jsd_shard_grad_torch."""
+    lifts_ptr (1 for an ignored row), as the spec's jsd_shard_grad_torch. REVERSE with WRITE_GRAD finds its
+    reference column in pass 1 and takes its row sum against it in pass 2 (_referenced_gap)."""
+    REFERENCE: tl.constexpr = MODE == REVERSE and WRITE_GRAD
     row = tl.program_id(0).to(tl.int64)
     student_row, valid, in_shard, column = row_and_label(
         row, student_ptr, student_row_stride, labels_ptr, ignore_index, vocab_start, vocab_student,
@@ -517,9 +562,9 @@ def _jsd_row_step_kernel(
     else:
         z_scale = LOG2E  # the unscaled student, for the hard term
     if valid:
-        top_s, total_x, total_z, top_t, total_y = _row_sums_of_exps(
+        top_s, total_x, total_z, top_t, total_y, teacher_at_top = _row_sums_of_exps(
             student_row, teacher_row, vocab_student, vocab_teacher, x_scale, z_scale, student_cap, teacher_cap,
-            student_scale, teacher_scale, SHARED, STUDENT_CAP, TEACHER_CAP, BLOCK, STAGES)
+            student_scale, teacher_scale, SHARED, REFERENCE, STUDENT_CAP, TEACHER_CAP, BLOCK, STAGES)
         shift_x, total_padded = _with_padding(top_s, total_x, padding, x_scale)
         norm_x = tl.log2(total_padded)  # log2 p = (s - shift_x) x_scale - norm_x
         norm_y = tl.log2(total_y)  # log2 q = (t - top_t) x_scale - norm_y
@@ -559,9 +604,9 @@ def _jsd_row_step_kernel(
             largest_bracket = 0.0
         else:
             student_sum, teacher_sum, shifted_sum, largest_bracket = _soft_sums(
-                student_row, teacher_row, vocab_student, vocab_teacher, x_scale, shift_x, norm_x, top_t, norm_y, keep,
-                beta, student_cap, teacher_cap, student_scale, teacher_scale, MODE, LIFT, STUDENT_CAP, TEACHER_CAP,
-                BLOCK, STAGES)
+                student_row, teacher_row, vocab_student, vocab_teacher, x_scale, shift_x, norm_x, top_t, norm_y, top_s,
+                teacher_at_top, keep, beta, student_cap, teacher_cap, student_scale, teacher_scale, MODE, REFERENCE,
+                LIFT, STUDENT_CAP, TEACHER_CAP, BLOCK, STAGES)
         tl.store(losses_row, hard_loss)
         tl.store(losses_row + 1, _soft_loss(student_sum, teacher_sum, keep, MODE))
 
@@ -570,7 +615,7 @@ def _jsd_row_step_kernel(
         if WRITE_GRAD and (MODE != FORWARD or LIFT):
             _lift_and_write_row_grad(
                 student_row, teacher_row, lifts_ptr + row, vocab_student, label_col, x_scale, z_scale, shift_x, norm_x,
-                top_t, norm_y, top_s, norm_z, inv_ratio, weight_hard, soft_coef, student_sum, shifted_sum,
+                top_t, norm_y, top_s, teacher_at_top, norm_z, inv_ratio, weight_hard, soft_coef, student_sum, shifted_sum,
                 largest_bracket, keep,
                 beta, student_cap, teacher_cap, student_scale, teacher_scale, MODE, SHARED, LIFT, STUDENT_CAP,
                 TEACHER_CAP, BLOCK, STAGES)
@@ -630,7 +675,7 @@ def row_step_jsd_triton(student_logits, teacher_logits, labels, constants: RowSt
 # The vocabulary split's three stages, the spec's (split_jsd_row_step) in this kernel's terms: a shard's
 # statistics are pairs (max, sum of exponentials relative to it) rather than log-sum-exps, so that once the
 # ranks' pairs are combined every rank forms d from the logits' distances to the whole row's maxima, as the
-# unsplit kernel does. Their layout, [n, 7] fp32 (an ignored row's are placeholders that combine to finite
+# unsplit kernel does. Their layout, [n, 8] fp32 (an ignored row's are placeholders that combine to finite
 # numbers nothing reads):
 SHARD_STATS = (
     "student_max",  # top_s: the max of s over the shard's student columns (-inf over none)
@@ -640,6 +685,8 @@ SHARD_STATS = (
     "teacher_max",  # top_t
     "teacher_sum",  # total_y: sum of 2^((t - top_t) log2(e) / T)
     "target_logit",  # s[label] if the label falls in this shard, else 0
+    "teacher_at_student_top",  # REVERSE's: the teacher's largest logit among the student's top_s columns (-inf over
+    # none), whichever rank holds the row's top_s; 0 in the other modes
 )
 NUM_SHARD_STATS: tl.constexpr = tl.constexpr(len(SHARD_STATS))
 # Per row: the _soft_sums of the shard's columns, (student_sum, teacher_sum, shifted_sum, largest_bracket); the
@@ -652,8 +699,8 @@ def _jsd_shard_stats_kernel(
     student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, stats_ptr,
     vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
     x_scale, padding, student_cap, teacher_cap, student_scale, teacher_scale,
-    SHARED: tl.constexpr, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
+    SHARED: tl.constexpr, REFERENCE: tl.constexpr, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Stage 1: the SHARD_STATS of each row over the shard's columns (pass 1 of _jsd_row_step_kernel)."""
     row = tl.program_id(0).to(tl.int64)
@@ -664,9 +711,10 @@ def _jsd_shard_stats_kernel(
     label_col = tl.where(in_shard, column, -1).to(tl.int32)
     stats_row = stats_ptr + row * NUM_SHARD_STATS
     if valid:
-        top_s, total_x, total_z, top_t, total_y = _row_sums_of_exps(
+        top_s, total_x, total_z, top_t, total_y, teacher_at_top = _row_sums_of_exps(
             student_row, teacher_ptr + row * teacher_row_stride, vocab_student, vocab_teacher, x_scale, LOG2E,
-            student_cap, teacher_cap, student_scale, teacher_scale, SHARED, STUDENT_CAP, TEACHER_CAP, BLOCK, STAGES)
+            student_cap, teacher_cap, student_scale, teacher_scale, SHARED, REFERENCE, STUDENT_CAP, TEACHER_CAP, BLOCK,
+            STAGES)
         shift_x, total_padded = _with_padding(top_s, total_x, padding, x_scale)
         target = load_logits(student_row, label_col, label_col >= 0, student_scale, student_cap, STUDENT_CAP)
         tl.store(stats_row, top_s)
@@ -676,17 +724,18 @@ def _jsd_shard_stats_kernel(
         tl.store(stats_row + 4, top_t)
         tl.store(stats_row + 5, total_y)
         tl.store(stats_row + 6, target)
+        tl.store(stats_row + 7, teacher_at_top)
     else:
         for index in tl.static_range(NUM_SHARD_STATS):
-            tl.store(stats_row + index, (index % 2 == 1) * 1.0)  # maxima 0, sums 1, target 0
+            tl.store(stats_row + index, (index % 2 == 1) * 1.0)  # maxima 0, sums 1, the rest 0 or 1: never read
 
 
 @triton.jit
 def _whole_row_stats(stats_row):
-    """(top_s, norm_z, shift_x, norm_x, top_t, norm_y, target) from a row's combined SHARD_STATS, the norms
-    log2 of the sums as in _jsd_row_step_kernel."""
+    """(top_s, norm_z, shift_x, norm_x, top_t, norm_y, target, teacher_at_top) from a row's combined SHARD_STATS,
+    the norms log2 of the sums as in _jsd_row_step_kernel."""
     return (tl.load(stats_row), tl.log2(tl.load(stats_row + 1)), tl.load(stats_row + 2), tl.log2(tl.load(stats_row + 3)),
-            tl.load(stats_row + 4), tl.log2(tl.load(stats_row + 5)), tl.load(stats_row + 6))
+            tl.load(stats_row + 4), tl.log2(tl.load(stats_row + 5)), tl.load(stats_row + 6), tl.load(stats_row + 7))
 
 
 @triton.jit
@@ -706,11 +755,12 @@ def _jsd_shard_sums_kernel(
     sums_row = sums_ptr + row * NUM_SHARD_SUMS
     student_sum, teacher_sum, shifted_sum, largest_bracket = 0.0, 0.0, 0.0, 0.0
     if valid:
-        top_s, norm_z, shift_x, norm_x, top_t, norm_y, target = _whole_row_stats(stats_ptr + row * NUM_SHARD_STATS)
+        top_s, norm_z, shift_x, norm_x, top_t, norm_y, target, teacher_at_top = _whole_row_stats(
+            stats_ptr + row * NUM_SHARD_STATS)
         student_sum, teacher_sum, shifted_sum, largest_bracket = _soft_sums(
             student_row, teacher_ptr + row * teacher_row_stride, vocab_student, vocab_teacher, x_scale, shift_x,
-            norm_x, top_t, norm_y, keep, beta, student_cap, teacher_cap, student_scale, teacher_scale, MODE, LIFT,
-            STUDENT_CAP, TEACHER_CAP, BLOCK, STAGES)
+            norm_x, top_t, norm_y, top_s, teacher_at_top, keep, beta, student_cap, teacher_cap, student_scale,
+            teacher_scale, MODE, MODE == REVERSE, LIFT, STUDENT_CAP, TEACHER_CAP, BLOCK, STAGES)
     tl.store(sums_row, student_sum)
     tl.store(sums_row + 1, teacher_sum)
     tl.store(sums_row + 2, shifted_sum)
@@ -735,7 +785,8 @@ def _jsd_shard_grad_kernel(
     label_col = tl.where(in_shard, column, -1).to(tl.int32)
     losses_row = losses_ptr + row * 2
     if valid:
-        top_s, norm_z, shift_x, norm_x, top_t, norm_y, target = _whole_row_stats(stats_ptr + row * NUM_SHARD_STATS)
+        top_s, norm_z, shift_x, norm_x, top_t, norm_y, target, teacher_at_top = _whole_row_stats(
+            stats_ptr + row * NUM_SHARD_STATS)
         sums_row = sums_ptr + row * NUM_SHARD_SUMS
         student_sum = tl.load(sums_row)
         tl.store(losses_row, (top_s - target) + LN2 * norm_z)
@@ -743,10 +794,10 @@ def _jsd_shard_grad_kernel(
         if WRITE_GRAD:
             _lift_and_write_row_grad(
                 student_row, teacher_ptr + row * teacher_row_stride, lifts_ptr + row, vocab_student, label_col, x_scale,
-                LOG2E, shift_x, norm_x, top_t, norm_y, top_s, norm_z, _inv_ratio(top_s, shift_x, x_scale, norm_x, norm_z,
-                SHARED), weight_hard, soft_coef, student_sum, tl.load(sums_row + 2), tl.load(sums_row + 3), keep, beta,
-                student_cap, teacher_cap, student_scale, teacher_scale, MODE, SHARED, LIFT, STUDENT_CAP, TEACHER_CAP,
-                BLOCK, STAGES)
+                LOG2E, shift_x, norm_x, top_t, norm_y, top_s, teacher_at_top, norm_z,
+                _inv_ratio(top_s, shift_x, x_scale, norm_x, norm_z, SHARED), weight_hard, soft_coef, student_sum,
+                tl.load(sums_row + 2), tl.load(sums_row + 3), keep, beta, student_cap, teacher_cap, student_scale,
+                teacher_scale, MODE, SHARED, LIFT, STUDENT_CAP, TEACHER_CAP, BLOCK, STAGES)
     else:
         tl.store(losses_row, 0.0)
         tl.store(losses_row + 1, 0.0)
@@ -780,7 +831,8 @@ def jsd_shard_stats_triton(student_logits, teacher_logits, labels, constants: Ro
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), labels, stats,
             vocab_student, vocab_teacher, *common_args(vocab_student, constants), LOG2E.value / constants.temperature,
             float(vocab_teacher - vocab_student), *logit_args(constants), **cap_flags(constants),
-            SHARED=constants.temperature == 1.0, BLOCK=block_size_for(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK),
+            SHARED=constants.temperature == 1.0, REFERENCE=constants.beta == 1.0,
+            BLOCK=block_size_for(vocab_teacher, None, LOSS_ONLY_WARPS, LOSS_ONLY_BLOCK),
             STAGES=LOSS_ONLY_STAGES, num_warps=LOSS_ONLY_WARPS, **TRITON_OPTIONS,
         )
     return stats
@@ -789,13 +841,15 @@ def jsd_shard_stats_triton(student_logits, teacher_logits, labels, constants: Ro
 def combine_jsd_stats_triton(shard_stats: torch.Tensor, temperature: float) -> torch.Tensor:
     """The whole rows' SHARD_STATS from the ranks', [ranks, n, NUM_SHARD_STATS] -> [n, NUM_SHARD_STATS]: each
     (max, sum) pair's sums rescaled to the largest max at the pair's own scale (the hard term's log2(e), the
-    others' log2(e) / T), the target logits added up."""
+    others' log2(e) / T), the target logits added up, the teacher at the student's top from the ranks that hold it."""
     stats = torch.empty_like(shard_stats[0])
     for top, scale in ((0, LOG2E.value), (2, LOG2E.value / temperature), (4, LOG2E.value / temperature)):
         stats[:, top] = shard_stats[..., top].amax(0)
         shift = torch.exp2((shard_stats[..., top] - stats[:, top]) * scale)
         stats[:, top + 1] = (shard_stats[..., top + 1] * shift).sum(0)
     stats[:, 6] = shard_stats[..., 6].sum(0)
+    holds_top = shard_stats[..., 0] == stats[:, 0]
+    stats[:, 7] = torch.where(holds_top, shard_stats[..., 7], float("-inf")).amax(0)
     return stats
 
 
@@ -845,7 +899,7 @@ def jsd_shard_grad_triton(student_logits, teacher_logits, labels, stats, sums, c
 
 def split_jsd_row_step_triton(all_gather):
     """The JSD's row step over a vocabulary split across ranks in three launches, with split_jsd_row_step's two
-    all-gathers of O(rows) per chunk between them (of [n, 7] and [n, 4] fp32)."""
+    all-gathers of O(rows) per chunk between them (of [n, 8] and [n, 4] fp32)."""
 
     def row_step(student_logits, teacher_logits, labels, constants, token_losses, write_grad, grad_lifts=None):
         stats = combine_jsd_stats_triton(
