@@ -95,7 +95,8 @@ def test_warm_up_lasts_at_least_settle_s():
                                  ["--rounds", "0"], ["--mode", "backward"], ["--mode", "full,full"], ["--mode", ","],
                                  ["--settle-s", "-1"], ["--providers", ""],
                                  ["--providers", "floor", "--chunk-sizes", "16"],
-                                 ["--providers", "ours-logits,floor", "--accum-dtypes", "fp32"]])
+                                 ["--providers", "ours-logits,floor", "--accum-dtypes", "fp32"], ["--beta", "0"],
+                                 ["--loss", "jsd", "--beta", "1.5"]])
 def test_bad_argument_exits_2_with_one_line(capsys, bad):
     """Settings of ours without ours among the providers were ignored; no provider at all crashed."""
     with pytest.raises(SystemExit) as exit_info:
@@ -321,6 +322,28 @@ def test_bench_of_the_jsd_times_trls_divergence_and_checks_it_against_the_naive_
         main(TINY + ["--providers", "ours,trl"])
     monkeypatch.setattr(bench.importlib.metadata, "version", lambda name: "9.0.0")
     assert bench.load_trl_divergence() == (None, "trl skipped: trl 9.0.0 is installed, the bench compares 1.16.0")
+
+
+def test_bench_of_the_jsd_at_another_beta_runs_every_provider_at_it(capsys, tmp_path, monkeypatch):
+    """--beta 1 (the reverse KL): ours, the naive version, Liger and TRL each run at it (each checked against the
+    naive version at it, which is seen to take it), and the ledger's workload says so."""
+    pytest.importorskip("trl")
+    from cosdistill.tools import bench
+
+    seen = []
+    naive_jsd = bench.NAIVE_LOSSES["jsd"]
+    monkeypatch.setitem(bench.NAIVE_LOSSES, "jsd", lambda *args, **options: seen.append(options["beta"]) or naive_jsd(
+        *args, **options))
+    json_path, ledger = tmp_path / "bench.json", tmp_path / "ledger.csv"
+    code = main(TINY + ["--loss", "jsd", "--beta", "1", "--providers", "ours,naive,liger,trl,floor", "--json",
+                        str(json_path), "--rounds", "2", "--ledger", str(ledger)])
+    out = capsys.readouterr().out
+    assert code == 0 and "check: passed" in out and "loss jsd, beta 1" in out
+    assert seen and set(seen) == {1.0}
+    rows = {row["provider"]: row for row in json.loads(json_path.read_text())["rows"]}
+    assert rows["ours"]["loss_rel_err"] < 1e-5 and rows["liger"]["loss_rel_err"] < 1e-4
+    assert rows["trl"]["loss_rel_err"] < 1e-5 and rows["ours"]["small_grad_weight_rel_err"] < 1e-4
+    assert all("loss=jsd beta=1," in line for line in ledger.read_text().splitlines()[1:])
 
 
 def test_bench_says_where_it_wrote_its_files(capsys, tmp_path):

@@ -92,10 +92,15 @@ class Workload:
     # limiter's clock is a training job's, not a light phase's (docs/design.md, The power cap).
     settle_s: float = 0.0
     loss: str = "cosine"  # or "jsd": ours, the naive version and Liger's, of the generalized JSD
+    beta: float | None = None  # the JSD's, every provider's (None: fused_linear_jsd's default)
 
     def __post_init__(self):
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.beta is not None and self.loss != "jsd":
+            raise ValueError(f"beta is the generalized JSD's: it needs loss 'jsd', got loss {self.loss!r}")
+        if self.beta is not None and not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
         sizes = dict(vocab=self.vocab, hidden=self.hidden, student_hidden=self.student_hidden, reps=self.reps,
                      rounds=self.rounds)
         for name, value in sizes.items():
@@ -124,7 +129,12 @@ class Workload:
             + (f" in each of {self.rounds} interleaved rounds (order rotated), then the median over rounds"
                if self.rounds > 1 else "")
             + f", seed {SEED}" + ("" if self.loss == "cosine" else f", loss {self.loss}")
+            + ("" if self.beta is None else f", beta {self.beta:g}")
         )
+
+    def loss_options(self) -> dict:
+        """The loss keywords every provider takes beyond the tensors: the JSD's beta where given."""
+        return {} if self.beta is None else {"beta": self.beta}
 
 
 CPU_WORKLOAD = Workload(tokens=(256, 512), vocab=8192, hidden=512, student_hidden=256, dtype=torch.float32, warmup=1, reps=5)
@@ -145,6 +155,7 @@ class OursSetting:
     changing_teacher: bool = False  # True: the teacher weight's version moves before every call
     quantized_teacher: bool = False  # True: the teacher weight passed as Tensors.quantized_teacher's head
     loss: str = "cosine"  # or "jsd": fused_linear_jsd
+    beta: float | None = None  # the JSD's (Workload.beta)
 
 
 FP8_SETTING = OursSetting(None, None, "ours-fp8", teacher_precision="fp8")
@@ -240,8 +251,9 @@ def ours_loss(setting: OursSetting, tensors: Tensors) -> torch.Tensor:
         args[3] = tensors.quantized_teacher()
     with contextlib.nullcontext() if setting.content_check else content_checks_skipped():
         if setting.loss == "jsd":
+            beta = {} if setting.beta is None else {"beta": setting.beta}
             return fused_linear_jsd(*args, chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
-                                    teacher_precision=setting.teacher_precision)
+                                    teacher_precision=setting.teacher_precision, **beta)
         return fused_linear_cosine_distill(
             *args, chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
             teacher_precision=setting.teacher_precision, cosine_via=setting.cosine_via,
@@ -268,8 +280,8 @@ def ours_provider(setting: OursSetting):
     return loss_provider(lambda tensors: ours_loss(setting, tensors))
 
 
-def naive_provider(loss_name: str):
-    return loss_provider(lambda tensors: NAIVE_LOSSES[loss_name](*tensors.args())[0])
+def naive_provider(loss_name: str, options: dict):
+    return loss_provider(lambda tensors: NAIVE_LOSSES[loss_name](*tensors.args(), **options)[0])
 
 
 def liger_loss_of(liger_loss: torch.nn.Module, tensors: Tensors) -> torch.Tensor:
@@ -277,12 +289,12 @@ def liger_loss_of(liger_loss: torch.nn.Module, tensors: Tensors) -> torch.Tensor
     return out[0] if isinstance(out, tuple) else out
 
 
-def trl_loss_of(divergence, tensors: Tensors) -> torch.Tensor:
+def trl_loss_of(divergence, tensors: Tensors, options: dict) -> torch.Tensor:
     """TRL DistillationTrainer's loss on the bench's tensors: the per-token generalized JSD of ``divergence``
-    (``ChunkedDivergenceFunction``) at fused_linear_jsd's default beta and temperature, summed and divided by the
-    token count, as its trainer divides it."""
+    (``ChunkedDivergenceFunction``) at fused_linear_jsd's default temperature and ``options``' beta (its default
+    where none), summed and divided by the token count, as its trainer divides it."""
     x_s, w_s, x_t, w_t, _labels = tensors.args()
-    per_token, _entropy = divergence.apply(x_s, w_s, None, x_t, w_t, None, JSD_DEFAULTS["beta"],
+    per_token, _entropy = divergence.apply(x_s, w_s, None, x_t, w_t, None, options.get("beta", JSD_DEFAULTS["beta"]),
                                            JSD_DEFAULTS["temperature"])
     return per_token.sum() / per_token.shape[0]
 
@@ -326,15 +338,16 @@ LIGER_VERSION = "0.8.5"  # the release the ledger's liger rows are, and docs/ref
 TRL_VERSION = "1.16.0"  # the release the ledger's trl rows are
 
 
-def load_liger(device: torch.device, loss: str = "cosine"):
-    """Liger's loss module for this loss, or None with the reason if it cannot be imported or is another release."""
+def load_liger(device: torch.device, loss: str = "cosine", options=None):
+    """Liger's loss module for this loss and its ``options`` (Workload.loss_options), or None with the reason if it
+    cannot be imported or is another release."""
     def liger_module():
         from liger_kernel.chunked_loss import LigerFusedLinearCosineSimilarityLoss, LigerFusedLinearJSDLoss
 
         return LigerFusedLinearJSDLoss if loss == "jsd" else LigerFusedLinearCosineSimilarityLoss
 
     module, why_not = load_release("liger", "liger-kernel", LIGER_VERSION, "liger_kernel.chunked_loss", liger_module)
-    return (None, why_not) if module is None else (module(compiled=device.type == "cuda"), None)
+    return (None, why_not) if module is None else (module(compiled=device.type == "cuda", **(options or {})), None)
 
 
 def load_trl_divergence():
@@ -400,7 +413,9 @@ def small_problem_errors(setting: OursSetting, workload: Workload, device: torch
     tensors = make_tensors(SMALL_TOKENS, SMALL_VOCAB, SMALL_HIDDEN, SMALL_HIDDEN // 2, workload.dtype, device)
     loss = ours_loss(setting, tensors)
     loss.backward()
-    (expected, _, _), (grad_input, grad_weight) = float64_reference([*tensors.args(), None, None], loss=setting.loss)
+    beta = {} if setting.beta is None else {"beta": setting.beta}
+    (expected, _, _), (grad_input, grad_weight) = float64_reference([*tensors.args(), None, None], loss=setting.loss,
+                                                                    **beta)
     errors = (
         rel_err(loss, expected),
         rel_err(tensors.student_input.grad, grad_input),
@@ -464,13 +479,14 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
     (T, mode, provider) order."""
     check_arguments(workload, providers, modes, settings)
     loss = workload.loss
-    ours_setting_list = [replace(setting, loss=loss) for setting in settings or ours_settings()] if "ours" in providers else []
+    ours_setting_list = ([replace(setting, loss=loss, beta=workload.beta) for setting in settings or ours_settings()]
+                         if "ours" in providers else [])
     settings = ours_setting_list + [setting for setting in FORCED_SETTINGS.values() if setting.label in providers]
     notes = []
 
     liger_loss = None
     if "liger" in providers:
-        liger_loss, why_not = load_liger(device, loss)
+        liger_loss, why_not = load_liger(device, loss, workload.loss_options())
         if liger_loss is None:
             notes.append(why_not)
     trl_divergence = None
@@ -479,8 +495,9 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
         if trl_divergence is None:
             notes.append(why_not)
     fp8_settings = []  # timed; loss error reported, not checked
-    for setting in (replace(FP8_SETTING, loss=loss), replace(FP8_QUANTIZED_SETTING, loss=loss),
-                    replace(FP8_UNCHECKED_SETTING, loss=loss)):
+    for setting in (replace(FP8_SETTING, loss=loss, beta=workload.beta),
+                    replace(FP8_QUANTIZED_SETTING, loss=loss, beta=workload.beta),
+                    replace(FP8_UNCHECKED_SETTING, loss=loss, beta=workload.beta)):
         if setting.label in providers:
             try:
                 fp8.check_supported(device)
@@ -496,11 +513,11 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
         elif name in [setting.label for setting in fp8_settings]:
             builders[name] = ours_provider(next(setting for setting in fp8_settings if setting.label == name))
         elif name == "naive":
-            builders["naive"] = naive_provider(loss)
+            builders["naive"] = naive_provider(loss, workload.loss_options())
         elif name == "liger" and liger_loss is not None:
             builders["liger"] = loss_provider(lambda tensors: liger_loss_of(liger_loss, tensors))
         elif name == "trl" and trl_divergence is not None:
-            builders["trl"] = loss_provider(lambda tensors: trl_loss_of(trl_divergence, tensors))
+            builders["trl"] = loss_provider(lambda tensors: trl_loss_of(trl_divergence, tensors, workload.loss_options()))
         elif name == "floor":
             builders["floor"] = floor_provider
 
@@ -514,7 +531,7 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
             # checked as each mode's timed calls run: the plan depends on whether gradients are on (the Gram path,
             # the teacher's sub-chunks, the JSD's side stream)
             errors_by_mode = {mode: bench_size_errors(tensors, settings + fp8_settings, liger_loss, loss, mode == "full",
-                                                      trl_divergence) for mode in modes}
+                                                      trl_divergence, workload.loss_options()) for mode in modes}
             ours_errors += [errors[setting.label] for errors in errors_by_mode.values() for setting in settings]
             for mode in modes:
                 timings = time_providers(builders, tensors, device, mode, workload, notes, bar)
@@ -568,14 +585,15 @@ def worst(*errors: float) -> float:
 
 
 def bench_size_errors(tensors: Tensors, settings, liger_loss, loss: str = "cosine", with_grads: bool = True,
-                      trl_divergence=None) -> dict:
+                      trl_divergence=None, options=None) -> dict:
     """Each ours setting's relative error against the naive loss on fp32 copies at this size (run in row blocks, so
     that it fits wherever ours does): its loss's, and ``with_grads`` the largest of its loss's, grad_input's and
     grad_weight's, run with gradients on as the timed full mode runs it; Liger's loss error beside them, and TRL's
-    against the naive soft term."""
+    against the naive soft term; ``options`` the loss keywords of the naive version and TRL's
+    (Workload.loss_options)."""
     with torch.set_grad_enabled(with_grads):
         (naive_loss, naive_soft, _), naive_grads = naive_in_row_blocks([*tensors.args(), None, None], torch.float32,
-                                                                       loss=loss)
+                                                                       loss=loss, **(options or {}))
         errors = {}
         for setting in settings:
             tensors.clear_grads()
@@ -591,7 +609,7 @@ def bench_size_errors(tensors: Tensors, settings, liger_loss, loss: str = "cosin
                 errors["liger"] = rel_err(liger_loss_of(liger_loss, tensors), naive_loss)
         if trl_divergence is not None:
             with torch.no_grad():
-                errors["trl"] = rel_err(trl_loss_of(trl_divergence, tensors), naive_soft)
+                errors["trl"] = rel_err(trl_loss_of(trl_divergence, tensors, options or {}), naive_soft)
     return errors
 
 
@@ -748,6 +766,8 @@ def append_to_ledger(result: BenchResult, workload: Workload, device: torch.devi
              f"{DTYPE_NAMES[workload.dtype]} rounds={workload.rounds}")
     if workload.loss != "cosine":
         shape += f" loss={workload.loss}"
+    if workload.beta is not None:
+        shape += f" beta={workload.beta:g}"
     rows = [
         (row["mode"], row["T"], row["provider"], f"{row['median_ms']:.4f}",
          "" if row["ratio_to_floor"] is None else f"{row['ratio_to_floor']:.4f}",

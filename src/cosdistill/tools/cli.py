@@ -117,6 +117,9 @@ def build_parser():
     bench_parser.add_argument("--loss", choices=bench.LOSSES, default="cosine",
                               help="the soft term: cosine similarity or the generalized JSD (providers: "
                                    f"{', '.join(bench.JSD_PROVIDERS)}); default %(default)s")
+    bench_parser.add_argument("--beta", type=float,
+                              help="with --loss jsd, every provider's beta: 0 the forward KL, 1 the reverse KL "
+                                   "(default: fused_linear_jsd's, 0.5)")
     bench_parser.set_defaults(run=run_bench_command)
 
     defaults = demo.DemoConfig()
@@ -221,6 +224,7 @@ def run_bench_command(args):
             rounds=args.rounds,
             settle_s=args.settle_s if args.settle_s is not None else default.settle_s,
             loss=args.loss,
+            beta=args.beta,
         )
         if [] in (args.chunk_sizes, args.accum_dtypes):  # "--chunk-sizes ''" ran the defaults
             raise ValueError("--chunk-sizes and --accum-dtypes, where given, must name at least one value")
