@@ -204,6 +204,36 @@ def test_precomputed_hidden_states_and_num_valid_tokens():
     assert_grads_match(student, {name: grad * num_valid / 40 for name, grad in ref_grads.items()}, 1e-4)
 
 
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_only_the_positions_with_a_target_reach_the_fused_loss(loss, monkeypatch):
+    """Padding, a -100 label and each row's last position have no target: the fused loss (its GEMMs and row steps)
+    gets the others alone, [n, H], and gives the loss and gradients it gives on every position."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
+    batch = make_batch()
+    rows_seen = []
+    loss_of_hidden_states = hf.loss_of_hidden_states
+
+    def spy(student, teacher, student_hidden, teacher_hidden, targets, **options):
+        rows_seen.append((tuple(student_hidden.shape), tuple(teacher_hidden.shape), tuple(targets.shape)))
+        return loss_of_hidden_states(student, teacher, student_hidden, teacher_hidden, targets, **options)
+
+    monkeypatch.setattr(hf, "loss_of_hidden_states", spy)
+    got = distill_loss(student, teacher, **batch, loss=loss, beta=0.3)
+    got.backward()
+    num_valid = 8 + 5 + 2 - 1  # every real position but each row's last, less the -100 label's predecessor
+    assert rows_seen == [((num_valid, 32), (num_valid, 32), (num_valid,))], rows_seen
+    reference_student = copy.deepcopy(student)
+    reference_student.zero_grad()
+    targets = hf.next_token_targets(batch["labels"], batch["attention_mask"], -100)
+    with torch.no_grad():
+        teacher_hidden = final_hidden_states(teacher, batch["input_ids"], batch["attention_mask"])
+    student_hidden = final_hidden_states(reference_student, batch["input_ids"], batch["attention_mask"])
+    want = loss_of_hidden_states(reference_student, teacher, student_hidden, teacher_hidden, targets, loss=loss, beta=0.3)
+    want.backward()
+    assert targets.numel() > num_valid and rel_err(got, want) < 1e-6
+    assert_grads_match(student, {name: p.grad for name, p in reference_student.named_parameters()}, 1e-6)
+
+
 def test_a_config_scale_or_softcap_changed_after_the_first_call_is_checked_again():
     """Cohere multiplies its logits by a copy of config.logit_scale made with the model; the loss reads the config
     at every call, and the check ran once: a config changed afterwards gave a loss of logits the model does not make

@@ -261,6 +261,32 @@ def test_evaluation_and_prediction_losses_are_gkds(tmp_path):
     assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=1e-5)
 
 
+def test_the_teacher_is_left_in_eval_mode_as_gkds(tmp_path):
+    """GKDTrainer.compute_loss leaves its teacher in eval mode, so that seq_kd's next generation samples without the
+    teacher's dropout: a teacher handed over in train mode ends a step in eval mode in both (ours restored its
+    train mode, and sampled with dropout from then on)."""
+    student, teacher = models()
+    for trainer_class in (DistillationGKDTrainer, GKDTrainer):
+        trained_teacher = copy.deepcopy(teacher).train()
+        trainer = make(trainer_class, tmp_path, copy.deepcopy(student), trained_teacher)
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
+        trainer.teacher_model.train()
+        trainer.compute_loss(trainer.model, dict(batch))
+        assert not any(module.training for module in trainer.teacher_model.modules()), trainer_class
+
+
+def test_a_subclass_overriding_the_loss_it_never_calls_raises(tmp_path):
+    """A GKDTrainer subclass's own generalized_jsd_loss changes GKDTrainer's loss; ours computes no logits and never
+    calls it, so overriding it raises rather than being ignored."""
+    class WithItsOwnLoss(DistillationGKDTrainer):
+        def generalized_jsd_loss(self, *args, **kwargs):
+            return super().generalized_jsd_loss(*args, **kwargs)
+
+    student, teacher = models()
+    with pytest.raises(TypeError, match="WithItsOwnLoss overrides generalized_jsd_loss, which the fused loss never"):
+        make(WithItsOwnLoss, tmp_path, student, teacher)
+
+
 @pytest.mark.parametrize("option", ["compute_metrics", "preprocess_logits_for_metrics", "loss_options beta",
                                     "loss_options chunks", "loss_options value", "loss_type", "label_smoothing_factor"])
 def test_options_the_fused_loss_cannot_honour_raise(tmp_path, option):

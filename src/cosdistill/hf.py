@@ -550,7 +550,8 @@ def distill_loss(
     the gradients; the unwrapped model's would not); the teacher runs under torch.no_grad and must have a vocabulary
     at least as large as the student's.
     input_ids, attention_mask, labels: [B, L], as for the models' forward;
-    targets are the labels shifted by one (``next_token_targets``), padding and ignore_index skipped.
+    targets are the labels shifted by one (``next_token_targets``), padding and ignore_index skipped: only the
+    positions with a target reach the fused loss (``trained_rows``).
     student_hidden / teacher_hidden: precomputed ``final_hidden_states`` [B, L, H], used instead of
     running that model (input_ids is then not needed for it).
     model_inputs: the batch's other forward inputs, for both models (a packed batch's position_ids or
@@ -582,12 +583,23 @@ def distill_loss(
         with torch.no_grad(), in_eval_mode(teacher):
             teacher_hidden = final_hidden_states(teacher, input_ids, attention_mask, lm_head(teacher_model, "teacher"),
                                                  **model_inputs)
+    student_hidden, teacher_hidden, targets = trained_rows(student_hidden, teacher_hidden, targets, ignore_index)
     return loss_of_hidden_states(
         student_model, teacher_model, student_hidden, teacher_hidden, targets, loss=loss,
         weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, temperature=temperature,
         ignore_index=ignore_index, num_valid_tokens=num_valid_tokens, return_soft_hard_loss=return_soft_hard_loss,
         **loss_options,
     )
+
+
+def trained_rows(student_hidden, teacher_hidden, targets, ignore_index):
+    """([n, H], [n, H], [n]): the positions that have a target (not ``ignore_index``), the others dropped before the
+    fused loss, whose GEMMs and row steps would run on them for nothing (a GKD or completion-only batch is mostly
+    prompt; a row step costs an ignored row little, its four GEMMs the whole); the loss's count is theirs either way.
+    One host read (their number), as a boolean index takes."""
+    trained = targets != ignore_index
+    return (student_hidden[trained.to(student_hidden.device)], teacher_hidden[trained.to(teacher_hidden.device)],
+            targets[trained])
 
 
 def loss_of_hidden_states(student, teacher, student_hidden, teacher_hidden, targets, loss="cosine",

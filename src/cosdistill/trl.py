@@ -289,7 +289,10 @@ def _define_gkd_trainer():
         targets (TRL's 0 / 0 is NaN, x / 0 inf). Under mixed precision both heads run in the autocast dtype as
         the models' own heads do, with the JSD accumulated in float32 (TRL takes the log-softmax of the
         autocast-dtype logits after accelerate casts them to float32). ``loss_options`` (chunk_size, impl,
-        accum_dtype, teacher_precision) go to ``fused_linear_jsd``.
+        accum_dtype, teacher_precision) go to ``fused_linear_jsd``. Under mixed precision an ``evaluate()`` before
+        ``train()`` runs the student's head in the autocast dtype where GKDTrainer's student, not yet prepared by
+        accelerate, runs in float32 (bf16: 7.5e-5 apart on a tiny model); from ``train()`` on they agree. A subclass
+        that overrides ``generalized_jsd_loss`` raises a TypeError (the fused loss never calls it).
         """
 
         def __init__(self, *args, loss_options=None, **kwargs):
@@ -298,6 +301,9 @@ def _define_gkd_trainer():
                 if bound.get(name) is not None:
                     raise ValueError(f"{type(self).__name__} does not support {name}: {why}")
             check_jsd_alone_options("GKDConfig", loss_options or {})
+            if type(self).generalized_jsd_loss is not GKDTrainer.generalized_jsd_loss:
+                raise TypeError(f"{type(self).__name__} overrides generalized_jsd_loss, which the fused loss never "
+                                "calls (it computes no logits): subclass trl's GKDTrainer for a loss of your own")
             super().__init__(*args, **kwargs)
             check_loss_values("jsd", loss_options or {}, beta=self.beta, weight_hard_loss=0.0, weight_soft_loss=1.0,
                               temperature=1.0)  # GKDConfig's beta in [0, 1]
@@ -321,7 +327,8 @@ def _define_gkd_trainer():
             num_items_in_batch = at_least_one(num_items_in_batch)
             with self.accelerator.autocast():
                 hidden = final_hidden_states(model, input_ids, attention_mask, lm_head(student, "student"))
-                with torch.no_grad(), in_eval_mode(self.teacher_model):  # GKDTrainer's teacher.eval()
+                teacher_left_in_eval_mode(self.teacher_model, model)
+                with torch.no_grad(), in_eval_mode(self.teacher_model):
                     teacher_hidden = final_hidden_states(self.teacher_model, input_ids, attention_mask,
                                                          lm_head(teacher, "teacher"))
                 # No attention mask: the targets are labels[:, 1:] as they are, masked by -100 alone (as TRL's).
@@ -338,6 +345,16 @@ def _define_gkd_trainer():
 
     DistillationGKDTrainer.__qualname__ = "DistillationGKDTrainer"  # as stored in this module (pickle)
     return DistillationGKDTrainer
+
+
+def teacher_left_in_eval_mode(teacher, student) -> None:
+    """GKDTrainer.compute_loss's ``teacher_model.eval()``, which stays (the next seq_kd generation samples without
+    the teacher's dropout), but for modules the teacher shares with the student (a PEFT student's base model):
+    ``in_eval_mode`` turns those off for the teacher's forward alone."""
+    shared = set(student.modules())
+    for module in teacher.modules():
+        if module not in shared:
+            module.training = False
 
 
 def __getattr__(name):
