@@ -173,6 +173,14 @@ def plot(rows: list[dict], path: str) -> None:
     figure.savefig(path, dpi=120)
 
 
+def beta_of(workload: str) -> float | None:
+    """A JSD row's beta: its workload's " beta=B", else fused_linear_jsd's default of 0.5; None for the cosine's."""
+    if "loss=jsd" not in workload:
+        return None
+    named = re.search(r" beta=(\S+)", workload)
+    return float(named.group(1)) if named else 0.5
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ledger", default=LEDGER)
@@ -181,6 +189,7 @@ def main():
     parser.add_argument("--providers", help="only these providers, comma separated")
     parser.add_argument("--workload", help="only rows whose workload contains this text (e.g. 'V=128256 ', 'loss=jsd')")
     parser.add_argument("--loss", choices=("cosine", "jsd"), help="only this soft term's rows (jsd: 'loss=jsd' in the workload)")
+    parser.add_argument("--beta", type=float, help="only the JSD's rows at this beta (those that name none: 0.5)")
     parser.add_argument("--gpu", help="only rows whose GPU contains this text (e.g. 'H200')")
     parser.add_argument("--compact", action="store_true", help="one table of ratios over the selected runs")
     parser.add_argument("--spread", action="store_true", help="one table with every selected run's ratios")
@@ -193,7 +202,8 @@ def main():
     rows = [row for row in read(args.ledger) if (not args.commit or row["commit"].startswith(tuple(args.commit)))
             and (not args.mode or row["mode"] == args.mode) and (not providers or row["provider"] in providers)
             and (not args.workload or args.workload in row["workload"]) and (not args.gpu or args.gpu in row["gpu"])
-            and (not args.loss or ("loss=jsd" in row["workload"]) == (args.loss == "jsd"))]
+            and (not args.loss or ("loss=jsd" in row["workload"]) == (args.loss == "jsd"))
+            and (args.beta is None or beta_of(row["workload"]) == args.beta)]
     if args.plot:
         rows = [row for row in rows if row["mode"] == "full"]
     if not rows:  # a misspelt selection printed nothing and passed
@@ -205,11 +215,11 @@ def main():
     if args.by_run and len(kinds := {kind[3:] for kind in kinds_of_run(rows)}) != 1:  # GPUs and versions may differ
         shown = "; ".join(" ".join(kind) for kind in sorted(kinds)) or "no rows"
         parser.exit(2, f"ledger.py: --by-run takes runs of one workload and mode, these rows are of {len(kinds)} "
-                       f"({shown}): narrow them with --workload, --loss or --mode\n")
+                       f"({shown}): narrow them with --workload, --loss, --beta or --mode\n")
     if (args.plot or args.spread or args.compact) and len(kinds := kinds_of_run(rows)) != 1:
         shown = "; ".join(" ".join(kind) for kind in sorted(kinds)) or "no rows"
         parser.exit(2, f"ledger.py: --compact, --spread and --plot take runs of one kind, these rows are of "
-                       f"{len(kinds)} ({shown}): narrow them with --gpu, --workload, --mode or --commit\n")
+                       f"{len(kinds)} ({shown}): narrow them with --gpu, --workload, --beta, --mode or --commit\n")
     if args.plot:
         plot(rows, args.plot)
     elif args.by_run:

@@ -232,6 +232,9 @@ def test_only_the_positions_with_a_target_reach_the_fused_loss(loss, monkeypatch
     want.backward()
     assert targets.numel() > num_valid and rel_err(got, want) < 1e-6
     assert_grads_match(student, {name: p.grad for name, p in reference_student.named_parameters()}, 1e-6)
+    with pytest.raises(ValueError, match=r"token shapes differ: student_input \(3, 8, 32\) vs teacher_input \(3, 9"):
+        distill_loss(student, teacher, labels=batch["labels"], attention_mask=batch["attention_mask"], loss=loss,
+                     student_hidden=student_hidden[:, :-1], teacher_hidden=teacher_hidden)
 
 
 def test_a_config_scale_or_softcap_changed_after_the_first_call_is_checked_again():

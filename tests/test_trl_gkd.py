@@ -273,18 +273,27 @@ def test_the_teacher_is_left_in_eval_mode_as_gkds(tmp_path):
         trainer.teacher_model.train()
         trainer.compute_loss(trainer.model, dict(batch))
         assert not any(module.training for module in trainer.teacher_model.modules()), trainer_class
+        self_taught = copy.deepcopy(student).train()  # the teacher the student itself: its modules all shared
+        trainer = make(trainer_class, tmp_path, self_taught, self_taught)
+        trainer.compute_loss(trainer.model, dict(batch))
+        assert not any(module.training for module in self_taught.modules()), trainer_class
 
 
 def test_a_subclass_overriding_the_loss_it_never_calls_raises(tmp_path):
     """A GKDTrainer subclass's own generalized_jsd_loss changes GKDTrainer's loss; ours computes no logits and never
-    calls it, so overriding it raises rather than being ignored."""
+    calls it, so overriding it raises rather than being ignored, unless the subclass's own compute_loss may call it."""
     class WithItsOwnLoss(DistillationGKDTrainer):
         def generalized_jsd_loss(self, *args, **kwargs):
             return super().generalized_jsd_loss(*args, **kwargs)
 
+    class WithItsOwnLossAndStep(WithItsOwnLoss):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
     student, teacher = models()
     with pytest.raises(TypeError, match="WithItsOwnLoss overrides generalized_jsd_loss, which the fused loss never"):
         make(WithItsOwnLoss, tmp_path, student, teacher)
+    make(WithItsOwnLossAndStep, tmp_path, student, teacher)
 
 
 @pytest.mark.parametrize("option", ["compute_metrics", "preprocess_logits_for_metrics", "loss_options beta",

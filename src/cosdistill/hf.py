@@ -597,6 +597,8 @@ def trained_rows(student_hidden, teacher_hidden, targets, ignore_index):
     fused loss, whose GEMMs and row steps would run on them for nothing (a GKD or completion-only batch is mostly
     prompt; a row step costs an ignored row little, its four GEMMs the whole); the loss's count is theirs either way.
     One host read (their number), as a boolean index takes."""
+    if not student_hidden.shape[:-1] == teacher_hidden.shape[:-1] == targets.shape:
+        return student_hidden, teacher_hidden, targets  # the fused loss names the shapes that differ
     trained = targets != ignore_index
     return (student_hidden[trained.to(student_hidden.device)], teacher_hidden[trained.to(teacher_hidden.device)],
             targets[trained])

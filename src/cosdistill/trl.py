@@ -44,7 +44,6 @@ from .hf import (
     check_unsupported_args,
     distill_loss,
     final_hidden_states,
-    in_eval_mode,
     keep_head_hook,
     lm_head,
     loss_of_hidden_states,
@@ -292,7 +291,8 @@ def _define_gkd_trainer():
         accum_dtype, teacher_precision) go to ``fused_linear_jsd``. Under mixed precision an ``evaluate()`` before
         ``train()`` runs the student's head in the autocast dtype where GKDTrainer's student, not yet prepared by
         accelerate, runs in float32 (bf16: 7.5e-5 apart on a tiny model); from ``train()`` on they agree. A subclass
-        that overrides ``generalized_jsd_loss`` raises a TypeError (the fused loss never calls it).
+        that overrides ``generalized_jsd_loss`` but not ``compute_loss`` raises a TypeError (the fused loss never
+        calls it).
         """
 
         def __init__(self, *args, loss_options=None, **kwargs):
@@ -301,7 +301,8 @@ def _define_gkd_trainer():
                 if bound.get(name) is not None:
                     raise ValueError(f"{type(self).__name__} does not support {name}: {why}")
             check_jsd_alone_options("GKDConfig", loss_options or {})
-            if type(self).generalized_jsd_loss is not GKDTrainer.generalized_jsd_loss:
+            if (type(self).generalized_jsd_loss is not GKDTrainer.generalized_jsd_loss
+                    and type(self).compute_loss is DistillationGKDTrainer.compute_loss):
                 raise TypeError(f"{type(self).__name__} overrides generalized_jsd_loss, which the fused loss never "
                                 "calls (it computes no logits): subclass trl's GKDTrainer for a loss of your own")
             super().__init__(*args, **kwargs)
@@ -327,8 +328,10 @@ def _define_gkd_trainer():
             num_items_in_batch = at_least_one(num_items_in_batch)
             with self.accelerator.autocast():
                 hidden = final_hidden_states(model, input_ids, attention_mask, lm_head(student, "student"))
-                teacher_left_in_eval_mode(self.teacher_model, model)
-                with torch.no_grad(), in_eval_mode(self.teacher_model):
+                # GKDTrainer's, which stays: the next seq_kd generation samples without the teacher's dropout (and
+                # modules shared with the student stay off until training_step's model.train(), as in GKDTrainer)
+                self.teacher_model.eval()
+                with torch.no_grad():
                     teacher_hidden = final_hidden_states(self.teacher_model, input_ids, attention_mask,
                                                          lm_head(teacher, "teacher"))
                 # No attention mask: the targets are labels[:, 1:] as they are, masked by -100 alone (as TRL's).
@@ -345,16 +348,6 @@ def _define_gkd_trainer():
 
     DistillationGKDTrainer.__qualname__ = "DistillationGKDTrainer"  # as stored in this module (pickle)
     return DistillationGKDTrainer
-
-
-def teacher_left_in_eval_mode(teacher, student) -> None:
-    """GKDTrainer.compute_loss's ``teacher_model.eval()``, which stays (the next seq_kd generation samples without
-    the teacher's dropout), but for modules the teacher shares with the student (a PEFT student's base model):
-    ``in_eval_mode`` turns those off for the teacher's forward alone."""
-    shared = set(student.modules())
-    for module in teacher.modules():
-        if module not in shared:
-            module.training = False
 
 
 def __getattr__(name):

@@ -327,12 +327,15 @@ def test_bench_of_the_jsd_times_trls_divergence_and_checks_it_against_the_naive_
 def test_bench_of_the_jsd_at_another_beta_runs_every_provider_at_it(capsys, tmp_path, monkeypatch):
     """--beta 1 (the reverse KL): ours, the naive version, Liger and TRL each run at it (each checked against the
     naive version at it, which is seen to take it), and the ledger's workload says so."""
+    import subprocess
+    from pathlib import Path
+
     pytest.importorskip("trl")
     from cosdistill.tools import bench
 
     seen = []
     naive_jsd = bench.NAIVE_LOSSES["jsd"]
-    monkeypatch.setitem(bench.NAIVE_LOSSES, "jsd", lambda *args, **options: seen.append(options["beta"]) or naive_jsd(
+    monkeypatch.setitem(bench.NAIVE_LOSSES, "jsd", lambda *args, **options: seen.append(options.get("beta")) or naive_jsd(
         *args, **options))
     json_path, ledger = tmp_path / "bench.json", tmp_path / "ledger.csv"
     code = main(TINY + ["--loss", "jsd", "--beta", "1", "--providers", "ours,naive,liger,trl,floor", "--json",
@@ -344,6 +347,16 @@ def test_bench_of_the_jsd_at_another_beta_runs_every_provider_at_it(capsys, tmp_
     assert rows["ours"]["loss_rel_err"] < 1e-5 and rows["liger"]["loss_rel_err"] < 1e-4
     assert rows["trl"]["loss_rel_err"] < 1e-5 and rows["ours"]["small_grad_weight_rel_err"] < 1e-4
     assert all("loss=jsd beta=1," in line for line in ledger.read_text().splitlines()[1:])
+    # the default's rows name no beta, --beta 0.5 too; ledger.py --beta picks either kind out
+    assert main(TINY + ["--loss", "jsd", "--beta", "0.5", "--providers", "ours,floor", "--rounds", "2", "--ledger",
+                        str(ledger)]) == 0
+    assert main(TINY + ["--loss", "jsd", "--providers", "ours,floor", "--rounds", "2", "--ledger", str(ledger)]) == 0
+    assert sum("loss=jsd," in line for line in ledger.read_text().splitlines()) == 2 * 2  # ours, floor; one T
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "ledger.py"
+    for beta, runs in (("1", 1), ("0.5", 2)):
+        by_run = subprocess.run([sys.executable, str(script), "--ledger", str(ledger), "--beta", beta, "--by-run",
+                                 "ours"], capture_output=True, text=True)
+        assert by_run.returncode == 0 and by_run.stdout.count("x [") == runs, by_run
 
 
 def test_bench_says_where_it_wrote_its_files(capsys, tmp_path):

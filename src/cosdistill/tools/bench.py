@@ -766,7 +766,7 @@ def append_to_ledger(result: BenchResult, workload: Workload, device: torch.devi
              f"{DTYPE_NAMES[workload.dtype]} rounds={workload.rounds}")
     if workload.loss != "cosine":
         shape += f" loss={workload.loss}"
-    if workload.beta is not None:
+    if workload.beta is not None and workload.beta != JSD_DEFAULTS["beta"]:  # the default's rows name none
         shape += f" beta={workload.beta:g}"
     rows = [
         (row["mode"], row["T"], row["provider"], f"{row['median_ms']:.4f}",
