@@ -158,7 +158,7 @@ def _is_integer(value) -> bool:
 SMALLEST_FP16_JSD_TEMPERATURE = 1e-3
 
 
-def check_jsd_temperature(options: Options, weight_dtype: torch.dtype, write_grad: bool) -> None:
+def check_fp16_jsd_temperature(options: Options, weight_dtype: torch.dtype, write_grad: bool) -> None:
     """ValueError for the JSD's gradient with an fp16 student head below the temperature above; the loss alone runs
     at any temperature."""
     if options.loss != "jsd" or not write_grad:

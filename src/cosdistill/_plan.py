@@ -13,7 +13,7 @@ from . import _split_check, _teacher_fp8, _teacher_gram
 from ._backends import TORCH, Backend, backend_for
 from ._chunk_loop import ChunkResult, ChunkRows, chunked_loss_and_grads, start_student_logits
 from ._labels import LabelCounts
-from ._options import Options, check_accum_dtype, check_jsd_temperature, check_tensors, default_accum_dtype, is_transformed
+from ._options import Options, check_accum_dtype, check_fp16_jsd_temperature, check_tensors, default_accum_dtype, is_transformed
 from ._row_step import RowStepConstants, RowStepImpl
 from ._split_check import VocabParallel
 from ._teacher_logits import LogitsTeacher, SideStream, TeacherHead
@@ -88,7 +88,7 @@ def checked_backend(options: Options, student_weight, needs_grad) -> Backend:
     """The row step's backend, after the options' rules that depend on the student head (make_plan's, and the
     compiled op's at trace time)."""
     check_accum_dtype(options.accum_dtype, student_weight.dtype)
-    check_jsd_temperature(options, student_weight.dtype, any(needs_grad))
+    check_fp16_jsd_temperature(options, student_weight.dtype, any(needs_grad))
     return backend_for(options.impl, student_weight.device)
 
 

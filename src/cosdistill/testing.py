@@ -180,12 +180,7 @@ from ._backends import TORCH, backend_for, scale_unless_one_torch  # noqa: E402
 from ._chunk_loop import ChunkRows, chunked_loss_and_grads  # noqa: E402
 from ._fingerprint import as_words, fingerprint_torch, lanes_of, stale_check_torch  # noqa: E402
 from ._labels import LabelCounts, count_labels_torch, mean_losses_torch  # noqa: E402
-from ._options import (  # noqa: E402
-    REAL_OPTIONS,
-    SMALLEST_FP16_JSD_TEMPERATURE,
-    Options,
-    options_of,
-)
+from ._options import REAL_OPTIONS, SMALLEST_FP16_JSD_TEMPERATURE, Options, options_of  # noqa: E402
 from ._row_step import (  # noqa: E402
     COSINE_TORCH_ROW_STEP,
     RowStepConstants,
@@ -262,8 +257,7 @@ __all__ = [
     # internals: the torch specs and the chunk loop's pieces
     "TORCH", "backend_for", "scale_unless_one_torch", "ChunkRows", "chunked_loss_and_grads", "fingerprint_torch",
     "as_words", "lanes_of", "stale_check_torch", "LabelCounts", "count_labels_torch", "mean_losses_torch", "Options",
-    "REAL_OPTIONS", "SMALLEST_FP16_JSD_TEMPERATURE",
-    "options_of", "chunk_rows", "COSINE_TORCH_ROW_STEP", "RowStepImpl",
+    "REAL_OPTIONS", "SMALLEST_FP16_JSD_TEMPERATURE", "options_of", "chunk_rows", "COSINE_TORCH_ROW_STEP", "RowStepImpl",
     "RowStepConstants", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
     "with_teacher_products", "LogitsTeacher", "TeacherHead", "AttachGradients", "FUSED_LOSSES",
     "JSD_TORCH_ROW_STEP", "combine_jsd_stats_torch", "combine_jsd_sums_torch", "jsd_lift_bound", "jsd_shard_grad_torch",

@@ -157,6 +157,10 @@ class OursSetting:
     loss: str = "cosine"  # or "jsd": fused_linear_jsd
     beta: float | None = None  # the JSD's (Workload.beta)
 
+    def loss_options(self) -> dict:
+        """The loss keywords beyond the tensors and the setting's own: the JSD's beta where given."""
+        return {} if self.beta is None else {"beta": self.beta}
+
 
 FP8_SETTING = OursSetting(None, None, "ours-fp8", teacher_precision="fp8")
 FORCED_SETTINGS = {name: OursSetting(None, None, f"ours-{name}", cosine_via=name) for name in ("logits", "gram")}
@@ -251,9 +255,8 @@ def ours_loss(setting: OursSetting, tensors: Tensors) -> torch.Tensor:
         args[3] = tensors.quantized_teacher()
     with contextlib.nullcontext() if setting.content_check else content_checks_skipped():
         if setting.loss == "jsd":
-            beta = {} if setting.beta is None else {"beta": setting.beta}
             return fused_linear_jsd(*args, chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
-                                    teacher_precision=setting.teacher_precision, **beta)
+                                    teacher_precision=setting.teacher_precision, **setting.loss_options())
         return fused_linear_cosine_distill(
             *args, chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
             teacher_precision=setting.teacher_precision, cosine_via=setting.cosine_via,
@@ -413,9 +416,8 @@ def small_problem_errors(setting: OursSetting, workload: Workload, device: torch
     tensors = make_tensors(SMALL_TOKENS, SMALL_VOCAB, SMALL_HIDDEN, SMALL_HIDDEN // 2, workload.dtype, device)
     loss = ours_loss(setting, tensors)
     loss.backward()
-    beta = {} if setting.beta is None else {"beta": setting.beta}
     (expected, _, _), (grad_input, grad_weight) = float64_reference([*tensors.args(), None, None], loss=setting.loss,
-                                                                    **beta)
+                                                                    **setting.loss_options())
     errors = (
         rel_err(loss, expected),
         rel_err(tensors.student_input.grad, grad_input),
