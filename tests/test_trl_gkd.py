@@ -390,3 +390,18 @@ def test_with_torch_compile_the_compiled_student_takes_the_eager_step(tmp_path, 
     assert any(step.any() for step in steps[0])
     for got, want in zip(steps[1], steps[0]):
         assert rel_err(got, want) < 1e-5
+
+
+def test_with_torch_compile_it_builds_the_graphs_gkdtrainer_builds(tmp_path):
+    """The first call checks each model's head on a probe of a few tokens, eagerly: traced, the probe's shape, hook
+    and grad mode gave the compiled forward, which the student and teacher share, a graph more than GKDTrainer's,
+    past dynamo's recompile limit, beyond which that forward ran uncompiled."""
+    student, teacher = models()
+    graphs = []
+    for trainer_class in (GKDTrainer, DistillationGKDTrainer):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        make(trainer_class, tmp_path, copy.deepcopy(student), copy.deepcopy(teacher), max_steps=2,
+             per_device_train_batch_size=2, torch_compile=True, torch_compile_backend="eager").train()
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] == graphs[0], graphs

@@ -485,8 +485,11 @@ def check_head_reproduces_logits(model, name="model") -> None:
         handle.remove()
         raise ValueError(f"{name} ({type(model).__name__}) cannot run on token ids alone ({error}), which the first "
                          "call's check of its LM head needs: not supported") from error
-    # The probe's dropout (NEFTune's noise) draws random numbers: forked, the training run draws as without it.
-    with torch.no_grad(), _forked_rngs(probe.device):
+    # The probe's dropout (NEFTune's noise) draws random numbers: forked, the training run draws as without it. A
+    # compiled model runs it eagerly: traced, its shape, hook and grad mode would each cost the model's forward a graph
+    # (a stance cannot be set while dynamo traces this very code).
+    eager = contextlib.nullcontext() if torch.compiler.is_compiling() else torch.compiler.set_stance("force_eager")
+    with torch.no_grad(), _forked_rngs(probe.device), eager:
         try:
             logits = model(input_ids=probe, use_cache=False).logits
         finally:
