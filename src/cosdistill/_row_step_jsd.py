@@ -252,7 +252,7 @@ def row_step_jsd_torch(student_logits, teacher_logits, labels, constants: RowSte
 
 
 def split_jsd_row_step(all_gather):
-    """The JSD's row step over a vocabulary split across ranks: two all-gathers of O(rows) per chunk, one of
+    """The JSD's row step over a vocabulary split across ranks: two all-gathers of O(rows) per step, one of
     the statistics (the log-sum-exps need every column before any probability), one of the sums (the
     gradient needs the whole row's student part, fp16's lift the whole row's largest terms)."""
 

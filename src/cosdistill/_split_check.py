@@ -153,7 +153,7 @@ def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels,
     normaliser = (num_valid_tokens.detach().to(device=labels.device, dtype=torch.float64).reshape(1).view(torch.int64)
                   if torch.is_tensor(num_valid_tokens) else torch.zeros(1, dtype=torch.int64, device=labels.device))
     # labels as int64: any integer dtype hashes (a 1-byte one has no 16-bit words), and equal labels alike
-    hashed = (student_input, teacher_input, labels.reshape(-1, 1).to(torch.int64))
+    hashed = (_in_pairs(student_input), _in_pairs(teacher_input), labels.reshape(-1, 1).to(torch.int64))
     hashes = torch.cat([fingerprint(tensor).to(torch.int64) for tensor in hashed] + [normaliser, stale.long()])
     gathered = HostCopy(split.all_gather(hashes))
 
@@ -174,6 +174,14 @@ def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels,
             raise ValueError(f"vocab_parallel ranks must agree on num_valid_tokens, got {normalisers} (rank by rank)")
 
     return check
+
+
+def _in_pairs(hidden: torch.Tensor) -> torch.Tensor:
+    """The hidden states laid out so that their 16-bit elements hash in pairs (``as_words``): equal values held in
+    another layout on another rank (a transposed view, an odd offset) hash alike. A copy only where they are not."""
+    if hidden.element_size() != 2 or (hidden.is_contiguous() and hidden.data_ptr() % 4 == 0):
+        return hidden
+    return hidden.clone(memory_format=torch.contiguous_format)
 
 
 def _check_ranks_agree(ranks: list[dict], vocab_teacher: int | None) -> None:
@@ -198,6 +206,10 @@ def _check_ranks_agree(ranks: list[dict], vocab_teacher: int | None) -> None:
     if not tiled or (vocab_teacher is not None and shards[-1][1] != vocab_teacher):
         covers = "[0, Vt)" if vocab_teacher is None else f"[0, {vocab_teacher})"
         raise ValueError(f"vocab_parallel shards must tile {covers} without gaps or overlaps, got rows {shards}")
+    if vocab_teacher is None and shards[-1][1] > ranks[0]["vocab_student"]:
+        raise ValueError(f"vocab_parallel shards cover [0, {shards[-1][1]}), past vocab_student="
+                         f"{ranks[0]['vocab_student']}: a teacher vocabulary larger than the student's needs "
+                         "VocabParallelOptions' vocab_teacher, without which no rank can tell a left-out tail")
     if ranks[0]["vocab_student"] > shards[-1][1]:
         raise ValueError(f"vocab_parallel vocab_student={ranks[0]['vocab_student']} exceeds the teacher's vocabulary "
                          f"{shards[-1][1]}, which the shards cover")

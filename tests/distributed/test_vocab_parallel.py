@@ -154,64 +154,68 @@ class FakeSplit:
 
 # Each a wrong set-up of two ranks: its VocabParallelOptions per rank (start, stop, vocab_student[, group,
 # vocab_teacher]) and what rank 1 changes in its call; every rank must raise the error, none may hang.
+SPLIT = [(0, 16, 23, None, 31), (16, 31, 23, None, 31)]  # a right split, of the problems' 31 teacher rows
 WRONG_SETUPS = {
     "overlapping shards": ([(0, 20, 23), (10, 31, 23)], {}, r"must tile \[0, Vt\) without gaps or overlaps"),
     "a gap between shards": ([(0, 10, 23), (15, 31, 23)], {}, "without gaps or overlaps"),
     "both ranks hold every row": ([(0, 31, 23), (0, 31, 23)], {}, "without gaps or overlaps"),
     "the tail left out": ([(0, 12, 23, None, 31), (12, 25, 23, None, 31)], {}, r"must tile \[0, 31\)"),
+    # without vocab_teacher the ranks cannot know that the teacher's rows 25..30 are left out
+    "a teacher vocabulary past the student's, not named": ([(0, 12, 23), (12, 25, 23)], {},
+                                                           r"cover \[0, 25\), past vocab_student=23: .*vocab_teacher"),
     "vocab_student past the teacher's rows": ([(0, 16, 23), (16, 20, 23)], {},
                                               "vocab_student=23 exceeds the teacher's vocabulary 20"),
     "ranks disagree on vocab_student": ([(0, 16, 23), (16, 31, 22)], {}, r"agree on vocab_student, got \[23, 22\]"),
-    "other labels on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "changed"}, "same true_labels"),
-    "other teacher hidden states on one rank": ([(0, 16, 23), (16, 31, 23)], {"teacher_input": 1}, "same teacher_input"),
-    "another temperature on one rank": ([(0, 16, 23), (16, 31, 23)], {"temperature": 2.0},
+    "other labels on one rank": (SPLIT, {"labels": "changed"}, "same true_labels"),
+    "other teacher hidden states on one rank": (SPLIT, {"teacher_input": 1}, "same teacher_input"),
+    "another temperature on one rank": (SPLIT, {"temperature": 2.0},
                                         r"agree on option temperature, got \[1.5, 2.0\]"),
-    "fewer tokens on one rank": ([(0, 16, 23), (16, 31, 23)], {"tokens": 19}, "agree on the number of tokens"),
-    "a wrong shard on one rank": ([(0, 16, 23), (16, 31, 23)], {"teacher_rows": 14},
+    "fewer tokens on one rank": (SPLIT, {"tokens": 19}, "agree on the number of tokens"),
+    "a wrong shard on one rank": (SPLIT, {"teacher_rows": 14},
                                   r"need a teacher_weight shard|rank\(s\) \[1\]"),
     # each of these sizes or skips a collective on one rank only: a hang, not a wrong loss, before the check
-    "no gradients on one rank": ([(0, 16, 23), (16, 31, 23)], {"grad": False},
+    "no gradients on one rank": (SPLIT, {"grad": False},
                                  r"agree on gradients asked for \(input, weight, bias bits\), got \[3, 0\]"),
-    "another dtype on one rank": ([(0, 16, 23), (16, 31, 23)], {"dtype": torch.bfloat16},
+    "another dtype on one rank": (SPLIT, {"dtype": torch.bfloat16},
                                   r"agree on student dtype, got \['torch.float32', 'torch.bfloat16'\]"),
-    "another soft term on one rank": ([(0, 16, 23), (16, 31, 23)], {"losses": "reversed"},
+    "another soft term on one rank": (SPLIT, {"losses": "reversed"},
                                       r"agree on the soft term, got \['cosine', 'jsd'\]"),
-    # the JSD's statistics are [n, 6] float64 in the torch spec and [n, 7] fp32 in Triton's: a crash in the gather
-    "another implementation on one rank": ([(0, 16, 23), (16, 31, 23)], {"impl": "not auto's"},
+    # the JSD's statistics are float64 in the torch spec and fp32 in Triton's: a crash in the gather
+    "another implementation on one rank": (SPLIT, {"impl": "not auto's"},
                                            r"agree on the JSD's statistics, got \['(torch spec|Triton stages)', "
                                            r"'(torch spec|Triton stages)'\]"),
     # a wrong loss on every rank: that rank's shard of the logits quantized, or with a bias the others leave out
-    "the FP8 teacher on one rank": ([(0, 16, 23), (16, 31, 23)], {"teacher_precision": "fp8"},
+    "the FP8 teacher on one rank": (SPLIT, {"teacher_precision": "fp8"},
                                     r"agree on the teacher's precision, got \['logits', 'fp8'\]"),
-    "a student bias on one rank only": ([(0, 16, 23), (16, 31, 23)], {"bias": "student"},
+    "a student bias on one rank only": (SPLIT, {"bias": "student"},
                                         r"agree on biases \(student, teacher bits\), got \[0, 1\]"),
-    "a teacher bias on one rank only": ([(0, 16, 23), (16, 31, 23)], {"bias": "teacher"},
+    "a teacher bias on one rank only": (SPLIT, {"bias": "teacher"},
                                         r"agree on biases \(student, teacher bits\), got \[0, 2\]"),
-    "another grad_weight accumulator on one rank": ([(0, 16, 23), (16, 31, 23)], {"accum_dtype": torch.float32},
+    "another grad_weight accumulator on one rank": (SPLIT, {"accum_dtype": torch.float32},
                                                     r"agree on accum_dtype, got \['torch.bfloat16', 'torch.float32'\]"),
     # that rank alone would raise at its label count, after the first statistics' collectives
-    "a label past the vocabulary on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "past the vocabulary"},
+    "a label past the vocabulary on one rank": (SPLIT, {"labels": "past the vocabulary"},
                                                 "same true_labels"),
     # that rank alone would raise in its argument checks, before the first gather
-    "labels of another shape on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "one fewer"},
+    "labels of another shape on one rank": (SPLIT, {"labels": "one fewer"},
                                             r"true_labels shape \(19,\) does not match|rank\(s\) \[1\] raised"),
-    "float labels on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "float"},
+    "float labels on one rank": (SPLIT, {"labels": "float"},
                                  r"true_labels must be an integer tensor|rank\(s\) \[1\] raised"),
-    "an invalid temperature on one rank": ([(0, 16, 23), (16, 31, 23)], {"temperature": -1.0},
+    "an invalid temperature on one rank": (SPLIT, {"temperature": -1.0},
                                            r"temperature must be > 0, got -1.0|rank\(s\) \[1\] raised"),
-    "tensors on two devices on one rank": ([(0, 16, 23), (16, 31, 23)], {"labels": "on the meta device"},
+    "tensors on two devices on one rank": (SPLIT, {"labels": "on the meta device"},
                                            r"all tensors must be on one device|rank\(s\) \[1\] raised"),
     # a normaliser per rank (rank 0's, rank 1's): each rank divided by its own, or one raised alone at its count
-    "another num_valid_tokens on one rank": ([(0, 16, 23), (16, 31, 23)], {"num_valid_tokens": (10.0, 20.0)},
+    "another num_valid_tokens on one rank": (SPLIT, {"num_valid_tokens": (10.0, 20.0)},
                                              r"agree on num_valid_tokens, got \[10.0, 20.0\]"),
-    "a num_valid_tokens tensor on one rank only": ([(0, 16, 23), (16, 31, 23)], {"num_valid_tokens": (10.0, "10")},
+    "a num_valid_tokens tensor on one rank only": (SPLIT, {"num_valid_tokens": (10.0, "10")},
                                                    r"agree on num_valid_tokens, got \[10.0, 'a tensor'\]"),
-    "another num_valid_tokens tensor on one rank": ([(0, 16, 23), (16, 31, 23)], {"num_valid_tokens": ("10", "20")},
+    "another num_valid_tokens tensor on one rank": (SPLIT, {"num_valid_tokens": ("10", "20")},
                                                     r"agree on num_valid_tokens, got \[10.0, 20.0\]"),
-    "a zero num_valid_tokens tensor on one rank": ([(0, 16, 23), (16, 31, 23)], {"num_valid_tokens": ("10", "0")},
+    "a zero num_valid_tokens tensor on one rank": (SPLIT, {"num_valid_tokens": ("10", "0")},
                                                    r"agree on num_valid_tokens, got \[10.0, 0.0\]"),
     # shared by the ranks, as data_parallel_num_valid_tokens hands it to all where one rank's labels were refused
-    "a NaN num_valid_tokens tensor on every rank": ([(0, 16, 23), (16, 31, 23)], {"num_valid_tokens": ("nan", "nan")},
+    "a NaN num_valid_tokens tensor on every rank": (SPLIT, {"num_valid_tokens": ("nan", "nan")},
                                                     r"num_valid_tokens must be finite, got nan \(data_parallel"),
 }
 
@@ -328,6 +332,49 @@ def test_a_stale_cached_copy_on_one_rank_raises_on_every_rank_in_that_call(tmp_p
     assert calls[1][1][0] == "StaleWeightError" and "this call found that copy stale" in calls[1][1][1], calls[1][1]
     assert calls[0][1][0] == "ValueError" and re.search(r"FP8 teacher copy of rank\(s\) \[1\] stale", calls[0][1][1])
     assert [call[1] for call in calls[0][2:]] == [call[1] for call in calls[1][2:]]  # one loss on both ranks
+
+
+def run_layouts_and_a_foreign_group(rank, folder):
+    """Rank 1 passes bf16 hidden states equal to rank 0's in other layouts (column-major; rows at an odd offset);
+    then each rank builds a split over a group that holds rank 0 alone. Writes the losses and errors."""
+    device = join_group(rank, 2, folder, BACKEND)
+    try:
+        problem = problem_on(device, tokens=20, vocab_student=23, vocab_teacher=31, dtype=torch.bfloat16)
+        split = VocabParallelOptions.even_split(31, 23)
+        student_input, teacher_input = problem.student_input, problem.teacher_input
+        if rank == 1:
+            teacher_input = teacher_input.t().contiguous().t()
+            student_input = torch.cat([student_input.new_zeros(1), student_input.view(-1)])[1:].view_as(student_input)
+            assert torch.equal(teacher_input, problem.teacher_input) and student_input.data_ptr() % 4 == 2
+        loss = FUSED_LOSSES["jsd"](student_input, split.student_rows(problem.student_weight), teacher_input,
+                                   split.teacher_rows(problem.teacher_weight), problem.labels, vocab_parallel=split)
+        outcome = {"loss": loss.item(), "unsplit": FUSED_LOSSES["jsd"](*problem.args()[:5]).item()}
+        alone = dist.new_group([0])
+        for name, build in {"even_split": lambda: VocabParallelOptions.even_split(31, 23, alone),
+                            "constructed": lambda: VocabParallelOptions(0, 31, 23, alone, 31)}.items():
+            try:
+                build()
+                outcome[name] = "no error"
+            except ValueError as error:
+                outcome[name] = str(error)
+        with open(os.path.join(folder, f"outcome-{rank}.json"), "w") as file:
+            json.dump(outcome, file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_equal_hidden_states_in_other_layouts_pass_and_a_group_without_the_rank_is_named(tmp_path):
+    """The split's hash read bf16 hidden states two elements to a word where their layout allows, one otherwise, so
+    equal values in another layout on one rank raised "contents differ"; a split over a group that does not hold
+    the rank raised a negative-dimension RuntimeError on it while the other rank waited."""
+    on_backends_gpus()
+    mp.spawn(run_layouts_and_a_foreign_group, args=(str(tmp_path),), nprocs=2)
+    outcomes = [json.loads((tmp_path / f"outcome-{rank}.json").read_text()) for rank in range(2)]
+    assert outcomes[0]["loss"] == outcomes[1]["loss"]
+    assert rel_err(torch.tensor(outcomes[0]["loss"]), torch.tensor(outcomes[0]["unsplit"])) < 1e-2
+    assert outcomes[0]["even_split"] == outcomes[0]["constructed"] == "no error"
+    for name in ("even_split", "constructed"):
+        assert "this rank (global rank 1) is not in the group it was given" in outcomes[1][name], outcomes[1]
 
 
 @pytest.mark.parametrize("loss", FUSED_LOSSES)

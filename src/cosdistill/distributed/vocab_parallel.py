@@ -32,7 +32,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 @dataclass(frozen=True)
 class VocabParallelOptions:
     """This rank's rows [start, stop) of both heads; ``vocab_student`` is the student's whole vocabulary,
-    ``vocab_teacher`` the teacher's (``even_split`` sets it; given, the ranks' rows must cover it exactly)."""
+    ``vocab_teacher`` the teacher's (``even_split`` sets it): the ranks' rows must cover it exactly. None stands for
+    a teacher vocabulary equal to the student's; a split whose rows go past the student's must name it."""
 
     start: int
     stop: int
@@ -41,6 +42,8 @@ class VocabParallelOptions:
     vocab_teacher: int | None = None
 
     def __post_init__(self):
+        if self.group is not None:
+            _check_member(self.group, "VocabParallelOptions")
         if not 0 <= self.start < self.stop:
             raise ValueError(f"VocabParallelOptions needs 0 <= start < stop, got start={self.start}, stop={self.stop}")
         within_teacher = self.vocab_teacher is None or (self.vocab_student <= self.vocab_teacher
@@ -56,6 +59,7 @@ class VocabParallelOptions:
         if not 0 < vocab_student <= vocab_teacher:
             raise ValueError(f"VocabParallelOptions.even_split needs 0 < vocab_student <= vocab_teacher, got "
                              f"vocab_student={vocab_student}, vocab_teacher={vocab_teacher}")
+        _check_member(group, "VocabParallelOptions.even_split")
         ranks, rank = dist.get_world_size(group), dist.get_rank(group)
         if vocab_teacher < ranks:
             raise ValueError(f"VocabParallelOptions.even_split cannot split vocab_teacher={vocab_teacher} rows over the "
@@ -89,3 +93,9 @@ class VocabParallelOptions:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.group)
+
+
+def _check_member(group, caller: str) -> None:
+    """A group that does not hold this rank (``new_group`` without it) would size collectives from a rank of -1."""
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{caller}: this rank (global rank {dist.get_rank()}) is not in the group it was given")
