@@ -50,6 +50,16 @@ def test_logits_of_magnitude_1e4_in_fp32(impl):
     assert_matches_float64(problem, impl, torch.float32)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 1e-3])
+def test_student_logits_whose_squares_fit_fp32_and_whose_squares_over_t2_do_not(impl, temperature):
+    """Student logits of order 1e16, teacher logits of order 1: |s|^2 fits fp32, |s|^2 / T^2 at T = 1e-3 does not.
+    The fast row steps multiplied the sums by 1 / T^2, which overflowed to a clamped norm of inf: a cosine of 0,
+    a finite soft term of beta, where T cancels but in the norms' clamp."""
+    problem = make_problem(tokens=29, vocab_student=131, dtype=torch.float32, ignore_every=4)
+    problem.student_input.data *= 1e16
+    assert_matches_float64(problem, impl, torch.float32, temperature=temperature)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_logits_at_the_largest_value_of_the_dtype(impl, dtype):
     """Logits at +-max of the dtype; no overflow in the sum of exponentials or in |s|^2. Labels point at

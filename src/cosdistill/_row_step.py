@@ -233,19 +233,21 @@ def cosine_terms(stats: torch.Tensor, constants: RowStepConstants):
 
     d cos / d s = coef_teacher * t - coef_student * s (t and s as they are, not divided by their
     scales). The norms are clamped at eps like cosine_similarity, and where the student's clamp is
-    active its norm is a constant, so its derivative term drops out. With scale = max |x|, the
-    unit-scaled norms are >= 1 / T, so nothing below divides by a tiny number.
+    active its norm is a constant, so its derivative term drops out. T cancels but in the clamp,
+    max(|s| / T, eps) = max(|s|, eps T) / T: taken so, no sum is multiplied by 1 / T^2, which overflowed
+    fp32 for rows whose |s| fits and |s| / T does not. With scale = max |x|, the unit-scaled norms are
+    >= 1, so nothing below divides by a tiny number.
     """
-    inv_t2 = 1.0 / (constants.temperature * constants.temperature)
     student_scale, teacher_scale = stats[:, SCALE_S], stats[:, SCALE_T]
-    norm_student = torch.sqrt(stats[:, SUM_SQ_S] * inv_t2)  # |s / T| / student_scale
-    norm_teacher = torch.sqrt(stats[:, SUM_SQ_T] * inv_t2)
-    student_eps, teacher_eps = COSINE_EPS / student_scale, COSINE_EPS / teacher_scale
+    norm_student = torch.sqrt(stats[:, SUM_SQ_S])  # |s| / student_scale
+    norm_teacher = torch.sqrt(stats[:, SUM_SQ_T])
+    eps = COSINE_EPS * constants.temperature
+    student_eps, teacher_eps = eps / student_scale, eps / teacher_scale
     clamped_student = torch.maximum(norm_student, student_eps)
     clamped_teacher = torch.maximum(norm_teacher, teacher_eps)
-    cos = stats[:, DOT] * inv_t2 / clamped_student / clamped_teacher
-    coef_teacher = inv_t2 / (clamped_student * clamped_teacher) / student_scale / teacher_scale
-    coef_student = cos * inv_t2 / (clamped_student * clamped_student) / student_scale / student_scale
+    cos = stats[:, DOT] / clamped_student / clamped_teacher
+    coef_teacher = 1.0 / (clamped_student * clamped_teacher) / student_scale / teacher_scale
+    coef_student = cos / (clamped_student * clamped_student) / student_scale / student_scale
     coef_student = torch.where(norm_student >= student_eps, coef_student, 0.0)
     return cos, coef_teacher, coef_student
 

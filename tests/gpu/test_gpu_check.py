@@ -753,6 +753,23 @@ def test_auto_on_huge_student_logits_gives_the_logits_path_s_finite_answer(devic
     assert_passed([compare("huge student logits: auto vs logits path", case.describe(), FP32, got, want)])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+def test_cosine_student_logits_whose_squares_over_t2_pass_fp32s_range(device, impl):
+    """Student logits ~1e16 at T = 1e-3: |s|^2 fits fp32, |s|^2 / T^2 does not, which the fast row steps' norms
+    overflowed (a cosine of 0). Each row step gives the torch spec's numbers."""
+    if impl == "cuda" and not (device == "cuda" and row_step_cuda.available(torch.device(device))):
+        pytest.skip("the cluster kernel runs on Hopper only")
+    case = HUGE_LOGITS_CASES[device]
+    args = random_problem(case, device)
+    hidden = args[0].shape[1]  # the teacher's first half of features is the student's: cosines far from 0
+    args[2][:, :hidden], args[3][:, :hidden] = args[0].detach(), args[1].detach()
+    args[1] = (args[1].detach().float() * 1e16).to(BF16).requires_grad_()
+    got = fused_run(args, impl=impl, temperature=1e-3, cosine_via="logits")
+    want = fused_run(args, impl="torch", temperature=1e-3, cosine_via="logits")
+    assert_passed([compare(f"student logits ~1e16 at T = 1e-3: {impl} vs torch", case.describe(), BF16, got, want)])
+
+
 SEED_VOCAB, SEED_HIDDEN = {"cpu": (1283, 128), "cuda": (128256, 4096)}, {"cpu": 128, "cuda": 4096}
 SEED_CHUNKS = {"cpu": {"auto": None, "small": 64, "large": 128}, "cuda": {"auto": None, "small": 1024, "large": 2048}}
 

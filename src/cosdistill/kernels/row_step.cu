@@ -17,7 +17,7 @@ __device__ __forceinline__ void reduce_warp(float* part) {
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) LAUNCH_BOUNDS
 cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, float* losses,
                  int student_stride, int teacher_stride, int ignore_index,
-                 double weight_hard, double weight_soft, double beta, double inv_temp_sq,
+                 double weight_hard, double weight_soft, double beta, double temperature,
                  const float* teacher_products, float* teacher_coefs) {
   // TEACHER 0 (the Gram path, _teacher_gram.py): no teacher logits; each row's s.t and |t|^2 come in teacher_products
   // and the coefficient of t in d L / d s goes out in teacher_coefs (_row_step.teacher_grad_coefficient).
@@ -126,22 +126,21 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
       part[2] = teacher_products[2 * slice.row];
       part[4] = teacher_products[2 * slice.row + 1];
 #endif
-      const float eps = COSINE_EPS;
-      const float inv_t2 = (float)inv_temp_sq;
+      const float eps = COSINE_EPS * (float)temperature;  // T cancels but in the clamp (_row_step.cosine_terms)
       const float total = part[3] + part[4] + fabsf(part[2]);
       const bool usable = !(total > 3.4028234663852886e38f || total != total);
       const float log_sum_exp = logf(part[1]);
-      const float norm_student = sqrtf(part[3] * inv_t2);
+      const float norm_student = sqrtf(part[3]);
       const float clamped_student = fmaxf(norm_student, eps);
-      const float clamped_teacher = fmaxf(sqrtf(part[4] * inv_t2), eps);
-      const float cos = part[2] * inv_t2 / clamped_student / clamped_teacher;
+      const float clamped_teacher = fmaxf(sqrtf(part[4]), eps);
+      const float cos = part[2] / clamped_student / clamped_teacher;
       if (slice.rank == 0) {
         losses[2 * slice.row] = usable ? (part[0] - target) + log_sum_exp : QUIET_NAN;
         losses[2 * slice.row + 1] = usable ? (float)beta * (1.f - cos) : QUIET_NAN;
       }
       const float soft_scale = (float)weight_soft * (float)beta;
-      const float coef_teacher = inv_t2 / (clamped_student * clamped_teacher);
-      const float coef_student = norm_student >= eps ? cos * inv_t2 / (clamped_student * clamped_student) : 0.f;
+      const float coef_teacher = 1.f / (clamped_student * clamped_teacher);
+      const float coef_student = norm_student >= eps ? cos / (clamped_student * clamped_student) : 0.f;
       row_coefs[0] = part[0];
       row_coefs[1] = log_sum_exp;
       row_coefs[2] = (float)weight_hard;

@@ -242,7 +242,7 @@ def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, const
     launch_rows(kernel, layout, rows, _shared_bytes(vocab, *layout, tiles=models), device,
                 [student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
                  teacher_logits.stride(0), constants.ignore_index, float(constants.weight_hard), float(constants.weight_soft),
-                 float(constants.beta), 1.0 / (constants.temperature * constants.temperature), teacher_products, teacher_coefs])
+                 float(constants.beta), float(constants.temperature), teacher_products, teacher_coefs])
 
 
 @functools.cache

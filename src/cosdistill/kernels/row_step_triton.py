@@ -157,16 +157,16 @@ def _overflowed(dot, sum_sq_student, sum_sq_teacher):
 
 @triton.jit
 def _row_losses(losses_row, valid, row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit,
-                teacher_unit, beta, inv_temp_sq, eps, usable):
+                teacher_unit, beta, temperature, eps, usable):
     """Stores the row's hard and soft losses (NaN if not ``usable``: the RESCUE launch redoes the row) and
     returns what the gradient's coefficients need (_row_step.cosine_terms)."""
     log_sum_exp = tl.log(sum_exp)  # kept apart from row_max, see _row_step.row_grad_torch
-    norm_student = tl.sqrt(sum_sq_student * inv_temp_sq)
-    norm_teacher = tl.sqrt(sum_sq_teacher * inv_temp_sq)
-    student_eps = eps / student_unit
+    norm_student = tl.sqrt(sum_sq_student)  # T cancels but in the clamp (_row_step.cosine_terms)
+    norm_teacher = tl.sqrt(sum_sq_teacher)
+    student_eps = eps * temperature / student_unit
     clamped_student = tl.maximum(norm_student, student_eps)
-    clamped_teacher = tl.maximum(norm_teacher, eps / teacher_unit)
-    cos = dot * inv_temp_sq / clamped_student / clamped_teacher
+    clamped_teacher = tl.maximum(norm_teacher, eps * temperature / teacher_unit)
+    cos = dot / clamped_student / clamped_teacher
 
     hard_loss = tl.where(valid, (row_max - target_logit) + log_sum_exp, 0.0)
     tl.store(losses_row, tl.where(usable, hard_loss, float("nan")))
@@ -176,17 +176,17 @@ def _row_losses(losses_row, valid, row_max, sum_exp, target_logit, dot, sum_sq_s
 
 @triton.jit
 def _grad_coefficients(sum_sq_student, sum_sq_teacher, student_unit, teacher_unit, norm_student, student_eps,
-                       clamped_student, clamped_teacher, cos, weight_hard, weight_soft, beta, inv_temp_sq,
+                       clamped_student, clamped_teacher, cos, weight_hard, weight_soft, beta,
                        student_scale, lift_row, LIFT: tl.constexpr):
     """The row's d L / d s per logit is prob_coef * softmax + teacher_coef * t + student_coef * s, less
     prob_coef at the label (row_grad_torch); with LIFT, times the row's power of two, stored at
     ``lift_row`` (_row_step.row_lift_bound, lift_for)."""
     # d L / d s = weight_hard * (softmax - onehot) - weight_soft * beta * d cos / d s, and
     # d cos / d s = coef_teacher * t - coef_student * s.
-    coef_teacher = inv_temp_sq / (clamped_student * clamped_teacher) / student_unit / teacher_unit
+    coef_teacher = 1.0 / (clamped_student * clamped_teacher) / student_unit / teacher_unit
     coef_student = tl.where(
         norm_student >= student_eps,
-        cos * inv_temp_sq / (clamped_student * clamped_student) / student_unit / student_unit,
+        cos / (clamped_student * clamped_student) / student_unit / student_unit,
         0.0,
     )
     soft_scale = weight_soft * beta
@@ -205,7 +205,7 @@ def _grad_coefficients(sum_sq_student, sum_sq_teacher, student_unit, teacher_uni
 def _row_losses_and_grad(
     student_row, teacher_row, losses_row, valid, in_shard, column, vocab_student,
     row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
-    weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
+    weight_hard, weight_soft, beta, temperature, eps, student_scale, teacher_scale, student_cap, teacher_cap,
     usable, lift_row, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr,
     LIFT: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
@@ -214,11 +214,11 @@ def _row_losses_and_grad(
     left alone, for the RESCUE launch."""
     log_sum_exp, norm_student, student_eps, clamped_student, clamped_teacher, cos = _row_losses(
         losses_row, valid, row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit,
-        teacher_unit, beta, inv_temp_sq, eps, usable)
+        teacher_unit, beta, temperature, eps, usable)
     if WRITE_GRAD:
         prob_coef, teacher_coef, student_coef = _grad_coefficients(
             sum_sq_student, sum_sq_teacher, student_unit, teacher_unit, norm_student, student_eps, clamped_student,
-            clamped_teacher, cos, weight_hard, weight_soft, beta, inv_temp_sq, student_scale, lift_row, LIFT)
+            clamped_teacher, cos, weight_hard, weight_soft, beta, student_scale, lift_row, LIFT)
         offsets = tl.arange(0, BLOCK)
         whole_blocks_stop = vocab_student - vocab_student % BLOCK
         if usable & valid:
@@ -274,7 +274,7 @@ def _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coe
 def _row_step_kernel(
     student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, losses_ptr, lifts_ptr,
     vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
-    weight_hard, weight_soft, beta, inv_temp_sq, eps, student_cap, teacher_cap, student_scale, teacher_scale,
+    weight_hard, weight_soft, beta, temperature, eps, student_cap, teacher_cap, student_scale, teacher_scale,
     STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, LIFT: tl.constexpr,
     RESCUE: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
@@ -307,7 +307,7 @@ def _row_step_kernel(
         _row_losses_and_grad(
             student_row, teacher_row, losses_row, valid, in_shard, column, vocab_student,
             row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
-            weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
+            weight_hard, weight_soft, beta, temperature, eps, student_scale, teacher_scale, student_cap, teacher_cap,
             usable, lifts_ptr + row, STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, LIFT, BLOCK, STAGES,
         )
 
@@ -351,7 +351,7 @@ def _row_stats_kernel(
 def _row_grad_kernel(
     student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, stats_ptr, losses_ptr, lifts_ptr,
     vocab_student, ignore_index, vocab_start, vocab_student_total,
-    weight_hard, weight_soft, beta, inv_temp_sq, eps, student_cap, teacher_cap, student_scale, teacher_scale,
+    weight_hard, weight_soft, beta, temperature, eps, student_cap, teacher_cap, student_scale, teacher_scale,
     STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, LIFT: tl.constexpr,
     NUM_STATS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
@@ -367,14 +367,14 @@ def _row_grad_kernel(
         student_row, teacher_row, losses_ptr + row * 2, valid, in_shard, column, vocab_student,
         tl.load(stats_row), tl.load(stats_row + 1), tl.load(stats_row + 2), tl.load(stats_row + 3),
         tl.load(stats_row + 4), tl.load(stats_row + 5), tl.load(stats_row + 6), tl.load(stats_row + 7),
-        weight_hard, weight_soft, beta, inv_temp_sq, eps, student_scale, teacher_scale, student_cap, teacher_cap,
+        weight_hard, weight_soft, beta, temperature, eps, student_scale, teacher_scale, student_cap, teacher_cap,
         tl.full([], 1, tl.int1), lifts_ptr + row, STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, LIFT, BLOCK, STAGES,
     )
 
 
 def _loss_args(constants: RowStepConstants):
-    return (constants.weight_hard, constants.weight_soft, constants.beta, 1.0 / (constants.temperature * constants.temperature),
-            COSINE_EPS, *logit_args(constants))
+    return (constants.weight_hard, constants.weight_soft, constants.beta, constants.temperature, COSINE_EPS,
+            *logit_args(constants))
 
 
 def _teacher_args(teacher_logits, vocab_student):
