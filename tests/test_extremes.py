@@ -97,8 +97,12 @@ def test_logits_at_the_largest_value_of_the_dtype(impl, dtype):
 
 def test_all_equal_logits(impl):
     """Equal head rows: the gradient reaching student_input cancels to rounding (exactly 0 in float64),
-    so it is held to an absolute bound; the weight's gradient to the usual relative one."""
-    problem = make_problem(tokens=9, vocab_student=50, vocab_teacher=61, bias=False)
+    so it is held to an absolute bound; the weight's gradient to the usual relative one. The bound sits below the
+    grad_input GEMM's worst-case rounding (V ulps of max |w|), which about one draw in 150 reaches: the draw is the
+    test's own, not whatever the tests before it left in the global generator."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        problem = make_problem(tokens=9, vocab_student=50, vocab_teacher=61, bias=False)
     problem.student_weight.data[:] = problem.student_weight.data[0]
     problem.teacher_weight.data[:] = problem.teacher_weight.data[0]
     (want_losses, (_, want_grad_weight)) = reference(problem)
