@@ -238,6 +238,27 @@ def test_a_count_that_changes_every_call_compiles_the_step_once_more_not_each_ti
     assert torch.equal(got, fused_linear_cosine_distill(*problem.args(), num_valid_tokens=7.0))
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic dynamic", "dynamic"])
+def test_ignore_index_as_an_argument_compiles_with_fullgraph(dynamic):
+    """ignore_index passed to a compiled step: from its second value (or at once with dynamic=True) Dynamo takes it
+    as a symbolic int, on which the options' bool check, getattr(ignore_index, "dtype"), was untraceable: fullgraph
+    raised Unsupported. Each value's loss and gradients are eager's."""
+    problem = make_problem(tokens=16, bias=False)
+    step = torch.compile(lambda *args, ignore: fused_linear_jsd(*args, ignore_index=ignore), backend="aot_eager",
+                         fullgraph=True, dynamic=dynamic)
+    for ignore in (-100, 7, -1):
+        labels = problem.labels.clone()
+        labels[::3] = ignore
+        args = (*problem.args()[:4], labels)
+        got = step(*args, ignore=ignore)
+        got_grads = torch.autograd.grad(got, problem.student_leaves())
+        want = fused_linear_jsd(*args, ignore_index=ignore)
+        want_grads = torch.autograd.grad(want, problem.student_leaves())
+        assert rel_err(got, want) < TOL
+        for got_grad, want_grad in zip(got_grads, want_grads):
+            assert rel_err(got_grad, want_grad) < TOL
+
+
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
 def test_options_on_a_schedule_compile_the_step_once_more_not_each_time(loss):
     """Weights, beta, temperature and logit scales that change every step (a schedule): the op took them as floats

@@ -81,7 +81,7 @@ class Options:
             torch.is_tensor(getattr(self, field.name)) for field in dataclasses.fields(self)))
         for name in REAL_OPTIONS:
             check_finite_real(name, getattr(self, name))
-        if (isinstance(self.ignore_index, bool) or getattr(self.ignore_index, "dtype", None) == torch.bool
+        if (isinstance(self.ignore_index, bool) or (torch.is_tensor(self.ignore_index) and self.ignore_index.dtype == torch.bool)
                 or not _is_integer(self.ignore_index)):  # a bool would ignore label 1
             raise TypeError(f"ignore_index must be an int, got {type(self.ignore_index).__name__} {self.ignore_index!r}")
         if self.temperature <= 0:
