@@ -43,9 +43,13 @@ def as_words(weight: torch.Tensor) -> torch.Tensor:
     words = words.reshape(words.shape[0], -1) if words.dim() != 2 else words
     if words.element_size() == 4:
         return words.view(torch.int32)
-    pairs = (words.stride(-1) == 1 and words.shape[1] % 2 == 0 and words.stride(0) % 2 == 0
-             and words.data_ptr() % 4 == 0)
-    return words.view(torch.int32) if pairs else words.view(torch.int16)
+    return words.view(torch.int32) if in_pairs(words) else words.view(torch.int16)
+
+
+def in_pairs(words: torch.Tensor) -> bool:
+    """Whether a 2-D 16-bit tensor's elements are read two to a 32-bit word (its layout allows it)."""
+    return (words.stride(-1) == 1 and words.shape[1] % 2 == 0 and words.stride(0) % 2 == 0
+            and words.data_ptr() % 4 == 0)
 
 
 def lanes_of(partials: torch.Tensor) -> torch.Tensor:

@@ -236,7 +236,8 @@ def cosine_terms(stats: torch.Tensor, constants: RowStepConstants):
     active its norm is a constant, so its derivative term drops out. T cancels but in the clamp,
     max(|s| / T, eps) = max(|s|, eps T) / T: taken so, no sum is multiplied by 1 / T^2, which overflowed
     fp32 for rows whose |s| fits and |s| / T does not. With scale = max |x|, the unit-scaled norms are
-    >= 1, so nothing below divides by a tiny number.
+    >= 1; a row of zeros divides by its clamp, eps T, and its coefficients (~1/(eps T)^2) pass fp32's range below
+    T ~ 5e-12 (docs/design.md, left open).
     """
     student_scale, teacher_scale = stats[:, SCALE_S], stats[:, SCALE_T]
     norm_student = torch.sqrt(stats[:, SUM_SQ_S])  # |s| / student_scale

@@ -17,6 +17,7 @@ import torch
 from ._backends import Backend, backend_for
 from ._chunk_loop import ChunkRows
 from ._device import HostCopy
+from ._fingerprint import in_pairs
 from ._labels import LabelCounts
 from ._options import FLOAT_DTYPES, LOSSES, Options
 from ._row_step import RowStepConstants
@@ -179,7 +180,7 @@ def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels,
 def _in_pairs(hidden: torch.Tensor) -> torch.Tensor:
     """The hidden states laid out so that their 16-bit elements hash in pairs (``as_words``): equal values held in
     another layout on another rank (a transposed view, an odd offset) hash alike. A copy only where they are not."""
-    if hidden.element_size() != 2 or (hidden.is_contiguous() and hidden.data_ptr() % 4 == 0):
+    if hidden.element_size() != 2 or hidden.shape[1] % 2 or in_pairs(hidden):
         return hidden
     return hidden.clone(memory_format=torch.contiguous_format)
 

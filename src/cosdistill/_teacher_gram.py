@@ -37,8 +37,9 @@ from ._device import HostCopy, addmm_into
 from ._row_step import RowStepConstants, teacher_grad_coefficient, with_teacher_products
 from ._weight_cache import WeightCache, kept_across_calls
 
-# The largest bound on the Gram path's fp32 products (s.t and |t|^2, after the logit scales) for which it runs: far
-# below fp32's 3.4e38, far above any LM head's.
+# The largest bound on the Gram path's fp32 products (s.t and |t|^2, after the logit scales) times 1/T^2 for which it
+# runs: far below fp32's 3.4e38, far above any LM head's. The temperature cancels from the cosine but in its clamp,
+# where a token whose logits are near zero has coefficients ~1/(eps T)^2, past fp32's range at tiny T (docs/design.md).
 RANGE_LIMIT = 2.0**80
 
 
@@ -138,7 +139,7 @@ class GramTeacher:
         self._bound_range(student_input, teacher_input)
 
     def _bound_range(self, student_input: torch.Tensor, teacher_input: torch.Tensor) -> None:
-        """Queue the bound on this call's products (s.t and |t|^2 after the logit scales) and its copy
+        """Queue the bound on this call's products (s.t and |t|^2 after the logit scales, times 1/T^2) and its copy
         to the host, for ``check_range``. |x_i . y_i| <= H max|x| max|y| for each product taken."""
         constants = self.constants
         hidden_teacher, hidden_student = self.cross_gram[0].shape
@@ -150,7 +151,7 @@ class GramTeacher:
             dot = (hidden_teacher * hidden_student * abs(constants.student_logit_scale * constants.teacher_logit_scale)
                    * teacher_max * self.cross_gram_max * student_max)
             square = hidden_teacher * hidden_teacher * constants.teacher_logit_scale**2 * teacher_max**2 * self.teacher_gram_max
-            bound = torch.maximum(dot, square)
+            bound = torch.maximum(dot, square) * max(1.0, constants.temperature**-2)
             self.in_range = HostCopy(bound < RANGE_LIMIT)  # False for inf and NaN too
 
     def check_range(self) -> None:

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from conftest import make_problem, rel_err
 from cosdistill import StaleWeightError, api, fused_linear_cosine_distill, quantize_teacher_weight
 from cosdistill.distributed import VocabParallelOptions
-from cosdistill.testing import FUSED_LOSSES, plan, split_check, teacher_fp8, weight_cache
+from cosdistill.testing import FUSED_LOSSES, fingerprint_torch, plan, split_check, teacher_fp8, weight_cache
 
 # (vocab_student, vocab_teacher, dtype): neither divisible by 2 or 3; with 3 ranks the last holds no
 # student rows; fp16 takes the lifted gradient path (grad_input summed in fp32 before its rows are lifted)
@@ -375,6 +375,26 @@ def test_equal_hidden_states_in_other_layouts_pass_and_a_group_without_the_rank_
     assert outcomes[0]["even_split"] == outcomes[0]["constructed"] == "no error"
     for name in ("even_split", "constructed"):
         assert "this rank (global rank 1) is not in the group it was given" in outcomes[1][name], outcomes[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_split_hashes_equal_16_bit_hidden_states_alike_in_any_layout(dtype):
+    """The fingerprint reads 16-bit elements two to a word where the layout allows, one otherwise: the split's hash
+    takes the hidden states through a copy where they are not read in pairs. One token cut from a wider row (a
+    [1, H] view with an odd row stride, contiguous as torch counts it) was read one to a word."""
+    torch.manual_seed(0)
+    values = torch.randn(5, 16).to(dtype)
+    wide = torch.cat([values.new_zeros(5, 3), values], 1)
+    flat = torch.cat([values.new_zeros(1), values.view(-1)])
+    layouts = {"contiguous": values, "column-major": values.t().contiguous().t(), "odd offset": flat[1:].view(5, 16),
+               "odd row stride": wide[:, 3:]}
+    want = fingerprint_torch(values)
+    for name, layout in layouts.items():
+        assert torch.equal(layout, values)
+        assert torch.equal(fingerprint_torch(split_check._in_pairs(layout)), want), name
+        for row in range(len(values)):
+            one_token = split_check._in_pairs(layout[row : row + 1])
+            assert torch.equal(fingerprint_torch(one_token), fingerprint_torch(values[row : row + 1].clone())), name
 
 
 @pytest.mark.parametrize("loss", FUSED_LOSSES)
