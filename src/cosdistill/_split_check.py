@@ -154,7 +154,7 @@ def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels,
     normaliser = (num_valid_tokens.detach().to(device=labels.device, dtype=torch.float64).reshape(1).view(torch.int64)
                   if torch.is_tensor(num_valid_tokens) else torch.zeros(1, dtype=torch.int64, device=labels.device))
     # labels as int64: any integer dtype hashes (a 1-byte one has no 16-bit words), and equal labels alike
-    hashed = (_in_pairs(student_input), _in_pairs(teacher_input), labels.reshape(-1, 1).to(torch.int64))
+    hashed = (_laid_out_in_pairs(student_input), _laid_out_in_pairs(teacher_input), labels.reshape(-1, 1).to(torch.int64))
     hashes = torch.cat([fingerprint(tensor).to(torch.int64) for tensor in hashed] + [normaliser, stale.long()])
     gathered = HostCopy(split.all_gather(hashes))
 
@@ -177,7 +177,7 @@ def queue_hash_check(split: VocabParallel, student_input, teacher_input, labels,
     return check
 
 
-def _in_pairs(hidden: torch.Tensor) -> torch.Tensor:
+def _laid_out_in_pairs(hidden: torch.Tensor) -> torch.Tensor:
     """The hidden states laid out so that their 16-bit elements hash in pairs (``as_words``): equal values held in
     another layout on another rank (a transposed view, an odd offset) hash alike. A copy only where they are not."""
     if hidden.element_size() != 2 or hidden.shape[1] % 2 or in_pairs(hidden):

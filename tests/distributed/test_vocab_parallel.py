@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +46,16 @@ def join_group(rank, world_size, folder, backend="gloo", timeout_s=60) -> torch.
         return torch.device("cuda", rank)
     teacher_fp8.check_supported = lambda *args: None
     return torch.device("cpu")
+
+
+def write_rank_result(folder, name, rank, value) -> None:
+    """What a spawned rank found, for the test to read once the ranks have exited (``rank_results``)."""
+    with open(os.path.join(folder, f"{name}-{rank}.json"), "w") as file:
+        json.dump(value, file)
+
+
+def rank_results(folder, name, world_size) -> list:
+    return [json.loads((Path(folder) / f"{name}-{rank}.json").read_text()) for rank in range(world_size)]
 
 
 def on_backends_gpus():
@@ -111,8 +122,7 @@ def measure_rank(rank, world_size, folder):
                         "grads": [rel_err(got, want) for got, want in zip(got_grads, want_grads)],
                         "dtype": str(dtype),
                     }
-        with open(os.path.join(folder, f"errors-{rank}.json"), "w") as file:
-            json.dump(errors, file)
+        write_rank_result(folder, "errors", rank, errors)
     finally:
         dist.destroy_process_group()
 
@@ -121,7 +131,7 @@ def measure_rank(rank, world_size, folder):
 def errors_per_rank(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("ranks")
     mp.spawn(measure_rank, args=(request.param, str(folder)), nprocs=request.param)
-    return [json.loads((folder / f"errors-{rank}.json").read_text()) for rank in range(request.param)]
+    return rank_results(folder, "errors", request.param)
 
 
 def test_every_rank_gets_the_unsplit_loss_and_its_shard_of_the_gradients(errors_per_rank):
@@ -271,8 +281,7 @@ def run_wrong_setups(rank, folder):
                 raised[case] = "no error"
             except (TypeError, ValueError) as error:
                 raised[case] = str(error)
-        with open(os.path.join(folder, f"raised-{rank}.json"), "w") as file:
-            json.dump(raised, file)
+        write_rank_result(folder, "raised", rank, raised)
     finally:
         dist.destroy_process_group()
 
@@ -283,8 +292,7 @@ def test_every_rank_refuses_a_split_or_call_the_ranks_do_not_share(tmp_path):
     collective mismatch. Now every rank raises, from one all-gather before the loss."""
     on_backends_gpus()
     mp.spawn(run_wrong_setups, args=(str(tmp_path),), nprocs=2)
-    for rank in range(2):
-        raised = json.loads((tmp_path / f"raised-{rank}.json").read_text())
+    for rank, raised in enumerate(rank_results(tmp_path, "raised", 2)):
         for case, (_, _, message) in WRONG_SETUPS.items():
             assert re.search(message, raised[case]), f"rank {rank}, {case}: {raised[case]}"
 
@@ -310,8 +318,7 @@ def run_stale_copy(rank, folder):
                 calls.append(["loss", loss.item(), quantized.item()])
             except ValueError as error:
                 calls.append([type(error).__name__, str(error)])
-        with open(os.path.join(folder, f"calls-{rank}.json"), "w") as file:
-            json.dump(calls, file)
+        write_rank_result(folder, "calls", rank, calls)
     finally:
         dist.destroy_process_group()
 
@@ -323,7 +330,7 @@ def test_a_stale_cached_copy_on_one_rank_raises_on_every_rank_in_that_call(tmp_p
     rebuilds the copy and gives the numbers of a head quantized afresh."""
     on_backends_gpus()
     mp.spawn(run_stale_copy, args=(str(tmp_path),), nprocs=2)
-    calls = [json.loads((tmp_path / f"calls-{rank}.json").read_text()) for rank in range(2)]
+    calls = rank_results(tmp_path, "calls", 2)
     for rank in range(2):
         first, stale, rebuilt, reused = calls[rank]
         assert first[0] == rebuilt[0] == reused[0] == "loss", calls[rank]
@@ -357,8 +364,7 @@ def run_layouts_and_a_foreign_group(rank, folder):
                 outcome[name] = "no error"
             except ValueError as error:
                 outcome[name] = str(error)
-        with open(os.path.join(folder, f"outcome-{rank}.json"), "w") as file:
-            json.dump(outcome, file)
+        write_rank_result(folder, "outcome", rank, outcome)
     finally:
         dist.destroy_process_group()
 
@@ -369,7 +375,7 @@ def test_equal_hidden_states_in_other_layouts_pass_and_a_group_without_the_rank_
     the rank raised a negative-dimension RuntimeError on it while the other rank waited."""
     on_backends_gpus()
     mp.spawn(run_layouts_and_a_foreign_group, args=(str(tmp_path),), nprocs=2)
-    outcomes = [json.loads((tmp_path / f"outcome-{rank}.json").read_text()) for rank in range(2)]
+    outcomes = rank_results(tmp_path, "outcome", 2)
     assert outcomes[0]["loss"] == outcomes[1]["loss"]
     assert rel_err(torch.tensor(outcomes[0]["loss"]), torch.tensor(outcomes[0]["unsplit"])) < 1e-2
     assert outcomes[0]["even_split"] == outcomes[0]["constructed"] == "no error"
@@ -391,9 +397,9 @@ def test_the_split_hashes_equal_16_bit_hidden_states_alike_in_any_layout(dtype):
     want = fingerprint_torch(values)
     for name, layout in layouts.items():
         assert torch.equal(layout, values)
-        assert torch.equal(fingerprint_torch(split_check._in_pairs(layout)), want), name
+        assert torch.equal(fingerprint_torch(split_check._laid_out_in_pairs(layout)), want), name
         for row in range(len(values)):
-            one_token = split_check._in_pairs(layout[row : row + 1])
+            one_token = split_check._laid_out_in_pairs(layout[row : row + 1])
             assert torch.equal(fingerprint_torch(one_token), fingerprint_torch(values[row : row + 1].clone())), name
 
 
