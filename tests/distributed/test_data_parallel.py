@@ -143,6 +143,16 @@ def bad_option_on_the_last_rank(world_size):
     return "nothing raised"
 
 
+def count_over_rank_0_alone():
+    """The count over a group that holds rank 0 alone: its count there, the ValueError elsewhere. The other ranks
+    raised torch's "Invalid process group specified", which names no argument."""
+    alone = dist.new_group([0])  # a collective: every rank builds it
+    try:
+        return data_parallel_num_valid_tokens(torch.tensor([3, -100, 5, 7]), group=alone).item()
+    except ValueError as error:
+        return f"ValueError: {error}"
+
+
 def measure_rank(rank, world_size, folder):
     """Per loss, run and ignore layout, the relative errors of the gradients and of the mean loss against one
     process; rank 0 writes them to folder/errors.json (the gradients are all-reduced: the same on all ranks)."""
@@ -165,6 +175,8 @@ def measure_rank(rank, world_size, folder):
         dist.all_gather_object(errors["refused labels"], refused_labels_on_the_last_rank(world_size))
         errors["bad option"] = [None] * world_size
         dist.all_gather_object(errors["bad option"], bad_option_on_the_last_rank(world_size))
+        errors["rank 0 alone"] = [None] * world_size
+        dist.all_gather_object(errors["rank 0 alone"], count_over_rank_0_alone())
         if rank == 0:
             with open(os.path.join(folder, "errors.json"), "w") as file:
                 json.dump(errors, file)
@@ -211,6 +223,14 @@ def test_a_bad_option_on_one_rank_raises_on_every_rank(errors):
     assert last == "ValueError: temperature must be > 0, got 0.0"
     for other in others:
         assert other.startswith("ValueError: num_valid_tokens must be finite, got nan"), other
+
+
+def test_a_group_without_the_rank_is_named(errors):
+    first, *others = errors["rank 0 alone"]
+    assert first == 3.0
+    for rank, other in enumerate(others, 1):
+        assert other == (f"ValueError: data_parallel_num_valid_tokens (the data-parallel losses' count too): this rank "
+                         f"(global rank {rank}) is not in the group it was given")
 
 
 def test_needs_initialised_process_group():

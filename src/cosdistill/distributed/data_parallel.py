@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import FusedLinearCosineDistillLoss, FusedLinearJSDLoss
+from ._groups import check_member
 
 
 def data_parallel_num_valid_tokens(labels, ignore_index=-100, group=None):
@@ -42,6 +43,7 @@ def _global_count(labels, ignore_index, group, refused: Exception | None = None)
     raised, as refused labels are, after it took part in the all-reduce with NaN."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("data_parallel_num_valid_tokens needs torch.distributed initialised (init_process_group)")
+    check_member(group, "data_parallel_num_valid_tokens (the data-parallel losses' count too)")
     if refused is None and not torch.is_tensor(labels):
         refused = TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
     if refused is None and (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool):

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ._groups import check_member
+
 # all_gather_into_tensor, named all_gather_single from torch 2.13 (the old name warns there)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -43,7 +45,7 @@ class VocabParallelOptions:
 
     def __post_init__(self):
         if self.group is not None:
-            _check_member(self.group, "VocabParallelOptions")
+            check_member(self.group, "VocabParallelOptions")
         if not 0 <= self.start < self.stop:
             raise ValueError(f"VocabParallelOptions needs 0 <= start < stop, got start={self.start}, stop={self.stop}")
         within_teacher = self.vocab_teacher is None or (self.vocab_student <= self.vocab_teacher
@@ -59,7 +61,7 @@ class VocabParallelOptions:
         if not 0 < vocab_student <= vocab_teacher:
             raise ValueError(f"VocabParallelOptions.even_split needs 0 < vocab_student <= vocab_teacher, got "
                              f"vocab_student={vocab_student}, vocab_teacher={vocab_teacher}")
-        _check_member(group, "VocabParallelOptions.even_split")
+        check_member(group, "VocabParallelOptions.even_split")
         ranks, rank = dist.get_world_size(group), dist.get_rank(group)
         if vocab_teacher < ranks:
             raise ValueError(f"VocabParallelOptions.even_split cannot split vocab_teacher={vocab_teacher} rows over the "
@@ -93,9 +95,3 @@ class VocabParallelOptions:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.group)
-
-
-def _check_member(group, caller: str) -> None:
-    """A group that does not hold this rank (``new_group`` without it) would size collectives from a rank of -1."""
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"{caller}: this rank (global rank {dist.get_rank()}) is not in the group it was given")
