@@ -28,7 +28,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 INTS = ("student_row_stride", "teacher_row_stride", "vocab_student", "vocab_teacher", "ignore_index",
         "vocab_start", "vocab_student_total")
 FLOATS = ("student_cap", "teacher_cap", "student_scale", "teacher_scale", "weight_hard", "weight_soft", "beta",
-          "temperature", "eps")
+          "norm_clamp")
 
 
 ALIGNED = ("student_ptr", "teacher_ptr", "labels_ptr", "stats_ptr", "losses_ptr", "lifts_ptr", "student_row_stride",

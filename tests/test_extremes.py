@@ -114,14 +114,40 @@ def test_all_equal_logits(impl):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tokens_whose_student_or_teacher_logits_are_all_zero(impl, dtype):
-    """cos as cosine_similarity defines it (norms clamped at 1e-8): finite loss and finite gradient."""
+@pytest.mark.parametrize("temperature", [1.0, 1e-13])
+def test_tokens_whose_student_or_teacher_logits_are_all_zero(impl, dtype, temperature):
+    """cos as cosine_similarity defines it (norms clamped at 1e-8 T): finite loss and finite gradient. At T = 1e-13
+    a token of zeros has a coefficient of t, 1 / (1e-8 T)^2, past fp32's range: it must not meet t = 0."""
     problem = make_problem(tokens=11, vocab_student=40, dtype=dtype, bias=False)
     problem.student_input.data[2] = 0.0  # student logits all zero
     problem.teacher_input.data[5] = 0.0  # teacher logits all zero
     problem.student_input.data[7] = 0.0
     problem.teacher_input.data[7] = 0.0  # both
-    assert_matches_float64(problem, impl, dtype)
+    assert_matches_float64(problem, impl, dtype, temperature=temperature)
+
+
+@pytest.mark.parametrize(("side", "size"), [("student", 1e-23), ("student", 1e-24), ("teacher", 1e-24)])
+def test_logits_whose_squares_are_subnormal_in_fp32(impl, side, size):
+    """Logits of order 1e-23 (fp32 holds their squares with few bits) or 1e-24 (none: a plain sum of 0), at a
+    temperature where the norms' clamp (1e-8 T) does not hide them: the fast row steps take such rows with
+    unit-scaled sums. The losses only: the student's gradient coefficient, ~1 / |s|^2, passes fp32's range at
+    such student logits (docs/design.md)."""
+    problem = make_problem(tokens=29, vocab_student=131, dtype=torch.float32, ignore_every=4, bias=False)
+    getattr(problem, f"{side}_input").data *= size
+    want_losses, _ = reference(problem, temperature=1e-18)
+    with torch.no_grad():
+        got_losses = fused_linear_cosine_distill(*problem.args(), impl=impl, return_soft_hard_loss=True,
+                                                 temperature=1e-18)
+    for got, want in zip(got_losses, want_losses):
+        assert rel_err(got, want) < TOLERANCE[torch.float32][0], (got, want)
+
+
+def test_teacher_logits_whose_squares_round_to_0_in_fp32(impl):
+    """Teacher logits of order 1e-24: a plain fp32 |t|^2 of 0 is not a teacher of zeros, whose coefficient of t the
+    row steps may drop. With no hard term the teacher's part is half the gradient."""
+    problem = make_problem(tokens=29, vocab_student=131, dtype=torch.float32, ignore_every=4, bias=False)
+    problem.teacher_input.data *= 1e-24
+    assert_matches_float64(problem, impl, torch.float32, weight_hard_loss=0.0)
 
 
 @pytest.mark.parametrize("zero", ["three hidden states", "the student head"])

@@ -236,8 +236,9 @@ def cosine_terms(stats: torch.Tensor, constants: RowStepConstants):
     active its norm is a constant, so its derivative term drops out. T cancels but in the clamp,
     max(|s| / T, eps) = max(|s|, eps T) / T: taken so, no sum is multiplied by 1 / T^2, which overflowed
     fp32 for rows whose |s| fits and |s| / T does not. With scale = max |x|, the unit-scaled norms are
-    >= 1; a row of zeros divides by its clamp, eps T, and its coefficients (~1/(eps T)^2) pass fp32's range below
-    T ~ 5e-12 (docs/design.md, left open).
+    >= 1; a row of zeros divides by its clamp, eps T, and its coefficient of t (~1/(eps T)^2) passes fp32's range
+    below T ~ 5e-12: such a coefficient is 0 where |t|^2 is, so that no inf meets t = 0. Not 0 wherever |t|^2 is:
+    the Gram path's |t|^2, a plain fp32 product, is 0 for tiny t too, where a finite coefficient is right.
     """
     student_scale, teacher_scale = stats[:, SCALE_S], stats[:, SCALE_T]
     norm_student = torch.sqrt(stats[:, SUM_SQ_S])  # |s| / student_scale
@@ -248,6 +249,7 @@ def cosine_terms(stats: torch.Tensor, constants: RowStepConstants):
     clamped_teacher = torch.maximum(norm_teacher, teacher_eps)
     cos = stats[:, DOT] / clamped_student / clamped_teacher
     coef_teacher = 1.0 / (clamped_student * clamped_teacher) / student_scale / teacher_scale
+    coef_teacher = torch.where(torch.isinf(coef_teacher) & (stats[:, SUM_SQ_T] == 0), 0.0, coef_teacher)
     coef_student = cos / (clamped_student * clamped_student) / student_scale / student_scale
     coef_student = torch.where(norm_student >= student_eps, coef_student, 0.0)
     return cos, coef_teacher, coef_student

@@ -26,7 +26,8 @@ Range: the Gram matrices and the products above are plain fp32 sums, which overf
 ~1e19 where the logits path (whose row step rescales such rows) still gives the answer. So each call
 bounds them from the largest entries of the hidden states and Gram matrices (``RANGE_LIMIT``, read on
 the host with N, after the first chunk is queued): past it, "auto" runs the call again on the logits
-path and "gram" raises. No LM head comes near it.
+path and "gram" raises. No LM head comes near it. Nor does the one-model cluster kernel's own limit (a student
+logit past 16384 in size, kernels/row_step_cuda.py), where a row gets NaN losses and gradient.
 
 The teacher's Gram matrix is kept across calls while the teacher weight is unchanged (_weight_cache.py).
 """

@@ -741,12 +741,31 @@ HUGE_LOGITS_CASES = {"cpu": LossCase(256, 300, 300, 16, BF16, False, 7, None),
                      "cuda": LossCase(4096, 32000, 32000, 512, BF16, False, 7, None)}
 
 
+def cosines_far_from_0(args):
+    """The teacher's first half of features made the student's, so that the cosines are far from 0."""
+    hidden = args[0].shape[1]
+    args[2][:, :hidden], args[3][:, :hidden] = args[0].detach(), args[1].detach()
+
+
+def scaled_student_head(args, factor):
+    args[1] = (args[1].detach().float() * factor).to(args[1].dtype).requires_grad_()
+
+
+def scaled_teacher_head(args, factor):
+    args[3] = (args[3].float() * factor).to(args[3].dtype)
+
+
+def fast_row_step_or_skip(device, impl):
+    if impl == "cuda" and not (device == "cuda" and row_step_cuda.available(torch.device(device))):
+        pytest.skip("the cluster kernel runs on Hopper only")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_auto_on_huge_student_logits_gives_the_logits_path_s_finite_answer(device):
     """Student logits ~1e37: the Gram path's products would overflow, so "auto" runs the call on the logits path."""
     case = HUGE_LOGITS_CASES[device]
     args = random_problem(case, device)
-    args[1] = (args[1].detach().float() * 1e36).to(BF16).requires_grad_()
+    scaled_student_head(args, 1e36)
     got = fused_run(args)
     want = fused_run(args, cosine_via="logits")
     assert all(torch.isfinite(part).all() for part in got[0])
@@ -758,16 +777,93 @@ def test_auto_on_huge_student_logits_gives_the_logits_path_s_finite_answer(devic
 def test_cosine_student_logits_whose_squares_over_t2_pass_fp32s_range(device, impl):
     """Student logits ~1e16 at T = 1e-3: |s|^2 fits fp32, |s|^2 / T^2 does not, which the fast row steps' norms
     overflowed (a cosine of 0). Each row step gives the torch spec's numbers."""
-    if impl == "cuda" and not (device == "cuda" and row_step_cuda.available(torch.device(device))):
-        pytest.skip("the cluster kernel runs on Hopper only")
+    fast_row_step_or_skip(device, impl)
     case = HUGE_LOGITS_CASES[device]
     args = random_problem(case, device)
-    hidden = args[0].shape[1]  # the teacher's first half of features is the student's: cosines far from 0
-    args[2][:, :hidden], args[3][:, :hidden] = args[0].detach(), args[1].detach()
-    args[1] = (args[1].detach().float() * 1e16).to(BF16).requires_grad_()
+    cosines_far_from_0(args)
+    scaled_student_head(args, 1e16)
     got = fused_run(args, impl=impl, temperature=1e-3, cosine_via="logits")
     want = fused_run(args, impl="torch", temperature=1e-3, cosine_via="logits")
     assert_passed([compare(f"student logits ~1e16 at T = 1e-3: {impl} vs torch", case.describe(), BF16, got, want)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+def test_cosine_student_logits_past_the_cluster_kernels_exponent(device, impl):
+    """Student logits ~1e7: the cluster kernel's exponent, one FFMA of s log2e less max log2e, rounds max log2e by
+    up to half a nat there, so it hands such rows to the Triton rescue. Each row step gives the torch spec's numbers."""
+    fast_row_step_or_skip(device, impl)
+    case = HUGE_LOGITS_CASES[device]
+    args = random_problem(case, device)
+    cosines_far_from_0(args)
+    scaled_student_head(args, 1e7)
+    got = fused_run(args, impl=impl, cosine_via="logits")
+    want = fused_run(args, impl="torch", cosine_via="logits")
+    assert_passed([compare(f"student logits ~1e7: {impl} vs torch", case.describe(), BF16, got, want)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_gram_path_on_student_logits_past_the_cluster_kernels_exponent(device):
+    """The Gram path has no rescue: where its cluster kernel runs, student logits ~1e7 give NaN, never a wrong
+    number; where Triton's step runs, the torch spec's numbers."""
+    case = HUGE_LOGITS_CASES[device]
+    args = random_problem(case, device)
+    cosines_far_from_0(args)
+    scaled_student_head(args, 1e7)
+    got = fused_run(args, cosine_via="gram")
+    if device == "cuda" and row_step_cuda.available(torch.device(device)):
+        assert all(torch.isnan(part).all() for part in got[0])
+    else:
+        want = fused_run(args, impl="torch", cosine_via="gram")
+        assert_passed([compare("gram, student logits ~1e7: vs torch", case.describe(), BF16, got, want)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+def test_cosine_tokens_of_zeros_at_a_tiny_temperature(device, impl):
+    """At T = 1e-13 a token of zeros has a coefficient of t, 1 / (1e-8 T)^2, past fp32's range, which must not
+    meet t = 0 (inf times 0). Each row step gives the torch spec's numbers."""
+    fast_row_step_or_skip(device, impl)
+    case = HUGE_LOGITS_CASES[device]
+    args = random_problem(case, device)
+    with torch.no_grad():
+        args[0][2] = 0.0  # the student's logits, all zero
+        args[2][5] = 0.0  # the teacher's
+        args[0][3], args[2][3] = 0.0, 0.0  # both (a token not ignored: every 7th is)
+    got = fused_run(args, impl=impl, temperature=1e-13, cosine_via="logits")
+    want = fused_run(args, impl="torch", temperature=1e-13, cosine_via="logits")
+    assert_passed([compare(f"tokens of zeros at T = 1e-13: {impl} vs torch", case.describe(), BF16, got, want)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize(("side", "size"), [("student", 1e-23), ("student", 1e-24), ("teacher", 1e-24)])
+def test_cosine_logits_whose_squares_are_subnormal(device, impl, side, size):
+    """Logits ~1e-23 (their squares keep few bits in fp32) or ~1e-24 (none: a plain sum of 0) at T = 1e-18, where
+    the norms' clamp does not hide them: the fast row steps take such rows with unit-scaled sums. The losses only:
+    the student's gradient coefficient, ~1 / |s|^2, passes fp32's range at such student logits (docs/design.md)."""
+    fast_row_step_or_skip(device, impl)
+    case = HUGE_LOGITS_CASES[device]
+    args = random_problem(case, device)
+    cosines_far_from_0(args)
+    (scaled_student_head if side == "student" else scaled_teacher_head)(args, size)
+    got = fused_run(args, impl=impl, temperature=1e-18, cosine_via="logits")
+    want = fused_run(args, impl="torch", temperature=1e-18, cosine_via="logits")
+    assert_passed([compare(f"{side} logits ~{size:g} at T = 1e-18: {impl} vs torch", case.describe(), BF16,
+                           (got[0], []), (want[0], []))])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("side", ["student", "teacher"])
+def test_the_gram_path_on_logits_whose_squares_are_subnormal(device, side):
+    """Logits ~1e-24 at T = 1: the norms' clamp hides them, so the Gram path's plain sums and products serve
+    (its cluster kernel, which has no rescue, must not refuse such rows). The torch spec's numbers."""
+    case = HUGE_LOGITS_CASES[device]
+    args = random_problem(case, device)
+    (scaled_student_head if side == "student" else scaled_teacher_head)(args, 1e-24)
+    got = fused_run(args, cosine_via="gram")
+    want = fused_run(args, impl="torch", cosine_via="gram")
+    assert_passed([compare(f"gram, {side} logits ~1e-24: vs torch", case.describe(), BF16, got, want)])
 
 
 SEED_VOCAB, SEED_HIDDEN = {"cpu": (1283, 128), "cuda": (128256, 4096)}, {"cpu": 128, "cuda": 4096}

@@ -2,6 +2,11 @@
 // (vocabulary, layout, label type) and cluster.cuh, and compiles it with NVRTC at run time. The math is
 // _row_step.py's.
 #define NUM_PARTS 5  // max, sum of exp, s.t, |s|^2, |t|^2
+// Rows past these go to the Triton rescue; on the Gram path, which has none, rows past the first get NaN. exp(s - max)
+// as one FFMA, s * log2e - max * log2e, rounds max * log2e: past this |max| by more than bf16's precision.
+#define LARGEST_FFMA_MAX 16384.f
+// 2^-100: a sum of squares below it may have lost its smallest squares (subnormal) beside its largest.
+#define SMALLEST_PLAIN_SUM 7.8886090522101181e-31f
 
 __device__ __forceinline__ void reduce_warp(float* part) {
   #pragma unroll
@@ -128,7 +133,12 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
 #endif
       const float eps = COSINE_EPS * (float)temperature;  // T cancels but in the clamp (_row_step.cosine_terms)
       const float total = part[3] + part[4] + fabsf(part[2]);
-      const bool usable = !(total > 3.4028234663852886e38f || total != total);
+#if TEACHER  // all the squares may be lost where a sum is 0; after the rescue's scaled sums, 0 means logits of 0
+      const bool too_small = part[3] < SMALLEST_PLAIN_SUM || part[4] < SMALLEST_PLAIN_SUM;
+#else  // no rescue; |t|^2 is the Gram path's product, and the clamp at eps hides tiny |s| but at tiny T
+      const bool too_small = false;
+#endif
+      const bool usable = !(total > 3.4028234663852886e38f || total != total) && fabsf(part[0]) <= LARGEST_FFMA_MAX && !too_small;
       const float log_sum_exp = logf(part[1]);
       const float norm_student = sqrtf(part[3]);
       const float clamped_student = fmaxf(norm_student, eps);
@@ -139,7 +149,8 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
         losses[2 * slice.row + 1] = usable ? (float)beta * (1.f - cos) : QUIET_NAN;
       }
       const float soft_scale = (float)weight_soft * (float)beta;
-      const float coef_teacher = 1.f / (clamped_student * clamped_teacher);
+      float coef_teacher = 1.f / (clamped_student * clamped_teacher);
+      if (coef_teacher > 3.4028234663852886e38f && part[4] == 0.f) coef_teacher = 0.f;  // _row_step.cosine_terms
       const float coef_student = norm_student >= eps ? cos / (clamped_student * clamped_student) : 0.f;
       row_coefs[0] = part[0];
       row_coefs[1] = log_sum_exp;

@@ -13,12 +13,13 @@ CUDA build (``torch.cuda._compile_kernel``), so users need no compiler.
 
 Only the common case takes this path (``supported``): bf16 logits of one vocabulary size V (a multiple
 of 8), gradients wanted, no softcap, logit scale, fp16 lifts or vocabulary split. Everything else, and
-rows whose sums overflow fp32 (left untouched with NaN losses, as the Triton kernel's first launch
-leaves them), goes through the Triton kernels. The math is _row_step.py's, as in the Triton twin.
+rows the kernel's fp32 sums or its one-FFMA exponent cannot take (row_step.cu: sums past fp32's range or a nonzero
+one below 2^-100, a largest logit past 16384 in size; left untouched with NaN losses, as the Triton kernel's first
+launch leaves its own), goes through the Triton kernels. The math is _row_step.py's, as in the Triton twin.
 
 Compiled with TEACHER 0 (``models=1``) it is the Gram path's row step (_teacher_gram.py, ``gram_row_step_cuda``):
 the student's logits alone, each row's s.t and |t|^2 given, each row's coefficient of t written out;
-no rescue there (a row whose sums overflow gets NaN losses and gradient, as _teacher_gram.py's range says).
+no rescue there (such a row gets NaN losses and gradient, as _teacher_gram.py says).
 """
 
 import contextlib
@@ -215,8 +216,8 @@ def _fitting_kernel(vocab: int, label_dtype: torch.dtype, device_index: int, mod
 
 def cluster_kernel(student_logits, teacher_logits, labels, constants: RowStepConstants, token_losses,
                    layout: Layout | None = None) -> None:
-    """The kernel alone, for ``supported`` arguments (layout: _fitting_kernel's unless given): rows whose sums
-    overflow fp32 are left with NaN losses and their logits."""
+    """The kernel alone, for ``supported`` arguments (layout: _fitting_kernel's unless given): rows it cannot take
+    (the module's docstring) are left with NaN losses and their logits."""
     vocab = student_logits.shape[1]
     device = student_logits.device
     if layout:
@@ -290,8 +291,8 @@ def gram_row_step_cuda(student_logits, labels, constants: RowStepConstants, toke
                        teacher_coefs) -> bool:
     """The Gram path's row step (_teacher_gram.py) in one launch of the one-model kernel, where it applies: the
     losses, d L / d s without its teacher term in place, and each row's coefficient of t (0 for ignored
-    rows) into teacher_coefs, from each row's raw s.t and |t|^2 in teacher_products [n, 2]. A row whose
-    sums overflow fp32 gets NaN losses and gradient (no rescue; _teacher_gram.py's range). Whether it ran."""
+    rows) into teacher_coefs, from each row's raw s.t and |t|^2 in teacher_products [n, 2]. A row it cannot
+    take (the module's docstring) gets NaN losses and gradient (no rescue; _teacher_gram.py). Whether it ran."""
     rows, vocab = student_logits.shape
     runs = (rows > 0 and applies(student_logits.dtype, vocab, vocab, constants) and labels.dtype in _LABEL_TYPES
             and labels.is_contiguous() and token_losses.is_contiguous() and teacher_products.is_contiguous()

@@ -18,6 +18,7 @@ from .triton_common import (
     FLOAT32_MAX,
     INTERPRET,
     LOG2E,
+    SMALLEST_PLAIN_SUM,
     block_size_for,
     cap_flags,
     check_layout,
@@ -149,23 +150,28 @@ def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_
 
 
 @triton.jit
-def _overflowed(dot, sum_sq_student, sum_sq_teacher):
-    """Whether the plain sums overflowed fp32 (or met an inf / NaN logit)."""
+def _plain_sums_unusable(dot, sum_sq_student, sum_sq_teacher, teacher_row):
+    """Whether the plain sums overflowed fp32 (or met an inf / NaN logit), or a sum of squares is so small that
+    its squares may be lost, all of them where it is 0: the unit-scaled sums take such rows, after which a sum of
+    0 means logits of 0."""
     total = sum_sq_student + sum_sq_teacher + tl.abs(dot)
-    return (total > FLOAT32_MAX) | (total != total)
+    too_small = sum_sq_student < SMALLEST_PLAIN_SUM
+    if teacher_row is not None:  # else the Gram path's products give |t|^2 (_teacher_gram.py)
+        too_small |= sum_sq_teacher < SMALLEST_PLAIN_SUM
+    return (total > FLOAT32_MAX) | (total != total) | too_small
 
 
 @triton.jit
 def _row_losses(losses_row, valid, row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit,
-                teacher_unit, beta, temperature, eps, usable):
+                teacher_unit, beta, norm_clamp, usable):
     """Stores the row's hard and soft losses (NaN if not ``usable``: the RESCUE launch redoes the row) and
     returns what the gradient's coefficients need (_row_step.cosine_terms)."""
     log_sum_exp = tl.log(sum_exp)  # kept apart from row_max, see _row_step.row_grad_torch
-    norm_student = tl.sqrt(sum_sq_student)  # T cancels but in the clamp (_row_step.cosine_terms)
+    norm_student = tl.sqrt(sum_sq_student)  # T cancels but in the clamp, norm_clamp = eps T (_row_step.cosine_terms)
     norm_teacher = tl.sqrt(sum_sq_teacher)
-    student_eps = eps * temperature / student_unit
+    student_eps = norm_clamp / student_unit
     clamped_student = tl.maximum(norm_student, student_eps)
-    clamped_teacher = tl.maximum(norm_teacher, eps * temperature / teacher_unit)
+    clamped_teacher = tl.maximum(norm_teacher, norm_clamp / teacher_unit)
     cos = dot / clamped_student / clamped_teacher
 
     hard_loss = tl.where(valid, (row_max - target_logit) + log_sum_exp, 0.0)
@@ -184,6 +190,7 @@ def _grad_coefficients(sum_sq_student, sum_sq_teacher, student_unit, teacher_uni
     # d L / d s = weight_hard * (softmax - onehot) - weight_soft * beta * d cos / d s, and
     # d cos / d s = coef_teacher * t - coef_student * s.
     coef_teacher = 1.0 / (clamped_student * clamped_teacher) / student_unit / teacher_unit
+    coef_teacher = tl.where((coef_teacher > FLOAT32_MAX) & (sum_sq_teacher == 0), 0.0, coef_teacher)  # cosine_terms
     coef_student = tl.where(
         norm_student >= student_eps,
         cos / (clamped_student * clamped_student) / student_unit / student_unit,
@@ -205,7 +212,7 @@ def _grad_coefficients(sum_sq_student, sum_sq_teacher, student_unit, teacher_uni
 def _row_losses_and_grad(
     student_row, teacher_row, losses_row, valid, in_shard, column, vocab_student,
     row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
-    weight_hard, weight_soft, beta, temperature, eps, student_scale, teacher_scale, student_cap, teacher_cap,
+    weight_hard, weight_soft, beta, norm_clamp, student_scale, teacher_scale, student_cap, teacher_cap,
     usable, lift_row, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr,
     LIFT: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
@@ -214,7 +221,7 @@ def _row_losses_and_grad(
     left alone, for the RESCUE launch."""
     log_sum_exp, norm_student, student_eps, clamped_student, clamped_teacher, cos = _row_losses(
         losses_row, valid, row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit,
-        teacher_unit, beta, temperature, eps, usable)
+        teacher_unit, beta, norm_clamp, usable)
     if WRITE_GRAD:
         prob_coef, teacher_coef, student_coef = _grad_coefficients(
             sum_sq_student, sum_sq_teacher, student_unit, teacher_unit, norm_student, student_eps, clamped_student,
@@ -274,7 +281,7 @@ def _grad_block(s, t, row_max, log_sum_exp, prob_coef, teacher_coef, student_coe
 def _row_step_kernel(
     student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, losses_ptr, lifts_ptr,
     vocab_student, vocab_teacher, ignore_index, vocab_start, vocab_student_total,
-    weight_hard, weight_soft, beta, temperature, eps, student_cap, teacher_cap, student_scale, teacher_scale,
+    weight_hard, weight_soft, beta, norm_clamp, student_cap, teacher_cap, student_scale, teacher_scale,
     STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, LIFT: tl.constexpr,
     RESCUE: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
@@ -303,11 +310,11 @@ def _row_step_kernel(
         if RESCUE:  # an inf or NaN logit still overflows: its NaN loss and gradient are the answer
             usable = tl.full([], 1, tl.int1)
         else:
-            usable = _overflowed(dot, sum_sq_student, sum_sq_teacher) == 0
+            usable = _plain_sums_unusable(dot, sum_sq_student, sum_sq_teacher, teacher_row) == 0
         _row_losses_and_grad(
             student_row, teacher_row, losses_row, valid, in_shard, column, vocab_student,
             row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
-            weight_hard, weight_soft, beta, temperature, eps, student_scale, teacher_scale, student_cap, teacher_cap,
+            weight_hard, weight_soft, beta, norm_clamp, student_scale, teacher_scale, student_cap, teacher_cap,
             usable, lifts_ptr + row, STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, LIFT, BLOCK, STAGES,
         )
 
@@ -331,7 +338,7 @@ def _row_stats_kernel(
         student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale, teacher_scale,
         student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, False, BLOCK, STAGES,
     )
-    if _overflowed(dot, sum_sq_student, sum_sq_teacher):
+    if _plain_sums_unusable(dot, sum_sq_student, sum_sq_teacher, teacher_row):
         dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _unit_scaled_sums(
             student_row, teacher_row, vocab_student, vocab_teacher, student_scale, teacher_scale,
             student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, BLOCK,
@@ -351,7 +358,7 @@ def _row_stats_kernel(
 def _row_grad_kernel(
     student_ptr, student_row_stride, teacher_ptr, teacher_row_stride, labels_ptr, stats_ptr, losses_ptr, lifts_ptr,
     vocab_student, ignore_index, vocab_start, vocab_student_total,
-    weight_hard, weight_soft, beta, temperature, eps, student_cap, teacher_cap, student_scale, teacher_scale,
+    weight_hard, weight_soft, beta, norm_clamp, student_cap, teacher_cap, student_scale, teacher_scale,
     STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, LIFT: tl.constexpr,
     NUM_STATS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
@@ -367,13 +374,13 @@ def _row_grad_kernel(
         student_row, teacher_row, losses_ptr + row * 2, valid, in_shard, column, vocab_student,
         tl.load(stats_row), tl.load(stats_row + 1), tl.load(stats_row + 2), tl.load(stats_row + 3),
         tl.load(stats_row + 4), tl.load(stats_row + 5), tl.load(stats_row + 6), tl.load(stats_row + 7),
-        weight_hard, weight_soft, beta, temperature, eps, student_scale, teacher_scale, student_cap, teacher_cap,
+        weight_hard, weight_soft, beta, norm_clamp, student_scale, teacher_scale, student_cap, teacher_cap,
         tl.full([], 1, tl.int1), lifts_ptr + row, STUDENT_CAP, TEACHER_CAP, WRITE_GRAD, LIFT, BLOCK, STAGES,
     )
 
 
 def _loss_args(constants: RowStepConstants):
-    return (constants.weight_hard, constants.weight_soft, constants.beta, constants.temperature, COSINE_EPS,
+    return (constants.weight_hard, constants.weight_soft, constants.beta, COSINE_EPS * constants.temperature,
             *logit_args(constants))
 
 

@@ -12,6 +12,8 @@ from .._row_step import MAX_LIFT_EXPONENT, MAX_STORED_EXPONENT, RowStepConstants
 
 FLOAT32_TINY: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # bound 0 (both weights 0): no log2(0)
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
+# An fp32 sum of squares below this may have lost its smallest squares (subnormal) beside its largest.
+SMALLEST_PLAIN_SUM: tl.constexpr = tl.constexpr(2.0**-100)
 MAX_LIFT: tl.constexpr = tl.constexpr(float(MAX_LIFT_EXPONENT))
 MAX_STORED: tl.constexpr = tl.constexpr(float(MAX_STORED_EXPONENT))
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
