@@ -32,7 +32,7 @@ the per-row statistics of its shards in between:
 
 The sums of squares and s.t are kept relative to per-row scales (max |s|, max |t|), so logits near
 the dtype's largest value do not overflow |s|^2 in fp32; the Triton twin uses scale 1 and rescales
-only the rows whose sums overflowed.
+only the rows whose sums overflowed or fell below 2^-100 (tiny logits, whose squares fp32 loses).
 
 Labels outside [0, Vs) that are not ignore_index are treated as ignored here (the API raises on them).
 ``kernels/row_step_triton.py`` and ``kernels/row_step_cuda.py`` are the same step in Triton and CUDA; tests hold
@@ -84,7 +84,8 @@ class RowStepConstants:
 
 @dataclass(frozen=True)
 class RowStepImpl:
-    """One implementation of the row step: whole (one process) and in its two stages."""
+    """One implementation of the row step: whole (one process) and over a vocabulary split, in the cosine's two
+    stages (stats, grad) or by a loss's own ``split``."""
 
     step: Callable[..., None]  # (s, t, labels, constants, token_losses, write_grad, grad_lifts=None)
     # The two stages, for a vocabulary split over ranks; None where the step has no split form

@@ -4,7 +4,8 @@ code that calls it, and the tests compare the two.
 - ``row_step_triton.py``: the cosine loss's row step (statistics, losses, d loss / d logits in place); spec
   ``_row_step.py``.
 - ``row_step_cuda.py`` + ``row_step.cu``: the same step in one read per logit, Hopper thread block clusters
-  (``cluster.cuh``: what the cluster kernels share).
+  (``cluster.cuh``: what the cluster kernels share); compiled for one model, the Gram path's step
+  (``gram_row_step_cuda``).
 - ``row_step_jsd_triton.py``: the generalized JSD's row step; spec ``_row_step_jsd.py``.
 - ``row_step_jsd_cuda.py`` + ``row_step_jsd.cu``: the same in one read per logit, on clusters.
 - ``triton_common.py``: what the Triton row steps share (logits as the loss sees them, a row's label, the fp16

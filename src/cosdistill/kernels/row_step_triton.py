@@ -59,7 +59,8 @@ def _unit_scaled_sums(student_row, teacher_row, vocab_student, vocab_teacher, st
                       student_cap, teacher_cap, STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr,
                       BLOCK: tl.constexpr):
     """s.t, |s|^2, |t|^2 of s / max|s| and t / max|t|: two more passes, only for rows whose plain sums
-    overflowed fp32 (logits near the dtype's largest value). An inf logit makes them NaN, as it should."""
+    overflowed fp32 (logits near the dtype's largest value) or are too small (_plain_sums_unusable). An inf logit
+    makes them NaN, as it should."""
     offsets = tl.arange(0, BLOCK)
     student_abs_max = tl.zeros([BLOCK], tl.float32)
     teacher_abs_max = tl.zeros([BLOCK], tl.float32)
@@ -285,8 +286,9 @@ def _row_step_kernel(
     STUDENT_CAP: tl.constexpr, TEACHER_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, LIFT: tl.constexpr,
     RESCUE: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """Launched twice. First (RESCUE False) every row with plain sums; a row whose sums overflowed gets
-    NaN losses and keeps its logits. Then (RESCUE True) only those rows, with unit-scaled sums. A branch
+    """Launched twice. First (RESCUE False) every row with plain sums; a row whose sums are unusable
+    (_plain_sums_unusable) gets NaN losses and keeps its logits. Then (RESCUE True) only those rows, with
+    unit-scaled sums. A branch
     for them inside the first launch slowed every row (docs/design.md, The row step)."""
     row = tl.program_id(0).to(tl.int64)
     losses_row = losses_ptr + row * 2
