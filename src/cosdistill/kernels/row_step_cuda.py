@@ -13,13 +13,15 @@ CUDA build (``torch.cuda._compile_kernel``), so users need no compiler.
 
 Only the common case takes this path (``supported``): bf16 logits of one vocabulary size V (a multiple
 of 8), gradients wanted, no softcap, logit scale, fp16 lifts or vocabulary split. Everything else, and
-rows the kernel's fp32 sums or its one-FFMA exponent cannot take (row_step.cu: sums past fp32's range or a nonzero
-one below 2^-100, a largest logit past 16384 in size; left untouched with NaN losses, as the Triton kernel's first
-launch leaves its own), goes through the Triton kernels. The math is _row_step.py's, as in the Triton twin.
+rows the kernel's fp32 sums or its one-FFMA exponent cannot take (row_step.cu: sums past fp32's range, a sum of
+squares below 2^-100, zero included, a largest logit past 16384 in size; left untouched with NaN losses, as the
+Triton kernel's first launch leaves its own), goes through the Triton kernels. The math is _row_step.py's, as in
+the Triton twin.
 
 Compiled with TEACHER 0 (``models=1``) it is the Gram path's row step (_teacher_gram.py, ``gram_row_step_cuda``):
 the student's logits alone, each row's s.t and |t|^2 given, each row's coefficient of t written out;
-no rescue there (such a row gets NaN losses and gradient, as _teacher_gram.py says).
+no rescue there: a row whose sums overflow or whose largest logit passes 16384 gets NaN losses and gradient, as
+_teacher_gram.py says (tiny sums are kept: the norms' clamp at eps T hides them but at tiny T).
 """
 
 import contextlib
