@@ -40,7 +40,8 @@ from ._weight_cache import WeightCache, kept_across_calls
 
 # The largest bound on the Gram path's fp32 products (s.t and |t|^2, after the logit scales) times 1/T^2 for which it
 # runs: far below fp32's 3.4e38, far above any LM head's. The temperature cancels from the cosine but in its clamp,
-# where a token whose logits are near zero has coefficients ~1/(eps T)^2, past fp32's range at tiny T (docs/design.md).
+# where a token whose logits are near zero has coefficients ~1/(eps T)^2, past fp32's range at tiny T: the factor
+# keeps such calls off this path, a margin now that such a coefficient meeting t = 0 is taken as 0 (docs/design.md).
 RANGE_LIMIT = 2.0**80
 
 

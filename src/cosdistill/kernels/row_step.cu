@@ -7,6 +7,7 @@
 #define LARGEST_FFMA_MAX 16384.f
 // 2^-100: a sum of squares below it may have lost its smallest squares (subnormal) beside its largest.
 #define SMALLEST_PLAIN_SUM 7.8886090522101181e-31f
+#define FLOAT32_MAX 3.4028234663852886e38f
 
 __device__ __forceinline__ void reduce_warp(float* part) {
   #pragma unroll
@@ -138,7 +139,7 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
 #else  // no rescue; |t|^2 is the Gram path's product, and the clamp at eps hides tiny |s| but at tiny T
       const bool too_small = false;
 #endif
-      const bool usable = !(total > 3.4028234663852886e38f || total != total) && fabsf(part[0]) <= LARGEST_FFMA_MAX && !too_small;
+      const bool usable = !(total > FLOAT32_MAX || total != total) && fabsf(part[0]) <= LARGEST_FFMA_MAX && !too_small;
       const float log_sum_exp = logf(part[1]);
       const float norm_student = sqrtf(part[3]);
       const float clamped_student = fmaxf(norm_student, eps);
@@ -150,7 +151,7 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
       }
       const float soft_scale = (float)weight_soft * (float)beta;
       float coef_teacher = 1.f / (clamped_student * clamped_teacher);
-      if (coef_teacher > 3.4028234663852886e38f && part[4] == 0.f) coef_teacher = 0.f;  // _row_step.cosine_terms
+      if (coef_teacher > FLOAT32_MAX && part[4] == 0.f) coef_teacher = 0.f;  // _row_step.cosine_terms
       const float coef_student = norm_student >= eps ? cos / (clamped_student * clamped_student) : 0.f;
       row_coefs[0] = part[0];
       row_coefs[1] = log_sum_exp;
