@@ -81,6 +81,11 @@ class RowStepConstants:
     vocab_start: int = 0  # global id of the shard's first column (vocabulary parallel)
     vocab_student_total: int | None = None  # labels must be below it; None: the shard's own Vs
 
+    @property
+    def norm_clamp(self) -> float:
+        """The cosine's clamp of |s| and |t| on the unscaled logits: T cancels from the cosine but here."""
+        return COSINE_EPS * self.temperature
+
 
 @dataclass(frozen=True)
 class RowStepImpl:
@@ -244,7 +249,7 @@ def cosine_terms(stats: torch.Tensor, constants: RowStepConstants):
     student_scale, teacher_scale = stats[:, SCALE_S], stats[:, SCALE_T]
     norm_student = torch.sqrt(stats[:, SUM_SQ_S])  # |s| / student_scale
     norm_teacher = torch.sqrt(stats[:, SUM_SQ_T])
-    eps = COSINE_EPS * constants.temperature
+    eps = constants.norm_clamp
     student_eps, teacher_eps = eps / student_scale, eps / teacher_scale
     clamped_student = torch.maximum(norm_student, student_eps)
     clamped_teacher = torch.maximum(norm_teacher, teacher_eps)

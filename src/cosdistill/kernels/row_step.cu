@@ -23,7 +23,7 @@ __device__ __forceinline__ void reduce_warp(float* part) {
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) LAUNCH_BOUNDS
 cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, float* losses,
                  int student_stride, int teacher_stride, int ignore_index,
-                 double weight_hard, double weight_soft, double beta, double temperature,
+                 double weight_hard, double weight_soft, double beta, double norm_clamp,
                  const float* teacher_products, float* teacher_coefs) {
   // TEACHER 0 (the Gram path, _teacher_gram.py): no teacher logits; each row's s.t and |t|^2 come in teacher_products
   // and the coefficient of t in d L / d s goes out in teacher_coefs (_row_step.teacher_grad_coefficient).
@@ -132,7 +132,7 @@ cluster_row_step(bf16_t* student, const bf16_t* teacher, const LABEL_T* labels, 
       part[2] = teacher_products[2 * slice.row];
       part[4] = teacher_products[2 * slice.row + 1];
 #endif
-      const float eps = COSINE_EPS * (float)temperature;  // T cancels but in the clamp (_row_step.cosine_terms)
+      const float eps = (float)norm_clamp;  // eps T: T cancels but in the clamp (_row_step.cosine_terms)
       const float total = part[3] + part[4] + fabsf(part[2]);
 #if TEACHER  // all the squares may be lost where a sum is 0; after the rescue's scaled sums, 0 means logits of 0
       const bool too_small = part[3] < SMALLEST_PLAIN_SUM || part[4] < SMALLEST_PLAIN_SUM;

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._row_step import COSINE_EPS, RowStepConstants, RowStepImpl
+from .._row_step import RowStepConstants, RowStepImpl
 from .row_step_triton import row_grad_triton, row_stats_triton, row_step_triton
 
 MAX_SHARED_BYTES = 200 * 1024  # beside the static shared memory, under the H200's 227 KB per block
@@ -121,8 +121,7 @@ def with_defines(defines: dict, source_text: str) -> str:
 
 
 def source(vocab: int, label_dtype: torch.dtype, layout: Layout, models: int = 2) -> str:
-    return with_defines(dict(layout_defines(vocab, label_dtype, layout, models), COSINE_EPS=f"{COSINE_EPS!r}f",
-                             TEACHER=int(models == 2)), _SOURCE)
+    return with_defines(dict(layout_defines(vocab, label_dtype, layout, models), TEACHER=int(models == 2)), _SOURCE)
 
 
 @functools.lru_cache(maxsize=None)  # asked every call; a device's capability never changes
@@ -245,7 +244,7 @@ def launch(kernel, layout: Layout, student_logits, teacher_logits, labels, const
     launch_rows(kernel, layout, rows, _shared_bytes(vocab, *layout, tiles=models), device,
                 [student_logits, teacher_logits, labels, token_losses, student_logits.stride(0),
                  teacher_logits.stride(0), constants.ignore_index, float(constants.weight_hard), float(constants.weight_soft),
-                 float(constants.beta), float(constants.temperature), teacher_products, teacher_coefs])
+                 float(constants.beta), float(constants.norm_clamp), teacher_products, teacher_coefs])
 
 
 @functools.cache

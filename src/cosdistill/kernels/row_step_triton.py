@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._row_step import COSINE_EPS, NUM_STATS, RowStepConstants, RowStepImpl
+from .._row_step import NUM_STATS, RowStepConstants, RowStepImpl
 from . import TRITON_OPTIONS
 from .triton_common import (
     FLOAT32_MAX,
@@ -151,12 +151,12 @@ def _row_stats(student_row, teacher_row, in_shard, column, vocab_student, vocab_
 
 
 @triton.jit
-def _plain_sums_unusable(dot, sum_sq_student, sum_sq_teacher, teacher_row):
+def _plain_sums_unusable(dot, sum_sq_student, sum_sq_teacher, teacher_row, vocab_student):
     """Whether the plain sums overflowed fp32 (or met an inf / NaN logit), or a sum of squares is so small that
     its squares may be lost, all of them where it is 0: the unit-scaled sums take such rows, after which a sum of
-    0 means logits of 0."""
+    0 means logits of 0. A vocabulary split's shard without student columns has no student squares to lose."""
     total = sum_sq_student + sum_sq_teacher + tl.abs(dot)
-    too_small = sum_sq_student < SMALLEST_PLAIN_SUM
+    too_small = (sum_sq_student < SMALLEST_PLAIN_SUM) & (vocab_student > 0)
     if teacher_row is not None:  # else the Gram path's products give |t|^2 (_teacher_gram.py)
         too_small |= sum_sq_teacher < SMALLEST_PLAIN_SUM
     return (total > FLOAT32_MAX) | (total != total) | too_small
@@ -312,7 +312,7 @@ def _row_step_kernel(
         if RESCUE:  # an inf or NaN logit still overflows: its NaN loss and gradient are the answer
             usable = tl.full([], 1, tl.int1)
         else:
-            usable = _plain_sums_unusable(dot, sum_sq_student, sum_sq_teacher, teacher_row) == 0
+            usable = _plain_sums_unusable(dot, sum_sq_student, sum_sq_teacher, teacher_row, vocab_student) == 0
         _row_losses_and_grad(
             student_row, teacher_row, losses_row, valid, in_shard, column, vocab_student,
             row_max, sum_exp, target_logit, dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit,
@@ -340,7 +340,7 @@ def _row_stats_kernel(
         student_row, teacher_row, in_shard, column, vocab_student, vocab_teacher, student_scale, teacher_scale,
         student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, False, BLOCK, STAGES,
     )
-    if _plain_sums_unusable(dot, sum_sq_student, sum_sq_teacher, teacher_row):
+    if _plain_sums_unusable(dot, sum_sq_student, sum_sq_teacher, teacher_row, vocab_student):
         dot, sum_sq_student, sum_sq_teacher, student_unit, teacher_unit = _unit_scaled_sums(
             student_row, teacher_row, vocab_student, vocab_teacher, student_scale, teacher_scale,
             student_cap, teacher_cap, STUDENT_CAP, TEACHER_CAP, BLOCK,
@@ -382,7 +382,7 @@ def _row_grad_kernel(
 
 
 def _loss_args(constants: RowStepConstants):
-    return (constants.weight_hard, constants.weight_soft, constants.beta, COSINE_EPS * constants.temperature,
+    return (constants.weight_hard, constants.weight_soft, constants.beta, constants.norm_clamp,
             *logit_args(constants))
 
 
