@@ -13,7 +13,8 @@ peak the whole process's, and mode "max-tokens" marks the largest step that fitt
     python benchmarks/ledger.py --commit c4e12e7 --workload "V=128256 " --compact
     python benchmarks/ledger.py --commit 1724d88 --loss cosine --compact
     python benchmarks/ledger.py --commit 65372b1 --loss jsd --gpu H200 --spread
-    python benchmarks/ledger.py --commit 1724d88 --loss cosine --providers ours,ours-fp8,liger,naive --plot docs/speed.png
+    python benchmarks/ledger.py --commit 82b5f6d --loss cosine --providers ours,ours-fp8,liger,naive \\
+        --workload "V=128256 " --plot docs/speed.png
 
 ``--spread`` prints every selected run's ratio side by side, for a bar that one run cannot call; ``--by-run
 PROVIDER`` one provider's ratios, a row per run (its commit, GPU and date), for a shape measured again and again.
