@@ -15,6 +15,10 @@ A value is reused only for the same weight with the same contents, checked two w
   (``Cached.poison``) and the next call with the weight raises ``StaleWeightError`` saying why. A weight passed
   as ``parameter.data`` has a fresh counter at every call, so a change made on the parameter, which a
   counter would show, is found this way too.
+
+A value and its hash are built on the caller's CUDA stream. A call on another stream waits for that build (an
+event recorded after it) before its first read, and the value's memory is marked as in use by that stream, so
+that the allocator does not hand it out while the stream may still read it after the cache lets the value go.
 """
 
 import functools
@@ -96,6 +100,27 @@ class _Entry:
     pending: HostCopy | None = None  # the last reuse's mismatch flag, read by the next lookup
     # [whether the storage was looked up again after its first value was built], shared with its finalizer
     outlived: list = field(default_factory=lambda: [False])
+    built: torch.cuda.Event | None = None  # recorded on the building stream after the value and its hash (CUDA)
+    streams: list = field(default_factory=list)  # the CUDA streams ordered after ``built``, the building one first
+
+    def share_with_current_stream(self, device: torch.device) -> None:
+        """Orders the caller's stream after the value's build, the first time it reads a value built on another."""
+        if self.built is None:
+            return
+        stream = torch.cuda.current_stream(device)
+        if stream in self.streams:
+            return
+        stream.wait_event(self.built)
+        for tensor in _tensors_in((self.value, self.hash)):
+            tensor.record_stream(stream)
+        self.streams.append(stream)
+
+
+def _tensors_in(value) -> list:
+    """The tensors of a value built for the cache: a tensor, or tuples of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [tensor for part in value for tensor in _tensors_in(part)]
 
 
 class WeightCache:
@@ -129,12 +154,17 @@ class WeightCache:
             built = _Entry(self._identity(weight))
             with torch.no_grad():
                 built.value, built.hash = self.build(weight), backend.fingerprint(weight)
+            if weight.is_cuda:
+                stream = torch.cuda.current_stream(weight.device)
+                built.built, built.streams = torch.cuda.Event(), [stream]
+                built.built.record(stream)
             if entry is None:
                 weakref.finalize(storage, self._freed, built.outlived)
             else:
                 built.outlived = entry.outlived
             self.entries[storage] = built
             return Cached(built.value, None)
+        entry.share_with_current_stream(weight.device)
         return self.check_contents(weight, storage, entry, backend, hash_later, compare_later)
 
     def check_contents(self, weight: torch.Tensor, storage, entry: _Entry, backend, hash_later=False,

@@ -24,6 +24,7 @@ from cosdistill.testing import (
     FUSED_LOSSES,
     RowStepConstants,
     accumulation_floor,
+    backend_for,
     fingerprint_torch,
     fingerprint_triton,
     float64_reference,
@@ -33,6 +34,7 @@ from cosdistill.testing import (
     rel_err,
     row_step_jsd_torch,
     teacher_grad_coefficient,
+    weight_cache,
     with_teacher_products,
 )
 from cosdistill.testing import teacher_fp8 as fp8
@@ -662,6 +664,54 @@ def test_the_teacher_caches_never_give_a_stale_number(device, sizes):
     """Every mutation of TEACHER_MUTATIONS: the fresh copy's answer, or the error (on a GPU: NaN for the changed
     call, then the error)."""
     assert_passed(check_teacher_caches(device, **sizes))
+
+
+SLEEP_CYCLES = 2_000_000_000  # about a second of one GPU thread: longer than the host takes to queue a call
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_a_copy_built_on_one_stream_is_read_on_another_only_after_its_build(loss, monkeypatch):
+    """The FP8 copy built on one stream behind a long kernel (a stream busy with other work) by a call without
+    gradients, whose host reads do not wait for the build, then a call on another stream: that call waits for the
+    build, without which it would read the copy's memory, and its hash's, unwritten."""
+    fp8_or_skip("cuda", monkeypatch)
+    case = LossCase(2048, 32000, 32000, 512, BF16, False, 7, None)
+    args = random_problem(case, "cuda")
+    options = dict(loss=loss) if loss == "cosine" else dict(loss=loss, beta=0.5, temperature=1.5)
+    reference_args = list(args)
+    reference_args[2], reference_args[3] = fp8.fp8_rounded(args[2]), fp8.fp8_rounded(args[3])
+    want = float64_reference(reference_args, **options)
+    build = fp8.quantized_weights.build
+    monkeypatch.setattr(fp8.quantized_weights, "build", lambda weight: (torch.cuda._sleep(SLEEP_CYCLES), build(weight))[1])
+    builder, reader = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(builder), torch.no_grad():  # backward would read grad_output on the host after the build
+        fused_run(args, teacher_precision="fp8", **options)
+    with torch.cuda.stream(reader):
+        got = fused_run(args, teacher_precision="fp8", **options)
+    torch.cuda.synchronize()
+    assert_passed([compare(f"{loss} FP8 teacher, its copy built on another stream", case.describe(), BF16, got, want)])
+
+
+@pytest.mark.gpu
+def test_a_cached_value_let_go_while_another_stream_reads_it_keeps_its_memory():
+    """A value reused on a second stream, then dropped by the cache while that stream still reads it: the allocator
+    must not hand its memory to the building stream before the read (the reuse marks it as used by the reader)."""
+    weights = weight_cache.WeightCache("test copy", lambda weight: weight * 2)
+    weight = torch.randn(1 << 22, device="cuda")
+    backend = backend_for("auto", weight.device)
+    weights.get(weight, backend)
+    reader = torch.cuda.Stream()
+    with torch.cuda.stream(reader):
+        reused = weights.get(weight, backend)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        read = reused.value.sum()
+    del reused
+    weights.entries.clear()
+    overwrite = torch.full_like(weight, 7.0)  # on the building stream, in any block the allocator has free
+    torch.cuda.synchronize()
+    assert read.item() == pytest.approx((weight * 2).sum().item(), rel=1e-5)
+    del overwrite
 
 
 @pytest.mark.parametrize("device, shape", on_devices([(300, 48)], [(128256, 4096)], lambda shape: "x".join(map(str, shape))))
