@@ -544,3 +544,36 @@ def test_a_teacher_that_is_not_trained_stays_cached(monkeypatch):
     assert calls(student, earlier.detach()) == 3  # trained, and still requiring grad: built for each call
     earlier.requires_grad_(False)
     assert calls(student, earlier) == 1  # frozen since: the next stage's teacher, cached
+
+
+def test_a_value_read_on_another_stream_waits_for_its_build_once_per_stream(monkeypatch):
+    """The stream ordering of a reuse (GPU tests time it for real): a stream other than the building one waits for
+    the build's event and marks each tensor of the value and its hash as used by it, once; the building stream and
+    a stream seen before do nothing. Streams are stand-ins here, the CPU having none."""
+    class Stream:
+        def __init__(self, name):
+            self.name, self.waited = name, []
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: recorded.append((tensor, stream)))
+    builder, reader = Stream("builder"), Stream("reader")
+    current = [builder]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    parts, largest, hash_ = (torch.ones(2), torch.ones(3)), torch.ones(()), torch.zeros(4)
+    built = object()
+    entry = weight_cache._Entry(identity=(), value=(parts, largest), hash=hash_, built=built, streams=[builder])
+    entry.share_with_current_stream(torch.device("cpu"))
+    assert builder.waited == [] and recorded == []
+    current[0] = reader
+    for _ in range(2):
+        entry.share_with_current_stream(torch.device("cpu"))
+    assert reader.waited == [built]
+    assert [id(tensor) for tensor, _ in recorded] == [id(parts[0]), id(parts[1]), id(largest), id(hash_)]
+    assert all(stream is reader for _, stream in recorded)
+    assert entry.streams == [builder, reader]
+    nothing_built = weight_cache._Entry(identity=(), value=(parts, largest), hash=hash_)  # a CPU weight's entry
+    nothing_built.share_with_current_stream(torch.device("cpu"))
+    assert reader.waited == [built] and len(recorded) == 4
