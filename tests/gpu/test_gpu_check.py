@@ -698,7 +698,7 @@ def test_a_cached_value_let_go_while_another_stream_reads_it_keeps_its_memory():
     """A value reused on a second stream, then dropped by the cache while that stream still reads it: the allocator
     must not hand its memory to the building stream before the read (the reuse marks it as used by the reader)."""
     weights = weight_cache.WeightCache("test copy", lambda weight: weight * 2)
-    weight = torch.randn(1 << 22, device="cuda")
+    weight = torch.randn((1 << 22) + 1, device="cuda")  # a size whose free blocks no other test is likely to leave
     backend = backend_for("auto", weight.device)
     weights.get(weight, backend)
     reader = torch.cuda.Stream()
