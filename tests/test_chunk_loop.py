@@ -17,6 +17,7 @@ from cosdistill.testing import (
     TeacherHead,
     chunked_loss_and_grads,
     plan,
+    teacher_logits,
 )
 
 
@@ -172,6 +173,32 @@ def deferred_side(monkeypatch, rows, waits=True) -> list[DeferredSide]:
     monkeypatch.setattr(plan, "row_step_beside_gemms", lambda *args: True)
     monkeypatch.setattr(plan, "SideStream", side)
     return sides
+
+
+def test_each_caller_stream_has_a_side_stream_of_its_own(monkeypatch):
+    """What a row step allocates on the side stream is freed back to it while its caller's kernels may still read
+    it: a side stream shared with another caller's stream, which its next use waits for instead, could hand that
+    memory out too early. Streams are stand-ins here, the CPU having none."""
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+    callers = [Stream(torch.device("cuda", 0)), Stream(torch.device("cuda", 0))]
+    current = [callers[0]]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", object)
+    teacher_logits._side_stream.cache_clear()
+    try:
+        first = teacher_logits.SideStream(torch.device("cuda", 0))
+        again = teacher_logits.SideStream(torch.device("cuda", 0))
+        current[0] = callers[1]
+        other = teacher_logits.SideStream(torch.device("cuda", 0))
+    finally:
+        teacher_logits._side_stream.cache_clear()
+    assert first.caller is again.caller is callers[0] and other.caller is callers[1]
+    assert first.side is again.side and other.side is not first.side
+    assert first.side not in callers and other.side not in callers
 
 
 @pytest.mark.parametrize("rows", [ChunkRows(16, 5), ChunkRows(10, 3), ChunkRows(16, 16), ChunkRows(37, 7)])

@@ -38,8 +38,11 @@ class TeacherHead:
 
 
 @functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
+def _side_stream(caller: torch.cuda.Stream) -> torch.cuda.Stream:
+    """One side stream per caller's stream. What a step allocates there (the cached copy's check, its poison) goes
+    back to the side stream's pool when freed, and its next use waits only for its caller: a side stream shared
+    with another caller's stream could be handed that memory while this caller's queued kernels still read it."""
+    return torch.cuda.Stream(caller.device)
 
 
 class SideStream:
@@ -50,7 +53,8 @@ class SideStream:
     d loss / d s, and before any tensor the steps read can be freed)."""
 
     def __init__(self, device: torch.device):
-        self.caller, self.side = torch.cuda.current_stream(device), _side_stream(device)
+        self.caller = torch.cuda.current_stream(device)
+        self.side = _side_stream(self.caller)
         self.read = [torch.cuda.Event(), torch.cuda.Event()]  # per buffer
 
     def run(self, step, *args) -> None:

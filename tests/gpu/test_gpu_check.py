@@ -672,9 +672,9 @@ SLEEP_CYCLES = 2_000_000_000  # about a second of one GPU thread: longer than th
 @pytest.mark.gpu
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
 def test_a_copy_built_on_one_stream_is_read_on_another_only_after_its_build(loss, monkeypatch):
-    """The FP8 copy built on one stream behind a long kernel (a stream busy with other work) by a call without
-    gradients, whose host reads do not wait for the build, then a call on another stream: that call waits for the
-    build, without which it would read the copy's memory, and its hash's, unwritten."""
+    """The FP8 copy built on one stream behind a long kernel, as by another thread's call that has not reached its
+    first host read, then a call on a second stream: that call waits for the build, without which it would read
+    the copy's memory, and its hash's, unwritten."""
     fp8_or_skip("cuda", monkeypatch)
     case = LossCase(2048, 32000, 32000, 512, BF16, False, 7, None)
     args = random_problem(case, "cuda")
@@ -682,11 +682,10 @@ def test_a_copy_built_on_one_stream_is_read_on_another_only_after_its_build(loss
     reference_args = list(args)
     reference_args[2], reference_args[3] = fp8.fp8_rounded(args[2]), fp8.fp8_rounded(args[3])
     want = float64_reference(reference_args, **options)
-    build = fp8.quantized_weights.build
-    monkeypatch.setattr(fp8.quantized_weights, "build", lambda weight: (torch.cuda._sleep(SLEEP_CYCLES), build(weight))[1])
     builder, reader = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(builder), torch.no_grad():  # backward would read grad_output on the host after the build
-        fused_run(args, teacher_precision="fp8", **options)
+    with torch.cuda.stream(builder):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        fp8.quantized_weights.get(args[3], backend_for("auto", args[3].device))
     with torch.cuda.stream(reader):
         got = fused_run(args, teacher_precision="fp8", **options)
     torch.cuda.synchronize()
@@ -695,12 +694,19 @@ def test_a_copy_built_on_one_stream_is_read_on_another_only_after_its_build(loss
 
 @pytest.mark.gpu
 def test_a_cached_value_let_go_while_another_stream_reads_it_keeps_its_memory():
-    """A value reused on a second stream, then dropped by the cache while that stream still reads it: the allocator
-    must not hand its memory to the building stream before the read (the reuse marks it as used by the reader)."""
+    """A value reused on a second stream, then let go by the cache while that stream is still to read it: the
+    allocator must not hand its memory to the building stream before the read (the reuse marks it as used by the
+    reader). Without a reader, the same block goes straight back to the building stream's next allocation."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no cached block but those this test frees
     weights = weight_cache.WeightCache("test copy", lambda weight: weight * 2)
-    weight = torch.randn((1 << 22) + 1, device="cuda")  # a size whose free blocks no other test is likely to leave
+    weight = torch.randn((1 << 22) + 1, device="cuda")
     backend = backend_for("auto", weight.device)
-    weights.get(weight, backend)
+    address = weights.get(weight, backend).value.data_ptr()
+    weights.entries.clear()
+    assert torch.empty_like(weight).data_ptr() == address  # the premise: a block let go is taken at once
+
+    address = weights.get(weight, backend).value.data_ptr()
     reader = torch.cuda.Stream()
     with torch.cuda.stream(reader):
         reused = weights.get(weight, backend)
@@ -708,10 +714,10 @@ def test_a_cached_value_let_go_while_another_stream_reads_it_keeps_its_memory():
         read = reused.value.sum()
     del reused
     weights.entries.clear()
-    overwrite = torch.full_like(weight, 7.0)  # on the building stream, in any block the allocator has free
+    overwrite = torch.full_like(weight, 7.0)
+    assert overwrite.data_ptr() != address
     torch.cuda.synchronize()
     assert read.item() == pytest.approx((weight * 2).sum().item(), rel=1e-5)
-    del overwrite
 
 
 @pytest.mark.parametrize("device, shape", on_devices([(300, 48)], [(128256, 4096)], lambda shape: "x".join(map(str, shape))))
