@@ -17,7 +17,7 @@ from cosdistill.testing import (
     TeacherHead,
     chunked_loss_and_grads,
     plan,
-    teacher_logits,
+    weight_cache,
 )
 
 
@@ -175,30 +175,27 @@ def deferred_side(monkeypatch, rows, waits=True) -> list[DeferredSide]:
     return sides
 
 
-def test_each_caller_stream_has_a_side_stream_of_its_own(monkeypatch):
-    """What a row step allocates on the side stream is freed back to it while its caller's kernels may still read
-    it: a side stream shared with another caller's stream, which its next use waits for instead, could hand that
-    memory out too early. Streams are stand-ins here, the CPU having none."""
-    class Stream:
-        def __init__(self, device):
-            self.device = device
+def test_the_poison_made_on_the_side_stream_is_kept_for_the_caller_s_reads(monkeypatch):
+    """The cached copy's check, taken by a row step on the side stream, makes the poison there; the caller's stream
+    reads it (the losses, backward's grad_output). Marked as used by the caller's stream, its memory is not handed
+    out again before those reads, also where another caller's stream uses the same side stream next. Streams are
+    stand-ins here, the CPU having none."""
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: recorded.append((tensor, stream)))
+    poison, steps = torch.zeros(()), []
 
-    callers = [Stream(torch.device("cuda", 0)), Stream(torch.device("cuda", 0))]
-    current = [callers[0]]
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "Event", object)
-    teacher_logits._side_stream.cache_clear()
-    try:
-        first = teacher_logits.SideStream(torch.device("cuda", 0))
-        again = teacher_logits.SideStream(torch.device("cuda", 0))
-        current[0] = callers[1]
-        other = teacher_logits.SideStream(torch.device("cuda", 0))
-    finally:
-        teacher_logits._side_stream.cache_clear()
-    assert first.caller is again.caller is callers[0] and other.caller is callers[1]
-    assert first.side is again.side and other.side is not first.side
-    assert first.side not in callers and other.side not in callers
+    class Head:
+        poison = None
+        later = weight_cache.LaterCheck(torch.ones(4), finish=lambda partials: poison)
+
+    class Side:
+        caller = object()
+
+    teacher = LogitsTeacher(Head(), lambda *args: steps.append(args), None, None, Side(),
+                            fingerprint=lambda weight: torch.zeros(2))
+    teacher._step_and_check("logits")
+    assert steps == [("logits",)] and teacher.poison is poison and teacher.later is None
+    assert len(recorded) == 1 and recorded[0][0] is poison and recorded[0][1] is Side.caller
 
 
 @pytest.mark.parametrize("rows", [ChunkRows(16, 5), ChunkRows(10, 3), ChunkRows(16, 16), ChunkRows(37, 7)])

@@ -38,11 +38,8 @@ class TeacherHead:
 
 
 @functools.cache
-def _side_stream(caller: torch.cuda.Stream) -> torch.cuda.Stream:
-    """One side stream per caller's stream. What a step allocates there (the cached copy's check, its poison) goes
-    back to the side stream's pool when freed, and its next use waits only for its caller: a side stream shared
-    with another caller's stream could be handed that memory while this caller's queued kernels still read it."""
-    return torch.cuda.Stream(caller.device)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 class SideStream:
@@ -53,8 +50,7 @@ class SideStream:
     d loss / d s, and before any tensor the steps read can be freed)."""
 
     def __init__(self, device: torch.device):
-        self.caller = torch.cuda.current_stream(device)
-        self.side = _side_stream(self.caller)
+        self.caller, self.side = torch.cuda.current_stream(device), _side_stream(device)
         self.read = [torch.cuda.Event(), torch.cuda.Event()]  # per buffer
 
     def run(self, step, *args) -> None:
@@ -146,6 +142,10 @@ class LogitsTeacher:
         if partials is None:  # the step did not run
             self.step(*args)
         self.poison = later.finish(self.fingerprint(later.weight) if partials is None else partials)
+        if self.side is not None and self.poison is not None:
+            # made on the side stream, read by the caller's: freed, it must wait for the caller's queued reads, not
+            # only for the side stream's next use, which waits for the caller of that call alone
+            self.poison.record_stream(self.side.caller)
 
     def check_range(self) -> None:
         """Nothing to check: the row step rescales rows of any range."""

@@ -173,7 +173,6 @@ from . import _plan as plan  # noqa: E402
 from . import _split_check as split_check  # noqa: E402
 from . import _teacher_fp8 as teacher_fp8  # noqa: E402
 from . import _teacher_gram as teacher_gram  # noqa: E402
-from . import _teacher_logits as teacher_logits  # noqa: E402
 from . import _weight_cache as weight_cache  # noqa: E402
 
 # The torch specs and the pieces of the chunk loop, by name:
@@ -254,8 +253,7 @@ __all__ = [
     # the error floors the tests' tolerances add to
     "accumulation_floor", "ignore_some_labels", "logits_rounding_floors",
     # internals: modules
-    "backends", "chunk_loop", "kernels", "plan", "split_check", "teacher_fp8", "teacher_gram",  # noqa: F822 (kernels: __getattr__)
-    "teacher_logits", "weight_cache",
+    "backends", "chunk_loop", "kernels", "plan", "split_check", "teacher_fp8", "teacher_gram", "weight_cache",  # noqa: F822 (kernels: __getattr__)
     # internals: the torch specs and the chunk loop's pieces
     "TORCH", "backend_for", "scale_unless_one_torch", "ChunkRows", "chunked_loss_and_grads", "fingerprint_torch",
     "as_words", "lanes_of", "stale_check_torch", "LabelCounts", "count_labels_torch", "mean_losses_torch", "Options",

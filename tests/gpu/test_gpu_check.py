@@ -682,10 +682,16 @@ def test_a_copy_built_on_one_stream_is_read_on_another_only_after_its_build(loss
     reference_args = list(args)
     reference_args[2], reference_args[3] = fp8.fp8_rounded(args[2]), fp8.fp8_rounded(args[3])
     want = float64_reference(reference_args, **options)
+    warm_up = list(args)
+    warm_up[3] = args[3].clone()
+    for _ in ("build", "reuse"):  # every kernel compiled and loaded, so that no compile hides the race below
+        fused_run(warm_up, teacher_precision="fp8", **options)
+    torch.cuda.synchronize()
     builder, reader = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(builder):
         torch.cuda._sleep(SLEEP_CYCLES)
         fp8.quantized_weights.get(args[3], backend_for("auto", args[3].device))
+    assert not builder.query()  # the premise: the build is still to run when the other stream's call starts
     with torch.cuda.stream(reader):
         got = fused_run(args, teacher_precision="fp8", **options)
     torch.cuda.synchronize()
