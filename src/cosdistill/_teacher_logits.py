@@ -39,6 +39,9 @@ class TeacherHead:
 
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One per device, shared by the calls of every stream on it: what a step allocates there goes back to its pool
+    when freed, and its next use waits only for that call's stream (so a tensor another stream reads is marked as
+    used by it: the poison in ``LogitsTeacher._step_and_check``)."""
     return torch.cuda.Stream(device)
 
 
@@ -71,8 +74,9 @@ class SideStream:
 class LogitsTeacher:
     """_chunk_loop.TeacherSide through the teacher's logits: ``head`` (TeacherHead or Fp8TeacherHead) forms
     them ``rows.teacher`` at a time, and ``row_step`` (the backend's, or its vocabulary-split form) reads them.
-    With ``side`` (a SideStream), the GEMM of the sub-chunk after each one, the next chunk's first at a
-    chunk's end, is queued before that row step runs, so that the two run together. A head whose cached weight
+    With ``side`` (a SideStream), each row step is queued on the side stream and then, on the caller's, the GEMM
+    of the sub-chunk after it (the next chunk's first at a chunk's end), so that the two run together: the step
+    waits only for what the caller's stream had queued before it. A head whose cached weight
     copy's check is left to it (``head.later``) has the first row step take that check's hash where
     ``hashing_step`` can (RowStepImpl.hashing_step), else ``fingerprint`` hashes the weight after it."""
 
