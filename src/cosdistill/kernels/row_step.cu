@@ -5,9 +5,7 @@
 // Rows past these go to the Triton rescue; on the Gram path, which has none, rows past the first get NaN. exp(s - max)
 // as one FFMA, s * log2e - max * log2e, rounds max * log2e: past this |max| by more than bf16's precision.
 #define LARGEST_FFMA_MAX 16384.f
-// 2^-100: a sum of squares below it may have lost its smallest squares (subnormal) beside its largest.
-#define SMALLEST_PLAIN_SUM 7.8886090522101181e-31f
-#define FLOAT32_MAX 3.4028234663852886e38f
+// SMALLEST_PLAIN_SUM and FLOAT32_MAX come from the host (row_step_cuda.source): triton_common.py's, the Triton twin's.
 
 __device__ __forceinline__ void reduce_warp(float* part) {
   #pragma unroll

@@ -34,6 +34,7 @@ import torch
 
 from .._row_step import RowStepConstants, RowStepImpl
 from .row_step_triton import row_grad_triton, row_stats_triton, row_step_triton
+from .triton_common import FLOAT32_MAX, SMALLEST_PLAIN_SUM
 
 MAX_SHARED_BYTES = 200 * 1024  # beside the static shared memory, under the H200's 227 KB per block
 _LOCAL_SIZE_BYTES, _NUM_REGS, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 3, 4, 14  # CUfunction_attribute
@@ -121,7 +122,9 @@ def with_defines(defines: dict, source_text: str) -> str:
 
 
 def source(vocab: int, label_dtype: torch.dtype, layout: Layout, models: int = 2) -> str:
-    return with_defines(dict(layout_defines(vocab, label_dtype, layout, models), TEACHER=int(models == 2)), _SOURCE)
+    return with_defines(dict(layout_defines(vocab, label_dtype, layout, models), TEACHER=int(models == 2),
+                             SMALLEST_PLAIN_SUM=f"{SMALLEST_PLAIN_SUM.value!r}f", FLOAT32_MAX=f"{FLOAT32_MAX.value!r}f"),
+                        _SOURCE)
 
 
 @functools.lru_cache(maxsize=None)  # asked every call; a device's capability never changes
