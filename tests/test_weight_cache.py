@@ -547,7 +547,7 @@ def test_a_teacher_that_is_not_trained_stays_cached(monkeypatch):
 
 
 def test_a_value_read_on_another_stream_waits_for_its_build_once_per_stream(monkeypatch):
-    """The stream ordering of a reuse (GPU tests time it for real): a stream other than the building one waits for
+    """The stream ordering of a reuse (GPU tests run it for real): a stream other than the building one waits for
     the build's event and marks each tensor of the value and its hash as used by it, once; the building stream and
     a stream seen before do nothing. Streams are stand-ins here, the CPU having none."""
     class Stream:
