@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from . import _fingerprint, _labels, _row_step, _row_step_jsd, _teacher_fp8
+from . import _fingerprint, _labels, _row_step, _row_step_jsd, _student_metrics, _teacher_fp8
 
 IMPLS = ("auto", "torch", "triton", "cuda")
 
@@ -30,6 +30,7 @@ class Backend:
     quantize_rows: Callable  # (rows, out, scales): row-wise FP8
     fingerprint: Callable  # (weight) -> its hash, [2] int64 (the cached teacher copies' check)
     stale_check: Callable  # (partial lanes, kept hash) -> (changed, poison): that check's comparison on the device
+    student_metrics: Callable  # (student_logits, labels, constants, temperature, out): _student_metrics.py
 
 
 def scale_unless_one_torch(values: tuple[torch.Tensor, ...], factor: torch.Tensor) -> None:
@@ -42,17 +43,18 @@ def scale_unless_one_torch(values: tuple[torch.Tensor, ...], factor: torch.Tenso
 
 TORCH = Backend("torch", _row_step.COSINE_TORCH_ROW_STEP, _row_step_jsd.JSD_TORCH_ROW_STEP, _labels.count_labels_torch,
                 _labels.mean_losses_torch, scale_unless_one_torch, _teacher_fp8.quantize_rows, _fingerprint.fingerprint_torch,
-                _fingerprint.stale_check_torch)
+                _fingerprint.stale_check_torch, _student_metrics.student_metrics_torch)
 
 
 @functools.lru_cache(maxsize=None)
 def _triton() -> Backend:
-    from .kernels import fingerprint, fp8_quantize, grad_output, labels, row_step_jsd_triton, row_step_triton
+    from .kernels import fingerprint, fp8_quantize, grad_output, labels, row_step_jsd_triton, row_step_triton, student_metrics
 
     return Backend("triton", row_step_triton.COSINE_TRITON_ROW_STEP, row_step_jsd_triton.JSD_TRITON_ROW_STEP,
                    labels.count_labels_triton, labels.mean_losses_triton,
                    grad_output.scale_unless_one_triton, fp8_quantize.quantize_rows_triton,
-                   fingerprint.fingerprint_triton, fingerprint.stale_check_triton)
+                   fingerprint.fingerprint_triton, fingerprint.stale_check_triton,
+                   student_metrics.student_metrics_triton)
 
 
 def backend_for(impl: str, device: torch.device) -> Backend:

@@ -242,8 +242,10 @@ def small_call(rows: ChunkRows, num_tokens: int, student_shape, teacher_shape) -
 
 
 def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
-        num_valid_tokens=None) -> ChunkResult:
-    """The loss and, for grad_output = 1, the gradients the plan asks for. 2-D inputs, 1-D labels."""
+        num_valid_tokens=None, student_metrics: tuple[float, torch.Tensor] | None = None) -> ChunkResult:
+    """The loss and, for grad_output = 1, the gradients the plan asks for. 2-D inputs, 1-D labels.
+    ``student_metrics`` (temperature, out [T, 2] float32): the student's metrics written into out
+    (_student_metrics.py)."""
     # The GPU starts on the first chunk's student GEMM before the teacher side's set-up, whose host time
     # (and any cached teacher copy's check) it then covers.
     student_logits = start_student_logits(student_input, student_weight, student_bias, plan.rows)
@@ -277,11 +279,17 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
                              num_valid_tokens, backend, constants.weight_hard, constants.weight_soft)
     if split is not None:
         normaliser = _split_check.HashesReadFirst(normaliser, split)
+    metrics_into = None
+    if student_metrics is not None:
+        temperature, out = student_metrics
+
+        def metrics_into(logits, chunk_labels, rows):
+            backend.student_metrics(logits, chunk_labels, constants, temperature, out[rows])
     try:
         return chunked_loss_and_grads(
             student_input, student_weight, student_bias, teacher_input, teacher, labels, normaliser, plan.rows,
             plan.needs_grad, plan.accum_dtype, backend.scale_unless_one, reduce_grad_input, student_logits,
-            plan.grad_weight_in_forward,
+            plan.grad_weight_in_forward, metrics_into,
         )
     except _teacher_gram.GramOutOfRange:
         if not plan.fall_back:
@@ -296,7 +304,7 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
     logits_plan = make_plan(dataclasses.replace(plan.options, cosine_via="logits"), student_weight, student_bias,
                             teacher_weight, teacher_bias, len(labels), plan.needs_grad, plan.vocab_parallel)
     return run(logits_plan, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias,
-               labels, num_valid_tokens)
+               labels, num_valid_tokens, student_metrics)
 
 
 def gram_applies(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens,

@@ -15,6 +15,7 @@ from ._device import as_rows, on_device_of
 from ._options import OPTION_NAMES, REAL_OPTIONS, Options, is_transformed, options_of
 from ._plan import checked_plan, run
 from ._split_check import check_vocab_parallel, gather_device
+from ._student_metrics import StudentMetrics
 
 __all__ = ["FusedLinearCosineDistillLoss", "FusedLinearJSDLoss", "fused_linear_cosine_distill", "fused_linear_jsd"]
 
@@ -46,6 +47,7 @@ def fused_linear_cosine_distill(
     teacher_logit_scale=1.0,
     vocab_parallel=None,
     cosine_via="auto",
+    student_metrics=None,
 ):
     """Hard cross-entropy plus soft cosine distillation loss through two LM heads, never holding all logits.
 
@@ -88,6 +90,10 @@ def fused_linear_cosine_distill(
     ``temperature`` changes neither term (cosine is scale-invariant, the hard term uses unscaled logits) but
     through the eps clamp of norms of the logits over it below 1e-8; it is kept for compatibility with Liger.
     ``compiled`` is accepted for compatibility with Liger and changes nothing.
+    ``student_metrics`` (a ``cosdistill.StudentMetrics``): the call also fills it in with each token's student
+    entropy and whether its label is the student's top logit (TRL's logged ``entropy`` and ``mean_token_accuracy``),
+    read from each chunk's logits before its gradient overwrites them; not with ``vocab_parallel``, nor inside a
+    torch.compile graph (fullgraph=True raises; without it, torch.compile runs such a call eagerly).
     The teacher's Gram matrix and FP8 copy are cached while the teacher weight is unchanged: a call gives what a
     call on a fresh copy of the weight gives on the same path, or raises ``StaleWeightError`` (_weight_cache.py; on
     a GPU the stale call's loss and gradients are NaN and the next call with that weight raises).
@@ -103,7 +109,7 @@ def fused_linear_cosine_distill(
     )
     return distill(options, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
                    teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
-                   return_soft_hard_loss=return_soft_hard_loss)
+                   return_soft_hard_loss=return_soft_hard_loss, student_metrics=student_metrics)
 
 
 def call_options(tensors, vocab_parallel, **fields) -> Options:
@@ -121,8 +127,10 @@ def call_options(tensors, vocab_parallel, **fields) -> Options:
 
 def distill(options: Options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
             student_bias=None, teacher_bias=None, *, num_valid_tokens=None, vocab_parallel=None,
-            return_soft_hard_loss=False):
+            return_soft_hard_loss=False, student_metrics=None):
     """The loss for checked options: the function's and the module's body."""
+    if student_metrics is not None:
+        check_student_metrics(student_metrics, vocab_parallel)
     if torch.compiler.is_compiling():  # torch.compile: the registered custom op, see _compile.py
         # Imported here: registering the op at import would clash with a second copy of the package
         # loaded side by side (the A/B timing of an old tree against this one).
@@ -137,14 +145,34 @@ def distill(options: Options, student_input, student_weight, teacher_input, teac
                         student_bias, teacher_bias, num_valid_tokens, vocab_parallel)
     labels = true_labels if true_labels.dim() == 1 and true_labels.is_contiguous() else true_labels.reshape(-1).contiguous()
     flat_input = as_rows(student_input)
+    metrics_out = None
+    if student_metrics is not None:
+        metrics_out = (student_metrics.temperature,
+                       torch.empty(len(labels), 2, dtype=torch.float32, device=student_input.device))
     # The loop computes the gradients itself (set_grad_enabled costs less host time than no_grad before the first GEMM).
     with on_device_of(student_input), torch.set_grad_enabled(False):
         result = run(plan, flat_input, student_weight, student_bias, as_rows(teacher_input), teacher_weight,
-                     teacher_bias, labels, num_valid_tokens)
+                     teacher_bias, labels, num_valid_tokens, metrics_out)
+    if student_metrics is not None:
+        per_token = metrics_out[1].reshape(*true_labels.shape, 2)
+        student_metrics.entropy, student_metrics.top1 = per_token[..., 0], per_token[..., 1] != 0
     loss = result.loss
     if result.gradients is not None:
         loss = _AttachGradients.apply(loss, result.gradients, flat_input, student_weight, student_bias)
     return (loss, result.soft_loss, result.hard_loss) if return_soft_hard_loss else loss
+
+
+def check_student_metrics(student_metrics, vocab_parallel) -> None:
+    """Raise for a ``student_metrics`` that is not a StudentMetrics, or that a call cannot fill in."""
+    if not isinstance(student_metrics, StudentMetrics):
+        raise TypeError(f"student_metrics must be a cosdistill.StudentMetrics, got {type(student_metrics).__name__}")
+    if vocab_parallel is not None:
+        raise ValueError("student_metrics cannot be taken over a vocabulary split (each rank holds a shard of the "
+                         "student's logits): leave it out with vocab_parallel")
+    if torch.compiler.is_compiling():
+        raise ValueError("student_metrics is not taken inside a torch.compile graph (the compiled op returns the losses "
+                         "alone): call the loss outside the compiled function, or compile without fullgraph=True, "
+                         "which runs the call eagerly")
 
 
 class _LossModule(torch.nn.Module):
@@ -190,14 +218,14 @@ class _LossModule(torch.nn.Module):
         return options_of(**self._given) if self._options.reads_tensors else self._options
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
-                teacher_bias=None, *, num_valid_tokens=None, vocab_parallel=None):
+                teacher_bias=None, *, num_valid_tokens=None, vocab_parallel=None, student_metrics=None):
         options = self._options
         if options.reads_tensors:  # read and checked at every call; under a split an error reaches every rank
             options = call_options((student_input, student_weight, teacher_input, teacher_weight, true_labels),
                                    vocab_parallel, **self._given)
         return distill(options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
                        student_bias, teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
-                       return_soft_hard_loss=self.return_soft_hard_loss)
+                       return_soft_hard_loss=self.return_soft_hard_loss, student_metrics=student_metrics)
 
 
 def _option_attribute(name: str) -> property:
@@ -286,6 +314,7 @@ def fused_linear_jsd(
     student_logit_scale=1.0,
     teacher_logit_scale=1.0,
     vocab_parallel=None,
+    student_metrics=None,
 ):
     """Hard cross-entropy plus the generalized Jensen-Shannon divergence through two LM heads, never holding
     all logits. The positional order is that of Liger-Kernel's ``LigerFusedLinearJSDFunction.apply``.
@@ -319,7 +348,7 @@ def fused_linear_jsd(
     )
     return distill(options, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
                    teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
-                   return_soft_hard_loss=return_soft_hard_loss)
+                   return_soft_hard_loss=return_soft_hard_loss, student_metrics=student_metrics)
 
 
 FUSED_LOSSES = {"cosine": fused_linear_cosine_distill, "jsd": fused_linear_jsd}  # the loss function of each Options.loss

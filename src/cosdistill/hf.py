@@ -666,7 +666,7 @@ def check_loss_options(loss: str, loss_options: dict) -> None:
     if from_the_models:
         raise TypeError(f"loss_options {from_the_models} cannot be given: distill_loss takes them from the models "
                         "(their LM heads and configs) and the batch")
-    per_call = sorted(set(loss_options) & {"num_valid_tokens", "return_soft_hard_loss"})
+    per_call = sorted(set(loss_options) & {"num_valid_tokens", "return_soft_hard_loss", "student_metrics"})
     if per_call:
         raise TypeError(f"loss_options {per_call} cannot be given: they are distill_loss's own arguments, which the "
                         "trainers set at each step")

@@ -201,6 +201,7 @@ from ._row_step_jsd import (  # noqa: E402
     jsd_shard_sums_torch,
     row_step_jsd_torch,
 )
+from ._student_metrics import student_metrics_torch  # noqa: E402
 from ._teacher_logits import LogitsTeacher, TeacherHead  # noqa: E402
 from .api import FUSED_LOSSES  # noqa: E402
 from .api import _AttachGradients as AttachGradients  # noqa: E402
@@ -213,7 +214,7 @@ _KERNEL_NAMES = {  # name -> the kernels module that defines it
     "row_grad_triton": "row_step_triton", "count_labels_triton": "labels", "mean_losses_triton": "labels",
     "scale_unless_one_triton": "grad_output", "quantize_rows_triton": "fp8_quantize",
     "fingerprint_triton": "fingerprint", "stale_check_triton": "fingerprint",
-    "row_step_jsd_triton": "row_step_jsd_triton",
+    "row_step_jsd_triton": "row_step_jsd_triton", "student_metrics_triton": "student_metrics",
 }
 _COMPILE_NAMES = ("compiled_distill", "fused_linear_distill_op", "real_options_tensor")
 
@@ -230,6 +231,7 @@ def _kernels():
         row_step_jsd_cuda,
         row_step_jsd_triton,
         row_step_triton,
+        student_metrics,
     )
 
     return kernels
@@ -261,7 +263,7 @@ __all__ = [
     "RowStepConstants", "combine_row_stats", "row_step_torch", "scale_and_softcap", "teacher_grad_coefficient",
     "with_teacher_products", "LogitsTeacher", "TeacherHead", "AttachGradients", "FUSED_LOSSES",
     "JSD_TORCH_ROW_STEP", "combine_jsd_stats_torch", "combine_jsd_sums_torch", "jsd_lift_bound", "jsd_shard_grad_torch",
-    "jsd_shard_stats_torch", "jsd_shard_sums_torch", "row_step_jsd_torch",
+    "jsd_shard_stats_torch", "jsd_shard_sums_torch", "row_step_jsd_torch", "student_metrics_torch",
     # internals imported on first use: the Triton twins and the torch.compile op
     *_KERNEL_NAMES, *_COMPILE_NAMES,
 ]

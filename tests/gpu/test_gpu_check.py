@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import DEVICES, assert_rows_match, exact_reverse_kl_grad, on_devices, peaked_reverse_kl_rows, run_jsd_split_stages
-from cosdistill import StaleWeightError, fused_linear_cosine_distill, quantize_teacher_weight
+from cosdistill import StaleWeightError, StudentMetrics, fused_linear_cosine_distill, quantize_teacher_weight
 from cosdistill.testing import (
     COSINE_TORCH_ROW_STEP,
     FUSED_LOSSES,
@@ -33,6 +33,7 @@ from cosdistill.testing import (
     quantize_rows_triton,
     rel_err,
     row_step_jsd_torch,
+    student_metrics_torch,
     teacher_grad_coefficient,
     weight_cache,
     with_teacher_products,
@@ -611,6 +612,39 @@ def test_row_steps_beside_the_teacher_gemms_give_the_bits_of_one_stream(loss, te
     assert len(sides) == 1
     for got, want in zip([*beside[0], *beside[1]], [*alone[0], *alone[1]]):
         assert torch.isfinite(got).all() and torch.equal(got, want), (got - want).abs().max()
+
+
+METRICS_CASES = {"cpu": LossCase(250, 1283, 1283, 64, BF16, True, 7, 96),
+                 "cuda": LossCase(4500, 128256, 128256, 512, BF16, True, 7, None)}  # chunks 2048, 2048, 404
+
+
+@pytest.mark.parametrize("device, loss", on_devices(["cosine", "jsd"], ["cosine", "jsd"]))
+@pytest.mark.parametrize("teacher_precision", [None, "fp8"])
+def test_student_metrics_read_each_chunk_before_its_row_step_overwrites_it(device, loss, teacher_precision,
+                                                                           monkeypatch):
+    """The student's entropy and top-1 hits of a call whose row steps run beside the teacher GEMMs on a second
+    stream (forced on a GPU, for both losses), against the spec on the whole bf16 logits. The chunks' GEMMs may round a
+    logit otherwise than one GEMM over all rows, hence the tolerance; metrics of a chunk already turned into its
+    gradient (entries ~1e-5: entropy ~log V) would be off by whole nats and hit ~1 / V of the labels."""
+    fp8_or_skip(device, monkeypatch)
+    case = METRICS_CASES[device]
+    args = random_problem(case, device)
+    if device == "cuda":
+        monkeypatch.setattr(plan, "row_step_beside_gemms", lambda *a: True)
+    logits = torch.nn.functional.linear(args[0].detach(), args[1].detach(), args[5].detach())
+    labels = args[4]
+    hits = torch.arange(len(labels), device=device) % 2 == 1
+    labels[hits & (labels != -100)] = logits.argmax(1)[hits & (labels != -100)]  # half the labels the top logit
+    metrics = StudentMetrics(temperature=1.3)
+    fused_run(args, loss=loss, teacher_precision=teacher_precision, chunk_size=case.chunk_size, temperature=2.0,
+              student_metrics=metrics)
+    want = torch.empty(len(labels), 2, device=device)
+    student_metrics_torch(logits, labels, RowStepConstants(0.5, 0.5, 0.5, 2.0, -100), 1.3, want)
+    valid = labels != -100
+    assert (metrics.entropy[~valid] == 0).all() and not metrics.top1[~valid].any()
+    torch.testing.assert_close(metrics.entropy, want[:, 0], rtol=0, atol=2e-2)
+    agree = (metrics.top1 == (want[:, 1] != 0))[valid].float().mean().item()
+    assert agree > 0.99 and want[valid, 1].mean().item() > 0.4, agree
 
 
 ZERO_HEAD_CASES = {"cpu": LossCase(250, 1283, 1283, 64, FP16, True, 7, 64),

@@ -13,6 +13,8 @@ code that calls it, and the tests compare the two.
 - ``labels.py``: the label count (N) and the losses' mean; spec ``_labels.py``.
 - ``grad_output.py``: grad_output applied without a host read; spec ``_backends.scale_unless_one_torch``.
 - ``fp8_quantize.py``: row-wise FP8 quantization; spec ``_teacher_fp8.quantize_rows``.
+- ``student_metrics.py``: the student's per-token entropy and top-1 hit, for the trainers' logs; spec
+  ``_student_metrics.py``.
 - ``fingerprint.py``: the hash of a cached teacher weight and its comparison with the kept one; spec
   ``_fingerprint.py``.
 """

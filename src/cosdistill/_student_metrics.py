@@ -1,0 +1,49 @@
+"""The student's per-token metrics that trainers log beside the loss (TRL's ``entropy`` and ``mean_token_accuracy``),
+taken from each chunk's student logits before the row step overwrites them with their gradient: no logits are
+kept, and each chunk's are read once more. ``StudentMetrics`` asks a call for them and holds them after it;
+``student_metrics_torch`` is the spec and the CPU path, kernels/student_metrics.py its Triton twin."""
+
+import dataclasses
+import math
+import numbers
+
+import torch
+
+from ._row_step import RowStepConstants, as_the_loss_sees_them, label_columns
+
+SPEC_DTYPE = torch.float64
+
+
+@dataclasses.dataclass
+class StudentMetrics:
+    """Pass one as ``student_metrics=`` to a fused loss call; the call fills in, per token, in the labels' shape:
+
+    - ``entropy``: the student's entropy in nats, of softmax(s / temperature) over its own vocabulary, s its logits
+      as the loss sees them (times its logit scale, then softcapped); 0 where the token is ignored. float32.
+    - ``top1``: whether the label is the student's largest logit (the first of equal ones, as torch.argmax);
+      False where the token is ignored.
+
+    Their sums over the counted tokens, divided by the count, are TRL's ``entropy`` and ``mean_token_accuracy``.
+    Not with a vocabulary split, nor inside a torch.compile graph: each raises a ValueError (without fullgraph=True,
+    torch.compile then runs the call eagerly)."""
+
+    temperature: float = 1.0
+    entropy: torch.Tensor | None = None
+    top1: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real)
+                or not math.isfinite(self.temperature) or self.temperature <= 0):
+            raise ValueError(f"StudentMetrics' temperature must be a positive finite number, got {self.temperature!r}")
+
+
+def student_metrics_torch(student_logits, labels, constants: RowStepConstants, temperature: float, out) -> None:
+    """out [n, 2] float32: each row's entropy in nats (0 where ignored) and 1.0 where its label is its first largest
+    logit (0 elsewhere and where ignored), computed in float64."""
+    rows, vocab_student = student_logits.shape
+    valid, _, column = label_columns(labels, vocab_student, constants)
+    s, _ = as_the_loss_sees_them(student_logits, None, constants, SPEC_DTYPE)
+    entropy = torch.special.entr(torch.softmax(s / temperature, dim=1)).sum(1)
+    top1 = valid & (s.argmax(1) == column)
+    out[:, 0] = torch.where(valid, entropy, 0.0)
+    out[:, 1] = top1
