@@ -95,6 +95,7 @@ def test_a_loss_call_fills_in_the_student_metrics_and_its_numbers_do_not_change(
     assert metrics.entropy.shape == problem.labels.shape and metrics.entropy.dtype == torch.float32
     torch.testing.assert_close(metrics.entropy.double(), want_entropy, rtol=2e-5, atol=2e-6)
     assert metrics.top1.dtype == torch.bool and torch.equal(metrics.top1, want_top1)
+    assert torch.equal(metrics.counted, problem.labels != -100) and not metrics.counted.all()
     assert not metrics.entropy.requires_grad
 
 
@@ -140,19 +141,23 @@ def test_a_vocabulary_split_refuses_them():
         fused_linear_jsd(*problem.args(), student_metrics=StudentMetrics(), vocab_parallel=object())
 
 
-def test_a_compiled_graph_refuses_them_and_a_graph_break_runs_them_eagerly():
+def test_under_torch_compile_the_call_runs_eagerly_and_a_full_graph_raises():
     problem = make_problem(tokens=10, bias=False)
     args = problem.args()[:5]
 
     def step(metrics):
-        return fused_linear_jsd(*args, student_metrics=metrics)
+        return fused_linear_jsd(*args, student_metrics=metrics) * 2
 
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="student_metrics is not taken inside a torch.compile graph"):
+    with pytest.raises(Exception, match="student_metrics"):
         torch.compile(step, fullgraph=True)(StudentMetrics())
     torch._dynamo.reset()
     metrics = StudentMetrics()
-    torch.compile(step)(metrics)
+    loss = torch.compile(step)(metrics)
+    loss.backward()
+    want = 2 * fused_linear_jsd(*args)
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)
     logits = problem.student_input.detach().double() @ problem.student_weight.detach().double().T
     torch.testing.assert_close(metrics.entropy.double(), full_logits_metrics(logits, problem.labels, 1.0)[0],
                                rtol=2e-5, atol=2e-6)
+    assert problem.student_weight.grad is not None

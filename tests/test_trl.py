@@ -214,6 +214,51 @@ def test_num_tokens_is_logged_as_sfttrainer_logs_it(tmp_path, config):
         [], ["eval_num_tokens"]]
 
 
+@pytest.mark.parametrize("config", [{}, dict(packing=True, padding_free=True), COMPILED],
+                         ids=["completion-only", "packed", "compiled"])
+def test_entropy_and_mean_token_accuracy_are_logged_as_sfttrainer_logs_them(tmp_path, config):
+    """SFTTrainer logs the student's mean entropy and top-1 accuracy over the tokens with a target, from its logits;
+    they went missing with the distillation loss. With a learning rate of 0 both trainers see the same student at
+    every step: the same numbers at every log, training and evaluation, each the mean of its loss calls'. The
+    student's head picks w5 or w6 by the sign of one direction, and the completions are made of those two words, so
+    that about half its top-1 guesses hit."""
+    logged = {}
+    generator = torch.Generator().manual_seed(0)
+    dataset = datasets.Dataset.from_list([
+        {"prompt": "w9 w10 w11", "completion": " " + " ".join(f"w{int(i)}" for i in torch.randint(5, 7, (n,),
+                                                                                           generator=generator))}
+        for n in (3, 6, 4, 5)])
+    direction = None
+    for name in ("ours", "sft"):
+        student = tiny_model("llama")
+        with torch.no_grad():
+            head = student.get_output_embeddings().weight
+            if direction is None:
+                direction = torch.randn(head.shape[1], generator=generator)
+            head.zero_()
+            head[5], head[6] = 3 * direction, -3 * direction
+        if name == "ours":
+            trainer = make_sft_trainer(tmp_path, student, tiny_model("llama", vocab=144, seed=1), max_steps=5,
+                                       per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                       logging_steps=2, eval_strategy="steps", eval_steps=3, learning_rate=0.0,
+                                       train_dataset=dataset, eval_dataset=dataset, **config)
+        else:
+            args = copy.deepcopy(trainer.args)
+            trainer = trl.SFTTrainer(model=student, args=args, train_dataset=dataset, eval_dataset=dataset,
+                                     processing_class=word_tokenizer())
+        trainer.train()
+        trainer.evaluate(eval_dataset=dataset.select([1, 2, 3]))
+        logged[name] = [{key: value for key, value in entry.items() if key.endswith(("entropy", "mean_token_accuracy"))}
+                        for entry in trainer.state.log_history]
+    assert [sorted(entry) for entry in logged["ours"]] == [sorted(entry) for entry in logged["sft"]]
+    assert sum(len(entry) for entry in logged["ours"]) >= 10
+    for ours, sft in zip(logged["ours"], logged["sft"]):
+        for key, value in sft.items():
+            assert ours[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    accuracies = [value for entry in logged["sft"] for key, value in entry.items() if "accuracy" in key]
+    assert len(accuracies) >= 5 and all(0.2 < value < 0.8 for value in accuracies), accuracies
+
+
 def test_a_step_that_raised_counts_no_tokens(tmp_path):
     """auto_find_batch_size retries a step whose forward ran out of memory with a smaller batch: the failed step's
     tokens were counted before its loss ran, and num_tokens logged 57 where SFTTrainer logs 24."""

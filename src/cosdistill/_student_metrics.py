@@ -22,14 +22,16 @@ class StudentMetrics:
       as the loss sees them (times its logit scale, then softcapped); 0 where the token is ignored. float32.
     - ``top1``: whether the label is the student's largest logit (the first of equal ones, as torch.argmax);
       False where the token is ignored.
+    - ``counted``: whether the token counts (its label is not ignore_index).
 
-    Their sums over the counted tokens, divided by the count, are TRL's ``entropy`` and ``mean_token_accuracy``.
-    Not with a vocabulary split, nor inside a torch.compile graph: each raises a ValueError (without fullgraph=True,
-    torch.compile then runs the call eagerly)."""
+    Their sums over the counted tokens, divided by their number, are TRL's ``entropy`` and ``mean_token_accuracy``.
+    Not with a vocabulary split (a ValueError). Under torch.compile the call that asks for them runs eagerly (a graph
+    break; fullgraph=True raises)."""
 
     temperature: float = 1.0
     entropy: torch.Tensor | None = None
     top1: torch.Tensor | None = None
+    counted: torch.Tensor | None = None
 
     def __post_init__(self):
         if (isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real)

@@ -92,8 +92,8 @@ def fused_linear_cosine_distill(
     ``compiled`` is accepted for compatibility with Liger and changes nothing.
     ``student_metrics`` (a ``cosdistill.StudentMetrics``): the call also fills it in with each token's student
     entropy and whether its label is the student's top logit (TRL's logged ``entropy`` and ``mean_token_accuracy``),
-    read from each chunk's logits before its gradient overwrites them; not with ``vocab_parallel``, nor inside a
-    torch.compile graph (fullgraph=True raises; without it, torch.compile runs such a call eagerly).
+    read from each chunk's logits before its gradient overwrites them; not with ``vocab_parallel``. Under
+    torch.compile such a call runs eagerly (a graph break; fullgraph=True raises).
     The teacher's Gram matrix and FP8 copy are cached while the teacher weight is unchanged: a call gives what a
     call on a fresh copy of the weight gives on the same path, or raises ``StaleWeightError`` (_weight_cache.py; on
     a GPU the stale call's loss and gradients are NaN and the next call with that weight raises).
@@ -131,6 +131,10 @@ def distill(options: Options, student_input, student_weight, teacher_input, teac
     """The loss for checked options: the function's and the module's body."""
     if student_metrics is not None:
         check_student_metrics(student_metrics, vocab_parallel)
+        if torch.compiler.is_compiling():
+            return _distill_eagerly(options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
+                                    student_bias, teacher_bias, num_valid_tokens=num_valid_tokens,
+                                    return_soft_hard_loss=return_soft_hard_loss, student_metrics=student_metrics)
     if torch.compiler.is_compiling():  # torch.compile: the registered custom op, see _compile.py
         # Imported here: registering the op at import would clash with a second copy of the package
         # loaded side by side (the A/B timing of an old tree against this one).
@@ -156,6 +160,7 @@ def distill(options: Options, student_input, student_weight, teacher_input, teac
     if student_metrics is not None:
         per_token = metrics_out[1].reshape(*true_labels.shape, 2)
         student_metrics.entropy, student_metrics.top1 = per_token[..., 0], per_token[..., 1] != 0
+        student_metrics.counted = true_labels != options.ignore_index
     loss = result.loss
     if result.gradients is not None:
         loss = _AttachGradients.apply(loss, result.gradients, flat_input, student_weight, student_bias)
@@ -169,10 +174,13 @@ def check_student_metrics(student_metrics, vocab_parallel) -> None:
     if vocab_parallel is not None:
         raise ValueError("student_metrics cannot be taken over a vocabulary split (each rank holds a shard of the "
                          "student's logits): leave it out with vocab_parallel")
-    if torch.compiler.is_compiling():
-        raise ValueError("student_metrics is not taken inside a torch.compile graph (the compiled op returns the losses "
-                         "alone): call the loss outside the compiled function, or compile without fullgraph=True, "
-                         "which runs the call eagerly")
+
+
+@torch.compiler.disable(reason="cosdistill's student_metrics: the compiled op returns the losses alone, so a call that "
+                               "asks for the metrics runs eagerly")
+def _distill_eagerly(*args, **kwargs):
+    """``distill`` outside the graph torch.compile traces (a graph break; fullgraph=True raises)."""
+    return distill(*args, **kwargs)
 
 
 class _LossModule(torch.nn.Module):

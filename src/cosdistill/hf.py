@@ -542,6 +542,7 @@ def distill_loss(
     num_valid_tokens=None,
     return_soft_hard_loss=False,
     model_inputs=None,
+    student_metrics=None,
     **loss_options,
 ):
     """The fused distillation loss between two causal LMs on a batch, never building their logits:
@@ -566,6 +567,8 @@ def distill_loss(
     ``**loss_options`` (chunk_size, impl, accum_dtype, teacher_precision; cosine_via for the cosine loss) go to
     the fused function of ``loss``. A student whose LM head is split for tensor parallelism (``tp_plan``,
     ``ColwiseParallel``) runs the loss vocabulary-parallel over its mesh (``vocab_split``).
+    ``student_metrics`` (a ``cosdistill.StudentMetrics``): filled in per target, the positions that have one in
+    order, [n] (not with a tensor-parallel student).
     """
     check_loss_options(loss, loss_options)
     if labels is None:
@@ -591,7 +594,7 @@ def distill_loss(
         student_model, teacher_model, student_hidden, teacher_hidden, targets, loss=loss,
         weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, temperature=temperature,
         ignore_index=ignore_index, num_valid_tokens=num_valid_tokens, return_soft_hard_loss=return_soft_hard_loss,
-        **loss_options,
+        student_metrics=student_metrics, **loss_options,
     )
 
 
@@ -609,7 +612,7 @@ def trained_rows(student_hidden, teacher_hidden, targets, ignore_index):
 
 def loss_of_hidden_states(student, teacher, student_hidden, teacher_hidden, targets, loss="cosine",
                           weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, temperature=1.0, ignore_index=-100,
-                          num_valid_tokens=None, return_soft_hard_loss=False, **loss_options):
+                          num_valid_tokens=None, return_soft_hard_loss=False, student_metrics=None, **loss_options):
     """``distill_loss`` on final hidden states already aligned with their targets: position i of ``student_hidden``
     and ``teacher_hidden`` [..., H] predicts ``targets[..., i]`` (``ignore_index``: no target). The models give
     their LM heads, logit scales and softcaps (``head_inputs``) and a tensor-parallel student's split
@@ -637,7 +640,7 @@ def loss_of_hidden_states(student, teacher, student_hidden, teacher_hidden, targ
             hidden, weight, teacher_args[0], teacher_args[1], targets, bias, teacher_args[2],
             weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
             ignore_index=ignore_index, temperature=temperature, return_soft_hard_loss=return_soft_hard_loss,
-            num_valid_tokens=num_valid_tokens, **head_options, **loss_options,
+            num_valid_tokens=num_valid_tokens, student_metrics=student_metrics, **head_options, **loss_options,
         )
 
 
@@ -938,13 +941,16 @@ class DistillationMixin:
             # gather_for_metrics then drops: the batch that kept its row was divided by targets not its own.
             num_items_in_batch = None
         num_items_in_batch = at_least_one(num_items_in_batch)
+        metrics = self._student_metrics_to_log()
         with self.accelerator.autocast():
             hidden = final_hidden_states(model, input_ids, attention_mask, lm_head(student, "student"), **model_inputs)
             loss, soft, hard = distill_loss(
                 student, self.teacher_model, input_ids, attention_mask, inputs["labels"], student_hidden=hidden,
                 num_valid_tokens=num_items_in_batch, return_soft_hard_loss=True, model_inputs=model_inputs,
-                **self.loss_options,
+                student_metrics=metrics, **self.loss_options,
             )
+        if metrics is not None:
+            self._keep_student_metrics(metrics)
         if not model.training:  # a batch without a target is 0 / 0, as the Trainer's own loss: not finite, so that
             # logging_nan_inf_filter leaves it out of eval_loss rather than count a 0
             has_target = (next_token_targets(inputs["labels"], attention_mask, -100, model_inputs.get("position_ids"),
@@ -976,6 +982,10 @@ class DistillationMixin:
             self._eval_sums = sums if self._eval_sums is None else self._eval_sums + sums
         # No logits: the fused loss never computes them (soft and hard reach the logs through log below).
         return (loss, CausalLMOutputWithPast(loss=loss, logits=None)) if return_outputs else loss
+
+    def _student_metrics_to_log(self):
+        """A ``StudentMetrics`` for the next loss where the Trainer logs them (``_keep_student_metrics``), else None."""
+        return None
 
     def _gather_for_metrics(self, tensors):
         """accelerate's gather_for_metrics, but for a tensor-parallel student, whose processes are all ranks of the

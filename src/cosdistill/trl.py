@@ -34,6 +34,7 @@ try:
 except ImportError as error:
     raise ImportError("cosdistill.trl needs trl: pip install 'cosdistill[trl]'") from error
 
+from ._student_metrics import StudentMetrics
 from .hf import (
     UNSUPPORTED_ARGS,
     DistillationMixin,
@@ -65,7 +66,9 @@ UNSUPPORTED_SFT_ARGS = {
 class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
     """``SFTTrainer`` whose loss is ``distill_loss`` against ``teacher_model`` (``DistillationMixin`` says how:
     ``loss="cosine"`` or ``"jsd"``); the tokens trained on are the labels SFTTrainer's data handling leaves
-    (completion-only, assistant-only, packed)."""
+    (completion-only, assistant-only, packed). It logs SFTTrainer's ``num_tokens``, ``entropy`` and
+    ``mean_token_accuracy`` (the last two of the student's own distribution, at temperature 1, over the tokens with
+    a target; not for a tensor-parallel student, whose loss holds a shard of each logits row)."""
 
     unsupported_args = UNSUPPORTED_SFT_ARGS
 
@@ -73,6 +76,28 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
         super().__init__(*args, **kwargs)
         self._tokens_unlogged = None  # this process's tokens trained on since the last log, on the device
         self._evaluation_prefix = None  # the metrics' prefix while evaluate() runs
+        # per mode, each loss call's [entropy sum, top-1 hits, tokens] on the device, read at the next log
+        self._student_metric_sums = {"train": [], "eval": []}
+
+    def _student_metrics_to_log(self):
+        return StudentMetrics() if tensor_parallel_size(self) == 1 else None
+
+    def _keep_student_metrics(self, metrics):
+        sums = torch.stack([metrics.entropy.sum(), metrics.top1.sum(), metrics.counted.sum()]).float()
+        self._student_metric_sums["train" if self.model.training else "eval"].append(sums)
+
+    def _log_student_metrics(self, mode):
+        """SFTTrainer's entropy and mean_token_accuracy of each loss call since the last log, all processes' tokens
+        together, into its metrics (which its log averages): read here rather than at every step."""
+        kept, self._student_metric_sums[mode] = self._student_metric_sums[mode], []
+        if not kept:
+            return
+        calls = torch.stack(kept)
+        # every process has run as many loss calls (the same steps, evaluation batches evened out by accelerate)
+        entropy, hits, tokens = self.accelerator.gather(calls[None]).sum(0).T.tolist()
+        for entropy_sum, hit_sum, token_sum in zip(entropy, hits, tokens):
+            self._metrics[mode]["entropy"].append(entropy_sum / token_sum if token_sum > 0 else 0.0)
+            self._metrics[mode]["mean_token_accuracy"].append(hit_sum / token_sum if token_sum > 0 else 0.0)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         tokens = None
@@ -96,6 +121,7 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
         evaluation = self._evaluation_prefix is not None and f"{self._evaluation_prefix}_loss" in logs
         if "loss" in logs or evaluation:
             self._metrics["eval" if evaluation else "train"]["num_tokens"] = [self._total_train_tokens]
+        self._log_student_metrics("train" if self.model.training else "eval")  # the mode SFTTrainer.log reads
         super().log(logs, *args, **kwargs)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
@@ -160,8 +186,8 @@ def _define_distillation_trainer():
         that the two share one vocabulary), summed and divided by the step's completion tokens over the number of
         processes (in training), else by this batch's. Only the completion tokens' rows reach the LM heads.
 
-        Differences: the student's ``entropy`` is not logged (TRL's kernel computes it beside the divergence; the fused
-        loss does not). Under ``bf16=True`` (DistillationConfig's default) the models run through the forward
+        The student's ``entropy`` is logged as TRL logs it, at the temperature (``StudentMetrics``). Differences: under
+        ``bf16=True`` (DistillationConfig's default) the models run through the forward
         accelerate wraps in autocast, their backbones in bf16 as mixed precision asks, where TRL's loss runs their
         backbones around it in fp32: the two losses agree to bf16's rounding, not to the digit. DeepSpeed ZeRO-3,
         FSDP1 and torch.nn.DataParallel raise at construction (FSDP2 works), as do tensor-parallel heads, a missing
@@ -200,7 +226,13 @@ def _define_distillation_trainer():
             if self.model.training and inputs.get("num_items_in_batch") is not None:
                 num_items_in_batch = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             student = self.accelerator.unwrap_model(model)
-            loss = self._forward_redirection(model, student, self._compute_loss, student, inputs, num_items_in_batch)
+            loss, entropy_sum, counted = self._forward_redirection(model, student, self._compute_loss, student, inputs,
+                                                                   num_items_in_batch)
+            # TRL's entropy log: the mean over all processes' completion tokens, gathered outside the wrapped forward
+            mode = "train" if self.model.training else "eval"
+            counted = self.accelerator.gather_for_metrics(counted).sum()
+            entropy_sum = self.accelerator.gather_for_metrics(entropy_sum).sum()
+            self._metrics[mode]["entropy"].append((entropy_sum / counted).item() if counted > 0 else 0.0)
             return (loss, None) if return_outputs else loss
 
         def _compute_loss(self, student, inputs, num_items_in_batch):
@@ -221,11 +253,13 @@ def _define_distillation_trainer():
             device = lm_head(student, "student").weight.device
             trained = mask.bool().to(device)
             targets = inputs["completion_ids"].to(device)[trained]
-            return loss_of_hidden_states(
+            metrics = StudentMetrics(temperature=self.temperature)  # TRL's entropy: the student's at the temperature
+            loss = loss_of_hidden_states(
                 student, teacher, student_hidden.to(device)[trained], teacher_hidden.to(device)[trained], targets,
                 loss="jsd", weight_hard_loss=0.0, weight_soft_loss=1.0, beta=self.beta, temperature=self.temperature,
-                num_valid_tokens=num_items_in_batch, **self.loss_options,
+                num_valid_tokens=num_items_in_batch, student_metrics=metrics, **self.loss_options,
             )
+            return loss, metrics.entropy.sum(), metrics.counted.sum()
 
     DistillationTrainer.__qualname__ = "DistillationTrainer"  # as stored in this module (pickle)
     return DistillationTrainer
