@@ -359,6 +359,25 @@ def test_bench_of_the_jsd_at_another_beta_runs_every_provider_at_it(capsys, tmp_
         assert by_run.returncode == 0 and by_run.stdout.count("x [") == runs, by_run
 
 
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_ours_metrics_runs_the_loss_asked_for_with_student_metrics(capsys, tmp_path, monkeypatch, loss):
+    """ours-metrics: the A/B of the student metrics' kernel, each call of the loss timed given a StudentMetrics."""
+    from cosdistill.tools import bench
+
+    given = []
+    name = "fused_linear_jsd" if loss == "jsd" else "fused_linear_cosine_distill"
+    fused = getattr(bench, name)
+    monkeypatch.setattr(bench, name, lambda *args, **options: given.append(options["student_metrics"]) or fused(
+        *args, **options))
+    json_path = tmp_path / "bench.json"
+    assert main(TINY + ["--loss", loss, "--providers", "ours,ours-metrics,floor", "--json", str(json_path)]) == 0
+    assert "check: passed" in capsys.readouterr().out
+    rows = {row["provider"]: row for row in json.loads(json_path.read_text())["rows"]}
+    assert rows["ours-metrics"]["median_ms"] > 0 and rows["ours-metrics"]["loss_rel_err"] < 1e-5
+    metrics = [value for value in given if value is not None]
+    assert metrics and None in given and all(value.entropy is not None for value in metrics)
+
+
 def test_bench_says_where_it_wrote_its_files(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     plot, table = tmp_path / "speed.png", tmp_path / "table.md"

@@ -11,6 +11,8 @@ One process, one workload, every provider on the same tensors:
   (``quantize_teacher_weight``), passed as the teacher weight: nothing cached, nothing checked;
 * ``ours-unchecked`` / ``ours-fp8-unchecked`` - ours and ours-fp8 with the teacher caches reused without
   their content check (_weight_cache.py): the A/B of what that check costs;
+* ``ours-metrics`` - ours asked for the student's entropy and top-1 hits too (``StudentMetrics``, as TRL's
+  trainers log them): the A/B of their kernel;
 * ``ours-changing-teacher`` - ours with the teacher weight's version counter moved before every call, as
   an EMA or online-distillation teacher's is (no kernel runs for it): what "auto" costs there;
 * ``naive`` - ``naive_cosine_distill``: full logits and autograd;
@@ -50,16 +52,18 @@ import torch
 
 from .. import _teacher_fp8 as fp8
 from .._options import check_accum_dtype, options_of
+from .._student_metrics import StudentMetrics
 from .._weight_cache import Cached, WeightCache
 from ..api import fused_linear_cosine_distill, fused_linear_jsd
 from ..reference import NAIVE_LOSSES
 from ..testing import float64_reference, naive_in_row_blocks, rel_err
 
 PROVIDERS = ("ours", "ours-logits", "ours-gram", "ours-fp8", "ours-fp8-quantized", "ours-unchecked",
-             "ours-fp8-unchecked", "ours-changing-teacher", "naive", "liger", "trl", "floor")
+             "ours-fp8-unchecked", "ours-changing-teacher", "ours-metrics", "naive", "liger", "trl", "floor")
 DEFAULT_PROVIDERS = ("ours", "ours-fp8", "naive", "liger", "floor")
 LOSSES = ("cosine", "jsd")
-JSD_PROVIDERS = ("ours", "ours-fp8", "ours-fp8-quantized", "naive", "liger", "trl", "floor")  # with a JSD form
+JSD_PROVIDERS = ("ours", "ours-fp8", "ours-fp8-quantized", "ours-metrics", "naive", "liger", "trl",
+                 "floor")  # with a JSD form
 MODES = ("full", "forward")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -156,6 +160,7 @@ class OursSetting:
     quantized_teacher: bool = False  # True: the teacher weight passed as Tensors.quantized_teacher's head
     loss: str = "cosine"  # or "jsd": fused_linear_jsd
     beta: float | None = None  # the JSD's (Workload.beta)
+    student_metrics: bool = False  # True: each call also fills in a StudentMetrics
 
     def loss_options(self) -> dict:
         """The loss keywords beyond the tensors and the setting's own: the JSD's beta where given."""
@@ -166,6 +171,7 @@ FP8_SETTING = OursSetting(None, None, "ours-fp8", teacher_precision="fp8")
 FORCED_SETTINGS = {name: OursSetting(None, None, f"ours-{name}", cosine_via=name) for name in ("logits", "gram")}
 FORCED_SETTINGS["unchecked"] = OursSetting(None, None, "ours-unchecked", content_check=False)
 FORCED_SETTINGS["changing-teacher"] = OursSetting(None, None, "ours-changing-teacher", changing_teacher=True)
+FORCED_SETTINGS["metrics"] = OursSetting(None, None, "ours-metrics", student_metrics=True)
 FP8_UNCHECKED_SETTING = replace(FP8_SETTING, label="ours-fp8-unchecked", content_check=False)
 FP8_QUANTIZED_SETTING = OursSetting(None, None, "ours-fp8-quantized", quantized_teacher=True)
 
@@ -253,13 +259,15 @@ def ours_loss(setting: OursSetting, tensors: Tensors) -> torch.Tensor:
     args = list(tensors.args())
     if setting.quantized_teacher:
         args[3] = tensors.quantized_teacher()
+    metrics = StudentMetrics() if setting.student_metrics else None
     with contextlib.nullcontext() if setting.content_check else content_checks_skipped():
         if setting.loss == "jsd":
             return fused_linear_jsd(*args, chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
-                                    teacher_precision=setting.teacher_precision, **setting.loss_options())
+                                    teacher_precision=setting.teacher_precision, student_metrics=metrics,
+                                    **setting.loss_options())
         return fused_linear_cosine_distill(
             *args, chunk_size=setting.chunk_size, accum_dtype=setting.accum_dtype,
-            teacher_precision=setting.teacher_precision, cosine_via=setting.cosine_via,
+            teacher_precision=setting.teacher_precision, cosine_via=setting.cosine_via, student_metrics=metrics,
         )
 
 
@@ -483,7 +491,8 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
     loss = workload.loss
     ours_setting_list = ([replace(setting, loss=loss, beta=workload.beta) for setting in settings or ours_settings()]
                          if "ours" in providers else [])
-    settings = ours_setting_list + [setting for setting in FORCED_SETTINGS.values() if setting.label in providers]
+    settings = ours_setting_list + [replace(setting, loss=loss, beta=workload.beta) for setting in
+                                    FORCED_SETTINGS.values() if setting.label in providers]
     notes = []
 
     liger_loss = None
@@ -510,8 +519,8 @@ def run_bench(workload: Workload, device: torch.device, providers=DEFAULT_PROVID
     for name in providers:
         if name == "ours":
             builders.update({setting.label: ours_provider(setting) for setting in ours_setting_list})
-        elif name in ("ours-logits", "ours-gram", "ours-unchecked", "ours-changing-teacher"):
-            builders[name] = ours_provider(FORCED_SETTINGS[name.removeprefix("ours-")])
+        elif name in ("ours-logits", "ours-gram", "ours-unchecked", "ours-changing-teacher", "ours-metrics"):
+            builders[name] = ours_provider(next(setting for setting in settings if setting.label == name))
         elif name in [setting.label for setting in fp8_settings]:
             builders[name] = ours_provider(next(setting for setting in fp8_settings if setting.label == name))
         elif name == "naive":
