@@ -129,16 +129,18 @@ def test_a_bad_temperature_raises(temperature):
         StudentMetrics(temperature=temperature)
 
 
+def test_a_temperature_changed_after_it_was_made_is_checked_at_the_call():
+    problem = make_problem(tokens=6)
+    metrics = StudentMetrics()
+    metrics.temperature = 0.0
+    with pytest.raises(ValueError, match="StudentMetrics' temperature must be a positive finite number, got 0.0"):
+        fused_linear_jsd(*problem.args(), student_metrics=metrics)
+
+
 def test_what_is_not_a_student_metrics_raises():
     problem = make_problem(tokens=6)
     with pytest.raises(TypeError, match="student_metrics must be a cosdistill.StudentMetrics, got dict"):
         fused_linear_jsd(*problem.args(), student_metrics={})
-
-
-def test_a_vocabulary_split_refuses_them():
-    problem = make_problem(tokens=6)
-    with pytest.raises(ValueError, match="student_metrics cannot be taken over a vocabulary split"):
-        fused_linear_jsd(*problem.args(), student_metrics=StudentMetrics(), vocab_parallel=object())
 
 
 def test_under_torch_compile_the_call_runs_eagerly_and_a_full_graph_raises():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import TOLERANCE, assert_matches_reference, make_problem, reference, rel_err, run_fused
-from cosdistill import fused_linear_cosine_distill
+from cosdistill import StudentMetrics, fused_linear_cosine_distill
 from cosdistill.reference import naive_cosine_distill
 from cosdistill.testing import (
     COSINE_TORCH_ROW_STEP,
@@ -208,9 +208,12 @@ def test_overflowing_products_raise_for_gram_and_auto_takes_the_logits_path():
     args = (inputs.clone().requires_grad_(), student_weight.clone().requires_grad_(), inputs, teacher_weight, labels)
     with pytest.raises(ValueError, match="too large for the Gram path"):
         fused_linear_cosine_distill(*args, cosine_via="gram")
-    loss, soft, _ = fused_linear_cosine_distill(*args, cosine_via="auto", return_soft_hard_loss=True)
+    metrics = StudentMetrics()  # the logits path's run fills it in again, every chunk (the Gram attempt stopped early)
+    loss, soft, _ = fused_linear_cosine_distill(*args, cosine_via="auto", return_soft_hard_loss=True, chunk_size=1,
+                                                student_metrics=metrics)
     want = naive_cosine_distill(*[tensor.double() for tensor in args[:4]], labels)
     assert rel_err(loss, want[0]) < 5e-3 and rel_err(soft, want[1]) < 5e-3
+    assert metrics.top1.all() and torch.equal(metrics.entropy, torch.zeros(3))  # each row's softmax one-hot
 
 
 def test_the_logits_path_after_the_range_check_runs_with_the_gram_attempt_s_buffers_freed(monkeypatch):

@@ -214,29 +214,37 @@ def test_num_tokens_is_logged_as_sfttrainer_logs_it(tmp_path, config):
         [], ["eval_num_tokens"]]
 
 
+def two_word_dataset(lengths=(3, 6, 4, 5)):
+    """Prompts of three words, completions of w5 and w6 alone (``guessing_student`` guesses between those two)."""
+    generator = torch.Generator().manual_seed(0)
+    return datasets.Dataset.from_list([
+        {"prompt": "w9 w10 w11", "completion": " " + " ".join(f"w{int(i)}" for i in torch.randint(5, 7, (n,),
+                                                                                           generator=generator))}
+        for n in lengths])
+
+
+def guessing_student():
+    """A tiny Llama whose head picks w5 or w6 by the sign of one direction: on ``two_word_dataset`` about half its
+    top-1 guesses hit."""
+    student = tiny_model("llama")
+    with torch.no_grad():
+        head = student.get_output_embeddings().weight
+        direction = torch.randn(head.shape[1], generator=torch.Generator().manual_seed(1))
+        head.zero_()
+        head[5], head[6] = 3 * direction, -3 * direction
+    return student
+
+
 @pytest.mark.parametrize("config", [{}, dict(packing=True, padding_free=True), COMPILED],
                          ids=["completion-only", "packed", "compiled"])
 def test_entropy_and_mean_token_accuracy_are_logged_as_sfttrainer_logs_them(tmp_path, config):
     """SFTTrainer logs the student's mean entropy and top-1 accuracy over the tokens with a target, from its logits;
     they went missing with the distillation loss. With a learning rate of 0 both trainers see the same student at
-    every step: the same numbers at every log, training and evaluation, each the mean of its loss calls'. The
-    student's head picks w5 or w6 by the sign of one direction, and the completions are made of those two words, so
-    that about half its top-1 guesses hit."""
+    every step: the same numbers at every log, training and evaluation, each the mean of its loss calls'."""
     logged = {}
-    generator = torch.Generator().manual_seed(0)
-    dataset = datasets.Dataset.from_list([
-        {"prompt": "w9 w10 w11", "completion": " " + " ".join(f"w{int(i)}" for i in torch.randint(5, 7, (n,),
-                                                                                           generator=generator))}
-        for n in (3, 6, 4, 5)])
-    direction = None
+    dataset = two_word_dataset()
     for name in ("ours", "sft"):
-        student = tiny_model("llama")
-        with torch.no_grad():
-            head = student.get_output_embeddings().weight
-            if direction is None:
-                direction = torch.randn(head.shape[1], generator=generator)
-            head.zero_()
-            head[5], head[6] = 3 * direction, -3 * direction
+        student = guessing_student()
         if name == "ours":
             trainer = make_sft_trainer(tmp_path, student, tiny_model("llama", vocab=144, seed=1), max_steps=5,
                                        per_device_train_batch_size=2, gradient_accumulation_steps=2,

@@ -89,6 +89,9 @@ def assert_loss_and_grads_are_trls(tmp_path, student, teacher, batch_change=None
     assert got_grads.keys() == want_grads.keys()
     for name, grad in got_grads.items():
         assert rel_err(grad, want_grads[name]) < 1e-5, (options, name)
+    mode = "train" if training else "eval"  # the student's entropy at the temperature, logged by each
+    [got_entropy], [want_entropy] = ours._metrics[mode]["entropy"], theirs._metrics[mode]["entropy"]
+    assert want_entropy > 0.1 and got_entropy == pytest.approx(want_entropy, rel=1e-5), options
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["training: the step's count", "evaluation: the batch's"])

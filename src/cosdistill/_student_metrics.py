@@ -34,6 +34,10 @@ class StudentMetrics:
     counted: torch.Tensor | None = None
 
     def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Raise for a temperature that is not a positive finite number (when made, and at each call that takes it)."""
         if (isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real)
                 or not math.isfinite(self.temperature) or self.temperature <= 0):
             raise ValueError(f"StudentMetrics' temperature must be a positive finite number, got {self.temperature!r}")
@@ -42,8 +46,7 @@ class StudentMetrics:
 def student_metrics_torch(student_logits, labels, constants: RowStepConstants, temperature: float, out) -> None:
     """out [n, 2] float32: each row's entropy in nats (0 where ignored) and 1.0 where its label is its first largest
     logit (0 elsewhere and where ignored), computed in float64."""
-    rows, vocab_student = student_logits.shape
-    valid, _, column = label_columns(labels, vocab_student, constants)
+    valid, _, column = label_columns(labels, student_logits.shape[1], constants)
     s, _ = as_the_loss_sees_them(student_logits, None, constants, SPEC_DTYPE)
     entropy = torch.special.entr(torch.softmax(s / temperature, dim=1)).sum(1)
     top1 = valid & (s.argmax(1) == column)

@@ -130,7 +130,8 @@ def distill(options: Options, student_input, student_weight, teacher_input, teac
             return_soft_hard_loss=False, student_metrics=None):
     """The loss for checked options: the function's and the module's body."""
     if student_metrics is not None:
-        check_student_metrics(student_metrics, vocab_parallel)
+        check_student_metrics(student_metrics, vocab_parallel,
+                              (student_input, student_weight, teacher_input, teacher_weight, true_labels))
         if torch.compiler.is_compiling():
             return _distill_eagerly(options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
                                     student_bias, teacher_bias, num_valid_tokens=num_valid_tokens,
@@ -167,13 +168,20 @@ def distill(options: Options, student_input, student_weight, teacher_input, teac
     return (loss, result.soft_loss, result.hard_loss) if return_soft_hard_loss else loss
 
 
-def check_student_metrics(student_metrics, vocab_parallel) -> None:
-    """Raise for a ``student_metrics`` that is not a StudentMetrics, or that a call cannot fill in."""
-    if not isinstance(student_metrics, StudentMetrics):
-        raise TypeError(f"student_metrics must be a cosdistill.StudentMetrics, got {type(student_metrics).__name__}")
-    if vocab_parallel is not None:
-        raise ValueError("student_metrics cannot be taken over a vocabulary split (each rank holds a shard of the "
-                         "student's logits): leave it out with vocab_parallel")
+def check_student_metrics(student_metrics, vocab_parallel, tensors) -> None:
+    """Raise for a ``student_metrics`` that is not a StudentMetrics, or that a call cannot fill in; under a
+    vocabulary split every rank raises (the others wait in the split's first gather, as in ``call_options``)."""
+    try:
+        if not isinstance(student_metrics, StudentMetrics):
+            raise TypeError(f"student_metrics must be a cosdistill.StudentMetrics, got {type(student_metrics).__name__}")
+        student_metrics.check()  # its temperature may have changed since it was made
+        if vocab_parallel is not None:
+            raise ValueError("student_metrics cannot be taken over a vocabulary split (each rank holds a shard of the "
+                             "student's logits): leave it out with vocab_parallel")
+    except (TypeError, ValueError) as error:
+        if vocab_parallel is not None:
+            check_vocab_parallel(vocab_parallel, None, 0, None, gather_device(tensors), error)
+        raise
 
 
 @torch.compiler.disable(reason="cosdistill's student_metrics: the compiled op returns the losses alone, so a call that "

@@ -84,6 +84,11 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
 
     def _keep_student_metrics(self, metrics):
         sums = torch.stack([metrics.entropy.sum(), metrics.top1.sum(), metrics.counted.sum()]).float()
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and 0 < state.remainder <= self.accelerator.process_index:
+            # SFTTrainer's gather_for_metrics keeps the first `remainder` processes' sums of a dataloader's last
+            # batch, where the others hold rows accelerate repeated to even them out
+            sums = torch.zeros_like(sums)
         self._student_metric_sums["train" if self.model.training else "eval"].append(sums)
 
     def _log_student_metrics(self, mode):
@@ -93,7 +98,7 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
         if not kept:
             return
         calls = torch.stack(kept)
-        # every process has run as many loss calls (the same steps, evaluation batches evened out by accelerate)
+        # every process has run as many loss calls (the same steps; evaluation batches evened out by accelerate)
         entropy, hits, tokens = self.accelerator.gather(calls[None]).sum(0).T.tolist()
         for entropy_sum, hit_sum, token_sum in zip(entropy, hits, tokens):
             self._metrics[mode]["entropy"].append(entropy_sum / token_sum if token_sum > 0 else 0.0)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import make_problem, rel_err
-from cosdistill import StaleWeightError, api, fused_linear_cosine_distill, quantize_teacher_weight
+from cosdistill import StaleWeightError, StudentMetrics, api, fused_linear_cosine_distill, quantize_teacher_weight
 from cosdistill.distributed import VocabParallelOptions
 from cosdistill.testing import FUSED_LOSSES, fingerprint_torch, plan, split_check, teacher_fp8, weight_cache
 
@@ -215,6 +215,9 @@ WRONG_SETUPS = {
                                            r"temperature must be > 0, got -1.0|rank\(s\) \[1\] raised"),
     "tensors on two devices on one rank": (SPLIT, {"labels": "on the meta device"},
                                            r"all tensors must be on one device|rank\(s\) \[1\] raised"),
+    "the student's metrics asked for on one rank": (SPLIT, {"student_metrics": True},
+                                                    r"student_metrics cannot be taken over a vocabulary split|"
+                                                    r"rank\(s\) \[1\] raised"),
     # a normaliser per rank (rank 0's, rank 1's): each rank divided by its own, or one raised alone at its count
     "another num_valid_tokens on one rank": (SPLIT, {"num_valid_tokens": (10.0, 20.0)},
                                              r"agree on num_valid_tokens, got \[10.0, 20.0\]"),
@@ -274,6 +277,8 @@ def run_wrong_setups(rank, folder):
             try:
                 with torch.set_grad_enabled(change.get("grad", True) or rank == 0):
                     for loss in losses:
+                        if rank == 1 and "student_metrics" in change:
+                            options["student_metrics"] = StudentMetrics()
                         loss(student_input, student_weight, teacher_input, teacher_weight, labels, **biases,
                              temperature=temperature, vocab_parallel=split, num_valid_tokens=num_valid_tokens, **options,
                              impl=("torch" if device.type == "cuda" else "triton") if rank == 1 and "impl" in change

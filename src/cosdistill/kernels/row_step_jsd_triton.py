@@ -19,7 +19,6 @@ pass reloads the logits and applies the logit scales and softcaps again, roundin
 (``load_logits``): a product left to FMA contraction would be exact in s - max but rounded in the max.
 """
 
-import math
 
 import torch
 import triton
@@ -30,6 +29,7 @@ from .._row_step_jsd import combine_jsd_sums_torch
 from . import TRITON_OPTIONS
 from .triton_common import (
     INTERPRET,
+    LN2,
     LOG2E,
     block_size_for,
     cap_flags,
@@ -53,7 +53,6 @@ LOSS_ONLY_BLOCK = 2048
 LOSS_ONLY_WARPS = 4  # the no-grad launch's own, chosen by measurement (docs/design.md)
 LOSS_ONLY_STAGES = 4
 
-LN2: tl.constexpr = tl.constexpr(math.log(2.0))  # base-2 sums back to nats
 # The soft term's form, a compile-time branch each (the spec's three cases):
 FORWARD: tl.constexpr = tl.constexpr(0)  # beta == 0: KL(q || p)
 REVERSE: tl.constexpr = tl.constexpr(1)  # beta == 1: KL(p || q)

@@ -17,6 +17,7 @@ SMALLEST_PLAIN_SUM: tl.constexpr = tl.constexpr(2.0**-100)
 MAX_LIFT: tl.constexpr = tl.constexpr(float(MAX_LIFT_EXPONENT))
 MAX_STORED: tl.constexpr = tl.constexpr(float(MAX_STORED_EXPONENT))
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # base-2 sums back to nats
 INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # read when Triton reads it
 
 
