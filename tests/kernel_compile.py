@@ -151,6 +151,14 @@ def compile_small_kernels():
             token_losses_ptr="*fp32", num_tokens="i32", normaliser_ptr=normaliser_type, normaliser="fp32",
             weight_hard="fp32", weight_soft="fp32", poison_ptr="*fp32", loss_ptr="*fp32", soft_ptr="*fp32",
             hard_ptr="*fp32"), dict(N_FROM=n_from, POISONED=poisoned, BLOCK=labels.BLOCK))
+    for logits_type, cap, scaled in itertools.product(("*bf16", "*fp16", "*fp32"), (False, True), (False, True)):
+        if cap == scaled:  # neither, and both: the scale None (1) or a number, the softcap off or on
+            yield f"student metrics {logits_type} caps={cap}", compile_one(
+                kernels.student_metrics._student_metrics_kernel, dict(
+                    student_ptr=logits_type, student_row_stride="i32", labels_ptr="*i64", out_ptr="*fp32",
+                    vocab_student="i32", ignore_index="i32", x_scale="fp32", cap="fp32",
+                    logit_scale="fp32" if scaled else "constexpr"),
+                dict(CAP=cap, BLOCK=kernels.student_metrics.BLOCK, **({} if scaled else {"logit_scale": None})))
 
 
 def compiled_variants():
