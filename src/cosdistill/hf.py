@@ -984,8 +984,12 @@ class DistillationMixin:
         return (loss, CausalLMOutputWithPast(loss=loss, logits=None)) if return_outputs else loss
 
     def _student_metrics_to_log(self):
-        """A ``StudentMetrics`` for the next loss where the Trainer logs them (``_keep_student_metrics``), else None."""
+        """A ``StudentMetrics`` for the next loss where the Trainer logs them, else None (the Trainer logs none)."""
         return None
+
+    def _keep_student_metrics(self, metrics):
+        """Keeps a loss call's filled-in ``StudentMetrics`` for the logs (the trainers that ask for them)."""
+        raise NotImplementedError(f"{type(self).__name__} asks for the student's metrics and keeps none")
 
     def _gather_for_metrics(self, tensors):
         """accelerate's gather_for_metrics, but for a tensor-parallel student, whose processes are all ranks of the
