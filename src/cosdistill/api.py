@@ -129,13 +129,14 @@ def distill(options: Options, student_input, student_weight, teacher_input, teac
             student_bias=None, teacher_bias=None, *, num_valid_tokens=None, vocab_parallel=None,
             return_soft_hard_loss=False, student_metrics=None):
     """The loss for checked options: the function's and the module's body."""
+    if torch.compiler.is_compiling() and student_metrics is not None:  # checked there, eagerly
+        return _distill_eagerly(options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
+                                student_bias, teacher_bias, num_valid_tokens=num_valid_tokens,
+                                vocab_parallel=vocab_parallel, return_soft_hard_loss=return_soft_hard_loss,
+                                student_metrics=student_metrics)
     if student_metrics is not None:
         check_student_metrics(student_metrics, vocab_parallel,
                               (student_input, student_weight, teacher_input, teacher_weight, true_labels))
-        if torch.compiler.is_compiling():
-            return _distill_eagerly(options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
-                                    student_bias, teacher_bias, num_valid_tokens=num_valid_tokens,
-                                    return_soft_hard_loss=return_soft_hard_loss, student_metrics=student_metrics)
     if torch.compiler.is_compiling():  # torch.compile: the registered custom op, see _compile.py
         # Imported here: registering the op at import would clash with a second copy of the package
         # loaded side by side (the A/B timing of an old tree against this one).

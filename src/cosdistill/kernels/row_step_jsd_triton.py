@@ -19,7 +19,6 @@ pass reloads the logits and applies the logit scales and softcaps again, roundin
 (``load_logits``): a product left to FMA contraction would be exact in s - max but rounded in the max.
 """
 
-
 import torch
 import triton
 import triton.language as tl

@@ -39,8 +39,9 @@ def _student_metrics_kernel(student_ptr, student_row_stride, labels_ptr, out_ptr
         new_top = tl.maximum(top, block_top)
         distance = tl.where(in_row, (s - new_top) * x_scale, 0.0)
         terms = tl.where(in_row, tl.exp2(distance), 0.0)
-        moved = tl.exp2((top - new_top) * x_scale)  # 0 before the first block
-        shift = tl.where(sum_exp > 0.0, (top - new_top) * x_scale, 0.0)  # the earlier distances grow by it
+        grown = (top - new_top) * x_scale  # how much the earlier distances grow (-inf before the first block)
+        moved = tl.exp2(grown)
+        shift = tl.where(sum_exp > 0.0, grown, 0.0)
         sum_weighted = moved * (sum_weighted + shift * sum_exp)
         sum_exp = moved * sum_exp + tl.sum(terms, axis=0)
         sum_weighted += tl.sum(tl.where(terms > 0.0, distance * terms, 0.0), axis=0)  # a -inf logit adds 0
