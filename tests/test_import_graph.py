@@ -6,6 +6,8 @@ Every import of a cosdistill module counts, at module level or inside a function
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cosdistill"
@@ -150,3 +152,14 @@ def test_the_tests_import_internals_only_through_cosdistill_testing():
 
 def test_the_benchmarks_import_internals_only_through_cosdistill_testing():
     assert_public_imports_only(BENCHMARK_FILES)
+
+
+def test_importing_the_package_imports_neither_triton_nor_dynamo():
+    """``import cosdistill`` (and cosdistill.testing, which conftest imports) leaves Triton and torch._dynamo alone:
+    Triton reads TRITON_INTERPRET once, when it is imported, and the GPU tests unset it after conftest's imports
+    (pytest -m gpu ran every kernel in the interpreter's mode, and failed, when a decorator at import brought them
+    in); torch._dynamo alone takes longer to import than the package."""
+    code = ("import sys, cosdistill, cosdistill.testing; "
+            "print(sorted(name for name in ('triton', 'torch._dynamo') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr

@@ -130,10 +130,15 @@ def distill(options: Options, student_input, student_weight, teacher_input, teac
             return_soft_hard_loss=False, student_metrics=None):
     """The loss for checked options: the function's and the module's body."""
     if torch.compiler.is_compiling() and student_metrics is not None:  # checked there, eagerly
-        return _distill_eagerly(options, student_input, student_weight, teacher_input, teacher_weight, true_labels,
-                                student_bias, teacher_bias, num_valid_tokens=num_valid_tokens,
-                                vocab_parallel=vocab_parallel, return_soft_hard_loss=return_soft_hard_loss,
-                                student_metrics=student_metrics)
+        # A graph break: the compiled op returns the losses alone. Wrapped here, not at import, where
+        # torch.compiler.disable would import torch._dynamo, and Triton with it, with the package.
+        eager_for_student_metrics = torch.compiler.disable(
+            distill, reason="cosdistill's student_metrics: the compiled op returns the losses alone, so this call runs eagerly")
+        return eager_for_student_metrics(
+            options, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias,
+            teacher_bias, num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel,
+            return_soft_hard_loss=return_soft_hard_loss, student_metrics=student_metrics,
+        )
     if student_metrics is not None:
         check_student_metrics(student_metrics, vocab_parallel,
                               (student_input, student_weight, teacher_input, teacher_weight, true_labels))
@@ -183,13 +188,6 @@ def check_student_metrics(student_metrics, vocab_parallel, tensors) -> None:
         if vocab_parallel is not None:
             check_vocab_parallel(vocab_parallel, None, 0, None, gather_device(tensors), error)
         raise
-
-
-@torch.compiler.disable(reason="cosdistill's student_metrics: the compiled op returns the losses alone, so a call that "
-                               "asks for the metrics runs eagerly")
-def _distill_eagerly(*args, **kwargs):
-    """``distill`` outside the graph torch.compile traces (a graph break; fullgraph=True raises)."""
-    return distill(*args, **kwargs)
 
 
 class _LossModule(torch.nn.Module):
