@@ -578,17 +578,18 @@ def test_scalar_options_must_be_finite_numbers(loss, name, value, error, message
 
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
 def test_scalar_options_take_any_real_number_type(loss):
-    """Ints, NumPy scalars and one-element tensors give the float's loss."""
+    """Ints, NumPy scalars and one-element tensors give the float's loss; chunk_size takes NumPy's ints too."""
     import numpy as np
 
     from cosdistill.testing import FUSED_LOSSES
 
     problem = make_problem(tokens=9, ignore_every=3)
-    want = FUSED_LOSSES[loss](*problem.args(), temperature=2.0, beta=1.0, ignore_index=-100, num_valid_tokens=5)
-    for kinds in [(2, 1, np.int64(-100), 5), (np.float32(2.0), np.float64(1.0), torch.tensor(-100), 5.0),
-                  (torch.tensor(2.0), torch.tensor(1.0), -100, torch.tensor(5))]:
-        got = FUSED_LOSSES[loss](*problem.args(), **dict(zip(["temperature", "beta", "ignore_index", "num_valid_tokens"],
-                                                              kinds)))
+    want = FUSED_LOSSES[loss](*problem.args(), temperature=2.0, beta=1.0, ignore_index=-100, num_valid_tokens=5,
+                              chunk_size=4)
+    for kinds in [(2, 1, np.int64(-100), 5, np.int64(4)), (np.float32(2.0), np.float64(1.0), torch.tensor(-100), 5.0, 4),
+                  (torch.tensor(2.0), torch.tensor(1.0), -100, torch.tensor(5), np.int32(4))]:
+        names = ["temperature", "beta", "ignore_index", "num_valid_tokens", "chunk_size"]
+        got = FUSED_LOSSES[loss](*problem.args(), **dict(zip(names, kinds)))
         assert torch.equal(got, want), kinds
 
 

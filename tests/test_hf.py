@@ -224,7 +224,7 @@ def test_only_the_positions_with_a_target_reach_the_fused_loss(loss, monkeypatch
     assert rows_seen == [((num_valid, 32), (num_valid, 32), (num_valid,))], rows_seen
     reference_student = copy.deepcopy(student)
     reference_student.zero_grad()
-    targets = hf.next_token_targets(batch["labels"], batch["attention_mask"], -100)
+    targets = hf.next_token_targets(batch["labels"], batch["attention_mask"], ignore_index=-100)
     with torch.no_grad():
         teacher_hidden = final_hidden_states(teacher, batch["input_ids"], batch["attention_mask"])
     student_hidden = final_hidden_states(reference_student, batch["input_ids"], batch["attention_mask"])
@@ -422,12 +422,16 @@ def test_loss_labels_leave_exactly_the_loss_targets():
     labels = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 3, 4, -100], [1, 2, 3, 4, 5]])
     attention_mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     position_ids = torch.tensor([[0, 1, 2, 3, 4], [1, 1, 0, 1, 2], [0, 1, 0, 1, 2]])  # row 2: two packed sequences
-    got = loss_labels(labels, attention_mask, position_ids)
+    got = loss_labels(labels, attention_mask, position_ids=position_ids)
     assert got.tolist() == [[-100, 6, 7, 8, 9], [-100, -100, -100, 4, -100], [-100, 2, -100, 4, 5]]
     targets = next_token_targets(labels, attention_mask, position_ids=position_ids)
     assert targets.tolist() == [[6, 7, 8, 9, -100], [-100, -100, 4, -100, -100], [2, -100, 4, 5, -100]]
     assert next_token_targets(labels[2:], cu_seq_lens=torch.tensor([0, 2, 5], dtype=torch.int32)).tolist() == \
         [[2, -100, 4, 5, -100]]
+    for helper in (loss_labels, next_token_targets):  # one order for both: all but the first two by keyword
+        with pytest.raises(TypeError, match="positional"):
+            helper(labels, attention_mask, position_ids)
+    assert next_token_targets(labels, ignore_index=-1)[:, -1].tolist() == [-1, -1, -1]
 
 
 def test_position_ids_of_one_row_serve_every_row_as_in_the_models():
@@ -435,11 +439,11 @@ def test_position_ids_of_one_row_serve_every_row_as_in_the_models():
     restart in that row restarts every row), against the same ids expanded, through the models too."""
     labels = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 3, 4, -100]])
     one_row = torch.tensor([[0, 1, 2, 0, 1]])
-    assert torch.equal(loss_labels(labels, None, one_row), loss_labels(labels, None, one_row.expand(2, 5)))
-    assert loss_labels(labels, None, one_row)[:, 3].tolist() == [-100, -100]
+    assert torch.equal(loss_labels(labels, position_ids=one_row), loss_labels(labels, position_ids=one_row.expand(2, 5)))
+    assert loss_labels(labels, position_ids=one_row)[:, 3].tolist() == [-100, -100]
     for wrong in (torch.arange(5), torch.zeros(3, 5, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)):
         with pytest.raises(ValueError, match=r"position_ids shape .* does not match labels \(2, 5\)"):
-            loss_labels(labels, None, wrong)
+            loss_labels(labels, position_ids=wrong)
     student, teacher = tiny_model("llama"), tiny_model("llama", seed=1)
     batch = make_batch()
     positions = torch.arange(batch["input_ids"].shape[1])[None]

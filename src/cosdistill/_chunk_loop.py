@@ -195,7 +195,7 @@ def chunked_loss_and_grads(
     student_logits: torch.Tensor | None = None,  # from start_student_logits, if the caller queued it; None: here
     grad_weight_in_forward: bool = False,  # the last chunk's grad_weight GEMM too (not with fp16's lifted rows)
     # (student logits, labels, rows of the call): the student's metrics from a chunk's logits before its row step
-    student_metrics: Callable[[torch.Tensor, torch.Tensor, slice], None] | None = None,
+    metrics_into: Callable[[torch.Tensor, torch.Tensor, slice], None] | None = None,
 ) -> ChunkResult:
     """The row step does not need N (1/N is the gradient GEMMs' alpha), so N is counted behind the first
     chunk's student logits GEMM and, with gradients, waited for once the first chunk's row step is queued:
@@ -241,8 +241,8 @@ def chunked_loss_and_grads(
         grad_logits = student_logits[: stop - start]  # the chunk's logits, d loss / d logits after the row step
         if start:  # the first chunk's is queued above
             logits_into(grad_logits, hidden, student_weight, student_bias)
-        if student_metrics is not None:
-            student_metrics(grad_logits, labels[start:stop], slice(start, stop))
+        if metrics_into is not None:  # grad_logits holds the chunk's logits until the row step
+            metrics_into(grad_logits, labels[start:stop], slice(start, stop))
         teacher.row_step(grad_logits, hidden, teacher_hidden, labels[start:stop], token_losses[start:stop], write_grad,
                          None if unlift is None else unlift.lifts[: stop - start])
         if write_grad and inv_normaliser is None:

@@ -93,9 +93,10 @@ class Options:
                 if not cap > 0:
                     raise ValueError(f"{name} must be > 0 or None, got {float(cap)}")
         if self.chunk_size is not None:
-            if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int):
+            if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, numbers.Integral):
                 raise TypeError(f"chunk_size must be an int or None, got {type(self.chunk_size).__name__} "
                                 f"{self.chunk_size!r}")
+            object.__setattr__(self, "chunk_size", int(self.chunk_size))  # NumPy's too, as a Python int
             if self.chunk_size <= 0:
                 raise ValueError(f"chunk_size must be > 0, got {self.chunk_size}")
         if self.accum_dtype not in (None, *FLOAT_DTYPES):

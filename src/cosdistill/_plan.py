@@ -242,9 +242,9 @@ def small_call(rows: ChunkRows, num_tokens: int, student_shape, teacher_shape) -
 
 
 def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels,
-        num_valid_tokens=None, student_metrics: tuple[float, torch.Tensor] | None = None) -> ChunkResult:
+        num_valid_tokens=None, metrics_out: tuple[float, torch.Tensor] | None = None) -> ChunkResult:
     """The loss and, for grad_output = 1, the gradients the plan asks for. 2-D inputs, 1-D labels.
-    ``student_metrics`` (temperature, out [T, 2] float32): the student's metrics written into out
+    ``metrics_out`` (temperature, out [T, 2] float32): the student's metrics written into out
     (_student_metrics.py)."""
     # The GPU starts on the first chunk's student GEMM before the teacher side's set-up, whose host time
     # (and any cached teacher copy's check) it then covers.
@@ -280,8 +280,8 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
     if split is not None:
         normaliser = _split_check.HashesReadFirst(normaliser, split)
     metrics_into = None
-    if student_metrics is not None:
-        temperature, out = student_metrics
+    if metrics_out is not None:
+        temperature, out = metrics_out
 
         def metrics_into(logits, chunk_labels, rows):
             backend.student_metrics(logits, chunk_labels, constants, temperature, out[rows])
@@ -304,7 +304,7 @@ def run(plan: Plan, student_input, student_weight, student_bias, teacher_input, 
     logits_plan = make_plan(dataclasses.replace(plan.options, cosine_via="logits"), student_weight, student_bias,
                             teacher_weight, teacher_bias, len(labels), plan.needs_grad, plan.vocab_parallel)
     return run(logits_plan, student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias,
-               labels, num_valid_tokens, student_metrics)
+               labels, num_valid_tokens, metrics_out)
 
 
 def gram_applies(options: Options, student_weight, student_bias, teacher_weight, teacher_bias, num_tokens,

@@ -163,7 +163,10 @@ class GramTeacher:
 
     def row_step(self, student_logits, student_hidden, teacher_hidden, labels, token_losses, write_grad, grad_lifts=None):
         """The row step of one chunk: the statistics of the student logits, completed with s . t and
-        |t|^2, then the losses and (write_grad) the gradient without its teacher term, in place."""
+        |t|^2, then the losses and (write_grad) the gradient without its teacher term, in place. No fp16 lifts:
+        the Gram path declines fp16 heads (``_gram_blockers``)."""
+        if grad_lifts is not None:
+            raise ValueError("the Gram path's row step takes no grad_lifts (fp16 heads take the logits path)")
         constants = self.constants
         self.cross_rows = _times(teacher_hidden, self.cross_gram)
         dot = (self.cross_rows * student_hidden).sum(1)

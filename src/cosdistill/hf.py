@@ -242,7 +242,7 @@ def virtual_tokens(model) -> int:
 # --- The loss's targets: which labels a batch leaves without one.
 
 
-def loss_labels(labels, attention_mask=None, position_ids=None, ignore_index=-100, cu_seq_lens=None):
+def loss_labels(labels, attention_mask=None, *, position_ids=None, ignore_index=-100, cu_seq_lens=None):
     """labels with ignore_index wherever the loss has no target, so that any count of labels !=
     ignore_index (the Trainer's num_items_in_batch, shifted or not) is the loss's own count.
 
@@ -275,14 +275,15 @@ def loss_labels(labels, attention_mask=None, position_ids=None, ignore_index=-10
     return labels.masked_fill(no_target, ignore_index)
 
 
-def next_token_targets(labels, attention_mask=None, ignore_index=-100, position_ids=None, cu_seq_lens=None):
+def next_token_targets(labels, attention_mask=None, *, position_ids=None, ignore_index=-100, cu_seq_lens=None):
     """Position i's target, shaped [B, L] like the hidden states so that these need no slicing.
 
     As in Hugging Face's causal LM loss, position i predicts labels[:, i + 1]; the last position gets
     ignore_index, and so does every position whose next label ``loss_labels`` leaves without a target
     (padding at i or i + 1, a packed sequence starting at i + 1).
     """
-    targets = loss_labels(labels, attention_mask, position_ids, ignore_index, cu_seq_lens)
+    targets = loss_labels(labels, attention_mask, position_ids=position_ids, ignore_index=ignore_index,
+                          cu_seq_lens=cu_seq_lens)
     return torch.cat([targets[:, 1:], targets.new_full((targets.shape[0], 1), ignore_index)], dim=1)
 
 
@@ -580,8 +581,8 @@ def distill_loss(
     check_head_reproduces_logits(student_model, "student")  # before the models run (once per model)
     check_head_reproduces_logits(teacher_model, "teacher")
     model_inputs = model_inputs or {}
-    targets = next_token_targets(labels, attention_mask, ignore_index, model_inputs.get("position_ids"),
-                                 model_inputs.get("cu_seq_lens_q"))
+    targets = next_token_targets(labels, attention_mask, position_ids=model_inputs.get("position_ids"),
+                                 ignore_index=ignore_index, cu_seq_lens=model_inputs.get("cu_seq_lens_q"))
     if student_hidden is None:
         student_hidden = final_hidden_states(student, input_ids, attention_mask, lm_head(student_model, "student"),
                                              **model_inputs)
@@ -907,8 +908,8 @@ class DistillationMixin:
         # a Mapping, not a dict: transformers' collators return BatchEncoding
         if (isinstance(batch, collections.abc.MutableMapping) and torch.is_tensor(batch.get("labels"))
                 and batch["labels"].dim() == 2):
-            batch["labels"] = loss_labels(batch["labels"], batch.get("attention_mask"), batch.get("position_ids"),
-                                          cu_seq_lens=batch.get("cu_seq_lens_q"))
+            batch["labels"] = loss_labels(batch["labels"], batch.get("attention_mask"),
+                                          position_ids=batch.get("position_ids"), cu_seq_lens=batch.get("cu_seq_lens_q"))
         return batch
 
     def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
@@ -953,8 +954,8 @@ class DistillationMixin:
             self._keep_student_metrics(metrics)
         if not model.training:  # a batch without a target is 0 / 0, as the Trainer's own loss: not finite, so that
             # logging_nan_inf_filter leaves it out of eval_loss rather than count a 0
-            has_target = (next_token_targets(inputs["labels"], attention_mask, -100, model_inputs.get("position_ids"),
-                                             model_inputs.get("cu_seq_lens_q")) != -100).any()
+            has_target = (next_token_targets(inputs["labels"], attention_mask, position_ids=model_inputs.get("position_ids"),
+                                             cu_seq_lens=model_inputs.get("cu_seq_lens_q")) != -100).any()
             loss, soft, hard = (torch.where(has_target, value, torch.nan) for value in (loss, soft, hard))
         if num_items_in_batch is not None and getattr(self.args, "average_tokens_across_devices", False):
             # num_items_in_batch counts all processes' tokens and DDP averages the gradients: undo the average, over

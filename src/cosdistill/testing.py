@@ -84,6 +84,8 @@ def naive_in_row_blocks(args, dtype, grad_output=1.0, loss="cosine", **options):
 
 def ignore_some_labels(labels, pattern: str, ignore_index: int, generator=None) -> None:
     """Sets labels to ignore_index in place: "none", "some" (30% at random), "alternating" or "all"."""
+    if pattern not in ("none", "some", "alternating", "all"):
+        raise ValueError(f"pattern must be 'none', 'some', 'alternating' or 'all', got {pattern!r}")
     flat = labels.view(-1)
     if pattern == "some":
         flat[torch.rand(flat.numel(), generator=generator, device=labels.device) < 0.3] = ignore_index

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from cosdistill import FusedLinearCosineDistillLoss, FusedLinearJSDLoss
+from cosdistill import FusedLinearCosineDistillLoss, FusedLinearJSDLoss, StudentMetrics
 from cosdistill.distributed import DataParallelCosineDistillLoss, DataParallelJSDLoss, data_parallel_num_valid_tokens
 from cosdistill.testing import rel_err
 
@@ -143,6 +143,20 @@ def bad_option_on_the_last_rank(world_size):
     return "nothing raised"
 
 
+def rank_metrics_equal_the_local_modules(loss):
+    """Whether the data parallel module fills in a StudentMetrics for this rank's tokens as the plain module does."""
+    features, teacher_hidden, teacher_weight, labels = rank_share(global_batch(dist.get_world_size(), (0, 3, 6)),
+                                                                  dist.get_rank())
+    hidden = torch.randn(*features.shape[:-1], HIDDEN_STUDENT)
+    head = torch.nn.Linear(HIDDEN_STUDENT, VOCAB_STUDENT)
+    got, want = StudentMetrics(temperature=1.5), StudentMetrics(temperature=1.5)
+    args = (hidden, head.weight, teacher_hidden, teacher_weight, labels, head.bias)
+    loss_module(loss, data_parallel=True)(*args, student_metrics=got)
+    loss_module(loss)(*args, student_metrics=want)
+    return all(torch.equal(getattr(got, name), getattr(want, name)) for name in ("entropy", "top1", "counted")) and (
+        got.entropy.shape == labels.shape)
+
+
 def count_over_rank_0_alone():
     """The count over a group that holds rank 0 alone: its count there, the ValueError elsewhere. The other ranks
     raised torch's "Invalid process group specified", which names no argument."""
@@ -175,6 +189,9 @@ def measure_rank(rank, world_size, folder):
         dist.all_gather_object(errors["refused labels"], refused_labels_on_the_last_rank(world_size))
         errors["bad option"] = [None] * world_size
         dist.all_gather_object(errors["bad option"], bad_option_on_the_last_rank(world_size))
+        errors["metrics"] = {loss: [None] * world_size for loss in LOSSES}
+        for loss in LOSSES:
+            dist.all_gather_object(errors["metrics"][loss], rank_metrics_equal_the_local_modules(loss))
         errors["rank 0 alone"] = [None] * world_size
         dist.all_gather_object(errors["rank 0 alone"], count_over_rank_0_alone())
         if rank == 0:
@@ -223,6 +240,11 @@ def test_a_bad_option_on_one_rank_raises_on_every_rank(errors):
     assert last == "ValueError: temperature must be > 0, got 0.0"
     for other in others:
         assert other.startswith("ValueError: num_valid_tokens must be finite, got nan"), other
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_student_metrics_are_each_ranks_own_tokens(errors, loss):
+    assert errors["metrics"][loss] == [True] * len(errors["metrics"][loss])
 
 
 def test_a_group_without_the_rank_is_named(errors):

@@ -77,7 +77,7 @@ class _GlobalNormaliser:
         self.group = group
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
-                teacher_bias=None, *, num_valid_tokens=None):
+                teacher_bias=None, *, num_valid_tokens=None, student_metrics=None):
         if num_valid_tokens is None:
             try:
                 ignore_index, refused = self.options.ignore_index, None  # a tensor option is checked again here
@@ -86,7 +86,7 @@ class _GlobalNormaliser:
             num_valid_tokens = _global_count(true_labels, ignore_index, self.group, refused)
         return super().forward(
             student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
-            num_valid_tokens=num_valid_tokens,
+            num_valid_tokens=num_valid_tokens, student_metrics=student_metrics,
         )
 
 
@@ -106,8 +106,9 @@ class DataParallelCosineDistillLoss(_GlobalNormaliser, FusedLinearCosineDistillL
         dist.all_reduce(logged, group=group)  # sum (gloo has no AVG)
         logged /= dist.get_world_size(group)
 
-    The soft and hard terms of ``return_soft_hard_loss`` are shares in the same way. Its forward takes no
-    ``vocab_parallel``: a vocabulary split inside data parallel is not supported by these modules.
+    The soft and hard terms of ``return_soft_hard_loss`` are shares in the same way; a ``student_metrics`` is filled
+    in for this rank's tokens. Its forward takes no ``vocab_parallel``: a vocabulary split inside data parallel is not
+    supported by these modules.
     """
 
 
