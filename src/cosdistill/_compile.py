@@ -26,8 +26,9 @@ What differs from eager:
   create_graph=True (their gradients have no gradient of their own): the op raises, torch.compile refuses the
   double backward itself.
 * The op is tagged cudagraph_unsafe: inductor's CUDA graphs (mode="reduce-overhead") leave it out.
-* Scalar options must be Python numbers (a tensor ``beta`` would need a host read); num_valid_tokens
-  may be a number or a tensor, as in eager. The real options (``REAL_OPTIONS``) and a num_valid_tokens number
+* Scalar options reach the op as Python numbers: one given as a tensor (a ``beta`` in a tensor) is read on the
+  host, a graph break (docs/reference.md, torch.compile); num_valid_tokens may be a number or a tensor, as in
+  eager. The real options (``REAL_OPTIONS``) and a num_valid_tokens number
   reach the op in CPU tensors, so that a schedule's new values keep the step's graph (symbolic after one
   recompile); their checks then run on symbolic floats, whose guards keep a bad value out of that graph.
 Gradients not asked for come back from the op as empty tensors (custom ops cannot return None).

@@ -25,8 +25,10 @@ class StudentMetrics:
     - ``counted``: whether the token counts (its label is not ignore_index).
 
     Their sums over the counted tokens, divided by their number, are TRL's ``entropy`` and ``mean_token_accuracy``.
-    Not with a vocabulary split (a ValueError). Under torch.compile the call that asks for them runs eagerly (a graph
-    break; fullgraph=True raises)."""
+    ``temperature`` is the metrics' own, not the loss's. Through ``cosdistill.hf.distill_loss`` the tensors are
+    ``[n]``, over the positions that have a target (those the fused loss runs on). Not with a vocabulary split (a
+    ValueError). Under torch.compile the call that asks for them runs eagerly (a graph break; fullgraph=True
+    raises)."""
 
     temperature: float = 1.0
     entropy: torch.Tensor | None = None

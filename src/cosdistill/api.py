@@ -53,9 +53,9 @@ def fused_linear_cosine_distill(
 
     The positional order is that of Liger-Kernel's ``LigerFusedLinearCosineSimilarityFunction.apply``.
 
-    With s_i = student_input_i @ student_weight.T (+ student_bias), zero-padded to Vt if Vt > Vs,
-    t_i = teacher_input_i @ teacher_weight.T (+ teacher_bias), valid_i = (label_i != ignore_index)
-    and N = num_valid_tokens if given, else max(1, number of valid tokens):
+    With s_i = student_input_i @ student_weight.T (+ student_bias), zero-padded to Vt in the soft term if Vt > Vs
+    (the hard term's CE is over the student's own columns), t_i = teacher_input_i @ teacher_weight.T (+ teacher_bias),
+    valid_i = (label_i != ignore_index) and N = num_valid_tokens if given, else max(1, number of valid tokens):
 
         hard = sum over valid i of CE(s_i, label_i) / N
         soft = sum over valid i of beta * (1 - cos(s_i / temperature, t_i / temperature)) / N
@@ -67,9 +67,9 @@ def fused_linear_cosine_distill(
     and student_bias in their own dtypes; the teacher is frozen (its logits count as detached, even where its head
     is the student's own).
 
-    Extra keywords: ``num_valid_tokens`` (a positive number or 0-d tensor, e.g. a count all-reduced
-    across ranks), ``accum_dtype`` (dtype of the grad_weight accumulator: None, the weight's dtype
-    but fp32 for fp16 weights; bf16 for bf16 weights; or torch.float32), ``impl`` ("auto": on Hopper or
+    Extra keywords: ``num_valid_tokens`` (a positive number or one-element tensor, e.g. a count all-reduced
+    across ranks), ``accum_dtype`` (dtype of the grad_weight accumulator: None for the weight's dtype, fp32 for fp16
+    weights; torch.float32; or the weight's own dtype unless fp16), ``impl`` ("auto": on Hopper or
     newer the CUDA cluster row step (kernels/row_step_cuda.py) where it applies and Triton elsewhere, Triton
     on older GPUs, torch on the CPU; "torch"; "triton": the Triton kernels only; "cuda": as "auto",
     but an error where clusters are unavailable),
@@ -334,7 +334,8 @@ def fused_linear_jsd(
     """Hard cross-entropy plus the generalized Jensen-Shannon divergence through two LM heads, never holding
     all logits. The positional order is that of Liger-Kernel's ``LigerFusedLinearJSDFunction.apply``.
 
-    With s_i, t_i, valid_i and N as in ``fused_linear_cosine_distill`` (s zero-padded to Vt if Vt > Vs),
+    With s_i, t_i, valid_i and N as in ``fused_linear_cosine_distill`` (s zero-padded to Vt in the soft term if
+    Vt > Vs),
     p_i = softmax(s_i / temperature), q_i = softmax(t_i / temperature) and M_i = (1 - beta) p_i + beta q_i:
 
         hard = sum over valid i of CE(s_i, label_i) / N
@@ -347,8 +348,9 @@ def fused_linear_jsd(
     cluster kernel (kernels/row_step_jsd_cuda.py) where it applies, else its Triton twin; the GEMMs, the
     chunking, the FP8 teacher (``teacher_precision="fp8"``) and the other keywords are the cosine loss's. The
     softcaps and logit scales are ``fused_linear_cosine_distill``'s: each model's logits times its scale, then
-    softcapped, before both terms. With ``vocab_parallel`` each chunk all-gathers two small per-token tensors
-    (the log-sum-exps, then the divergence's sums) where the cosine loss gathers one, besides the call's two
+    softcapped, before both terms. With ``vocab_parallel`` each row step (one per teacher sub-chunk) all-gathers two
+    small per-token tensors (the log-sum-exps, then the divergence's sums) where the cosine loss gathers one, besides
+    the call's two
     gathers that check the split (cosdistill.distributed.vocab_parallel). ``compiled`` is accepted
     for compatibility with Liger and changes nothing. fp16 weights take the cosine loss's lifted fp16 gradient
     (the Triton step's on a GPU: the cluster kernel takes bf16 only).
