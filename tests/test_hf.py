@@ -232,7 +232,8 @@ def test_only_the_positions_with_a_target_reach_the_fused_loss(loss, monkeypatch
     want.backward()
     assert targets.numel() > num_valid and rel_err(got, want) < 1e-6
     assert_grads_match(student, {name: p.grad for name, p in reference_student.named_parameters()}, 1e-6)
-    with pytest.raises(ValueError, match=r"token shapes differ: student_input \(3, 8, 32\) vs teacher_input \(3, 9"):
+    with pytest.raises(ValueError, match=r"student_hidden \(3, 8, 32\) and teacher_hidden \(3, 9, 32\) must be "
+                                         r"\[B, L, H\] for labels \(3, 9\)"):
         distill_loss(student, teacher, labels=batch["labels"], attention_mask=batch["attention_mask"], loss=loss,
                      student_hidden=student_hidden[:, :-1], teacher_hidden=teacher_hidden)
 

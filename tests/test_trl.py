@@ -305,3 +305,15 @@ def test_bad_loss_values_raise_at_construction(tmp_path, values, message):
                                args=trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False),
                                train_dataset=prompt_completion_dataset(), processing_class=word_tokenizer(), loss=loss,
                                **values)
+
+
+def test_dir_lists_the_trainers_made_on_first_use():
+    """DistillationTrainer and DistillationGKDTrainer are made at their first use (module __getattr__); dir() and
+    help() list them before it, so completion and help(cosdistill.trl) find them (a fresh process: this one may
+    have made them already)."""
+    import subprocess
+    import sys
+
+    code = "import cosdistill.trl as t; print(sorted(set(t.__all__) - set(dir(t))))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr

@@ -605,7 +605,9 @@ def trained_rows(student_hidden, teacher_hidden, targets, ignore_index):
     prompt; a row step costs an ignored row little, its four GEMMs the whole); the loss's count is theirs either way.
     One host read (their number), as a boolean index takes."""
     if not student_hidden.shape[:-1] == teacher_hidden.shape[:-1] == targets.shape:
-        return student_hidden, teacher_hidden, targets  # the fused loss names the shapes that differ
+        raise ValueError(f"student_hidden {tuple(student_hidden.shape)} and teacher_hidden {tuple(teacher_hidden.shape)} "
+                         f"must be [B, L, H] for labels {tuple(targets.shape)} (each model's final hidden states of "
+                         "the batch)")
     trained = targets != ignore_index
     return (student_hidden[trained.to(student_hidden.device)], teacher_hidden[trained.to(teacher_hidden.device)],
             targets[trained])

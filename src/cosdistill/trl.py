@@ -395,3 +395,7 @@ def __getattr__(name):
         globals()[name] = define()
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))  # the trainers made on first use too (dir, help, completion)
