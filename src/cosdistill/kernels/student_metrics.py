@@ -56,7 +56,9 @@ def student_metrics_triton(student_logits, labels, constants: RowStepConstants, 
     and out [n, 2] float32."""
     rows, vocab_student = student_logits.shape
     if student_logits.stride(1) != 1 or not (labels.is_contiguous() and out.is_contiguous()):
-        raise ValueError("the Triton student metrics need logits of unit column stride, contiguous labels and out")
+        raise ValueError("the Triton student metrics need logits of unit column stride, contiguous labels and out, got "
+                         f"student_logits {tuple(student_logits.shape)} strides {student_logits.stride()}, labels "
+                         f"strides {labels.stride()}, out strides {out.stride()}")
     if rows == 0:
         return
     scale = constants.student_logit_scale

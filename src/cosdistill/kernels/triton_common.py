@@ -109,9 +109,13 @@ def through_softcap(grad, s, cap, CAP: tl.constexpr):
 
 def check_layout(student_logits, teacher_logits, labels, *contiguous):
     if student_logits.stride(1) != 1 or (teacher_logits is not None and teacher_logits.stride(1) != 1):
-        raise ValueError("the Triton row step needs logits with unit stride along the vocabulary")
-    if not all(t.is_contiguous() for t in (labels, *contiguous)):
-        raise ValueError("the Triton row step needs contiguous labels, statistics and token_losses")
+        raise ValueError(f"the Triton row step needs logits with unit stride along the vocabulary, got student_logits "
+                         f"strides {student_logits.stride()}"
+                         + ("" if teacher_logits is None else f" and teacher_logits strides {teacher_logits.stride()}"))
+    tensors = (labels, *contiguous)
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("the Triton row step needs contiguous labels, statistics and token_losses, got strides "
+                         f"{[t.stride() for t in tensors]} for shapes {[tuple(t.shape) for t in tensors]}")
 
 
 def common_args(vocab_student, constants: RowStepConstants):
