@@ -2,6 +2,8 @@
 
 import copy
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -311,9 +313,6 @@ def test_dir_lists_the_trainers_made_on_first_use():
     """DistillationTrainer and DistillationGKDTrainer are made at their first use (module __getattr__); dir() and
     help() list them before it, so completion and help(cosdistill.trl) find them (a fresh process: this one may
     have made them already)."""
-    import subprocess
-    import sys
-
     code = "import cosdistill.trl as t; print(sorted(set(t.__all__) - set(dir(t))))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
