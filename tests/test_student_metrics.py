@@ -53,6 +53,32 @@ def test_the_triton_kernel_and_the_spec_match_float64_full_logits(vocab, dtype, 
         assert want_top1[1] and not want_top1[2]  # the first of two equal largest logits
 
 
+@pytest.mark.parametrize("vocab", [300, 5000])
+def test_masked_columns_late_maxima_and_nan_rows_match_the_spec(vocab):
+    """Columns at -inf (a bias that masks part of the vocabulary) count for nothing, also where a whole stretch of the
+    row (each lane's first columns, a kernel's whole block) holds only them; a row whose largest logit is its last
+    column, one that grows at every column, one of a single finite column, and one all -inf (NaN, as the spec's
+    softmax gives); a NaN logit makes its row's entropy NaN as in the spec."""
+    rows = 8
+    logits = torch.randn(rows, vocab, dtype=torch.float64) * 4
+    logits[0, : vocab // 2] = float("-inf")
+    logits[1, ::3] = float("-inf")
+    logits[2, -1] = 40.0
+    logits[3] = torch.linspace(-30, 30, vocab, dtype=torch.float64)
+    logits[4] = float("-inf")
+    logits[4, vocab // 3] = 1.5
+    logits[5] = float("-inf")
+    logits[6, vocab // 2] = float("nan")
+    labels = torch.tensor([vocab - 1, 1, vocab - 1, vocab - 1, vocab // 3, 0, 0, 7])
+    constants = RowStepConstants(0.5, 0.5, 0.5, 1.0, -100)
+    want = torch.empty(rows, 2, dtype=torch.float64)
+    student_metrics_torch(logits, labels, constants, 0.7, want)
+    assert want[5, 0].isnan() and want[6, 0].isnan() and want[4, 0] == 0 and want[2:5, 1].eq(1).all()
+    got = torch.full((rows, 2), float("nan"))
+    student_metrics_triton(logits.float(), labels, constants, 0.7, got)
+    torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-6, equal_nan=True)
+
+
 def test_the_kernel_takes_a_strided_chunk_of_a_buffer():
     """The chunk loop hands it the leading rows of a wider buffer's view (and slices of labels and out)."""
     buffer = torch.randn(20, 300)
