@@ -116,14 +116,15 @@ def make_problem(tokens=37, hidden_student=16, hidden_teacher=24, vocab_student=
     if ignore_every:
         labels.view(-1)[::ignore_every] = -100
     return problem_around(labels, hidden_student, hidden_teacher, vocab_student, vocab_teacher or vocab_student,
-                          dtype, bias, bias)
+                          dtype, with_student_bias=bias, with_teacher_bias=bias)
 
 
-def problem_around(labels, hidden_student, hidden_teacher, vocab_student, vocab_teacher, dtype, student_bias,
-                   teacher_bias, generator=None) -> Problem:
+def problem_around(labels, hidden_student, hidden_teacher, vocab_student, vocab_teacher, dtype, *,
+                   with_student_bias: bool, with_teacher_bias: bool, generator=None) -> Problem:
     """A Problem for these labels: cosdistill.testing.random_student_teacher's tensors."""
     return Problem(*random_student_teacher(labels, hidden_student, hidden_teacher, vocab_student, vocab_teacher,
-                                           dtype, student_bias, teacher_bias, generator))
+                                           dtype, with_student_bias=with_student_bias,
+                                           with_teacher_bias=with_teacher_bias, generator=generator))
 
 
 def reference(problem: Problem, grad_output=1.0, **kwargs):

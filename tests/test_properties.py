@@ -74,7 +74,8 @@ def build_problem(case: Case) -> Problem:
     labels = torch.randint(0, case.vocab_student, lead, generator=gen)
     ignore_some_labels(labels, case.ignore, case.ignore_index, gen)
     return problem_around(labels, case.hidden_student, case.hidden_teacher, case.vocab_student, case.vocab_teacher,
-                          case.dtype, case.student_bias, case.teacher_bias, generator=gen)
+                          case.dtype, with_student_bias=case.student_bias, with_teacher_bias=case.teacher_bias,
+                          generator=gen)
 
 
 @st.composite

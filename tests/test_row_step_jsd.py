@@ -291,7 +291,8 @@ def test_reverse_kl_gradients_at_low_temperatures_match_the_spec_in_the_fast_ste
     generator = torch.Generator().manual_seed(2)
     labels = torch.randint(0, 2000, (29,), generator=generator)
     labels[::4] = -100
-    args = random_student_teacher(labels, 16, 24, 2000, 2013, torch.float32, True, True, generator=generator)
+    args = random_student_teacher(labels, 16, 24, 2000, 2013, torch.float32, with_student_bias=True,
+                                  with_teacher_bias=True, generator=generator)
     args[1], args[3] = (args[1].detach() * logit_size).requires_grad_(), args[3] * logit_size
     options = dict(beta=1.0, temperature=temperature, weight_hard_loss=0.0, weight_soft_loss=1.0)
     wrt = (args[0], args[1], args[5])

@@ -26,11 +26,12 @@ def rel_err(actual, expected) -> float:
     return (difference if denominator == 0 else difference / denominator).item()
 
 
-def random_student_teacher(labels, hidden_student, hidden_teacher, vocab_student, vocab_teacher, dtype,
-                           student_bias, teacher_bias, generator=None) -> list:
+def random_student_teacher(labels, hidden_student, hidden_teacher, vocab_student, vocab_teacher, dtype, *,
+                           with_student_bias: bool, with_teacher_bias: bool, generator=None) -> list:
     """[student_input, student_weight, teacher_input, teacher_weight, labels, student_bias, teacher_bias]
     for these labels, on their device: random normal hidden states, weights scaled by 2 / sqrt(H) (logits
-    of a few units, like a trained head's), drawn in that order from ``generator`` (default: torch's)."""
+    of a few units, like a trained head's), drawn in that order from ``generator`` (default: torch's); a
+    bias is None unless asked for."""
     def randn(*shape, scale=1.0, requires_grad=False):
         values = torch.randn(*shape, generator=generator, device=labels.device) * scale
         return values.to(dtype).requires_grad_(requires_grad)
@@ -42,8 +43,8 @@ def random_student_teacher(labels, hidden_student, hidden_teacher, vocab_student
         randn(*lead, hidden_teacher),
         randn(vocab_teacher, hidden_teacher, scale=2 / hidden_teacher**0.5),
         labels,
-        randn(vocab_student, requires_grad=True) if student_bias else None,
-        randn(vocab_teacher) if teacher_bias else None,
+        randn(vocab_student, requires_grad=True) if with_student_bias else None,
+        randn(vocab_teacher) if with_teacher_bias else None,
     ]
 
 

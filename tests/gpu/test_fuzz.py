@@ -260,7 +260,8 @@ def build_problem(case: Case, device) -> list:
     labels = torch.randint(0, case.vocab_student, lead, generator=gen, device=device)
     ignore_some_labels(labels, case.ignore, case.ignore_index, gen)
     return random_student_teacher(labels, case.hidden_student, case.hidden_teacher, case.vocab_student,
-                                  case.vocab_teacher, DTYPES[case.dtype], case.student_bias, case.teacher_bias, gen)
+                                  case.vocab_teacher, DTYPES[case.dtype], with_student_bias=case.student_bias,
+                                  with_teacher_bias=case.teacher_bias, generator=gen)
 
 
 def fused_result(args, case: Case, impl: str):

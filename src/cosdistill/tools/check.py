@@ -131,7 +131,7 @@ def random_problem(case: LossCase, device):
     if case.ignore_every:
         labels[:: case.ignore_every] = case.ignore_index
     return random_student_teacher(labels, case.hidden_teacher // 2, case.hidden_teacher, case.vocab_student,
-                                  case.vocab_teacher, case.dtype, case.bias, case.bias)
+                                  case.vocab_teacher, case.dtype, with_student_bias=case.bias, with_teacher_bias=case.bias)
 
 
 def fused_run(args, loss="cosine", **kwargs):
@@ -378,7 +378,8 @@ def check_teacher_caches(device, losses=("cosine", "jsd"), vocab=1000, hidden_te
         labels = torch.randint(0, vocab, (tokens,), generator=generator).to(device)
         labels[::7] = -100
         args = random_student_teacher(labels, hidden_teacher // 2, hidden_teacher, vocab, vocab, torch.bfloat16,
-                                      False, False, torch.Generator(device).manual_seed(1))
+                                      with_student_bias=False, with_teacher_bias=False,
+                                      generator=torch.Generator(device).manual_seed(1))
 
         def run(teacher_weight, args=args, extra=extra):
             vocab_now = teacher_weight.shape[0]  # a new vocabulary: the student's head is cut to match
