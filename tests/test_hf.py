@@ -349,6 +349,19 @@ def test_trainer_loss_falls_and_logs_soft_and_hard(tmp_path):
     assert all(torch.equal(teacher.state_dict()[name], value) for name, value in teacher_before.items())
 
 
+def test_a_teacher_that_shares_modules_with_the_student_leaves_them_trainable(tmp_path):
+    """Freezing the teacher froze what it shares with the student: here the embedding, which then never trained."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", seed=1)
+    teacher.model.embed_tokens = student.model.embed_tokens
+    embedding_before = student.model.embed_tokens.weight.detach().clone()
+    trainer = make_trainer(tmp_path, student, teacher, dataset([12, 7, 10, 5]), per_device_train_batch_size=4,
+                           max_steps=2, optim="sgd", learning_rate=1e-1, lr_scheduler_type="constant", warmup_steps=0)
+    assert all(p.requires_grad for p in student.parameters())
+    assert not any(p.requires_grad for name, p in teacher.named_parameters() if not name.startswith("model.embed_tokens"))
+    trainer.train()
+    assert not torch.equal(student.model.embed_tokens.weight, embedding_before)
+
+
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     """Micro-batches with different numbers of tokens: averaging per micro-batch would differ."""
     teacher, rows = tiny_model("llama", vocab=160, seed=1), dataset([14, 3, 9, 2])

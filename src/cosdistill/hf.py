@@ -827,7 +827,8 @@ class DistillationMixin:
     (``DistillationTrainer`` here, ``cosdistill.trl.DistillationSFTTrainer`` for TRL): ``loss="cosine"`` (the
     default) or ``"jsd"``, with ``beta`` and ``temperature`` as ``distill_loss`` takes them.
 
-    ``teacher_model`` is put in eval mode, frozen and moved to the student's device. The loss is
+    ``teacher_model`` is put in eval mode, frozen (but for the parameters it shares with the student, which the
+    student still trains) and moved to the student's device. The loss is
     normalised by ``num_items_in_batch``, the Trainer's count of labels over all micro-batches of a step
     (across processes), so gradient accumulation gives the gradient of one big batch; each batch's labels
     are first set to -100 where the loss has no target (``loss_labels``: left or right padding, the first
@@ -867,7 +868,13 @@ class DistillationMixin:
         self._refuse_functions_of_logits()  # given by name or by position; set afterwards, at the next loss
         self._check_student(self.accelerator.unwrap_model(self.model), teacher_model)
         device = next(self.model.parameters()).device
-        self.teacher_model = teacher_model.to(device).eval().requires_grad_(False)
+        self.teacher_model = teacher_model.to(device).eval()
+        # Frozen but for the parameters it shares with the student (tied or reused modules, a PEFT student's base
+        # model), which the student still trains: the teacher runs under no_grad whatever they say.
+        student_parameters = {id(parameter) for parameter in self.model.parameters()}
+        for parameter in teacher_model.parameters():
+            if id(parameter) not in student_parameters:
+                parameter.requires_grad_(False)
         self.loss_options = dict(
             loss=loss, weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
             temperature=temperature, **(loss_options or {}),
