@@ -30,6 +30,10 @@ def test_torch_scale():
     other_kept = other.clone()
     scale_unless_one_torch((values, other), torch.tensor(0.5))
     assert torch.equal(values, kept * 0.5) and torch.equal(other, other_kept * 0.5)
+    scale_unless_one_torch((values,), None, torch.tensor(0.0))
+    assert torch.equal(values, kept * 0.5)
+    scale_unless_one_torch((values, other), None, torch.tensor(float("nan")))
+    assert values.isnan().all() and other.isnan().all()
 
 
 def test_not_available_on_the_cpu():

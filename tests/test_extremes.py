@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import TOLERANCE, Problem, make_problem, reference, rel_err
-from cosdistill import fused_linear_cosine_distill
+from cosdistill import fused_linear_cosine_distill, fused_linear_jsd
 from cosdistill.testing import FUSED_LOSSES
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504 = 32 * 2047
@@ -212,6 +212,30 @@ def test_a_non_finite_input_gives_a_non_finite_loss(impl, where, value):
     getattr(problem, where).data[1, 0] = value
     loss = fused_linear_cosine_distill(*problem.args(), impl=impl)
     assert not torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("chunk_size", [None, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("grad_output", [1.0, 0.5])
+def test_a_loss_that_is_not_finite_makes_every_gradient_nan(impl, compiled, chunk_size, dtype, grad_output):
+    """A teacher bias of -inf over part of the vocabulary (a masked slice) gives the forward KL a NaN loss (0 log 0,
+    as TRL's and Liger's give), while the row steps' gradients came out finite: right in the torch step, 98% off in
+    the Triton step. A trainer that filters the NaN out of its logs would have applied them; every gradient is NaN
+    instead, on every path that applies grad_output (one chunk or several, the fp16 lifts, the compiled op)."""
+    problem = make_problem(tokens=12, vocab_student=20, dtype=dtype)
+    with torch.no_grad():
+        problem.teacher_bias[5:9] = float("-inf")
+
+    def step(*args):
+        return fused_linear_jsd(*args, beta=0.0, impl=impl, chunk_size=chunk_size)
+
+    torch._dynamo.reset()
+    loss = (torch.compile(step, backend="aot_eager", fullgraph=True) if compiled else step)(*problem.args())
+    assert loss.isnan()
+    (loss * grad_output).backward()
+    for leaf in problem.student_leaves():
+        assert leaf.grad.isnan().all(), leaf.shape
 
 
 @pytest.mark.parametrize("beta", [0.5, 0.1, 0.9])

@@ -26,16 +26,22 @@ class Backend:
     jsd_row_step: _row_step.RowStepImpl
     count_labels: Callable  # (labels, ignore_index, vocab_student) -> [counted, out of range]
     mean_losses: Callable  # (token_losses, counts, given, weight_hard, weight_soft, poison) -> (loss, soft, hard)
-    scale_unless_one: Callable  # (values, factor): each of values (a tuple) *= factor in place unless factor (0-d) is 1
+    # (values, factor, poison): each of values (a tuple) *= factor + poison in place unless that is 1 (0-d; None: 1, 0)
+    scale_unless_one: Callable
     quantize_rows: Callable  # (rows, out, scales): row-wise FP8
     fingerprint: Callable  # (weight) -> its hash, [2] int64 (the cached teacher copies' check)
     stale_check: Callable  # (partial lanes, kept hash) -> (changed, poison): that check's comparison on the device
     student_metrics: Callable  # (student_logits, labels, constants, temperature, out): _student_metrics.py
 
 
-def scale_unless_one_torch(values: tuple[torch.Tensor, ...], factor: torch.Tensor) -> None:
-    """Each of values *= factor in place, in fp32 (a 0-d factor) and rounded once, unless factor is 1 (read on the
-    host)."""
+def scale_unless_one_torch(values: tuple[torch.Tensor, ...], factor: torch.Tensor | None,
+                           poison: torch.Tensor | None = None) -> None:
+    """Each of values *= factor + poison in place (0-d tensors; None: 1 and 0), in fp32 and rounded once, unless that
+    is 1 (read on the host)."""
+    if factor is None:
+        factor = torch.ones((), dtype=torch.float32, device=values[0].device)
+    if poison is not None:
+        factor = factor + poison
     if factor.item() != 1.0:
         for tensor in values:
             tensor.mul_(factor)

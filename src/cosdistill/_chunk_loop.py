@@ -95,7 +95,9 @@ class Gradients:
     correct_last: Callable[..., bool] | None = None
     last_grad_input: torch.Tensor | None = None  # the last chunk's rows of grad_input, their GEMM not run yet
     student_weight: torch.Tensor | None = None  # for that GEMM
-    poison: torch.Tensor | None = None  # the teacher side's (NaN where a cached teacher copy was stale), added to grad_output
+    # 0-d: NaN where the loss is not finite (a stale cached teacher copy's NaN is in it too), else 0; added to
+    # grad_output, so that every gradient is NaN then
+    poison: torch.Tensor | None = None
     scale_unless_one: Callable | None = None  # the backend's (_backends.py): grad_output onto the finished gradients
     scale_grad_weight: bool = False  # grad_weight is whole already (its last GEMM ran in forward): scale it too
 
@@ -103,17 +105,19 @@ class Gradients:
     def finish(self, grad_output: torch.Tensor | None = None, grad_input_dtype: torch.dtype | None = None):
         """(grad_input, grad_weight, grad_bias) for this grad_output (a 0-d tensor; None: 1); grad_input in
         ``grad_input_dtype`` where given (the compiled op's fp32 for fp16 rows, which grad_output scales later)."""
-        if self.poison is not None:
-            grad_output = self.poison + (1.0 if grad_output is None else grad_output)
+        poison = self.poison  # goes with grad_output into the scale kernel (no launch of its own) where it can
+        on_host = self.last_grad_logits is not None and self._scale_on_host()
+        if poison is not None and grad_output is not None and (on_host or self.grad_input_lifts is not None):
+            grad_output, poison = grad_output + poison, None  # read whole below: it carries the poison to every gradient
         if self.correct_last is not None and self.correct_last(overwrite=not self.accumulate_last):
             self.accumulate_last = True  # grad_weight holds the correction (or is None)
         host_grad_output = None
-        if self.last_grad_logits is not None and grad_output is not None and self._scale_on_host():
+        if on_host and grad_output is not None:
             host_grad_output = HostCopy(grad_output)  # queued ahead of the GEMM below, so not waiting for it
         if self.last_grad_input is not None:
             self.last_grad_input.addmm_(self.last_grad_logits, self.student_weight, beta=0.0, alpha=self.inv_normaliser)
         if self.last_grad_logits is not None:
-            self._last_grad_weight_gemm(grad_output, host_grad_output)
+            self._last_grad_weight_gemm(grad_output, host_grad_output, poison)
         if self.grad_input is not None and self.grad_input_lifts is not None:
             unlifted = self.grad_input if grad_input_dtype is None else self.grad_input.new_empty(
                 self.grad_input.shape, dtype=grad_input_dtype)
@@ -122,11 +126,13 @@ class Gradients:
                 factors = 1.0 / self.grad_input_lifts[rows, None]  # exact: powers of two
                 unlifted[rows].copy_(self.grad_input[rows].float() * (factors if grad_output is None else factors * grad_output))
             self.grad_input = unlifted
-        unscaled = (None if self.grad_input_lifts is not None else self.grad_input, self.grad_bias,
-                    self.grad_weight if self.scale_grad_weight else None)
+        # Where grad_output is None the GEMM above and the unlift applied neither it nor the poison.
+        unscaled = (self.grad_input if self.grad_input_lifts is None or grad_output is None else None, self.grad_bias,
+                    self.grad_weight if self.scale_grad_weight or (self.last_grad_logits is not None and grad_output is None)
+                    else None)
         to_scale = tuple(values for values in unscaled if values is not None)
-        if grad_output is not None and to_scale:  # one launch for all: its host time is what backward costs
-            self.scale_unless_one(to_scale, grad_output)
+        if (grad_output is not None or poison is not None) and to_scale:  # one launch for all: its host time is
+            self.scale_unless_one(to_scale, grad_output, poison)  # what backward costs
         grad_input = self.grad_input if grad_input_dtype is None or self.grad_input is None else self.grad_input.to(
             grad_input_dtype)
         return grad_input, self.grad_weight, self.grad_bias
@@ -135,7 +141,7 @@ class Gradients:
         """Whether grad_output goes onto the grad_weight GEMM's alpha and beta, read on the host."""
         return self.accumulate_last or self.last_hidden.dtype == torch.float16
 
-    def _last_grad_weight_gemm(self, grad_output, host_grad_output):
+    def _last_grad_weight_gemm(self, grad_output, host_grad_output, poison):
         """When this GEMM makes the whole of grad_weight, grad_output goes onto its hidden rows on the
         device. Otherwise (earlier chunks' sum in it; or fp16 rows, which a loss scale could overflow)
         it goes onto the GEMM's alpha and beta, read on the host (``host_grad_output``): a pass over
@@ -147,7 +153,7 @@ class Gradients:
             alpha, beta = alpha * scale, beta * scale
         elif grad_output is not None:
             hidden = hidden.clone(memory_format=torch.contiguous_format)  # the scale kernel takes dense rows
-            self.scale_unless_one((hidden,), grad_output)
+            self.scale_unless_one((hidden,), grad_output, poison)
         _grad_weight_gemm(self.grad_weight, self.last_grad_logits, hidden, alpha=alpha, beta=beta)
 
 
@@ -278,6 +284,9 @@ def chunked_loss_and_grads(
             grad_weight, alpha=inv_normaliser, beta=1.0 if weight_started else 0.0):
         weight_started = True
     loss, soft_loss, hard_loss = normaliser.mean_losses(token_losses, teacher.poison)
+    # Every gradient is NaN where the loss is not finite: a trainer that only filters a NaN loss out of its logs
+    # (transformers' logging_nan_inf_filter) would otherwise apply whatever finite gradients came with it.
+    poison = loss * 0.0 if write_grad else None
     if inv_normaliser is None:  # no gradients (or no tokens): read now, everything else is queued
         inv_normaliser = 1.0 / normaliser.wait()
         teacher.check_range()
@@ -296,7 +305,7 @@ def chunked_loss_and_grads(
                                            inv_normaliser) if num_tokens and correct else None,
             last_grad_input=grad_input[last_start:] if defer_grad_input else None,
             student_weight=student_weight if defer_grad_input else None,
-            poison=teacher.poison,
+            poison=poison,
             scale_unless_one=scale_unless_one,
             scale_grad_weight=weight_whole_in_forward,
         )

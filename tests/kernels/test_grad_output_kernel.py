@@ -41,6 +41,23 @@ def test_nan_factor_reaches_every_value():
     assert all(tensor.isnan().all() for tensor in (values, *others))
 
 
+@pytest.mark.parametrize("factor", [None, 1.0, 0.5])
+@pytest.mark.parametrize("poison", [0.0, -0.0, float("nan")])
+def test_the_poison_goes_onto_the_factor(factor, poison):
+    """factor + poison, in the kernel (None: a factor of 1): a poison of 0 writes nothing where the factor is 1 (or
+    None), a NaN one reaches every value, whatever the factor."""
+    values = torch.randn(2 * BLOCK + 3), torch.randn(5).bfloat16()
+    before = tuple(tensor.clone() for tensor in values)
+    scale_unless_one_triton(values, None if factor is None else torch.tensor(factor), torch.tensor(poison))
+    for got, old in zip(values, before):
+        if poison != poison:
+            assert got.isnan().all()
+        elif factor in (None, 1.0):
+            assert torch.equal(got, old)
+        else:
+            assert torch.equal(got, (old.float() * factor).to(old.dtype))
+
+
 def test_scale_needs_contiguous_values():
     with pytest.raises(ValueError, match="contiguous"):
         scale_unless_one_triton((torch.randn(3), torch.randn(8, 6)[:, ::2]), torch.tensor(2.0))

@@ -3,7 +3,8 @@
 Backward gets grad_output as a 0-d tensor on the GPU. Reading it on the host (to skip the scaling
 when it is 1) waits for the whole forward to finish, and the GPU then idles while the host launches
 what follows (docs/design.md, Host latency). Here one small kernel reads it: when it
-is 1 (a plain ``loss.backward()``), every program returns at once; otherwise they scale in place.
+is 1 (a plain ``loss.backward()``), every program returns at once; otherwise they scale in place. It also adds the
+call's poison (0, or NaN where the loss is not finite) to the factor, so that poisoning the gradients costs no launch.
 All of a call's gradients go through one launch, since each launch's host time is what backward costs
 where the GPU has finished forward.
 """
@@ -33,8 +34,13 @@ def _scale(values_ptr, numel, factor, BLOCK: tl.constexpr):
 
 @triton.jit
 def _scale_unless_one_kernel(first_ptr, first_numel, second_ptr, second_numel, third_ptr, third_numel, factor_ptr,
-                             BLOCK: tl.constexpr):
-    factor = tl.load(factor_ptr).to(tl.float32)
+                             poison_ptr, BLOCK: tl.constexpr):
+    if factor_ptr is None:
+        factor = 1.0
+    else:
+        factor = tl.load(factor_ptr).to(tl.float32)
+    if poison_ptr is not None:
+        factor += tl.load(poison_ptr)
     if factor != 1.0:  # NaN too: it must reach the gradients
         _scale(first_ptr, first_numel, factor, BLOCK)
         _scale(second_ptr, second_numel, factor, BLOCK)
@@ -46,8 +52,10 @@ def _programs(device_index: int) -> int:
     return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def scale_unless_one_triton(values: tuple[torch.Tensor, ...], factor: torch.Tensor) -> None:
-    """Each of ``values`` *= factor in place, in fp32 and rounded once to its dtype; nothing written when factor == 1."""
+def scale_unless_one_triton(values: tuple[torch.Tensor, ...], factor: torch.Tensor | None,
+                            poison: torch.Tensor | None = None) -> None:
+    """Each of ``values`` *= factor + poison in place (0-d tensors; None: 1 and 0), in fp32 and rounded once to its
+    dtype; nothing written when that is 1."""
     if not 1 <= len(values) <= MAX_TENSORS:
         raise ValueError(f"values must hold 1 to {MAX_TENSORS} tensors, got {len(values)}")
     for tensor in values:
@@ -59,4 +67,5 @@ def scale_unless_one_triton(values: tuple[torch.Tensor, ...], factor: torch.Tens
     programs = _programs(values[0].device.index) if values[0].is_cuda else 2  # 2: Triton's interpreter (tests)
     slots = [(tensor, tensor.numel()) for tensor in values] + [(values[0], 0)] * (MAX_TENSORS - len(values))
     grid = (max(1, min(programs, triton.cdiv(largest, BLOCK))),)
-    _scale_unless_one_kernel[grid](*(arg for slot in slots for arg in slot), factor, BLOCK=BLOCK, **TRITON_OPTIONS)
+    _scale_unless_one_kernel[grid](*(arg for slot in slots for arg in slot), factor, poison, BLOCK=BLOCK,
+                                   **TRITON_OPTIONS)
