@@ -362,6 +362,19 @@ def test_a_teacher_that_shares_modules_with_the_student_leaves_them_trainable(tm
     assert not torch.equal(student.model.embed_tokens.weight, embedding_before)
 
 
+def test_a_teacher_head_the_student_trains_is_never_cached(tmp_path):
+    """A teacher whose LM head is a student parameter that stays trainable (here the student's embedding): a fused
+    optimizer's step moves no version counter, so the Gram matrix cached from that head was stale at the next step
+    (StaleWeightError on the CPU; on a GPU a NaN step first). The head is built afresh at each call instead."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", seed=1)
+    teacher.lm_head.weight = student.model.embed_tokens.weight
+    trainer = make_trainer(tmp_path, student, teacher, dataset([12, 7, 10, 5] * 2), per_device_train_batch_size=4,
+                           max_steps=3, optim="adamw_torch_fused", learning_rate=1e-2)
+    trainer.loss_options["cosine_via"] = "gram"
+    trainer.train()
+    assert all(math.isfinite(log["loss"]) for log in trainer.state.log_history if "loss" in log)
+
+
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     """Micro-batches with different numbers of tokens: averaging per micro-batch would differ."""
     teacher, rows = tiny_model("llama", vocab=160, seed=1), dataset([14, 3, 9, 2])

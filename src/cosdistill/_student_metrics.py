@@ -12,6 +12,7 @@ import torch
 from ._row_step import RowStepConstants, as_the_loss_sees_them, label_columns
 
 SPEC_DTYPE = torch.float64
+MIN_TEMPERATURE = 1e-38  # log2(e) / 1e-38 is within float32's range, log2(e) / 4e-39 is not
 
 
 @dataclasses.dataclass
@@ -21,7 +22,7 @@ class StudentMetrics:
     - ``entropy``: the student's entropy in nats, of softmax(s / temperature) over its own vocabulary, s its logits
       as the loss sees them (times its logit scale, then softcapped); 0 where the token is ignored. float32.
     - ``top1``: whether the label is the student's largest logit (the first of equal ones, as torch.argmax);
-      False where the token is ignored.
+      False where the token is ignored. Not defined for a row holding a NaN logit, whose entropy is NaN.
     - ``counted``: whether the token counts (its label is not ignore_index).
 
     Their sums over the counted tokens, divided by their number, are TRL's ``entropy`` and ``mean_token_accuracy``.
@@ -39,10 +40,12 @@ class StudentMetrics:
         self.check()
 
     def check(self) -> None:
-        """Raise for a temperature that is not a positive finite number (when made, and at each call that takes it)."""
+        """Raise for a temperature that is not a positive finite number of at least MIN_TEMPERATURE (when made, and at
+        each call that takes it)."""
         if (isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real)
-                or not math.isfinite(self.temperature) or self.temperature <= 0):
-            raise ValueError(f"StudentMetrics' temperature must be a positive finite number, got {self.temperature!r}")
+                or not math.isfinite(self.temperature) or self.temperature < MIN_TEMPERATURE):
+            raise ValueError(f"StudentMetrics' temperature must be a positive finite number, got {self.temperature!r} "
+                             f"(at least {MIN_TEMPERATURE:g}: the kernel's log2(e) / temperature must be a float32)")
 
 
 def student_metrics_torch(student_logits, labels, constants: RowStepConstants, temperature: float, out) -> None:

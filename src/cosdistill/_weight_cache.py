@@ -41,9 +41,10 @@ PREVIOUS_CALL = "the previous call with it (whose loss and gradients are NaN)"  
 _changing_storages = WeakIdKeyDictionary()
 
 
-def note_trained(student_weight: torch.Tensor) -> None:
-    """Records a student head this call trains: another call's teacher it may be (mutual distillation)."""
-    _changing_storages[student_weight.untyped_storage()] = weakref.ref(student_weight)
+def note_trained(weight: torch.Tensor) -> None:
+    """Records a head being trained (this call's student head; a teacher parameter the Trainer's student shares):
+    another call's teacher it may be (mutual distillation), not to be cached while it requires grad."""
+    _changing_storages[weight.untyped_storage()] = weakref.ref(weight)
 
 
 def kept_across_calls(teacher_weight: torch.Tensor, student_weight: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ except ImportError as error:
 
 from ._options import OPTION_NAMES, options_of
 from ._row_step import scale_and_softcap
+from ._weight_cache import note_trained
 from .api import FUSED_LOSSES
 
 # The public names; the others are internal, and trl.py builds its trainers from some of them (lm_head, the check_*
@@ -870,10 +871,13 @@ class DistillationMixin:
         device = next(self.model.parameters()).device
         self.teacher_model = teacher_model.to(device).eval()
         # Frozen but for the parameters it shares with the student (tied or reused modules, a PEFT student's base
-        # model), which the student still trains: the teacher runs under no_grad whatever they say.
+        # model), which the student still trains: the teacher runs under no_grad whatever they say. Such a parameter,
+        # as the teacher's head, must not be cached (a fused optimizer changes it behind its version counter).
         student_parameters = {id(parameter) for parameter in self.model.parameters()}
         for parameter in teacher_model.parameters():
-            if id(parameter) not in student_parameters:
+            if id(parameter) in student_parameters:
+                note_trained(parameter)
+            else:
                 parameter.requires_grad_(False)
         self.loss_options = dict(
             loss=loss, weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
