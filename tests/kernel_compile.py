@@ -137,7 +137,7 @@ def compile_small_kernels():
         dict(BLOCK=labels.BLOCK))
     yield "scale unless one", compile_one(grad_output._scale_unless_one_kernel, dict(
         first_ptr="*bf16", first_numel="i32", second_ptr="*bf16", second_numel="i32", third_ptr="*fp32",
-        third_numel="i32", factor_ptr="*fp32"), dict(BLOCK=grad_output.BLOCK))
+        third_numel="i32", factor_ptr="*fp32", poison_ptr="*fp32"), dict(BLOCK=grad_output.BLOCK))
     yield "fingerprint", compile_one(fingerprint._fingerprint_kernel, dict(
         words_ptr="*i16", rows="i32", cols="i32", stride_row="i32", stride_col="i32", partials_ptr="*i32"),
         dict(KEYS_0=fingerprint.LANE_KEYS[0], KEYS_1=fingerprint.LANE_KEYS[1], MIX=fingerprint.MIX,
