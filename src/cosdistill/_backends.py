@@ -36,16 +36,13 @@ class Backend:
 
 def scale_unless_one_torch(values: tuple[torch.Tensor, ...], factor: torch.Tensor | None,
                            poison: torch.Tensor | None = None) -> None:
-    """Each of values *= factor + poison in place (0-d tensors; None: 1 and 0), in fp32 and rounded once, unless that
-    is 1 (read on the host). The poison alone is applied without that read, which would wait for the GPU."""
+    """Each of values *= factor + poison in place (0-d tensors; None: 1 and 0), in fp32 and rounded once; on the CPU
+    not where that is 1 (read on the host: on a GPU the read would wait for it, so there it is applied unread)."""
     if factor is None:
-        if poison is not None:
-            for tensor in values:
-                tensor.mul_(1.0 + poison)
-        return
+        factor = torch.ones((), dtype=torch.float32, device=values[0].device)
     if poison is not None:
         factor = factor + poison
-    if factor.item() != 1.0:
+    if factor.is_cuda or factor.item() != 1.0:
         for tensor in values:
             tensor.mul_(factor)
 
