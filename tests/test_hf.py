@@ -801,6 +801,22 @@ def test_options_the_loss_cannot_honour_raise(tmp_path):
         DistillationTrainer(model=student, args=args, teacher_model=teacher, loss_options={"ignore_index": -1})
 
 
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["number", "tensor"])
+def test_a_step_count_under_one_divides_as_given(tmp_path, as_tensor):
+    """transformers divides num_items_in_batch by the tensor-parallel size, so an almost empty step's count can be
+    under 1: the loss divides by it as the Trainer's own loss does (clamped to 1, it came out that many times too
+    small); only a count of 0 becomes 1 (loss 0)."""
+    student, teacher = tiny_model("llama"), tiny_model("llama", seed=1)
+    trainer = make_trainer(tmp_path, student, teacher, [])
+    batch = collate(dataset([9, 6]))
+    count = (lambda n: torch.tensor(n)) if as_tensor else (lambda n: n)
+    with torch.no_grad():
+        half, one = (trainer.compute_loss(student, dict(batch), num_items_in_batch=count(n)) for n in (0.5, 1.0))
+        zero = trainer.compute_loss(student, dict(batch), num_items_in_batch=count(0))
+    assert one > 1e-3 and half.item() == pytest.approx(2 * one.item(), rel=1e-6)
+    assert zero.item() == one.item()  # no target counted in the step: the batch's sum divided by 1
+
+
 def test_a_model_that_train_makes_again_from_model_init_is_checked(tmp_path):
     """train() makes the student again from model_init (a hyperparameter search, once per trial): that model was not
     checked, so a Mixture-of-Experts student whose router loss was on trained without it."""

@@ -801,12 +801,13 @@ def check_no_extra_loss_terms(trainer, student) -> None:
 # --- The Trainer.
 
 
-def at_least_one(count):
-    """A step's item count, at least 1, so that a step whose labels are all ignored gives loss 0 rather than 0 / 0;
-    None stays None. A tensor stays on its device: no host read."""
+def nonzero_count(count):
+    """A step's item count with 0 made 1, so that a step whose labels are all ignored gives loss 0 rather than 0 / 0;
+    None stays None. Any other count is kept as given: the Trainer divides it by the tensor-parallel size, so an
+    almost empty step's may be under 1. A tensor stays on its device: no host read."""
     if torch.is_tensor(count):
-        return count.clamp(min=1)
-    return None if count is None else max(1, count)
+        return torch.where(count == 0, torch.ones_like(count), count)
+    return None if count is None else (count or 1)
 
 
 def _loss_option(name: str) -> property:
@@ -954,7 +955,7 @@ class DistillationMixin:
             # processes' batches, the rows accelerate repeats to even out the last ones among them, whose losses
             # gather_for_metrics then drops: the batch that kept its row was divided by targets not its own.
             num_items_in_batch = None
-        num_items_in_batch = at_least_one(num_items_in_batch)
+        num_items_in_batch = nonzero_count(num_items_in_batch)
         metrics = self._student_metrics_to_log()
         with self.accelerator.autocast():
             hidden = final_hidden_states(model, input_ids, attention_mask, lm_head(student, "student"), **model_inputs)

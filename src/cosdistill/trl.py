@@ -38,7 +38,6 @@ from ._student_metrics import StudentMetrics
 from .hf import (
     UNSUPPORTED_ARGS,
     DistillationMixin,
-    at_least_one,
     check_loss_values,
     check_sharding,
     check_tensor_parallel,
@@ -48,6 +47,7 @@ from .hf import (
     keep_head_hook,
     lm_head,
     loss_of_hidden_states,
+    nonzero_count,
     split_head_rows,
     tensor_parallel_size,
 )
@@ -364,7 +364,7 @@ def _define_gkd_trainer():
             # No item counted in the step's dataset batches: loss 0 (TRL's x / 0: NaN or inf), also where a
             # generated batch has targets. On the device: no host read.
             counted = None if num_items_in_batch is None else num_items_in_batch > 0
-            num_items_in_batch = at_least_one(num_items_in_batch)
+            num_items_in_batch = nonzero_count(num_items_in_batch)
             with self.accelerator.autocast():
                 hidden = final_hidden_states(model, input_ids, attention_mask, lm_head(student, "student"))
                 # GKDTrainer's, which stays: the next seq_kd generation samples without the teacher's dropout (and
