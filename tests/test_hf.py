@@ -510,6 +510,29 @@ def test_left_padding_gradient_accumulation_matches_one_big_batch(tmp_path):
         assert rel_err(accumulated, one_batch) < 1e-5
 
 
+def test_a_training_step_with_the_student_in_eval_mode_is_still_a_training_step(tmp_path, monkeypatch):
+    """A training step may run the student in eval mode (a subclass that turns dropout off): compute_loss still divides
+    by the step's count and logs into training's sums, so gradient accumulation matches one big batch (told apart by
+    the model's mode, it took each micro-batch's own mean, and the accumulated gradient came out ~2x)."""
+    compute_loss = DistillationTrainer.compute_loss
+
+    def in_eval_mode(self, model, inputs, *args, **kwargs):
+        model.eval()
+        return compute_loss(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(DistillationTrainer, "compute_loss", in_eval_mode)
+    teacher, rows = tiny_model("llama", seed=1), dataset([14, 3, 9, 2])
+    logs, steps = {}, {}
+    for accumulation, batch_size in ((1, 4), (2, 2)):
+        logs[accumulation], steps[accumulation] = one_sgd_step(
+            tmp_path, tiny_model("llama"), teacher, rows, collate, per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation)
+    assert logs[2]["loss"] == pytest.approx(logs[1]["loss"], rel=1e-5)
+    assert logs[2]["soft_loss"] == pytest.approx(logs[1]["soft_loss"], rel=1e-5)
+    for one_batch, accumulated in zip(steps[1], steps[2]):
+        assert rel_err(accumulated, one_batch) < 1e-5
+
+
 def packed(rows, separators=True):
     """The rows as one packed row, as DataCollatorWithFlattening makes it (labels -100 at each sequence's first
     token when ``separators``), with position_ids restarting at each sequence."""
@@ -972,6 +995,60 @@ def test_self_distillation_through_disable_adapter(loss):
             want = naive_jsd_of_logits(student_logits, teacher_logits, batch, OPTIONS["beta"], OPTIONS["temperature"],
                                        OPTIONS["weight_hard_loss"], OPTIONS["weight_soft_loss"])
             assert rel_err(got[0], want) < 1e-5, (got, want)
+
+
+def lora_student_and_its_base():
+    """(LoRA student, a copy of its base model taken before PEFT put its layers in)."""
+    peft = pytest.importorskip("peft")
+    base = tiny_model("llama")
+    reference_base = copy.deepcopy(base)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=0.0)
+    return peft.get_peft_model(base, config), reference_base
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+@pytest.mark.parametrize("teacher_is", ["base model", "student"])
+def test_a_teacher_running_through_the_student_s_adapters_runs_with_them_off(loss, teacher_is):
+    """A LoRA student's base model (or the PeftModel itself) as teacher runs through the student's LoRA layers: with
+    their adapters on, the teacher was the student and the soft loss 0. Its forward runs under the student's
+    disable_adapter(), so the loss and gradients are those against a copy of the base model, and the adapters are on
+    again afterwards."""
+    student, reference_base = lora_student_and_its_base()
+    reference_student, batch = copy.deepcopy(student), make_batch()
+    teacher = student.get_base_model() if teacher_is == "base model" else student
+    got = distill_loss(student, teacher, **batch, loss=loss, return_soft_hard_loss=True, **OPTIONS)
+    want = distill_loss(reference_student, reference_base, **batch, loss=loss, return_soft_hard_loss=True, **OPTIONS)
+    assert want[1] > 1e-3 and all(rel_err(g, w) < 1e-5 for g, w in zip(got, want)), (got, want)
+    got[0].backward()
+    want[0].backward()
+    trained = [(name, p, q) for (name, p), q in zip(student.named_parameters(), reference_student.parameters())
+               if p.requires_grad]
+    assert trained and all("lora_" in name for name, _, _ in trained)
+    for name, p, q in trained:
+        assert rel_err(p.grad, q.grad) < 1e-5, name
+    with torch.no_grad():  # the adapters on again: the student is not its base model
+        inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        assert rel_err(student(**inputs).logits, reference_base(**inputs).logits) > 1e-3
+
+
+def test_the_trainer_s_teacher_as_the_lora_student_s_base_model(tmp_path):
+    student, reference_base = lora_student_and_its_base()
+    reference_student, rows = copy.deepcopy(student), dataset([9, 6, 4])
+    batch = collate(rows)
+    with torch.no_grad():
+        got = make_trainer(tmp_path, student, student.get_base_model(), rows).compute_loss(student, dict(batch))
+        want = make_trainer(tmp_path, reference_student, reference_base, rows).compute_loss(reference_student,
+                                                                                            dict(batch))
+    assert rel_err(got, want) < 1e-5, (got, want)
+
+
+def test_adapters_the_teacher_shares_outside_a_peft_model_are_a_clear_error():
+    """LoRA layers put in by inject_adapter_in_model: no PeftModel to turn them off for the teacher's forward."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)
+    student = peft.inject_adapter_in_model(config, tiny_model("llama"))
+    with pytest.raises(ValueError, match="the teacher runs through the student's PEFT adapter layers"):
+        distill_loss(student, student, **make_batch())
 
 
 def test_trainable_token_indices_on_the_head_is_a_clear_error():

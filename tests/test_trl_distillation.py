@@ -218,6 +218,24 @@ def test_peft_lora_student(tmp_path):
     assert all(float(got.abs().max()) == 0 for got, want in zip(ours_step, trl_step) if float(want.abs().max()) == 0)
 
 
+def test_a_teacher_that_is_the_lora_student_s_base_model_runs_without_its_adapters(tmp_path):
+    """The LoRA student's base model as teacher runs through the student's LoRA layers: it runs under the student's
+    disable_adapter(), so the loss is that against a copy of the base model (with the adapters on it was the
+    student's, the divergence 0)."""
+    peft = pytest.importorskip("peft")
+    base, _ = models()
+    reference_base = copy.deepcopy(base)
+    student = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                                        init_lora_weights=False))
+    reference_student = copy.deepcopy(student)
+    ours = make(DistillationTrainer, tmp_path, student, student.get_base_model())
+    reference = make(DistillationTrainer, tmp_path, reference_student, reference_base)
+    batch = generated_batch(reference)
+    with torch.no_grad():
+        got, want = ours.compute_loss(student, dict(batch)), reference.compute_loss(reference_student, dict(batch))
+    assert want > 1e-3 and rel_err(got, want) < 1e-5, (got.item(), want.item())
+
+
 def test_evaluate_is_trls(tmp_path):
     student, teacher = models()
     got = make(DistillationTrainer, tmp_path, copy.deepcopy(student), teacher, beta=0.2).evaluate(prompts(seed=3))

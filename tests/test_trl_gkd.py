@@ -130,6 +130,25 @@ def test_a_step_that_counted_no_item_gives_loss_0(tmp_path):
     assert trainer.compute_loss(student, dict(batch), num_items_in_batch=torch.tensor(5)) > 0
 
 
+def test_a_teacher_that_is_the_lora_student_s_base_model_runs_without_its_adapters(tmp_path):
+    """The LoRA student's base model as teacher runs through the student's LoRA layers: it runs under the student's
+    disable_adapter(), so the loss is that against a copy of the base model (with the adapters on it was the
+    student's, the JSD 0; TRL's GKDTrainer gives that 0)."""
+    peft = pytest.importorskip("peft")
+    base, _ = models()
+    reference_base = copy.deepcopy(base)
+    student = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                                        init_lora_weights=False))
+    reference_student = copy.deepcopy(student)
+    ours = make(DistillationGKDTrainer, tmp_path, student, student.get_base_model())
+    reference = make(DistillationGKDTrainer, tmp_path, reference_student, reference_base)
+    batch = ours.data_collator([ours.train_dataset[i] for i in range(len(ours.train_dataset))])
+    with torch.no_grad():
+        got = ours.compute_loss(student, dict(batch))
+        want = reference.compute_loss(reference_student, dict(batch))
+    assert want > 1e-3 and rel_err(got, want) < 1e-5, (got.item(), want.item())
+
+
 def test_softcapped_and_scaled_heads_are_gkds(tmp_path):
     """A Gemma-2 student (final logit softcapping) against a Cohere teacher (a logit scale): the loss and gradients
     of GKDTrainer.compute_loss, which reads both models' own logits."""

@@ -9,6 +9,7 @@ either model; ``DistillationTrainer`` is a ``transformers.Trainer`` that trains 
 import collections.abc
 import contextlib
 import inspect
+import sys
 import weakref
 
 import torch
@@ -198,6 +199,30 @@ def in_eval_mode(model):
     finally:
         for module, training in modes:
             module.training = training
+
+
+def without_student_adapters(student, teacher):
+    """A context for the teacher's forward: where it would run through PEFT adapter layers (LoRA, DoRA, IA3, ...)
+    that it shares with the student, with their adapters on (the teacher is the PEFT student's base model, or the
+    student itself), the student's ``disable_adapter()``, so that the teacher is the base model and not the student
+    (whose soft loss against itself is 0); otherwise nothing. Raises where the adapters cannot be turned off that way
+    (a student that is not a ``PeftModel``, or a prompt-learning one)."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")  # no PEFT imported: no adapter layers
+    if tuners is None:
+        return contextlib.nullcontext()
+    student, teacher = unwrapped(student), unwrapped(teacher)
+    adapters_on = {id(module) for module in student.modules()
+                   if isinstance(module, tuners.BaseTunerLayer) and not module.disable_adapters}
+    if not any(id(module) in adapters_on for module in teacher.modules()):
+        return contextlib.nullcontext()
+    config = getattr(student, "active_peft_config", None)
+    if not hasattr(student, "disable_adapter") or config is None or config.is_prompt_learning:
+        raise ValueError(
+            f"the teacher runs through the student's PEFT adapter layers with their adapters on, so it would be the "
+            f"student ({type(student).__name__} cannot turn them off for the teacher's forward): pass a teacher model "
+            "of its own, or the PeftModel student, whose disable_adapter() the teacher's forward then runs under"
+        )
+    return student.disable_adapter()
 
 
 # The model inputs that mark a packed batch's sequence boundaries.
@@ -588,7 +613,7 @@ def distill_loss(
         student_hidden = final_hidden_states(student, input_ids, attention_mask, lm_head(student_model, "student"),
                                              **model_inputs)
     if teacher_hidden is None:
-        with torch.no_grad(), in_eval_mode(teacher):
+        with torch.no_grad(), in_eval_mode(teacher), without_student_adapters(student_model, teacher_model):
             teacher_hidden = final_hidden_states(teacher, input_ids, attention_mask, lm_head(teacher_model, "teacher"),
                                                  **model_inputs)
     student_hidden, teacher_hidden, targets = trained_rows(student_hidden, teacher_hidden, targets, ignore_index)
@@ -890,6 +915,7 @@ class DistillationMixin:
         self._soft_hard_sums = None  # training: soft and hard summed since the last log
         self._soft_hard_since_step = None  # the optimizer step at the first of those (a resumed run's too)
         self._soft_hard_run_sums, self._soft_hard_run_first_step = [0.0, 0.0], 0  # since train() began (the callback)
+        self._predicting = False  # inside prediction_step: compute_loss evaluates
         self._eval_sums = None  # evaluation: soft and hard times rows, and the rows (all, then those of finite losses)
 
     def _check_student(self, student, teacher):
@@ -934,7 +960,11 @@ class DistillationMixin:
         """The Trainer's, on a copy of the batch whose labels are the loss's targets; the labels it returns (predict's
         label_ids) are the batch's own, its predictions None where the loss ran (no logits: the Trainer's empty
         tuple would pass its ``is not None`` tests)."""
-        loss, logits, labels = super().prediction_step(model, self._with_loss_labels(dict(inputs)), *args, **kwargs)
+        self._predicting = True  # compute_loss's evaluation, told by this rather than by the model's mode
+        try:
+            loss, logits, labels = super().prediction_step(model, self._with_loss_labels(dict(inputs)), *args, **kwargs)
+        finally:
+            self._predicting = False
         given = inputs.get("labels")
         return (loss, None if isinstance(logits, tuple) and not logits else logits,
                 given.detach() if labels is not None and torch.is_tensor(given) else labels)
@@ -950,7 +980,9 @@ class DistillationMixin:
         student = self.accelerator.unwrap_model(model)
         model_inputs = {key: value for key, value in inputs.items() if key not in NOT_MODEL_INPUTS}
         input_ids, attention_mask = inputs["input_ids"], inputs.get("attention_mask")
-        if not model.training:
+        # Evaluation (not the model's mode: a training step may run the student in eval mode, without dropout)
+        evaluating = self._predicting
+        if evaluating:
             # Evaluation: each batch's own mean, as one process's evaluation. The Trainer's count there is over all
             # processes' batches, the rows accelerate repeats to even out the last ones among them, whose losses
             # gather_for_metrics then drops: the batch that kept its row was divided by targets not its own.
@@ -966,7 +998,7 @@ class DistillationMixin:
             )
         if metrics is not None:
             self._keep_student_metrics(metrics)
-        if not model.training:  # a batch without a target is 0 / 0, as the Trainer's own loss: not finite, so that
+        if evaluating:  # a batch without a target is 0 / 0, as the Trainer's own loss: not finite, so that
             # logging_nan_inf_filter leaves it out of eval_loss rather than count a 0
             has_target = (next_token_targets(inputs["labels"], attention_mask, position_ids=model_inputs.get("position_ids"),
                                              cu_seq_lens=model_inputs.get("cu_seq_lens_q")) != -100).any()
@@ -978,7 +1010,7 @@ class DistillationMixin:
             loss, soft, hard = (value * data_parallel for value in (loss, soft, hard))
         sums = torch.stack([soft, hard]).detach()
         finite = torch.isfinite(loss.detach())
-        if model.training:
+        if not evaluating:
             if self._soft_hard_sums is None:
                 self._soft_hard_sums, self._soft_hard_since_step = torch.zeros_like(sums), self.state.global_step
             if self.args.logging_nan_inf_filter:  # the Trainer's rule for its loss: a step whose loss is not finite

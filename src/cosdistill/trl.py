@@ -50,6 +50,7 @@ from .hf import (
     nonzero_count,
     split_head_rows,
     tensor_parallel_size,
+    without_student_adapters,
 )
 
 # DistillationGKDTrainer and DistillationTrainer are made on first use (__getattr__ below)
@@ -250,7 +251,7 @@ def _define_distillation_trainer():
                                                       model_inputs)
             self.teacher_model.eval()
             teacher = self.accelerator.unwrap_model(self.teacher_model)
-            with torch.no_grad():
+            with torch.no_grad(), without_student_adapters(student, teacher):
                 teacher_hidden = self._forward_redirection(self.teacher_model, teacher, completion_hidden_states,
                                                            teacher, input_ids, attention_mask, completion_length,
                                                            model_inputs)
@@ -370,7 +371,7 @@ def _define_gkd_trainer():
                 # GKDTrainer's, which stays: the next seq_kd generation samples without the teacher's dropout (and
                 # modules shared with the student stay off until training_step's model.train(), as in GKDTrainer)
                 self.teacher_model.eval()
-                with torch.no_grad():
+                with torch.no_grad(), without_student_adapters(student, teacher):
                     teacher_hidden = final_hidden_states(self.teacher_model, input_ids, attention_mask,
                                                          lm_head(teacher, "teacher"))
                 # No attention mask: the targets are labels[:, 1:] as they are, masked by -100 alone (as TRL's).
