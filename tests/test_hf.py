@@ -997,10 +997,10 @@ def test_self_distillation_through_disable_adapter(loss):
             assert rel_err(got[0], want) < 1e-5, (got, want)
 
 
-def lora_student_and_its_base():
-    """(LoRA student, a copy of its base model taken before PEFT put its layers in)."""
+def lora_student_and_its_base(base=None):
+    """(LoRA student of base, default a tiny Llama; a copy of base taken before PEFT put its layers in)."""
     peft = pytest.importorskip("peft")
-    base = tiny_model("llama")
+    base = tiny_model("llama") if base is None else base
     reference_base = copy.deepcopy(base)
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=0.0)
     return peft.get_peft_model(base, config), reference_base

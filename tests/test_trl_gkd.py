@@ -18,7 +18,7 @@ with warnings.catch_warnings():  # TRL warns on every import from trl.experiment
 
 from cosdistill.testing import rel_err  # noqa: E402
 from cosdistill.trl import DistillationGKDTrainer  # noqa: E402
-from test_hf import tiny_model  # noqa: E402
+from test_hf import lora_student_and_its_base, tiny_model  # noqa: E402
 from test_trl import SPECIAL, VOCAB, word_tokenizer  # noqa: E402
 
 GKDTrainer = gkd.GKDTrainer
@@ -134,11 +134,7 @@ def test_a_teacher_that_is_the_lora_student_s_base_model_runs_without_its_adapte
     """The LoRA student's base model as teacher runs through the student's LoRA layers: it runs under the student's
     disable_adapter(), so the loss is that against a copy of the base model (with the adapters on it was the
     student's, the JSD 0; TRL's GKDTrainer gives that 0)."""
-    peft = pytest.importorskip("peft")
-    base, _ = models()
-    reference_base = copy.deepcopy(base)
-    student = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                                                        init_lora_weights=False))
+    student, reference_base = lora_student_and_its_base(models()[0])
     reference_student = copy.deepcopy(student)
     ours = make(DistillationGKDTrainer, tmp_path, student, student.get_base_model())
     reference = make(DistillationGKDTrainer, tmp_path, reference_student, reference_base)
