@@ -457,6 +457,12 @@ def test_a_split_checks_its_own_rows_and_the_heads_it_slices():
         split.teacher_rows(torch.zeros(40, 3))
     with pytest.raises(ValueError, match=r"student_rows needs the full student head, 15 rows, got \(16,\)"):
         split.student_rows(torch.zeros(16))
+    # No vocab_teacher: the teacher's vocabulary is the student's (a larger head's last rows were silently left out)
+    split = VocabParallelOptions(0, 5, 10)
+    assert split.teacher_rows(torch.zeros(10, 3)).shape == (5, 3)
+    with pytest.raises(ValueError, match=r"teacher_rows needs the full teacher head \(10 rows\), got \(14, 3\): a "
+                                         "teacher vocabulary larger than the student's needs vocab_teacher"):
+        split.teacher_rows(torch.zeros(14, 3))
 
 
 class RecordingSplit(FakeSplit):

@@ -72,10 +72,12 @@ class VocabParallelOptions:
 
     def teacher_rows(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full teacher head weight or bias."""
-        whole = full.shape[0] >= self.stop if self.vocab_teacher is None else full.shape[0] == self.vocab_teacher
-        if not whole:
-            raise ValueError(f"teacher_rows needs the full teacher head ({self.vocab_teacher or f'>= {self.stop}'} "
-                             f"rows), got {tuple(full.shape)}")
+        vocab_teacher = self.vocab_student if self.vocab_teacher is None else self.vocab_teacher
+        if full.shape[0] != vocab_teacher:  # a larger head's rows past it would be left out of the loss, silently
+            named = "" if self.vocab_teacher is not None else ": a teacher vocabulary larger than the student's needs " \
+                "vocab_teacher (VocabParallelOptions.even_split sets it)"
+            raise ValueError(f"teacher_rows needs the full teacher head ({vocab_teacher} rows), got "
+                             f"{tuple(full.shape)}{named}")
         return full[self.start : self.stop]
 
     def student_rows(self, full: torch.Tensor) -> torch.Tensor:
