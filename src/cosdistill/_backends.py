@@ -1,5 +1,6 @@
 """The kernels a call runs, chosen once from ``impl`` and the device: every kernel of one kind, so that
-``impl="torch"`` runs torch alone and ``impl="triton"`` Triton alone.
+``impl="torch"`` runs torch alone and ``impl="triton"`` Triton alone (but for a vocabulary split's hash check,
+which runs Triton's fingerprint on a GPU whatever ``impl``: ``_split_check.queue_hash_check``).
 
 - torch: the plain-torch specs, the CPU path (and any device, slowly).
 - triton: the Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1).

@@ -89,7 +89,7 @@ class Gradients:
     accumulate_last: bool  # whether grad_weight already holds earlier chunks
     inv_normaliser: float
     grad_input_lifts: torch.Tensor | None = None  # fp16: grad_input's rows are kept times these
-    chunk_rows: int = 1  # rows rescaled at a time in fp32 (grad_input_lifts)
+    unlift_rows: int = 1  # rows rescaled at a time in fp32 (grad_input_lifts)
     # fp16: Unlift.correct_scaled_down (_fp16_lift.py) for the last chunk, run here, where the host has waited for
     # the forward already (reading grad_output), so that the forward never waits for the host
     correct_last: Callable[..., bool] | None = None
@@ -121,8 +121,8 @@ class Gradients:
         if self.grad_input is not None and self.grad_input_lifts is not None:
             unlifted = self.grad_input if grad_input_dtype is None else self.grad_input.new_empty(
                 self.grad_input.shape, dtype=grad_input_dtype)
-            for start in range(0, len(self.grad_input), self.chunk_rows):
-                rows = slice(start, start + self.chunk_rows)
+            for start in range(0, len(self.grad_input), self.unlift_rows):
+                rows = slice(start, start + self.unlift_rows)
                 factors = 1.0 / self.grad_input_lifts[rows, None]  # exact: powers of two
                 unlifted[rows].copy_(self.grad_input[rows].float() * (factors if grad_output is None else factors * grad_output))
             self.grad_input = unlifted
@@ -300,7 +300,7 @@ def chunked_loss_and_grads(
             accumulate_last=weight_started,
             inv_normaliser=inv_normaliser,
             grad_input_lifts=None if unlift is None or grad_input is None else unlift.grad_input_lifts,
-            chunk_rows=chunk,
+            unlift_rows=chunk,
             correct_last=functools.partial(unlift.correct_scaled_down, grad_weight, grad_bias, grad_logits, raw_hidden,
                                            inv_normaliser) if num_tokens and correct else None,
             last_grad_input=grad_input[last_start:] if defer_grad_input else None,

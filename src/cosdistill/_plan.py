@@ -21,8 +21,7 @@ from ._weight_cache import kept_across_calls, note_trained
 
 # At least 1024 rows per chunk: each chunk's grad_weight GEMM reads and writes the whole grad_weight, and with
 # fewer rows that traffic shows. More rows while the two logits buffers stay small (small vocabularies), and
-# fewer than 1024 only past a hard budget (docs/design.md, Chunking and buffers). The seed vocabulary's chunks
-# are set by the rules below, not by this one.
+# fewer than 1024 only past a hard budget (docs/design.md, Chunking and buffers).
 MIN_PREFERRED_ROWS = 1024
 SMALL_BUFFER_BYTES = 512 * 2**20  # grow the chunk up to this...
 MAX_BUFFER_BYTES = 5 * 2**28  # ...and shrink it below MIN_PREFERRED_ROWS only past this (1.25 GiB)

@@ -32,10 +32,9 @@ g = a - b grows as the logits' gaps over T; where p sits on one column, g there 
 nearly equal, and their difference is the whole gradient. Taken against k*, the student's largest column (the
 teacher's largest logit among ties), g is 0 there and the row sum small; but where p is spread and the teacher's
 logit at k* far from its others, g - g* is large everywhere and a - b small. Each row takes the form whose row sum
-is the smaller in size (_reverse_kl_form), as the fast steps do in fp32 (docs/design.md, The generalized JSD,
-Precision). The spec computes
-in float64: in fp32 its sums over a whole vocabulary lose about an ulp of log(V) per term, which shows against a
-small divergence (docs/design.md, The generalized JSD, Precision).
+is the smaller in size (_reverse_kl_form), as the fast steps do in fp32. The spec computes in float64: in fp32 its
+sums over a whole vocabulary lose about an ulp of log(V) per term, which shows against a small divergence
+(docs/design.md, The generalized JSD, Precision).
 
 Given ``grad_lifts`` [n] (the chunk loop does for fp16 logits), it writes each row's gradient times a power of
 two and stores it there, as _row_step.py does (``lift_for``), from a bound on the row's largest entry: with
