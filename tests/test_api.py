@@ -751,9 +751,11 @@ def test_a_num_valid_tokens_that_requires_grad_is_an_error():
 
 @pytest.mark.parametrize("module_class", [FusedLinearCosineDistillLoss, api.FusedLinearJSDLoss])
 def test_a_misspelled_option_on_a_module_raises(module_class):
-    """An assigned name that is no option of the module would be kept as a plain attribute and change nothing: it
-    raises, naming the closest option. An option assigned as a Parameter without grad takes effect (nn.Module would
-    have registered it, clashing with the option); one that requires grad raises as in the constructor."""
+    """An assigned name close to an option of the module, or another loss's option, would be kept as a plain attribute
+    and change nothing: it raises, naming the closest option; a name far from every option is kept, as on any module
+    (torch.ao's propagate_qconfig_ sets qconfig on every submodule, which raised). An option assigned as a Parameter
+    without grad takes effect (nn.Module would have registered it, clashing with the option); one that requires grad
+    raises as in the constructor."""
     module = module_class()
     with pytest.raises(AttributeError, match="has no option 'temprature' \\(did you mean 'temperature'\\?\\)"):
         module.temprature = 4.0
@@ -770,6 +772,8 @@ def test_a_misspelled_option_on_a_module_raises(module_class):
     with pytest.raises(TypeError, match="temperature is a tensor that requires grad"):
         module.temperature = torch.nn.Parameter(torch.tensor(3.0))
     module.compiled, module.return_soft_hard_loss = True, True  # Liger's other attributes stay assignable
+    module.qconfig = None  # a name far from every option, as passes over every submodule set (propagate_qconfig_)
+    assert module.qconfig is None
     module.eval()
     assert len(module(*problem.args())) == 3
 

@@ -207,17 +207,20 @@ class _LossModule(torch.nn.Module):
 
     def __setattr__(self, name, value):
         # An option of this module goes to its property even as a Parameter (nn.Module would register it, clashing
-        # with the property); a new public name is refused, since a misspelled option would be one, ignored.
+        # with the property). A new public name that is another loss's option or close to one of this module's is
+        # refused: a misspelled option would be kept, ignored. Other names are kept, as on any module (the ones
+        # torch's and other tools' passes set on every submodule, e.g. qconfig).
         if isinstance(getattr(type(self), name, None), property):
             object.__setattr__(self, name, value)
-        elif ("_given" in self.__dict__ and not name.startswith("_") and name not in self._attributes
-              and not hasattr(self, name)):
+            return
+        if ("_given" in self.__dict__ and not name.startswith("_") and name not in self._attributes
+                and not hasattr(self, name)):
             close = difflib.get_close_matches(name, [option for option in OPTION_NAMES if hasattr(self, option)], 1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise AttributeError(f"{type(self).__name__} has no option {name!r}{hint}: its options are its "
-                                 "constructor's arguments")
-        else:
-            super().__setattr__(name, value)
+            if close or name in OPTION_NAMES:
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise AttributeError(f"{type(self).__name__} has no option {name!r}{hint}: its options are its "
+                                     "constructor's arguments")
+        super().__setattr__(name, value)
 
     def extra_repr(self):
         """The options given away from the constructor's defaults, e.g. ``FusedLinearJSDLoss(beta=0.1)``."""
