@@ -95,7 +95,7 @@ def make_plan(options: Options, student_weight, student_bias, teacher_weight, te
               needs_grad, vocab_parallel: VocabParallel | None = None, teacher_gram_cached: bool | None = None) -> Plan:
     """The plan for checked tensors. ``teacher_gram_cached``: see ``gram_applies``."""
     backend = checked_backend(options, student_weight, needs_grad)
-    row_step = backend.jsd_row_step if options.loss == "jsd" else backend.cosine_row_step
+    row_step = {"cosine": backend.cosine_row_step, "jsd": backend.jsd_row_step}[options.loss]
     quantized = isinstance(teacher_weight, _teacher_fp8.Fp8TeacherWeight)
     fp8 = options.teacher_precision == "fp8" or quantized
     if fp8:

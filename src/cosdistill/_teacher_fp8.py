@@ -142,7 +142,7 @@ def quantize_teacher_weight(weight: torch.Tensor) -> Fp8TeacherWeight:
 
 
 class Fp8TeacherHead:
-    """Teacher logits through the FP8 GEMM; the same interface as _teacher_logits.TeacherHead."""
+    """Teacher logits through the FP8 GEMM (a _teacher_logits.LogitsHead)."""
 
     def __init__(self, weight: torch.Tensor | Fp8TeacherWeight, bias: torch.Tensor | None, max_rows: int, backend,
                  hash_later: bool = False, compare_later: bool = False, keep: bool = True):

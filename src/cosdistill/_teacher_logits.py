@@ -5,6 +5,7 @@ beside the next sub-chunk's teacher GEMM, which goes into a second buffer (docs/
 buffers, The row step beside the teacher GEMM)."""
 
 import functools
+from typing import Protocol
 
 import torch
 
@@ -14,8 +15,22 @@ from ._fingerprint import as_words
 from ._row_step import RowStepConstants
 
 
+class LogitsHead(Protocol):
+    """What ``LogitsTeacher`` asks of a head: ``TeacherHead`` below, or ``_teacher_fp8.Fp8TeacherHead``."""
+
+    vocab: int  # the logit columns the row step reads
+    logits_dtype: torch.dtype
+    buffer_columns: int  # the GEMM's output columns (vocab, or more where the GEMM pads)
+    poison: torch.Tensor | None  # 0-d, NaN where the cached weight copy it was built from was stale
+    later: object | None  # that copy's content check, left to the first row step (_weight_cache.LaterCheck)
+
+    def buffer_rows(self, rows: int) -> int: ...  # a logits buffer's rows for a sub-chunk of this many
+    def start_chunk(self, hidden: torch.Tensor) -> None: ...  # the chunk's teacher hidden rows
+    def logits_into(self, out: torch.Tensor, start: int, stop: int) -> None: ...  # out[:stop - start] = their logits
+
+
 class TeacherHead:
-    """The teacher's logits GEMM in the weight's own dtype."""
+    """The teacher's logits GEMM in the weight's own dtype (a ``LogitsHead``)."""
 
     poison = None  # a head built from a cached copy of the weight: NaN where that copy was stale (_weight_cache.py)
     later = None  # or that copy's content check, left to the first row step (_weight_cache.LaterCheck)
@@ -72,7 +87,7 @@ class SideStream:
 
 
 class LogitsTeacher:
-    """_chunk_loop.TeacherSide through the teacher's logits: ``head`` (TeacherHead or Fp8TeacherHead) forms
+    """_chunk_loop.TeacherSide through the teacher's logits: ``head`` (a LogitsHead) forms
     them ``rows.teacher`` at a time, and ``row_step`` (the backend's, or its vocabulary-split form) reads them.
     With ``side`` (a SideStream), each row step is queued on the side stream and then, on the caller's, the GEMM
     of the sub-chunk after it (the next chunk's first at a chunk's end), so that the two run together: the step
@@ -82,7 +97,7 @@ class LogitsTeacher:
 
     adds_grad_input_share = False  # d loss / d s alone makes the gradients
 
-    def __init__(self, head, row_step, constants: RowStepConstants, rows: ChunkRows, side: SideStream | None = None,
+    def __init__(self, head: LogitsHead, row_step, constants: RowStepConstants, rows: ChunkRows, side: SideStream | None = None,
                  hashing_step=None, fingerprint=None):
         self.head, self.step, self.constants, self.rows, self.side = head, row_step, constants, rows, side
         self.poison, self.later = head.poison, head.later
