@@ -369,6 +369,28 @@ def test_a_drop_in_for_ligers_module(case):
         assert rel_err(got, want) < 1e-4
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_a_drop_in_for_ligers_module_in_batches_chunks_and_reuse(impl):
+    """As Liger's module: [B, L, H] inputs with [B, L] labels, chunks that do not divide the tokens, a grad_output
+    other than 1, gradients asked of some tensors only, and one module reused on another shape."""
+    liger = pytest.importorskip("liger_kernel.chunked_loss")
+    options = dict(weight_hard_loss=0.3, weight_soft_loss=0.7, beta=0.3, temperature=1.7, chunk_size=5)
+    ours_module = FusedLinearJSDLoss(**options, impl=impl)
+    theirs_module = liger.LigerFusedLinearJSDLoss(**options, compiled=False)
+    for tokens, batch, vocab_teacher, needs_grad in ((24, 3, 131, (True, True, True)), (17, None, 101, (False, True, False))):
+        problem = make_problem(tokens=tokens, batch=batch, vocab_teacher=vocab_teacher, ignore_every=4)
+        inputs = (problem.student_input, problem.student_weight, problem.student_bias)
+        for tensor, needed in zip(inputs, needs_grad):
+            tensor.requires_grad_(needed)
+        wanted = [tensor for tensor in inputs if tensor.requires_grad]
+        ours, theirs = ours_module(*problem.args()), theirs_module(*problem.args())
+        assert rel_err(ours, theirs) < 1e-5, (tokens, ours.item(), theirs.item())
+        grads = torch.autograd.grad(ours, wanted, torch.tensor(2.5))
+        their_grads = torch.autograd.grad(theirs, wanted, torch.tensor(2.5))
+        for got, want in zip(grads, their_grads):
+            assert rel_err(got, want) < 1e-4, tokens
+
+
 def test_options_the_jsd_does_not_take_raise():
     problem = make_problem(tokens=8, bias=False)
     with pytest.raises(ValueError, match=r"beta must be in \[0, 1\]"):
