@@ -263,6 +263,35 @@ def test_peft_lora_student(tmp_path):
         assert torch.equal(after[name], p), name
 
 
+@pytest.mark.parametrize("student_kind", ["tied head", "head bias", "LoRA, head in modules_to_save", "DoRA"])
+def test_heads_and_adapters_are_gkds(tmp_path, student_kind):
+    """A tied head, a head with a bias, a LoRA student whose head PEFT trains as a copy (modules_to_save) and a DoRA
+    student: our compute_loss and its gradients are GKDTrainer's on the collator's batch, the same parameters
+    trained."""
+    peft = pytest.importorskip("peft")
+    head = dict(tie=True) if student_kind == "tied head" else dict(head_bias=True) if student_kind == "head bias" else {}
+    student, teacher = tiny_model("llama", **head), tiny_model("llama", seed=1, **head)
+    adapter = {"LoRA, head in modules_to_save": dict(modules_to_save=["lm_head"]), "DoRA": dict(use_dora=True)}
+    peft_config = (peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                                   **adapter[student_kind]) if student_kind in adapter else None)
+    grads, losses = [], []
+    for trainer_class in (DistillationGKDTrainer, GKDTrainer):
+        trainer = trainer_class(model=copy.deepcopy(student), teacher_model=teacher, args=gkd_config(tmp_path, beta=0.5),
+                                train_dataset=chat_dataset(), processing_class=chat_tokenizer(), peft_config=peft_config)
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
+        trainer.model.train()
+        losses.append(trainer.compute_loss(trainer.model, dict(batch)))
+        losses[-1].backward()
+        grads.append(student_grads(trainer.model))
+    assert losses[1] > 1e-3 and rel_err(losses[0], losses[1]) < 1e-5, [loss.item() for loss in losses]
+    assert grads[0].keys() == grads[1].keys()
+    if peft_config is not None:
+        assert any("lora_" in name for name in grads[0])
+        assert any("modules_to_save" in name for name in grads[0]) == ("modules_to_save" in student_kind)
+    for name, grad in grads[0].items():
+        assert rel_err(grad, grads[1][name]) < 1e-5, name
+
+
 def test_evaluation_and_prediction_losses_are_gkds(tmp_path):
     """evaluate() (the loss alone) and predict() (the loss and the outputs): the losses are GKDTrainer's (two batches,
     each normalised by its own token count); predict() returns no logits, there being none."""
