@@ -49,6 +49,7 @@ from cosdistill.tools.bench import (
     ours_settings,
     round_order,
 )
+from cosdistill.tools.cli import positive_int
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # cuBLAS and Triton launch some kernels through the driver
@@ -56,14 +57,6 @@ GEMM_KINDS = ("student_logits", "teacher_logits", "grad_input", "grad_weight")
 
 
 # --- shared helpers: devices, workloads, timing, profiler traces ---
-
-
-def positive_int(text):
-    """An argparse type: an int above 0 (0 tokens, or a count of -2 calls, silently ran something else)."""
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
 
 
 def synchronize(device: torch.device) -> None:

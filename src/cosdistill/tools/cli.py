@@ -53,6 +53,15 @@ def comma_list(parse_item):
     return parse
 
 
+def positive_int(text):
+    """An argparse type: an int above 0 (0 tokens, or a count of -2 calls, silently ran something else); the
+    benchmark scripts' (benchmarks/diagnose.py, soak.py), whose commands share this module's conventions."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def chunk_size(text):
     return None if text == "auto" else int(text)
 
