@@ -980,10 +980,10 @@ class DistillationMixin:
         student = self.accelerator.unwrap_model(model)
         model_inputs = {key: value for key, value in inputs.items() if key not in NOT_MODEL_INPUTS}
         input_ids, attention_mask = inputs["input_ids"], inputs.get("attention_mask")
-        # Evaluation (not the model's mode: a training step may run the student in eval mode, without dropout)
+        # Told by prediction_step, not by the model's mode: a training step may run the student in eval mode
         evaluating = self._predicting
         if evaluating:
-            # Evaluation: each batch's own mean, as one process's evaluation. The Trainer's count there is over all
+            # Each batch's own mean, as one process's evaluation. The Trainer's count there is over all
             # processes' batches, the rows accelerate repeats to even out the last ones among them, whose losses
             # gather_for_metrics then drops: the batch that kept its row was divided by targets not its own.
             num_items_in_batch = None
