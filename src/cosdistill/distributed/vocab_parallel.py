@@ -74,10 +74,10 @@ class VocabParallelOptions:
         """This rank's rows of a full teacher head weight or bias."""
         vocab_teacher = self.vocab_student if self.vocab_teacher is None else self.vocab_teacher
         if full.shape[0] != vocab_teacher:  # a larger head's rows past it would be left out of the loss, silently
-            named = "" if self.vocab_teacher is not None else ": a teacher vocabulary larger than the student's needs " \
-                "vocab_teacher (VocabParallelOptions.even_split sets it)"
+            hint = ("" if self.vocab_teacher is not None else ": a teacher vocabulary larger than the student's needs "
+                    "vocab_teacher (VocabParallelOptions.even_split sets it)")
             raise ValueError(f"teacher_rows needs the full teacher head ({vocab_teacher} rows), got "
-                             f"{tuple(full.shape)}{named}")
+                             f"{tuple(full.shape)}{hint}")
         return full[self.start : self.stop]
 
     def student_rows(self, full: torch.Tensor) -> torch.Tensor:
