@@ -73,7 +73,7 @@ def dtype(name):
 
 
 def build_parser():
-    parser = OneLineErrorParser(prog="cosdistill", description=__doc__)
+    parser = OneLineErrorParser(prog="cosdistill", description=__doc__.replace("``", ""))
     commands = parser.add_subparsers(dest="command", required=True)
     bench_parser = commands.add_parser(
         "bench",
