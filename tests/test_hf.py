@@ -253,6 +253,25 @@ def test_a_config_scale_or_softcap_changed_after_the_first_call_is_checked_again
     assert rel_err(distill_loss(gemma2, teacher, **batch), want) < 1e-5
 
 
+def test_the_models_own_scale_or_a_hook_on_its_head_changed_after_the_first_call_is_checked_again():
+    """The check was keyed on the config alone: Cohere's own copy of the scale set on the model, or a forward hook
+    put on the head, after the first call gave the loss of logits the model no longer makes (1.94 against its own
+    2.20, with no error). Either now runs the check again, which raises."""
+    cohere, llama, teacher, batch = tiny_model("cohere"), tiny_model("llama"), tiny_model("llama", seed=1), make_batch()
+    distill_loss(cohere, teacher, **batch)
+    cohere.logit_scale = 10.0
+    with pytest.raises(ValueError, match="student's logits differ from its LM head's output"):
+        distill_loss(cohere, teacher, **batch)
+    distill_loss(llama, teacher, **batch)
+    handle = llama.lm_head.register_forward_hook(lambda module, args, output: output * 10.0)
+    with pytest.raises(ValueError, match="student's logits differ from its LM head's output"):
+        distill_loss(llama, teacher, **batch)
+    handle.remove()  # a hook that leaves the logits alone passes the check again
+    llama.lm_head.register_forward_hook(lambda module, args, output: None)
+    (want, _, _), _ = reference(llama, teacher, batch)
+    assert rel_err(distill_loss(llama, teacher, **batch), want) < 1e-5
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     teacher, batch = tiny_model("llama", seed=1).eval(), make_batch()
     grads = []

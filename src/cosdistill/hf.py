@@ -9,6 +9,7 @@ either model; ``DistillationTrainer`` is a ``transformers.Trainer`` that trains 
 import collections.abc
 import contextlib
 import inspect
+import numbers
 import sys
 import weakref
 
@@ -223,6 +224,21 @@ def without_student_adapters(student, teacher):
             "of its own, or the PeftModel student, whose disable_adapter() the teacher's forward then runs under"
         )
     return student.disable_adapter()
+
+
+def teacher_forward_model(student, teacher):
+    """The model whose forward gives the teacher's hidden states: the student as passed (wrappers included) where
+    the teacher is the PEFT student's own base model or the student itself, else the teacher. Through the student,
+    the forward runs the hooks on the student's root: FSDP2's ``fully_shard`` of the PeftModel gathers the
+    embeddings and the final norm there, which a forward of the base model alone finds sharded. The adapters are
+    turned off around it by ``without_student_adapters``; the head and config are the student's, its check too. A
+    prompt-learning student's base model runs as itself: through the student it would see the virtual tokens."""
+    inner, teacher_inner = unwrapped(student), unwrapped(teacher)
+    config = getattr(inner, "active_peft_config", None)  # PEFT's PeftModel
+    if teacher_inner is inner or (config is not None and not config.is_prompt_learning
+                                  and teacher_inner is inner.get_base_model()):
+        return student
+    return teacher
 
 
 # The model inputs that mark a packed batch's sequence boundaries.
@@ -469,6 +485,22 @@ def config_logit_scale(config) -> float:
     return scaling if config.model_type == "hyperclovax" else 1.0 / scaling
 
 
+# The names under which a family keeps its own copy of a logit scale or softcap on the model (Cohere's logit_scale,
+# Falcon-H1's lm_head_multiplier), as its config names them.
+MODEL_COPY_NAMES = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling",
+                    "final_logit_softcapping", "output_logit_soft_cap", "logits_soft_cap")
+
+
+def head_check_key(model, head) -> tuple:
+    """What ``check_head_reproduces_logits`` holds for a model: its config's softcap and scale, the model's own copies
+    of them (``MODEL_COPY_NAMES``) and the hooks on its head; a change to any runs the check again."""
+    config = model.config.get_text_config()
+    copies = tuple(value if isinstance(value := getattr(model, name, None), numbers.Real) else None
+                   for name in MODEL_COPY_NAMES)
+    return config_softcap(config), config_logit_scale(config), copies, tuple(head._forward_pre_hooks), \
+        tuple(head._forward_hooks)
+
+
 HEAD_CHECK_TOKENS = 8  # the probe's length: enough positions to compare, too few to cost anything
 # Relative, of the logits, by the dtype the head runs in: a few times its rounding (fp32's: TF32's, where one of the
 # two products might take it), far under a rescaling. 16-bit heads cannot see a multiplier within 2% of 1.
@@ -489,14 +521,12 @@ def check_head_reproduces_logits(model, name="model") -> None:
     """Raise unless ``head_inputs`` reproduces the model's own logits: on a probe of a few token ids, once per
     model, the head's output scaled and softcapped as its config says must equal ``model(...).logits``. A family
     that treats its logits otherwise (a multiplier under another config name, logits cut to an unpadded
-    vocabulary, ...) would otherwise get a wrong loss without a word. Checked again where the config's scale or softcap
-    has changed since (a family's own copy of them, made when the model was, cannot be seen: change neither after the
-    first call)."""
-    config = model.config.get_text_config()
-    read = (config_softcap(config), config_logit_scale(config))
+    vocabulary, ...) would otherwise get a wrong loss without a word. Checked again where what it held has changed
+    since (``head_check_key``: the config's scale or softcap, the model's own copy of them, a hook put on the head)."""
+    head = lm_head(model, name)
+    read = head_check_key(model, head)
     if _heads_checked.get(model) == read:
         return
-    head = lm_head(model, name)
     captured = []  # the head's input, and the dtype the head ran in under autocast (accelerate's wrapped forward)
 
     def capture(_module, args):
@@ -546,6 +576,14 @@ def check_head_reproduces_logits(model, name="model") -> None:
             "not know (e.g. a logit multiplier under another config name), or does not apply what its config sets"
         )
     _heads_checked[model] = read
+
+
+def check_heads_reproduce_logits(student, teacher) -> None:
+    """``check_head_reproduces_logits`` of both models; a teacher that is the student's own base model has the
+    student's head and config, checked with the student (its own forward could not run alone under FSDP2)."""
+    check_head_reproduces_logits(student, "student")
+    if teacher_forward_model(student, teacher) is teacher:
+        check_head_reproduces_logits(teacher, "teacher")
 
 
 # --- The loss of two models and a batch.
@@ -604,8 +642,8 @@ def distill_loss(
         raise TypeError("input_ids is required unless both student_hidden and teacher_hidden are given")
     # A DDP-wrapped model runs its forward through the wrapper (its gradient sync) and is read inside it.
     student_model, teacher_model = wrapped_model(student), wrapped_model(teacher)
-    check_head_reproduces_logits(student_model, "student")  # before the models run (once per model)
-    check_head_reproduces_logits(teacher_model, "teacher")
+    check_heads_reproduce_logits(student_model, teacher_model)  # before the models run (once per model)
+    teacher_runner = teacher_forward_model(student, teacher)
     model_inputs = model_inputs or {}
     targets = next_token_targets(labels, attention_mask, position_ids=model_inputs.get("position_ids"),
                                  ignore_index=ignore_index, cu_seq_lens=model_inputs.get("cu_seq_lens_q"))
@@ -613,9 +651,9 @@ def distill_loss(
         student_hidden = final_hidden_states(student, input_ids, attention_mask, lm_head(student_model, "student"),
                                              **model_inputs)
     if teacher_hidden is None:
-        with torch.no_grad(), in_eval_mode(teacher), without_student_adapters(student_model, teacher_model):
-            teacher_hidden = final_hidden_states(teacher, input_ids, attention_mask, lm_head(teacher_model, "teacher"),
-                                                 **model_inputs)
+        with torch.no_grad(), in_eval_mode(teacher_runner), without_student_adapters(student_model, teacher_model):
+            teacher_hidden = final_hidden_states(teacher_runner, input_ids, attention_mask,
+                                                 lm_head(teacher_model, "teacher"), **model_inputs)
     student_hidden, teacher_hidden, targets = trained_rows(student_hidden, teacher_hidden, targets, ignore_index)
     return loss_of_hidden_states(
         student_model, teacher_model, student_hidden, teacher_hidden, targets, loss=loss,
@@ -648,8 +686,9 @@ def loss_of_hidden_states(student, teacher, student_hidden, teacher_hidden, targ
     (``vocab_split``); the other arguments are ``distill_loss``'s."""
     check_loss_options(loss, loss_options)
     check_teacher_head_is_not_a_trained_copy(student, teacher)
-    check_head_reproduces_logits(student, "student")  # once per model
-    check_head_reproduces_logits(teacher, "teacher")
+    check_heads_reproduce_logits(student, teacher)  # once per model
+    # The student's own base model: its head read through the student, whose FSDP2 root gathers it
+    teacher = teacher_forward_model(student, teacher)
     with torch.no_grad():
         teacher_args = head_inputs(teacher, teacher_hidden, "teacher")
     hidden, weight, bias, softcap, logit_scale = head_inputs(student, student_hidden, "student")

@@ -49,6 +49,7 @@ from .hf import (
     loss_of_hidden_states,
     nonzero_count,
     split_head_rows,
+    teacher_forward_model,
     tensor_parallel_size,
     without_student_adapters,
 )
@@ -372,8 +373,8 @@ def _define_gkd_trainer():
                 # modules shared with the student stay off until training_step's model.train(), as in GKDTrainer)
                 self.teacher_model.eval()
                 with torch.no_grad(), without_student_adapters(student, teacher):
-                    teacher_hidden = final_hidden_states(self.teacher_model, input_ids, attention_mask,
-                                                         lm_head(teacher, "teacher"))
+                    teacher_hidden = final_hidden_states(teacher_forward_model(model, self.teacher_model), input_ids,
+                                                         attention_mask, lm_head(teacher, "teacher"))
                 # No attention mask: the targets are labels[:, 1:] as they are, masked by -100 alone (as TRL's).
                 loss = distill_loss(
                     student, teacher, None, None, labels, loss="jsd", student_hidden=hidden,

@@ -79,6 +79,53 @@ def measure_rank(rank, folder):
     dist.destroy_process_group()
 
 
+def measure_lora_rank(rank, folder):
+    """A LoRA student under fully_shard whose teacher is its own base model: the teacher's forward runs through the
+    student's root (its FSDP2 hooks gather the embeddings and norm) with the adapters off."""
+    peft = pytest.importorskip("peft")
+    store = dist.FileStore(os.path.join(folder, "store"), WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    options = dict(weight_hard_loss=0.3, weight_soft_loss=1.7, beta=0.7, loss="jsd")
+    base, batch = tiny_llama(128, 0), batch_of(WORLD)
+    reference_base = copy.deepcopy(base)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=0.0)
+    student = peft.get_peft_model(base, config)
+    whole = copy.deepcopy(student)
+    distill_loss(whole, reference_base, **batch, **options).backward()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    results = {}
+    for reshard in (None, True, False):
+        model = copy.deepcopy(student)
+        for layer in model.get_base_model().model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        share = {key: value[2 * rank: 2 * rank + 2] for key, value in batch.items()}
+        num_valid = data_parallel_num_valid_tokens(next_token_targets(share["labels"], share["attention_mask"]))
+        for _ in range(2):  # two accumulated micro-steps: twice the whole-batch gradient
+            distill_loss(model, model.get_base_model(), **share, num_valid_tokens=num_valid, **options).backward()
+        trained = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+        wants = [param.grad for param in whole.parameters() if param.requires_grad]
+        assert trained and all("lora_" in name for name, _ in trained)
+        results[str(reshard)] = max(rel_err(param.grad.full_tensor(), 2 * want) for (_, param), want in zip(trained, wants))
+    if rank == 0:
+        with open(os.path.join(folder, "errors.json"), "w") as file:
+            json.dump(results, file)
+    dist.barrier()
+    del model, whole
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def test_a_lora_student_whose_teacher_is_its_own_base_model(tmp_path):
+    pytest.importorskip("peft")
+    mp.spawn(measure_lora_rank, args=(str(tmp_path),), nprocs=WORLD)
+    errors = json.loads((tmp_path / "errors.json").read_text())
+    assert set(errors) == {"None", "True", "False"}
+    for reshard, error in errors.items():
+        assert error < 1e-5, (reshard, error)
+
+
 def test_gradients_under_fully_shard_equal_one_process_on_the_whole_batch(tmp_path):
     mp.spawn(measure_rank, args=(str(tmp_path),), nprocs=WORLD)
     errors = json.loads((tmp_path / "errors.json").read_text())
