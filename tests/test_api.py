@@ -577,6 +577,25 @@ def test_scalar_options_must_be_finite_numbers(loss, name, value, error, message
 
 
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
+@pytest.mark.parametrize("name", ["beta", "temperature", "weight_soft_loss"])
+def test_an_option_with_a_forward_mode_tangent_is_refused(loss, name):
+    """A forward-mode dual (torch.autograd.forward_ad) as an option was read as its primal: the loss came back with
+    no tangent where the spec has d loss / d option, as a reverse-mode one would get no gradient."""
+    import torch.autograd.forward_ad as forward_ad
+
+    from cosdistill.testing import FUSED_LOSSES
+
+    problem = make_problem(tokens=9)
+    module_class = api.FusedLinearJSDLoss if loss == "jsd" else FusedLinearCosineDistillLoss
+    with forward_ad.dual_level():
+        value = forward_ad.make_dual(torch.tensor(0.7, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+        with pytest.raises(TypeError, match=f"{name} is a tensor that requires grad \\(or carries a forward-mode"):
+            FUSED_LOSSES[loss](*problem.args(), **{name: value})
+        with pytest.raises(TypeError, match="carries a forward-mode tangent"):
+            module_class(**{name: value})
+
+
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
 def test_scalar_options_take_any_real_number_type(loss):
     """Ints, NumPy scalars and one-element tensors give the float's loss; chunk_size takes NumPy's ints too."""
     import numpy as np

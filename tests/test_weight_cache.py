@@ -447,22 +447,24 @@ def test_a_negated_view_of_the_same_storage_is_another_weight():
         assert_same(call(weight, student, cosine_via="gram"), call(weight.clone(), student, cosine_via="logits"))
 
 
-def test_an_fp32_heads_gram_matrix_is_rebuilt_when_tf32_is_switched():
-    """cuBLAS may round an fp32 head to TF32 in W_t^T W_t: a matrix built under one setting is rebuilt under the
-    other."""
+@pytest.mark.parametrize("backend, rounded", [(torch.backends.cuda, "tf32"), (torch.backends.mkldnn, "bf16")],
+                         ids=["cuBLAS", "oneDNN"])
+def test_an_fp32_heads_gram_matrix_is_rebuilt_when_the_fp32_precision_is_switched(backend, rounded):
+    """cuBLAS may round an fp32 head to TF32 in W_t^T W_t, oneDNN (a CPU with bf16 units) to bf16: a matrix built
+    under one setting is rebuilt under the other."""
     builds = []
     cache = weight_cache.WeightCache("sum", lambda weight: builds.append(1) or weight.sum(),
                                      built_under=gram._fp32_matmul_precision)
     head = teacher_module()
-    bf16_head = head.weight.bfloat16()  # cuBLAS reads bf16 as it is: one build under every setting
-    saved = torch.backends.cuda.matmul.fp32_precision
+    bf16_head = head.weight.bfloat16()  # read as it is: one build under every setting
+    saved = backend.matmul.fp32_precision
     try:
-        for precision in ("ieee", "ieee", "tf32", "tf32", "ieee"):
-            torch.backends.cuda.matmul.fp32_precision = precision
+        for precision in ("ieee", "ieee", rounded, rounded, "ieee"):
+            backend.matmul.fp32_precision = precision
             cache.get(head.weight, TORCH)
             cache.get(bf16_head, TORCH)
     finally:
-        torch.backends.cuda.matmul.fp32_precision = saved
+        backend.matmul.fp32_precision = saved
     assert len(builds) == 3 + 1
     assert gram.teacher_grams.built_under is gram._fp32_matmul_precision
 

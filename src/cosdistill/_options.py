@@ -12,6 +12,7 @@ import operator
 import sys
 
 import torch
+from torch.autograd import forward_ad
 
 from . import _teacher_fp8
 from ._backends import IMPLS
@@ -30,14 +31,21 @@ def is_real_scalar_tensor(value) -> bool:
     return torch.is_tensor(value) and value.numel() == 1 and not (value.dtype.is_complex or value.dtype == torch.bool)
 
 
+def has_forward_tangent(tensor) -> bool:
+    """Whether the tensor is a forward-mode AD dual (``torch.autograd.forward_ad``); not asked while torch.compile
+    traces."""
+    return not torch.compiler.is_compiling() and forward_ad.unpack_dual(tensor).tangent is not None
+
+
 def check_finite_real(name: str, value) -> None:
     """TypeError unless ``value`` is a real number (a one-element real tensor counts, read on the host), ValueError
     unless finite: a string or a NaN would otherwise reach the row step's constants as a number."""
     is_tensor = torch.is_tensor(value)
     if isinstance(value, bool) or not (is_real_scalar_tensor(value) or (not is_tensor and isinstance(value, numbers.Real))):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    if is_tensor and value.requires_grad:
-        raise TypeError(f"{name} is a tensor that requires grad, and the loss gives its options no gradient: pass "
+    if is_tensor and (value.requires_grad or has_forward_tangent(value)):
+        raise TypeError(f"{name} is a tensor that requires grad (or carries a forward-mode tangent), and the loss "
+                        f"gives its options no gradient: pass "
                         f"{name}.detach(); for learned loss weights, call the loss once per term (weight_hard_loss=1, "
                         "weight_soft_loss=0, then the reverse) and weight the two losses, whose gradients are each "
                         "term's (the soft and hard terms return_soft_hard_loss gives are for logging: no gradient)")

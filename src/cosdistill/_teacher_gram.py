@@ -77,11 +77,14 @@ def _build_teacher_gram(teacher_weight: torch.Tensor) -> tuple[tuple[torch.Tenso
     return _split(matrix, weight.dtype), matrix.abs().amax()
 
 
-def _fp32_matmul_precision(teacher_weight: torch.Tensor) -> str | None:
-    """For an fp32 head, cuBLAS's fp32 precision ("tf32" rounds the head in its Gram matrix): a matrix built under
-    one setting is not what a call under another builds (the CPU ignores it, and rebuilds when it changes too).
-    Not the legacy ``allow_tf32``, which raises where a program set both it and this."""
-    return torch.backends.cuda.matmul.fp32_precision if teacher_weight.dtype == torch.float32 else None
+def _fp32_matmul_precision(teacher_weight: torch.Tensor) -> tuple[str, str] | None:
+    """For an fp32 head, the fp32 precision of cuBLAS's and oneDNN's matmuls ("tf32" or "bf16" round the head in its
+    Gram matrix): a matrix built under one setting is not what a call under another builds (a change of the other
+    device's setting rebuilds it too). Not the legacy ``allow_tf32``, which raises where a program set both it and
+    this."""
+    if teacher_weight.dtype != torch.float32:
+        return None
+    return torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision
 
 
 teacher_grams = WeightCache("Gram matrix W_t^T W_t", _build_teacher_gram, built_under=_fp32_matmul_precision)
