@@ -1050,6 +1050,26 @@ def test_a_teacher_running_through_the_student_s_adapters_runs_with_them_off(los
         assert rel_err(student(**inputs).logits, reference_base(**inputs).logits) > 1e-3
 
 
+@pytest.mark.parametrize("loss", ["cosine", "jsd"])
+def test_a_prompt_learning_student_as_its_own_teacher_is_its_base_model(loss):
+    """A prompt-tuned PeftModel as its own teacher ran with its virtual tokens: the teacher was the student, the soft
+    loss 0. It runs under disable_adapter(), the base model's forward, as a LoRA student's does."""
+    peft = pytest.importorskip("peft")
+    base = tiny_model("llama")
+    reference_base = copy.deepcopy(base)
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    student, batch = peft.get_peft_model(base, config), make_batch()
+    reference_student = copy.deepcopy(student)
+    got = distill_loss(student, student, **batch, loss=loss, return_soft_hard_loss=True, **OPTIONS)
+    want = distill_loss(reference_student, reference_base, **batch, loss=loss, return_soft_hard_loss=True, **OPTIONS)
+    assert want[1] > 1e-3 and all(rel_err(g, w) < 1e-5 for g, w in zip(got, want)), (got, want)
+    got[0].backward()
+    want[0].backward()
+    trained = [(name, p, q) for (name, p), q in zip(student.named_parameters(), reference_student.parameters())
+               if p.requires_grad]
+    assert trained and all(rel_err(p.grad, q.grad) < 1e-5 for _, p, q in trained)
+
+
 def test_the_trainer_s_teacher_as_the_lora_student_s_base_model(tmp_path):
     student, reference_base = lora_student_and_its_base()
     reference_student, rows = copy.deepcopy(student), dataset([9, 6, 4])

@@ -205,18 +205,21 @@ def in_eval_mode(model):
 def without_student_adapters(student, teacher):
     """A context for the teacher's forward: where it would run through PEFT adapter layers (LoRA, DoRA, IA3, ...)
     that it shares with the student, with their adapters on (the teacher is the PEFT student's base model, or the
-    student itself), the student's ``disable_adapter()``, so that the teacher is the base model and not the student
-    (whose soft loss against itself is 0); otherwise nothing. Raises where the adapters cannot be turned off that way
-    (a student that is not a ``PeftModel``, or a prompt-learning one)."""
+    student itself), or where it is a prompt-learning student itself, the student's ``disable_adapter()``, so that
+    the teacher is the base model and not the student (whose soft loss against itself is 0); otherwise nothing.
+    Raises where shared adapter layers cannot be turned off that way (a student that is not a ``PeftModel``, or a
+    prompt-learning one)."""
+    student, teacher = unwrapped(student), unwrapped(teacher)
+    config = getattr(student, "active_peft_config", None)
+    if teacher is student and config is not None and config.is_prompt_learning:
+        return student.disable_adapter()  # its base model's forward: no virtual tokens
     tuners = sys.modules.get("peft.tuners.tuners_utils")  # no PEFT imported: no adapter layers
     if tuners is None:
         return contextlib.nullcontext()
-    student, teacher = unwrapped(student), unwrapped(teacher)
     adapters_on = {id(module) for module in student.modules()
                    if isinstance(module, tuners.BaseTunerLayer) and not module.disable_adapters}
     if not any(id(module) in adapters_on for module in teacher.modules()):
         return contextlib.nullcontext()
-    config = getattr(student, "active_peft_config", None)
     if not hasattr(student, "disable_adapter") or config is None or config.is_prompt_learning:
         raise ValueError(
             f"the teacher runs through the student's PEFT adapter layers with their adapters on, so it would be the "
