@@ -478,6 +478,9 @@ def test_loss_labels_leave_exactly_the_loss_targets():
         with pytest.raises(TypeError, match="positional"):
             helper(labels, attention_mask, position_ids)
     assert next_token_targets(labels, ignore_index=-1)[:, -1].tolist() == [-1, -1, -1]
+    # a packed one-token sequence (DataCollatorWithFlattening's position_ids 0, 0): its token is a sequence of its own
+    one_token = next_token_targets(torch.tensor([[5, 6, 7, 8]]), position_ids=torch.tensor([[0, 0, 1, 2]]))
+    assert one_token.tolist() == [[-100, 7, 8, -100]]
 
 
 def test_position_ids_of_one_row_serve_every_row_as_in_the_models():

@@ -447,6 +447,43 @@ def test_a_negated_view_of_the_same_storage_is_another_weight():
         assert_same(call(weight, student, cosine_via="gram"), call(weight.clone(), student, cosine_via="logits"))
 
 
+def test_a_weight_found_stale_on_the_cpu_is_built_for_each_call_since():
+    """The error says so: after it the weight's value is built for each call, so later changes behind its version
+    counter give fresh answers, not the error again."""
+    generator = torch.Generator().manual_seed(7)
+    head, student = teacher_module(generator=generator), student_and_labels(generator=generator)
+    call(head.weight, student, cosine_via="gram")
+    copy_through_data(head, generator)
+    with pytest.raises(StaleWeightError, match="afresh at each call"):
+        call(head.weight, student, cosine_via="gram")
+    for _ in range(2):
+        copy_through_data(head, generator)
+        assert_same(call(head.weight, student, cosine_via="gram"),
+                    call(head.weight.clone(), student, cosine_via="logits"))
+
+
+def views_of_one_storage():
+    """Pairs of weights alike in all but one part of the cache's identity: (what differs, the two weights)."""
+    generator = torch.Generator().manual_seed(6)
+    rows = torch.randn(2 * VOCAB, HIDDEN_TEACHER, generator=generator)
+    square = torch.randn(HIDDEN_TEACHER, HIDDEN_TEACHER, generator=generator)
+    bf16 = (torch.randn(VOCAB, HIDDEN_TEACHER, generator=generator) * 0.3).bfloat16()
+    return [("offset", rows[:VOCAB], rows[VOCAB:]), ("strides", square, square.t()),
+            ("dtype", bf16, bf16.view(torch.float16))]
+
+
+@pytest.mark.parametrize("differs, first, second", views_of_one_storage(), ids=lambda value: value
+                         if isinstance(value, str) else "")
+def test_views_of_one_storage_that_differ_in_one_part_of_the_identity_each_get_their_own_value(differs, first, second):
+    """Two row blocks of one tensor (the offset), a square head and its transpose (the strides), a bf16 head read as
+    fp16 (the dtype, which alone told the two apart: the same bits, the same hash) each get the value built for
+    them, in turn, with no StaleWeightError."""
+    cache = weight_cache.WeightCache("copy", lambda weight: weight.clone())
+    for weight in (first, second, first, second):
+        got = cache.get(weight, TORCH).value
+        assert got.dtype == weight.dtype and torch.equal(got, weight), differs
+
+
 @pytest.mark.parametrize("backend, rounded", [(torch.backends.cuda, "tf32"), (torch.backends.mkldnn, "bf16")],
                          ids=["cuBLAS", "oneDNN"])
 def test_an_fp32_heads_gram_matrix_is_rebuilt_when_the_fp32_precision_is_switched(backend, rounded):
