@@ -1028,6 +1028,22 @@ def lora_student_and_its_base(base=None):
     return peft.get_peft_model(base, config), reference_base
 
 
+def assert_the_teacher_is_the_base_model(student, teacher, reference_student, reference_base, batch, loss):
+    """The loss (with a soft term) and the trained parameters' gradients are those against a copy of the base model;
+    returns the trained parameters' names."""
+    got = distill_loss(student, teacher, **batch, loss=loss, return_soft_hard_loss=True, **OPTIONS)
+    want = distill_loss(reference_student, reference_base, **batch, loss=loss, return_soft_hard_loss=True, **OPTIONS)
+    assert want[1] > 1e-3 and all(rel_err(g, w) < 1e-5 for g, w in zip(got, want)), (got, want)
+    got[0].backward()
+    want[0].backward()
+    trained = [(name, p, q) for (name, p), q in zip(student.named_parameters(), reference_student.parameters())
+               if p.requires_grad]
+    assert trained
+    for name, p, q in trained:
+        assert rel_err(p.grad, q.grad) < 1e-5, name
+    return [name for name, _, _ in trained]
+
+
 @pytest.mark.parametrize("loss", ["cosine", "jsd"])
 @pytest.mark.parametrize("teacher_is", ["base model", "student"])
 def test_a_teacher_running_through_the_student_s_adapters_runs_with_them_off(loss, teacher_is):
@@ -1038,16 +1054,8 @@ def test_a_teacher_running_through_the_student_s_adapters_runs_with_them_off(los
     student, reference_base = lora_student_and_its_base()
     reference_student, batch = copy.deepcopy(student), make_batch()
     teacher = student.get_base_model() if teacher_is == "base model" else student
-    got = distill_loss(student, teacher, **batch, loss=loss, return_soft_hard_loss=True, **OPTIONS)
-    want = distill_loss(reference_student, reference_base, **batch, loss=loss, return_soft_hard_loss=True, **OPTIONS)
-    assert want[1] > 1e-3 and all(rel_err(g, w) < 1e-5 for g, w in zip(got, want)), (got, want)
-    got[0].backward()
-    want[0].backward()
-    trained = [(name, p, q) for (name, p), q in zip(student.named_parameters(), reference_student.parameters())
-               if p.requires_grad]
-    assert trained and all("lora_" in name for name, _, _ in trained)
-    for name, p, q in trained:
-        assert rel_err(p.grad, q.grad) < 1e-5, name
+    trained = assert_the_teacher_is_the_base_model(student, teacher, reference_student, reference_base, batch, loss)
+    assert all("lora_" in name for name in trained)
     with torch.no_grad():  # the adapters on again: the student is not its base model
         inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         assert rel_err(student(**inputs).logits, reference_base(**inputs).logits) > 1e-3
@@ -1063,14 +1071,7 @@ def test_a_prompt_learning_student_as_its_own_teacher_is_its_base_model(loss):
     config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
     student, batch = peft.get_peft_model(base, config), make_batch()
     reference_student = copy.deepcopy(student)
-    got = distill_loss(student, student, **batch, loss=loss, return_soft_hard_loss=True, **OPTIONS)
-    want = distill_loss(reference_student, reference_base, **batch, loss=loss, return_soft_hard_loss=True, **OPTIONS)
-    assert want[1] > 1e-3 and all(rel_err(g, w) < 1e-5 for g, w in zip(got, want)), (got, want)
-    got[0].backward()
-    want[0].backward()
-    trained = [(name, p, q) for (name, p), q in zip(student.named_parameters(), reference_student.parameters())
-               if p.requires_grad]
-    assert trained and all(rel_err(p.grad, q.grad) < 1e-5 for _, p, q in trained)
+    assert_the_teacher_is_the_base_model(student, student, reference_student, reference_base, batch, loss)
 
 
 def test_the_trainer_s_teacher_as_the_lora_student_s_base_model(tmp_path):
