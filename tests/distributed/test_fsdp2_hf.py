@@ -46,6 +46,24 @@ def batch_of(world):
     return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
 
+def two_accumulated_steps(model, teacher, batch, rank, options):
+    """This rank's share of the batch, twice, over the global count: twice the whole-batch gradient."""
+    share = {key: value[2 * rank: 2 * rank + 2] for key, value in batch.items()}
+    num_valid = data_parallel_num_valid_tokens(next_token_targets(share["labels"], share["attention_mask"]))
+    for _ in range(2):
+        distill_loss(model, teacher, **share, num_valid_tokens=num_valid, **options).backward()
+
+
+def write_and_tear_down(rank, folder, results):
+    if rank == 0:
+        with open(os.path.join(folder, "errors.json"), "w") as file:
+            json.dump(results, file)
+    # The example's teardown (examples/torchrun_ddp.py): without it a rank now and then aborted at exit (SIGABRT)
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def measure_rank(rank, folder):
     store = dist.FileStore(os.path.join(folder, "store"), WORLD)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
@@ -63,20 +81,11 @@ def measure_rank(rank, folder):
         if head_unit:
             fully_shard(model.lm_head, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        share = {key: value[2 * rank: 2 * rank + 2] for key, value in batch.items()}
-        num_valid = data_parallel_num_valid_tokens(next_token_targets(share["labels"], share["attention_mask"]))
-        for _ in range(2):  # two accumulated micro-steps: twice the whole-batch gradient
-            distill_loss(model, teacher, **share, num_valid_tokens=num_valid, **options).backward()
+        two_accumulated_steps(model, teacher, batch, rank, options)
         grads = [param.grad.full_tensor() for param in model.parameters()]
         results[f"{reshard} {head_unit}"] = max(rel_err(got, 2 * want.grad) for got, want in zip(grads, whole.parameters()))
-    if rank == 0:
-        with open(os.path.join(folder, "errors.json"), "w") as file:
-            json.dump(results, file)
-    # The example's teardown (examples/torchrun_ddp.py): without it a rank now and then aborted at exit (SIGABRT)
-    dist.barrier()
     del model, whole
-    gc.collect()
-    dist.destroy_process_group()
+    write_and_tear_down(rank, folder, results)
 
 
 def measure_lora_rank(rank, folder):
@@ -100,21 +109,13 @@ def measure_lora_rank(rank, folder):
         for layer in model.get_base_model().model.layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        share = {key: value[2 * rank: 2 * rank + 2] for key, value in batch.items()}
-        num_valid = data_parallel_num_valid_tokens(next_token_targets(share["labels"], share["attention_mask"]))
-        for _ in range(2):  # two accumulated micro-steps: twice the whole-batch gradient
-            distill_loss(model, model.get_base_model(), **share, num_valid_tokens=num_valid, **options).backward()
+        two_accumulated_steps(model, model.get_base_model(), batch, rank, options)
         trained = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
         wants = [param.grad for param in whole.parameters() if param.requires_grad]
         assert trained and all("lora_" in name for name, _ in trained)
         results[str(reshard)] = max(rel_err(param.grad.full_tensor(), 2 * want) for (_, param), want in zip(trained, wants))
-    if rank == 0:
-        with open(os.path.join(folder, "errors.json"), "w") as file:
-            json.dump(results, file)
-    dist.barrier()
     del model, whole
-    gc.collect()
-    dist.destroy_process_group()
+    write_and_tear_down(rank, folder, results)
 
 
 def test_a_lora_student_whose_teacher_is_its_own_base_model(tmp_path):
