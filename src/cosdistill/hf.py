@@ -461,10 +461,14 @@ def head_inputs(model, hidden, name="model"):
     return hidden, weight, bias, config_softcap(config), config_logit_scale(config)
 
 
+SOFTCAP_NAMES = ("final_logit_softcapping", "output_logit_soft_cap", "logits_soft_cap")  # config_softcap's
+MULTIPLIER_NAMES = ("logit_scale", "output_multiplier", "lm_head_multiplier")  # config_logit_scale's, in its order
+
+
 def config_softcap(config) -> float | None:
     """The softcap c of logits = c tanh(logits / c): Gemma-2's ``final_logit_softcapping``, xLSTM's
     ``output_logit_soft_cap``, RecurrentGemma's ``logits_soft_cap``; None where none is set."""
-    return first_set(config, ("final_logit_softcapping", "output_logit_soft_cap", "logits_soft_cap"))
+    return first_set(config, SOFTCAP_NAMES)
 
 
 def first_set(config, names):
@@ -479,7 +483,7 @@ def config_logit_scale(config) -> float:
     the hidden states by it before the head, where they are captured; 1 where none is set. The first call's check
     (check_head_reproduces_logits) holds each model's own logits to it: a family that applies one of these otherwise
     raises there."""
-    multiplier = first_set(config, ("logit_scale", "output_multiplier", "lm_head_multiplier"))
+    multiplier = first_set(config, MULTIPLIER_NAMES)
     if multiplier is not None:
         return multiplier
     scaling = getattr(config, "logits_scaling", None)
@@ -490,8 +494,7 @@ def config_logit_scale(config) -> float:
 
 # The names under which a family keeps its own copy of a logit scale or softcap on the model (Cohere's logit_scale,
 # Falcon-H1's lm_head_multiplier), as its config names them.
-MODEL_COPY_NAMES = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling",
-                    "final_logit_softcapping", "output_logit_soft_cap", "logits_soft_cap")
+MODEL_COPY_NAMES = (*MULTIPLIER_NAMES, "logits_scaling", *SOFTCAP_NAMES)
 
 
 def head_check_key(model, head) -> tuple:
