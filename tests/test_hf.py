@@ -656,11 +656,35 @@ def test_train_summary_and_predict_report_soft_and_hard(tmp_path):
     assert trainer._eval_sums is None
 
 
-@pytest.mark.parametrize("nan_inf_filter", [True, False])
-def test_soft_and_hard_logs_filter_non_finite_losses_as_the_trainer_does(tmp_path, nan_inf_filter):
+def filters_evaluation_losses(nan_inf_filter):
+    """Whether the Trainer leaves evaluation batches whose loss is not finite out of eval_loss: logging_nan_inf_filter
+    does so from transformers 5.23 on (before, it filtered training steps alone)."""
+    return nan_inf_filter and tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 23)
+
+
+def evaluate_without_the_nan_filter(monkeypatch):
+    """The Trainer's evaluation loop as before transformers 5.23: eval_loss the mean of all batches, NaN ones too."""
+    evaluation_loop = transformers.Trainer.evaluation_loop
+
+    def unfiltered(self, *args, **kwargs):
+        with monkeypatch.context() as patch:
+            patch.setattr(self.args, "logging_nan_inf_filter", False)
+            return evaluation_loop(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.Trainer, "evaluation_loop", unfiltered)
+
+
+@pytest.mark.parametrize("nan_inf_filter, evaluation_filtered", [(True, "as installed"), (False, False), (True, False)])
+def test_soft_and_hard_logs_filter_non_finite_losses_as_the_trainer_does(tmp_path, monkeypatch, nan_inf_filter,
+                                                                         evaluation_filtered):
     """logging_nan_inf_filter (on by default) counts a training step whose loss is NaN as the mean of those since the
-    last log, and leaves evaluation batches whose loss is NaN out of eval_loss: soft_loss and hard_loss logged NaN
-    there, and no longer added up to the loss logged beside them."""
+    last log, and leaves evaluation batches whose loss is NaN out of eval_loss where the Trainer does: soft_loss and
+    hard_loss logged NaN there, and no longer added up to the loss logged beside them. They follow the Trainer's
+    eval_loss also where it is NaN with the filter on (transformers before 5.23, or its loop without the filter)."""
+    if evaluation_filtered == "as installed":
+        evaluation_filtered = filters_evaluation_losses(nan_inf_filter)
+    elif nan_inf_filter:
+        evaluate_without_the_nan_filter(monkeypatch)
     student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
     rows = dataset([9, 4, 6, 2, 7, 5])
     trainer = make_trainer(tmp_path, student, teacher, rows, per_device_train_batch_size=2, max_steps=3,
@@ -678,8 +702,8 @@ def test_soft_and_hard_logs_filter_non_finite_losses_as_the_trainer_does(tmp_pat
     student.model.norm.register_forward_hook(  # the second of evaluation's three batches, two rows of 6 and 2 tokens
         lambda module, args, output: output * float("nan") if output.shape[1] == 6 else output)
     metrics = trainer.evaluate(eval_dataset=rows)
-    assert add_up(metrics["eval_loss"], metrics["eval_soft_loss"], metrics["eval_hard_loss"]) if nan_inf_filter else (
-        math.isnan(metrics["eval_soft_loss"]) and math.isnan(metrics["eval_hard_loss"]))
+    assert add_up(metrics["eval_loss"], metrics["eval_soft_loss"], metrics["eval_hard_loss"]) if evaluation_filtered else (
+        all(math.isnan(metrics[key]) for key in ("eval_loss", "eval_soft_loss", "eval_hard_loss")))
 
 
 @pytest.mark.parametrize("change", ["a logit multiplier", "a logit multiplier within 2% of 1",
@@ -1370,11 +1394,18 @@ def test_metrics_that_would_read_logits_raise_and_predict_gives_the_loss(tmp_pat
     assert torch.equal(torch.as_tensor(output.label_ids), want)
 
 
+@pytest.mark.parametrize("evaluation_filtered", ["as installed", False])
 @pytest.mark.parametrize("eval_batch_size", [1, 2])
-def test_an_evaluation_batch_without_targets_is_left_out_as_the_trainer_leaves_it(tmp_path, eval_batch_size):
+def test_an_evaluation_batch_without_targets_is_left_out_as_the_trainer_leaves_it(tmp_path, monkeypatch,
+                                                                                  eval_batch_size, evaluation_filtered):
     """A batch whose labels are all -100 (a completion truncated away) is 0 / 0: the Trainer's own loss is NaN there,
-    which logging_nan_inf_filter leaves out of eval_loss. The fused loss's count is at least 1, so the batch counted
-    as a loss of 0 and pulled eval_loss down (to a third with three such rows of four, one row a batch)."""
+    which logging_nan_inf_filter leaves out of eval_loss (from transformers 5.23 on). The fused loss's count is at
+    least 1, so the batch counted as a loss of 0 and pulled eval_loss down (to a third with three such rows of four,
+    one row a batch). Where the Trainer keeps it, eval_loss and its soft and hard terms are all NaN."""
+    if evaluation_filtered == "as installed":
+        evaluation_filtered = filters_evaluation_losses(True)
+    else:
+        evaluate_without_the_nan_filter(monkeypatch)
     student, teacher = tiny_model("llama"), tiny_model("llama", vocab=144, seed=1)
     rows = dataset([9, 6, 7, 8])
 
@@ -1392,6 +1423,10 @@ def test_an_evaluation_batch_without_targets_is_left_out_as_the_trainer_leaves_i
                                  args=transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
                                                                      report_to="none", per_device_eval_batch_size=2))
     hard = plain.evaluate(eval_dataset=rows)["eval_loss"]  # the student's cross-entropy over the rows with targets
+    if not evaluation_filtered:
+        assert all(math.isnan(value) for value in (hard, *(metrics[key] for key in
+                                                            ("eval_loss", "eval_soft_loss", "eval_hard_loss"))))
+        return
     assert metrics["eval_hard_loss"] == pytest.approx(hard, rel=1e-5)
     alone = make_trainer(tmp_path, student, teacher, rows, per_device_eval_batch_size=1)
     alone.data_collator = collate_with_targets_in_the_first_row_only

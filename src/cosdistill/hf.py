@@ -9,6 +9,7 @@ either model; ``DistillationTrainer`` is a ``transformers.Trainer`` that trains 
 import collections.abc
 import contextlib
 import inspect
+import math
 import numbers
 import sys
 import weakref
@@ -1123,8 +1124,10 @@ class DistillationMixin:
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         if f"{metric_key_prefix}_loss" in output.metrics:  # all processes' rows, gathered batch by batch
             sums = self._eval_sums.tolist() if self._eval_sums is not None else [0.0] * 6
-            # as the Trainer's loss: the rows of finite losses alone, if filtering and there are any
-            soft, hard, rows = sums[3:] if self.args.logging_nan_inf_filter and sums[5] > 0 else sums[:3]
+            # as the Trainer's loss: the rows of finite losses alone where it is finite, so it left the others out
+            # (logging_nan_inf_filter, which transformers applies to evaluation from 5.23 on, to training steps before)
+            finite = math.isfinite(output.metrics[f"{metric_key_prefix}_loss"])
+            soft, hard, rows = sums[3:] if finite and sums[5] > 0 else sums[:3]
             output.metrics.update({f"{metric_key_prefix}_soft_loss": soft / max(1.0, rows),
                                    f"{metric_key_prefix}_hard_loss": hard / max(1.0, rows)})
         self._eval_sums = None
