@@ -7,7 +7,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import cosdistill.reference
 from conftest import TOLERANCE, Problem, make_problem, reference, rel_err
 from cosdistill import fused_linear_cosine_distill, fused_linear_jsd
 from cosdistill.testing import FUSED_LOSSES
@@ -124,6 +126,35 @@ def test_tokens_whose_student_or_teacher_logits_are_all_zero(impl, dtype, temper
     problem.student_input.data[7] = 0.0
     problem.teacher_input.data[7] = 0.0  # both
     assert_matches_float64(problem, impl, dtype, temperature=temperature)
+
+
+def soft_term_with_each_norm_clamped(student_logits, teacher_logits, beta, temperature):
+    """The cosine soft term as the spec writes it, cos = a.b / (max(|a|, eps) max(|b|, eps)): autograd through
+    torch.maximum takes a clamped norm as the constant it is."""
+    a = F.pad(student_logits, (0, teacher_logits.shape[-1] - student_logits.shape[-1])) / temperature
+    b = teacher_logits / temperature
+    clamped = [torch.maximum(x.norm(dim=-1), torch.tensor(1e-8, dtype=x.dtype)) for x in (a, b)]
+    return beta * (1 - (a * b).sum(-1) / clamped[0] / clamped[1])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 3.0])
+def test_tokens_whose_student_norm_is_under_the_clamp(impl, monkeypatch, temperature):
+    """Student logits of norm 0 < |s| < 1e-8 T: the clamped norm, 1e-8 T, is a constant, so the soft term's
+    gradient is along t alone (-beta t / (1e-8 T |t|)), with no term along s. Held to the spec's formula in float64:
+    cosine_similarity's loss is the same, but its backward gives such rows a few percent more or less."""
+    problem = make_problem(tokens=13, vocab_student=40, vocab_teacher=47, dtype=torch.float32, bias=False)
+    with torch.no_grad():
+        for row, share in ((2, 0.5), (7, 0.9)):  # of the clamp
+            logits = problem.student_input[row] @ problem.student_weight.T
+            problem.student_input[row] *= share * 1e-8 * temperature / logits.norm()
+    with monkeypatch.context() as patch:
+        patch.setattr(cosdistill.reference, "cosine_soft_term", soft_term_with_each_norm_clamped)
+        want_losses, want_grads = reference(problem, temperature=temperature)
+    got_losses, got_grads = run(problem, impl, temperature=temperature)
+    for got, want in zip(got_losses, want_losses):
+        assert rel_err(got, want) < TOLERANCE[torch.float32][0], (got, want)
+    for got, want in zip(got_grads, want_grads):
+        assert rel_err(got, want) < TOLERANCE[torch.float32][1]
 
 
 @pytest.mark.parametrize(("side", "size"), [("student", 1e-23), ("student", 1e-24), ("teacher", 1e-24)])
