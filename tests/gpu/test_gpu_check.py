@@ -42,6 +42,7 @@ from cosdistill.testing import teacher_fp8 as fp8
 from cosdistill.tools.check import (
     LOSS_TOLERANCE,
     POISON,
+    ROW_STEP_TOLERANCE,
     LossCase,
     RowStepCase,
     check_jsd,
@@ -109,6 +110,34 @@ ROW_STEP_CASES = on_devices([
 def test_row_step_matches_the_spec(device, case):
     """Triton, Triton split over two vocabulary shards, and the cluster kernel where it applies: the torch spec."""
     assert_passed(check_row_step(device, [case]))
+
+
+@pytest.mark.parametrize("device, vocab", on_devices([1283], [128256]))
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_row_steps_take_a_student_norm_under_the_clamp_as_constant(device, vocab, dtype):
+    """Rows whose student norm is under the cosine's clamp (0 < |s| < eps T): the clamped norm is a constant, so
+    their soft gradient is along t alone. Triton and, where it applies, the cluster kernel against the spec, the
+    soft term alone (such rows' gradient, ~1 / (eps T), dwarfs the others')."""
+    constants = RowStepConstants(weight_hard=0.0, weight_soft=0.81, beta=0.6, temperature=1.7, ignore_index=-100)
+    teacher = torch.randn(6, vocab, device=device) * 3
+    student = torch.randn(6, vocab, device=device) * 3
+    for row, share in ((1, 0.5), (4, 0.9)):  # of the clamp; near the teacher's direction, so that a term along s
+        # (cos / clamp^2 times s, cos of the order of the rows' alignment) would show at bf16's tolerance too
+        student[row] = (student[row] + teacher[row]) * share * constants.norm_clamp / (student[row] + teacher[row]).norm()
+    student, teacher = student.to(dtype), teacher.to(dtype)
+    labels = torch.randint(0, vocab, (6,), device=device)
+    steps = {"triton": kernels.row_step_triton.row_step_triton}
+    if row_step_cuda.available(torch.device(device)) and row_step_cuda.applies(dtype, vocab, vocab, constants):
+        assert row_step_cuda.supported(student, teacher, labels, constants, True, None)
+        steps["cuda"] = row_step_cuda.row_step_cuda
+    want_grad, want_losses = student.clone(), torch.full((6, 2), POISON, device=device)
+    COSINE_TORCH_ROW_STEP.step(want_grad, teacher, labels, constants, want_losses, True)
+    tol_loss, tol_grad = ROW_STEP_TOLERANCE[dtype]
+    for name, step in steps.items():
+        got_grad, got_losses = student.clone(), torch.full((6, 2), POISON, device=device)
+        step(got_grad, teacher, labels, constants, got_losses, True)
+        assert rel_err(got_losses, want_losses) < tol_loss, name
+        assert rel_err(got_grad.float(), want_grad.float()) < tol_grad, name
 
 
 GRAM_ROW_STEP_CASES = on_devices([], [
