@@ -164,6 +164,18 @@ def check_heads(student, teacher) -> None:
         lm_head(model, role)
 
 
+def unmark_a_teacher_inside_the_student(trainer) -> None:
+    """TRL's GKDTrainer and DistillationTrainer prepare the teacher with ``accelerator.prepare_model(teacher,
+    evaluation_mode=True)``, which marks it ``_is_accelerate_prepared``. A teacher that is the student or one of its
+    modules (a PEFT student's own base model, whose attributes the PeftModel forwards) makes the student read as
+    prepared too, and the Trainer's ``accelerator.prepare`` then hands it back as it is: under DDP not wrapped, so
+    each process steps on its own gradients, never averaged (nor compiled, nor cast, where accelerate would). The
+    mark is taken off such a teacher: evaluation_mode left it unwrapped, and the student is prepared at train()."""
+    student, teacher = trainer.accelerator.unwrap_model(trainer.model), trainer.teacher_model
+    if teacher is student or any(module is teacher for module in student.modules()):
+        vars(teacher).pop("_is_accelerate_prepared", None)
+
+
 def check_jsd_alone_options(config_name, loss_options) -> None:
     """Raise for ``loss_options`` that a trainer whose loss is the generalized JSD alone sets itself (from its
     config), or that ``fused_linear_jsd`` does not take."""
@@ -211,6 +223,7 @@ def _define_distillation_trainer():
             name = type(self).__name__
             if self.teacher_model is None:
                 raise ValueError(f"{name} needs a teacher_model: the fused loss reads the teacher's LM head")
+            unmark_a_teacher_inside_the_student(self)  # before train() prepares the student (DDP)
             student, teacher = (self.accelerator.unwrap_model(model) for model in (self.model, self.teacher_model))
             self._refuse_split_heads(student, teacher)  # models loaded here from their names
             check_loss_values("jsd", loss_options or {}, beta=self.beta, weight_hard_loss=0.0, weight_soft_loss=1.0,
@@ -253,9 +266,16 @@ def _define_distillation_trainer():
             self.teacher_model.eval()
             teacher = self.accelerator.unwrap_model(self.teacher_model)
             with torch.no_grad(), without_student_adapters(student, teacher):
-                teacher_hidden = self._forward_redirection(self.teacher_model, teacher, completion_hidden_states,
-                                                           teacher, input_ids, attention_mask, completion_length,
-                                                           model_inputs)
+                if teacher_forward_model(student, teacher) is student:
+                    # The student's own base model (or the student): through the student's root, whose FSDP2 hooks
+                    # gather the embeddings and final norm that the base model's forward alone finds sharded (this
+                    # runs inside the student's wrapper, its forward redirected here)
+                    teacher_hidden = completion_hidden_states(student, input_ids, attention_mask, completion_length,
+                                                              model_inputs)
+                else:
+                    teacher_hidden = self._forward_redirection(self.teacher_model, teacher, completion_hidden_states,
+                                                               teacher, input_ids, attention_mask, completion_length,
+                                                               model_inputs)
             # one device for the loss (a model split over devices may end its backbone on another than its head)
             device = lm_head(student, "student").weight.device
             trained = mask.bool().to(device)
@@ -347,6 +367,7 @@ def _define_gkd_trainer():
                 raise TypeError(f"{type(self).__name__} overrides generalized_jsd_loss, which the fused loss never "
                                 "calls (it computes no logits): subclass trl's GKDTrainer for a loss of your own")
             super().__init__(*args, **kwargs)
+            unmark_a_teacher_inside_the_student(self)  # before train() prepares the student (DDP)
             check_loss_values("jsd", loss_options or {}, beta=self.beta, weight_hard_loss=0.0, weight_soft_loss=1.0,
                               temperature=1.0)  # GKDConfig's beta in [0, 1]
             check_unsupported_args(self, UNSUPPORTED_GKD_CONFIG)
