@@ -252,8 +252,8 @@ def test_fp16_gradients_below_the_smallest_temperature_raise(beta, impl):
     """fp16 heads below SMALLEST_FP16_JSD_TEMPERATURE: the lift's bound, which grows as the teacher's gap over T^2,
     scaled reverse KL's rows into fp16's subnormals in the spec and the Triton step alike (the gradient 0.11 further
     off float64 than the logits' own rounding at T = 1e-4, wholly off at 1e-6, with no error). With gradients the
-    function and the module raise there, for every beta; the loss alone runs, within float64's on the same fp16
-    logits."""
+    function and the module raise there, for every beta, and run at the smallest temperature itself, as the error
+    says; the loss alone runs at any, within float64's on the same fp16 logits."""
     from cosdistill.testing import SMALLEST_FP16_JSD_TEMPERATURE
 
     assert SMALLEST_FP16_JSD_TEMPERATURE == 1e-3
@@ -275,6 +275,15 @@ def test_fp16_gradients_below_the_smallest_temperature_raise(beta, impl):
     soft = generalized_jsd(student_logits[valid], teacher_logits[valid], beta, 1e-6).sum() / valid.sum()
     hard = torch.nn.functional.cross_entropy(student_logits, problem.labels, ignore_index=-100)
     assert rel_err(got[1], soft) < 1e-5 and rel_err(got[2], hard) < 1e-5
+
+    soft = generalized_jsd(student_logits[valid], teacher_logits[valid], beta, 1e-3).sum() / valid.sum()
+    student_leaves = (problem.student_input, problem.student_weight, problem.student_bias)
+    for call in (lambda: fused_linear_jsd(*args, beta=beta, temperature=1e-3, impl=impl, return_soft_hard_loss=True),
+                 lambda: FusedLinearJSDLoss(beta=beta, temperature=1e-3, impl=impl, return_soft_hard_loss=True)(*args)):
+        loss, got_soft, _ = call()
+        grads = torch.autograd.grad(loss, student_leaves)
+        assert rel_err(got_soft.detach(), soft) < 1e-5
+        assert all(torch.isfinite(grad).all() and grad.abs().max() > 0 for grad in grads)
 
 
 @pytest.mark.parametrize("temperature", [0.02, 1e-3])

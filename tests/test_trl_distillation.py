@@ -261,3 +261,25 @@ def test_a_subclass_of_trls_picklable_by_its_name():
 
     assert issubclass(DistillationTrainer, trl.DistillationTrainer) and cosdistill.trl.DistillationTrainer is DistillationTrainer
     assert pickle.loads(pickle.dumps(DistillationTrainer)) is DistillationTrainer
+
+
+def test_a_training_step_that_counted_no_completion_token_gives_trls_loss_0(tmp_path):
+    """In training TRL divides by the step's completion-token count clamped to at least 1
+    (inputs["num_items_in_batch"].clamp(min=1.0) / num_processes): a step whose completions are all masked (tool
+    outputs, or every completion empty) counts 0 and gets loss 0 / 1 = 0 with zero gradients, where an unclamped
+    count would hand num_valid_tokens=0 to the fused loss. The count is set as TRL's generation sets it, from the
+    masked tokens."""
+    student, teacher = models()
+    ours_student, trl_student = copy.deepcopy(student), copy.deepcopy(student)
+    ours = make(DistillationTrainer, tmp_path, ours_student, teacher)
+    theirs = make(trl.DistillationTrainer, tmp_path, trl_student, teacher)
+    batch = generated_batch(theirs)
+    batch["completion_mask"] = torch.zeros_like(batch["completion_mask"])
+    batch["num_items_in_batch"] = batch["completion_mask"].sum()  # TRL's gather of loss_mask.sum() on one process: 0
+    ours.model.train()
+    theirs.model.train()
+    want = theirs.compute_loss(trl_student, dict(batch))
+    got = ours.compute_loss(ours_student, dict(batch))
+    assert want.item() == 0.0 and got.item() == 0.0
+    got.backward()
+    assert all(float(grad.abs().max()) == 0.0 for grad in grads(ours_student).values())

@@ -418,6 +418,30 @@ def test_fp16_lifts_match_the_spec(beta, temperature, weights):
 
 
 
+@pytest.mark.parametrize("beta", BETAS)
+def test_fp16_lifts_match_the_spec_where_the_padding_holds_the_mass(beta):
+    """jsd_lift_bound's largest bracket is over the student's own columns (the padding has no gradient): with a
+    teacher vocabulary far past the student's and student logits below the padding's zeros, the padding's
+    brackets are the row's largest, and a bound that took them in would lift the rows less than the spec (16x at
+    Vt = 6 Vs), pushing small entries towards fp16's subnormals. The spec (float64) is the oracle: the same powers
+    of two, and the unlifted gradient as the fp32-storage step's."""
+    generator = torch.Generator().manual_seed(int(beta * 10) + 5)
+    rows, vocab_student, vocab_teacher = 6, 200, 1200
+    student = (torch.randn(rows, vocab_student, generator=generator) - 3.0).half()
+    teacher = (torch.randn(rows, vocab_teacher, generator=generator) * 2).half()
+    labels = labels_for(rows, vocab_student, generator)
+    constants = RowStepConstants(0.0, 1.0, beta, 1.0, IGNORE)
+    plain_grad = student.double()
+    row_step_jsd_torch(plain_grad, teacher.double(), labels, constants, torch.empty(rows, 2), True)
+    lifts = {}
+    for name, step in (("triton", row_step_jsd_triton), ("torch", row_step_jsd_torch)):
+        grad, lifts[name] = student.clone(), torch.full((rows,), float("nan"))
+        step(grad, teacher, labels, constants, torch.empty(rows, 2), True, grad_lifts=lifts[name])
+        valid = ~ignored(labels, vocab_student)
+        assert rel_err(grad.double()[valid] / lifts[name][valid, None], plain_grad[valid]) < 2e-3, name
+    assert torch.equal(lifts["triton"], lifts["torch"]), lifts
+
+
 def test_a_lift_bound_past_fp32s_range_leaves_the_row_as_it_is_in_both():
     """fp16, reverse KL at a temperature near 0: the bound's terms (weight_soft / T times the student's largest
     log-ratio, ~1 / T) pass fp32's range while the soft gradient itself is 0 (the student's p sits on one
