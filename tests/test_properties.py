@@ -1,4 +1,5 @@
-"""Property-based tests: random problems through the fused loss against the float64 naive reference.
+"""Property-based tests: random problems through the fused losses (cosine and generalized JSD) against the float64
+naive reference.
 
 Hypothesis draws a ``Case``: sizes (T 0..300, hidden sizes, Vs 1..5000 with primes, Vt >= Vs and
 often >), dtype, biases, ignore pattern, weights and beta (zeros included), temperature, chunk size
@@ -20,9 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import TOLERANCE, Problem, problem_around, reference, rel_err
-from cosdistill import fused_linear_cosine_distill
-from cosdistill.reference import naive_cosine_distill
-from cosdistill.testing import accumulation_floor, ignore_some_labels, logits_rounding_floors
+from cosdistill.reference import NAIVE_LOSSES
+from cosdistill.testing import FUSED_LOSSES, accumulation_floor, ignore_some_labels, logits_rounding_floors
 
 PRIMES = (2, 3, 5, 7, 31, 97, 101, 127, 257, 509, 1021, 1031, 2039, 4093, 4999)
 MIN_STUDENT_HIDDEN = 4
@@ -56,6 +56,7 @@ class Case:
     accum_dtype: torch.dtype | None
     grad_output: float
     impl: str
+    loss: str = "cosine"  # or "jsd"
 
     def options(self):
         """The keyword arguments that the fused loss and the reference share."""
@@ -79,7 +80,7 @@ def build_problem(case: Case) -> Problem:
 
 
 @st.composite
-def cases(draw, impl, max_tokens, max_vocab, max_hidden):
+def cases(draw, impl, max_tokens, max_vocab, max_hidden, loss="cosine"):
     """The one strategy; the size limits keep the Triton interpreter's cases small. Hypothesis favours
     the first entry of each sampled_from, so the common choice comes first."""
     tokens = draw(st.integers(0, max_tokens))
@@ -129,6 +130,7 @@ def cases(draw, impl, max_tokens, max_vocab, max_hidden):
         accum_dtype=draw(st.sampled_from([None, torch.float32])),
         grad_output=draw(st.sampled_from([1.0, -2.5, 0.3])),
         impl=impl,
+        loss=loss,
     )
 
 
@@ -138,7 +140,8 @@ def check(case: Case):
     relative error cannot measure it, each checked as strictly as it allows:
 
     * Zero by construction: no valid token (all ignored, or T = 0), or both terms weighted out
-      (weight_hard_loss = 0 and weight_soft_loss * beta = 0). The result must be exactly zero: the
+      (weight_hard_loss = 0 and weight_soft_loss * beta = 0; for the JSD, whose beta mixes rather than
+      weighs, weight_soft_loss = 0). The result must be exactly zero: the
       row step multiplies each token's gradient by the weights and masks ignored tokens with a
       select, so only exact zeros reach the gradient GEMMs, and an ignored token adds an exact 0.
     * Zero by a symmetry, so the float64 reference is zero up to its own rounding (norm below
@@ -163,19 +166,20 @@ def check(case: Case):
     """
     problem = build_problem(case)
     loss_tol, grad_tol = TOLERANCE[case.dtype]
-    losses = fused_linear_cosine_distill(
+    losses = FUSED_LOSSES[case.loss](
         *problem.args(), chunk_size=case.chunk_size, return_soft_hard_loss=True, accum_dtype=case.accum_dtype,
         impl=case.impl, **case.options(),
     )
     (losses[0] * case.grad_output).backward()
     if case.tokens:
-        ref_losses, ref_grads = reference(problem, case.grad_output, **case.options())
+        ref_losses, ref_grads = reference(problem, case.grad_output, loss=case.loss, **case.options())
     else:  # reference.py cannot take zero tokens (its reshape(0, -1) raises); README: zero tokens, loss 0
         ref_losses = [torch.zeros((), dtype=torch.float64)] * 3
         ref_grads = [torch.zeros_like(leaf, dtype=torch.float64) for leaf in problem.student_leaves()]
 
     no_valid_token = not (problem.labels != case.ignore_index).any()
-    weighted_out = case.weight_hard_loss == 0 and case.weight_soft_loss * case.beta == 0
+    soft_weight = case.weight_soft_loss * (case.beta if case.loss == "cosine" else 1.0)
+    weighted_out = case.weight_hard_loss == 0 and soft_weight == 0
     floors = naive_losses = None
     for index, (name, got, want) in enumerate(zip(("loss", "soft", "hard"), losses, ref_losses)):
         assert got.dtype == torch.float32 and got.shape == () and torch.isfinite(got), (name, got)
@@ -184,7 +188,7 @@ def check(case: Case):
         err, bound = rel_err(got, want), loss_tol
         if err >= bound:  # only then: it costs a run of the naive version
             with torch.no_grad():
-                naive_losses = naive_losses or naive_cosine_distill(*problem.args(), **case.options())
+                naive_losses = naive_losses or NAIVE_LOSSES[case.loss](*problem.args(), **case.options())
             bound = loss_tol + rel_err(naive_losses[index], want)
         assert err < bound, (name, got.item(), want.item(), err, "bound", bound)
 
@@ -204,7 +208,7 @@ def check(case: Case):
         bound = (grad_tol if floor < grad_tol else grad_tol + floor) + accumulation
         if err >= bound:  # only then: it costs a second float64 reference
             floors = floors or dict(zip(GRADIENTS, logits_rounding_floors(
-                problem.args(), case.dtype, case.grad_output, **case.options())))
+                problem.args(), case.dtype, case.grad_output, case.loss, **case.options())))
             bound = grad_tol + max(floor, floors[name]) + accumulation
         assert err < bound, (name, err, "floor", floor, "norm", want.norm().item())
 
@@ -225,6 +229,18 @@ def test_torch_row_step_matches_float64(case):
 @settings(max_examples=100, **COMMON)  # Triton's interpreter: small sizes; Vs up to 1500 > one 1024 block
 @given(cases(impl="triton", max_tokens=16, max_vocab=1500, max_hidden=16))
 def test_triton_row_step_matches_float64(case):
+    check(case)
+
+
+@settings(max_examples=200, **COMMON)
+@given(cases(impl="torch", max_tokens=300, max_vocab=5000, max_hidden=64, loss="jsd"))
+def test_jsd_torch_row_step_matches_float64(case):
+    check(case)
+
+
+@settings(max_examples=60, **COMMON)
+@given(cases(impl="triton", max_tokens=16, max_vocab=1500, max_hidden=16, loss="jsd"))
+def test_jsd_triton_row_step_matches_float64(case):
     check(case)
 
 
