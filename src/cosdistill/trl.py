@@ -24,6 +24,7 @@ DistillationGKDTrainer``): TRL keeps GKD in ``trl.experimental``, whose import w
 module imports part of it, and SFT users need not load either.
 """
 
+import contextlib
 import inspect
 
 import torch
@@ -368,6 +369,11 @@ def _define_gkd_trainer():
                                 "calls (it computes no logits): subclass trl's GKDTrainer for a loss of your own")
             super().__init__(*args, **kwargs)
             unmark_a_teacher_inside_the_student(self)  # before train() prepares the student (DDP)
+            student, teacher = (self.accelerator.unwrap_model(model) for model in (self.model, self.teacher_model))
+            if self.seq_kd and self.lmbda < 1 and teacher is student:
+                raise ValueError(f"{type(self).__name__} with seq_kd cannot tell the teacher's generations from the "
+                                 "student's where the teacher is the student itself: pass its base model "
+                                 "(student.get_base_model()), whose generations run with the adapters off")
             check_loss_values("jsd", loss_options or {}, beta=self.beta, weight_hard_loss=0.0, weight_soft_loss=1.0,
                               temperature=1.0)  # GKDConfig's beta in [0, 1]
             check_unsupported_args(self, UNSUPPORTED_GKD_CONFIG)
@@ -379,6 +385,14 @@ def _define_gkd_trainer():
             # Before any call of a model accelerate may compile (torch_compile, or its dynamo plugin).
             keep_head_hook(self.model, lm_head(self.accelerator.unwrap_model(self.model), "student"))
             self.loss_options = dict(loss_options or {})
+
+        def generate_on_policy_outputs(self, model, inputs, generation_config, *args, **kwargs):
+            """GKDTrainer's, where a teacher that runs through the student's adapter layers (its own base model)
+            generates seq_kd's completions with them off: with them on, it sampled the student's."""
+            student = self.accelerator.unwrap_model(self.model)
+            adapters = contextlib.nullcontext() if model is student else without_student_adapters(student, model)
+            with adapters:
+                return GKDTrainer.generate_on_policy_outputs(model, inputs, generation_config, *args, **kwargs)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             student = self.accelerator.unwrap_model(model)

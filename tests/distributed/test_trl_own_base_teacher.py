@@ -32,7 +32,7 @@ from test_hf import lora_student_and_its_base  # noqa: E402
 from test_trl_distillation import generated_batch  # noqa: E402
 from test_trl_distillation import make as make_distillation_trainer  # noqa: E402
 from test_trl_distillation import models as distillation_models  # noqa: E402
-from test_trl_gkd import chat_dataset, chat_tokenizer, gkd_config  # noqa: E402
+from test_trl_gkd import chat_dataset, chat_tokenizer, gkd_config, spy_on_training  # noqa: E402
 from test_trl_gkd import make as make_gkd_trainer  # noqa: E402
 from test_trl_gkd import models as gkd_models  # noqa: E402
 
@@ -109,6 +109,38 @@ def test_gkd_against_the_students_base_model_is_gkds_loss_of_the_base_models_log
         got = trainer.compute_loss(student, dict(batch))
         assert True in adapters_off and False in adapters_off, adapters_off
         assert_same_loss_and_grads(got, gkd_loss_of_logits(reference_student, batch, beta), student, reference_student)
+
+
+def test_seq_kd_against_the_students_base_model_samples_the_base_models_completions(tmp_path):
+    """seq_kd (lmbda 0: the teacher generates every batch) with the student's own base model as the teacher: the
+    teacher's generations run with the adapters off, so each step's completions are those a copy of the base model
+    samples from the same seed (with the adapters on they were the student's), and the losses those of GKD with the
+    copy (TRL's own loss runs such a teacher with the adapters on: no oracle here)."""
+    completions, losses = {}, {}
+    for teacher_is in ("a copy", "its own base model"):
+        student, base_copy = lora_student_and_its_base(gkd_models()[0])
+        teacher = student.get_base_model() if teacher_is == "its own base model" else base_copy
+        trainer = make_gkd_trainer(DistillationGKDTrainer, tmp_path / teacher_is, student, teacher, max_steps=2,
+                                   per_device_train_batch_size=2, temperature=0.7, beta=0.3, lmbda=0.0, seq_kd=True)
+        generations, steps, _ = spy_on_training(trainer)
+        trainer.train()
+        completions[teacher_is] = [input_ids for _, (input_ids, _, _) in generations]
+        losses[teacher_is] = [step["got"] for step in steps]
+        if teacher_is == "a copy":
+            assert all(rel_err(step["got"], step["want"]) < 1e-5 for step in steps)
+    assert len(completions["a copy"]) == len(losses["a copy"]) == 2
+    for ours, theirs in zip(completions["its own base model"], completions["a copy"]):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(losses["its own base model"], losses["a copy"]):
+        assert rel_err(ours, theirs) < 1e-5
+
+
+def test_seq_kd_with_the_student_itself_as_the_teacher_raises(tmp_path):
+    """The student itself as the teacher: GKDTrainer generates with the same model object for lmbda and seq_kd, so
+    the teacher's generations cannot be run with the adapters off alone."""
+    student, _ = lora_student_and_its_base(gkd_models()[0])
+    with pytest.raises(ValueError, match="with seq_kd cannot tell the teacher's generations from the student's"):
+        make_gkd_trainer(DistillationGKDTrainer, tmp_path, student, student, lmbda=0.5, seq_kd=True)
 
 
 def test_distillation_trainer_against_the_students_base_model_is_trls_against_a_copy(tmp_path):
