@@ -316,7 +316,8 @@ def _define_gkd_trainer():
         """TRL's ``GKDTrainer`` whose loss is ``cosdistill.fused_linear_jsd`` on the models' last hidden states
         and LM heads: the same number as ``GKDTrainer.compute_loss``, without either model's full logits.
 
-        The same as ``GKDTrainer``: everything but ``compute_loss`` is inherited. The batches (the dataset's,
+        The same as ``GKDTrainer``: everything but ``compute_loss`` is inherited (and ``generate_on_policy_outputs``
+        only turns the student's adapters off for a teacher that is its base model). The batches (the dataset's,
         through the data collator, ``DataCollatorForChatML`` by default; with probability ``lmbda`` the student's
         own completions, else with ``seq_kd`` the teacher's, sampled at ``temperature`` for up to
         ``max_new_tokens``), the teacher's loading and preparation, PEFT, dropout, logging.
