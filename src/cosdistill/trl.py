@@ -390,8 +390,9 @@ def _define_gkd_trainer():
         def generate_on_policy_outputs(self, model, inputs, generation_config, *args, **kwargs):
             """GKDTrainer's, where a teacher that runs through the student's adapter layers (its own base model)
             generates seq_kd's completions with them off: with them on, it sampled the student's."""
-            student = self.accelerator.unwrap_model(self.model)
-            adapters = contextlib.nullcontext() if model is student else without_student_adapters(student, model)
+            student = self.accelerator.unwrap_model(self.model)  # lmbda's generations: the student's, adapters on
+            on_policy = self.accelerator.unwrap_model(model) is student
+            adapters = contextlib.nullcontext() if on_policy else without_student_adapters(student, model)
             with adapters:
                 return GKDTrainer.generate_on_policy_outputs(model, inputs, generation_config, *args, **kwargs)
 
