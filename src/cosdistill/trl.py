@@ -173,7 +173,7 @@ def unmark_a_teacher_inside_the_student(trainer) -> None:
     each process steps on its own gradients, never averaged (nor compiled, nor cast, where accelerate would). The
     mark is taken off such a teacher: evaluation_mode left it unwrapped, and the student is prepared at train()."""
     student, teacher = trainer.accelerator.unwrap_model(trainer.model), trainer.teacher_model
-    if teacher is student or any(module is teacher for module in student.modules()):
+    if any(module is teacher for module in student.modules()):  # the student's own modules include itself
         vars(teacher).pop("_is_accelerate_prepared", None)
 
 
@@ -379,12 +379,10 @@ def _define_gkd_trainer():
                               temperature=1.0)  # GKDConfig's beta in [0, 1]
             check_unsupported_args(self, UNSUPPORTED_GKD_CONFIG)
             check_sharding(self)
-            check_tensor_parallel(self, self.accelerator.unwrap_model(self.model),
-                                  self.accelerator.unwrap_model(self.teacher_model))
-            check_heads(self.accelerator.unwrap_model(self.model),
-                            self.accelerator.unwrap_model(self.teacher_model))
+            check_tensor_parallel(self, student, teacher)
+            check_heads(student, teacher)
             # Before any call of a model accelerate may compile (torch_compile, or its dynamo plugin).
-            keep_head_hook(self.model, lm_head(self.accelerator.unwrap_model(self.model), "student"))
+            keep_head_hook(self.model, lm_head(student, "student"))
             self.loss_options = dict(loss_options or {})
 
         def generate_on_policy_outputs(self, model, inputs, generation_config, *args, **kwargs):

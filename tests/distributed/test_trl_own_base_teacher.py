@@ -29,7 +29,7 @@ from cosdistill.testing import rel_err  # noqa: E402
 from cosdistill.trl import DistillationGKDTrainer  # noqa: E402
 from cosdistill.trl import DistillationTrainer as FusedDistillationTrainer  # noqa: E402
 from test_hf import lora_student_and_its_base  # noqa: E402
-from test_trl_distillation import generated_batch  # noqa: E402
+from test_trl_distillation import generated_batch, grads  # noqa: E402
 from test_trl_distillation import make as make_distillation_trainer  # noqa: E402
 from test_trl_distillation import models as distillation_models  # noqa: E402
 from test_trl_gkd import chat_dataset, chat_tokenizer, gkd_config, spy_on_training  # noqa: E402
@@ -38,10 +38,6 @@ from test_trl_gkd import models as gkd_models  # noqa: E402
 
 WORLD = 2
 LORA = dict(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=0.0)
-
-
-def trained_grads(model):
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
 def clean_copy(model):
@@ -79,7 +75,7 @@ def assert_same_loss_and_grads(got, want, student, reference_student):
     assert want > 1e-3 and rel_err(got, want) < 1e-5, (got.item(), want.item())
     got.backward()
     want.backward()
-    got_grads, want_grads = trained_grads(student), trained_grads(reference_student)
+    got_grads, want_grads = grads(student), grads(reference_student)
     assert got_grads and got_grads.keys() == want_grads.keys() and all("lora_" in name for name in got_grads)
     for name, grad in got_grads.items():
         assert rel_err(grad, want_grads[name]) < 1e-5, name
